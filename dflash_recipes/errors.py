@@ -1,0 +1,88 @@
+"""Exceptions raised by dflash_recipes.
+
+Every exception a user can cause derives from :class:`DFlashRecipeError`, so a caller (and the
+CLI) can catch one type and print a clean message instead of a traceback::
+
+    DFlashRecipeError
+     ├── RecipeError              a recipe could not be loaded or structured (carries diagnostics)
+     ├── CompileError             compilation found errors (carries diagnostics)
+     ├── PlanError                a run plan is malformed, unresolved or from another version
+     ├── SafetensorsHeaderError   a safetensors header is malformed or out of bounds
+     ├── CheckpointError          a checkpoint directory is missing, incomplete or inconsistent
+     │    └── WarmStartError      checkpoint tensors do not match the drafter being loaded
+     ├── DataError                training data is unusable
+     └── LaunchError              a distributed launch or environment is misconfigured
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_recipes.diagnostics import Diagnostic
+
+
+class DFlashRecipeError(Exception):
+    """Base class of every error a user of dflash_recipes can cause."""
+
+
+class _DiagnosticsError(DFlashRecipeError):
+    """An error that carries the diagnostics which explain it."""
+
+    def __init__(self, message: str, diagnostics: Sequence[Diagnostic] = ()) -> None:
+        super().__init__(message)
+        self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if not self.diagnostics:
+            return base
+        from dflash_recipes.diagnostics import render_text
+
+        return base + "\n" + render_text(self.diagnostics)
+
+
+class RecipeError(_DiagnosticsError):
+    """The recipe file or the Python values could not be turned into a valid Recipe."""
+
+
+class CompileError(_DiagnosticsError):
+    """Compilation reported at least one error diagnostic."""
+
+
+class PlanError(DFlashRecipeError):
+    """A run plan is malformed, incomplete (unresolved) or was written by another format version."""
+
+
+class SafetensorsHeaderError(DFlashRecipeError):
+    """A safetensors file's header is malformed, inconsistent or larger than allowed."""
+
+
+class CheckpointError(DFlashRecipeError):
+    """A checkpoint directory is missing, incomplete or inconsistent."""
+
+
+class WarmStartError(CheckpointError):
+    """The tensors of an init checkpoint do not match the drafter that should receive them."""
+
+
+class DataError(DFlashRecipeError):
+    """Training or evaluation data is unusable."""
+
+
+class LaunchError(DFlashRecipeError):
+    """A distributed launch or its environment is misconfigured."""
+
+
+__all__ = [
+    "CheckpointError",
+    "CompileError",
+    "DFlashRecipeError",
+    "DataError",
+    "LaunchError",
+    "PlanError",
+    "RecipeError",
+    "SafetensorsHeaderError",
+    "WarmStartError",
+]

@@ -1,0 +1,405 @@
+"""The run plan: a frozen, fingerprinted, JSON-serialisable description of one run.
+
+The compiler writes it, the executor reads only it. Everything the executor needs is here,
+resolved: absolute paths, defaults, taps, the mask id, RoPE settings taken from the target and
+the facts of the init checkpoint. Canonical JSON bytes are identical across processes and hash
+seeds; the fingerprint is the sha256 of the canonical JSON of the plan without its fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Literal, Union
+
+import attrs
+import cattrs
+
+from dflash_recipes.errors import PlanError
+
+PLAN_FORMAT_VERSION = 1
+
+#: Scalars allowed inside free-form RoPE scaling mappings (flat, as in HF configs).
+RopeValue = Union[float, int, str, bool, None]  # noqa: UP007 (cattrs needs a runtime Union)
+
+
+@attrs.frozen
+class RopePlan:
+    """RoPE settings, always taken from the target model's config.json."""
+
+    rope_theta: float
+    #: `default`, `llama3`, `linear`, `yarn`, ... (HF rope_type).
+    rope_type: str = "default"
+    #: Extra scaling parameters besides rope_type/rope_theta (e.g. llama3 factors), or None.
+    rope_scaling: Mapping[str, RopeValue] | None = None
+
+
+@attrs.frozen
+class TargetFacts:
+    """Facts read from the base model's config.json."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope: RopePlan
+    rms_norm_eps: float | None = None
+
+
+@attrs.frozen
+class BaseModelPlan:
+    """The frozen target: where it is and how to load it."""
+
+    path: str
+    dtype: Literal["bfloat16", "float16", "float32"]
+    trust_remote_code: bool
+    #: None until the compiler has read config.json (schema-level compile leaves it None).
+    facts: TargetFacts | None = None
+
+
+@attrs.frozen
+class DataPlan:
+    """Training data locations (absolute) and supervision policy."""
+
+    data_path: str | None
+    chat_template: str | None
+    answer_only_loss: bool
+    eval_data_path: str | None = None
+
+
+@attrs.frozen
+class TrainingPlan:
+    """Optimiser, schedule and bookkeeping, with defaults resolved."""
+
+    output_dir: str
+    learning_rate: float
+    num_train_epochs: int
+    max_steps: int | None
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    training_seq_len: int
+    warmup_ratio: float
+    lr_scheduler_type: Literal["cosine", "linear", "constant"]
+    max_grad_norm: float
+    weight_decay: float
+    seed: int
+    save_steps: int
+    save_total_limit: int | None
+    logging_steps: int
+    eval_steps: int | None
+    device: Literal["auto", "cpu", "cuda"]
+    fsdp: bool
+
+
+@attrs.frozen
+class ArchitecturePlan:
+    """The drafter's dimensions. Recipe fields may be None in a schema-level plan."""
+
+    num_hidden_layers: int | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    head_dim: int | None
+    intermediate_size: int | None
+    rms_norm_eps: float
+    projector_type: Literal["dflash", "domino", "dspark"]
+    emb_dim: int | None
+    gru_hidden_dim: int | None
+    markov_rank: int | None
+    use_confidence_head: bool
+    attention_sink: bool
+
+
+@attrs.frozen
+class ObjectivePlan:
+    """The training loss, with defaults resolved."""
+
+    num_anchors: int
+    loss_objective: Literal["decay", "dpace"]
+    #: gamma of exp(-(k-1)/gamma), resolved from the block size when the recipe left it null.
+    loss_decay_factor: float
+    dpace_alpha: float
+    self_logit_distillation: bool
+    domino_backbone_loss_weight: float
+    dspark_tv_weight: float
+    dspark_confidence_weight: float
+
+
+@attrs.frozen
+class DraftPlan:
+    """What to build and how to train it."""
+
+    block_size: int
+    #: None until resolved (from the recipe, else from the checkpoint's config.json).
+    mask_token_id: int | None
+    #: None until resolved (recipe, else the checkpoint's, else the default formula).
+    target_layer_ids: tuple[int, ...] | None
+    architecture: ArchitecturePlan
+    objective: ObjectivePlan
+
+
+@attrs.frozen
+class InitCheckpointPlan:
+    """The warm-start checkpoint and what its header and config.json said."""
+
+    path: str
+    #: Weight files relative to `path` (one file, or the shards of an index).
+    weight_files: tuple[str, ...] = ()
+    tensor_count: int | None = None
+    #: Safetensors dtypes present, sorted (e.g. ("BF16",)).
+    dtypes: tuple[str, ...] = ()
+    config_present: bool = False
+    #: The block size the checkpoint was trained with (its config.json), if stated.
+    trained_block_size: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    #: Head submodules absent from the checkpoint that train from fresh initialisation.
+    heads_from_scratch: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class ResumePlan:
+    """A complete training checkpoint found in output_dir: the run continues from it."""
+
+    checkpoint_dir: str
+    step: int
+
+
+@attrs.frozen
+class RunPlan:
+    """Everything the executor needs for one run, resolved and fingerprinted."""
+
+    base_model: BaseModelPlan
+    data: DataPlan
+    training: TrainingPlan
+    draft: DraftPlan
+    init_checkpoint: InitCheckpointPlan | None = None
+    resume: ResumePlan | None = None
+    #: The recipe file this plan came from (absolute), or None for a Python-built recipe.
+    recipe_file: str | None = None
+    #: Command-line overrides applied, in order.
+    overrides: tuple[str, ...] = ()
+    #: True when the compiler read config.json/headers (not just the schema).
+    resolved: bool = False
+    format_version: int = PLAN_FORMAT_VERSION
+
+    # -- serialisation ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-compatible dict including `fingerprint`."""
+        data = _CONVERTER.unstructure(self)
+        assert isinstance(data, dict)
+        data["fingerprint"] = self.fingerprint
+        return data
+
+    def canonical_json(self) -> bytes:
+        """Canonical bytes (sorted keys, no whitespace) of the plan without the fingerprint."""
+        return _canonical(_CONVERTER.unstructure(self))
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of :meth:`canonical_json`, hex."""
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    def to_json(self) -> str:
+        """Pretty JSON for humans and files; keys sorted, fingerprint included."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunPlan:
+        """Parse a plan written by :meth:`to_json`; checks the format version and fingerprint."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            msg = f"run plan is not valid JSON: {exc}"
+            raise PlanError(msg) from exc
+        if not isinstance(data, dict):
+            msg = "run plan must be a JSON object"
+            raise PlanError(msg)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> RunPlan:
+        """Structure a plan dict; a stated fingerprint must match the content."""
+        payload = dict(data)
+        stated = payload.pop("fingerprint", None)
+        version = payload.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            msg = (
+                f"run plan format_version is {version!r}, this dflash-recipes reads "
+                f"{PLAN_FORMAT_VERSION}; recompile the recipe with `dflash-recipe compile`"
+            )
+            raise PlanError(msg)
+        try:
+            plan = _CONVERTER.structure(payload, cls)
+        except Exception as exc:  # cattrs raises ExceptionGroups of many kinds
+            msg = f"run plan does not match the plan schema: {_flatten(exc)}"
+            raise PlanError(msg) from exc
+        if stated is not None and stated != plan.fingerprint:
+            msg = (
+                "run plan fingerprint does not match its content (the file was edited by hand); "
+                "recompile the recipe with `dflash-recipe compile` instead of editing the plan"
+            )
+            raise PlanError(msg)
+        return plan
+
+    # -- what the executor asks for ---------------------------------------------------------
+
+    def resolved_draft(self) -> ResolvedDraft:
+        """Every value needed to build the drafter, or PlanError naming what is unresolved."""
+        return resolve_draft(self)
+
+
+@attrs.frozen
+class ResolvedDraft:
+    """The drafter's complete, non-optional specification (built from a resolved plan)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    num_target_layers: int
+    max_position_embeddings: int
+    rope: RopePlan
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    projector_type: Literal["dflash", "domino", "dspark"]
+    emb_dim: int | None
+    gru_hidden_dim: int | None
+    markov_rank: int | None
+    use_confidence_head: bool
+    attention_sink: bool
+
+
+def resolve_draft(plan: RunPlan) -> ResolvedDraft:
+    """Collect the drafter spec from a plan; PlanError lists every unresolved field."""
+    arch = plan.draft.architecture
+    facts = plan.base_model.facts
+    missing: list[str] = []
+    for name in (
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+    ):
+        if getattr(arch, name) is None:
+            missing.append(f"draft.architecture.{name}")
+    if plan.draft.mask_token_id is None:
+        missing.append("draft.mask_token_id")
+    if plan.draft.target_layer_ids is None:
+        missing.append("draft.target_layer_ids")
+    if facts is None:
+        missing.append("base_model.facts")
+    if missing or facts is None:
+        msg = (
+            "the run plan is not resolved (" + ", ".join(missing) + "); compile it with "
+            "`dflash-recipe compile RECIPE -o plan.json` so config.json and the checkpoint "
+            "are read"
+        )
+        raise PlanError(msg)
+    assert arch.num_hidden_layers is not None
+    assert arch.num_attention_heads is not None
+    assert arch.num_key_value_heads is not None
+    assert arch.head_dim is not None
+    assert arch.intermediate_size is not None
+    assert plan.draft.mask_token_id is not None
+    assert plan.draft.target_layer_ids is not None
+    return ResolvedDraft(
+        hidden_size=facts.hidden_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size,
+        rms_norm_eps=arch.rms_norm_eps,
+        vocab_size=facts.vocab_size,
+        num_target_layers=facts.num_hidden_layers,
+        max_position_embeddings=facts.max_position_embeddings,
+        rope=facts.rope,
+        block_size=plan.draft.block_size,
+        mask_token_id=plan.draft.mask_token_id,
+        target_layer_ids=plan.draft.target_layer_ids,
+        projector_type=arch.projector_type,
+        emb_dim=arch.emb_dim,
+        gru_hidden_dim=arch.gru_hidden_dim,
+        markov_rank=arch.markov_rank,
+        use_confidence_head=arch.use_confidence_head,
+        attention_sink=arch.attention_sink,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON policy for plans (plans are machine-written: strict, no coercion, no extra keys)
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+    def structure_scalar(value: object, _type: object) -> RopeValue:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        msg = f"expected a JSON scalar, got {type(value).__name__}"
+        raise TypeError(msg)
+
+    conv.register_structure_hook(RopeValue, structure_scalar)
+
+    def structure_strict(kind: type) -> Callable[[object, object], object]:
+        def hook(value: object, _type: object) -> object:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if type(value) is not kind:
+                msg = f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
+                raise TypeError(msg)
+            return value
+
+        return hook
+
+    for kind in (int, float, str, bool):
+        conv.register_structure_hook(kind, structure_strict(kind))
+    return conv
+
+
+def _flatten(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        notes = []
+        for sub in exc.exceptions:
+            notes.append(_flatten(sub))
+        return "; ".join(notes)
+    where = " ".join(getattr(exc, "__notes__", []))
+    return f"{exc} ({where})" if where else str(exc)
+
+
+def _canonical(data: object) -> bytes:
+    return json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+_CONVERTER = _make_converter()
+
+
+__all__ = [
+    "PLAN_FORMAT_VERSION",
+    "ArchitecturePlan",
+    "BaseModelPlan",
+    "DataPlan",
+    "DraftPlan",
+    "InitCheckpointPlan",
+    "ObjectivePlan",
+    "ResolvedDraft",
+    "ResumePlan",
+    "RopePlan",
+    "RunPlan",
+    "TargetFacts",
+    "TrainingPlan",
+    "resolve_draft",
+]

@@ -1,0 +1,315 @@
+"""The recipe: frozen attrs classes a user writes in YAML or constructs in Python.
+
+Only single-field validation lives here (positive sizes, ranges, enumerations). Cross-field
+checks, file checks and checkpoint checks belong to the compiler. The `#:` comment above each
+field is its documentation; the JSON Schema and the docs are generated from these comments.
+
+Field names follow the layout DFlash users already write (ModelOpt's recipes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+SchedulerType = Literal["cosine", "linear", "constant"]
+LossObjective = Literal["decay", "dpace"]
+ProjectorType = Literal["dflash", "domino", "dspark"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+SCHEDULERS: tuple[str, ...] = ("cosine", "linear", "constant")
+LOSS_OBJECTIVES: tuple[str, ...] = ("decay", "dpace")
+PROJECTOR_TYPES: tuple[str, ...] = ("dflash", "domino", "dspark")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# single-field validators: each raises ValueError with a message that names the rule
+# ---------------------------------------------------------------------------------------------
+
+
+def _name(attribute: attrs.Attribute[Any]) -> str:
+    return attribute.name
+
+
+def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must be an int > 0 (None passes; use on Optional fields too)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        msg = f"{_name(attribute)} must be a positive integer, got {value!r}"
+        raise ValueError(msg)
+
+
+def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must be an int >= 0 (None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        msg = f"{_name(attribute)} must be an integer >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def positive_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must be a finite number > 0 (None passes)."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        msg = f"{_name(attribute)} must be a finite number > 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def non_negative_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must be a finite number >= 0."""
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        msg = f"{_name(attribute)} must be a finite number >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def fraction_half_open(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must lie in [0, 1)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        msg = f"{_name(attribute)} must be in [0, 1), got {value!r}"
+        raise ValueError(msg)
+
+
+def fraction_open_closed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must lie in (0, 1]."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        msg = f"{_name(attribute)} must be in (0, 1], got {value!r}"
+        raise ValueError(msg)
+
+
+def one_of(choices: tuple[str, ...]) -> Validator:
+    """Validator: the value must be one of `choices` (None passes)."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if value not in choices:
+            msg = f"{_name(attribute)} must be one of {', '.join(choices)}; got {value!r}"
+            raise ValueError(msg)
+
+    return check
+
+
+def even_positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Value must be a positive even int (RoPE rotates pairs of dimensions)."""
+    positive_int(instance, attribute, value)
+    if value is not None and isinstance(value, int) and value % 2 != 0:
+        msg = f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), got {value!r}"
+        raise ValueError(msg)
+
+
+def layer_id_list(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A non-empty tuple of integers >= 0 (None passes: resolved by the compiler)."""
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        msg = f"{_name(attribute)} must be a non-empty list of layer indices, got {value!r}"
+        raise ValueError(msg)
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+            msg = f"{_name(attribute)} entries must be integers >= 0, got {item!r}"
+            raise ValueError(msg)
+
+
+def block_size_range(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A DFlash block needs the anchor plus at least one masked position."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 128:
+        msg = f"{_name(attribute)} must be an integer in [2, 128], got {value!r}"
+        raise ValueError(msg)
+
+
+def non_empty_str(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A non-empty string (None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value.strip():
+        msg = f"{_name(attribute)} must be a non-empty string, got {value!r}"
+        raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ModelSection:
+    """The frozen target (base) model the drafter is trained against."""
+
+    #: Local Hugging Face model directory (needs config.json; weights are needed only to run).
+    model_name_or_path: str = attrs.field(validator=non_empty_str)
+    #: Training/compute dtype of the target: bfloat16 | float16 | float32.
+    dtype: Dtype = attrs.field(default="bfloat16", validator=one_of(DTYPES))
+    #: Allow custom modelling code from the model directory. Never on by default.
+    trust_remote_code: bool = False
+
+
+@attrs.frozen
+class DataSection:
+    """Training data: JSONL conversations (OpenAI `messages` or ShareGPT `conversations`)."""
+
+    #: JSONL file, one conversation per line. Required to run; compile warns when unset.
+    data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Optional .jinja chat template file; default: the tokenizer's own template.
+    chat_template: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Supervise only assistant tokens (prompt tokens get no loss and open no blocks).
+    answer_only_loss: bool = True
+    #: Optional JSONL of held-out conversations for `eval` and `training.eval_steps`.
+    eval_data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+
+
+@attrs.frozen
+class TrainingSection:
+    """Optimiser, schedule, checkpointing and logging."""
+
+    #: Where checkpoints, metrics.jsonl and the final export go. A rerun resumes from here.
+    output_dir: str = attrs.field(default="outputs/dflash", validator=non_empty_str)
+    #: Peak AdamW learning rate (about 6e-4 from scratch, 1e-4 to fine-tune a released drafter).
+    learning_rate: float = attrs.field(default=1.0e-4, validator=positive_float)
+    #: Passes over the data (ignored when max_steps is set).
+    num_train_epochs: int = attrs.field(default=1, validator=positive_int)
+    #: Stop after this many optimiser steps; null: run num_train_epochs.
+    max_steps: int | None = attrs.field(default=None, validator=positive_int)
+    #: Sequences per device per micro-batch.
+    per_device_train_batch_size: int = attrs.field(default=1, validator=positive_int)
+    #: Micro-batches accumulated into one optimiser step.
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=positive_int)
+    #: Tokens per training sequence (longer conversations are truncated).
+    training_seq_len: int = attrs.field(default=4096, validator=positive_int)
+    #: Fraction of the steps spent in linear warmup, in [0, 1).
+    warmup_ratio: float = attrs.field(default=0.04, validator=fraction_half_open)
+    #: Learning-rate schedule after warmup: cosine | linear | constant.
+    lr_scheduler_type: SchedulerType = attrs.field(default="cosine", validator=one_of(SCHEDULERS))
+    #: Gradient clipping threshold (global L2 norm).
+    max_grad_norm: float = attrs.field(default=1.0, validator=positive_float)
+    #: AdamW weight decay.
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
+    #: Seed for initialisation, anchor sampling and data order.
+    seed: int = attrs.field(default=0, validator=non_negative_int)
+    #: Save a training checkpoint every this many optimiser steps (and at the end).
+    save_steps: int = attrs.field(default=500, validator=positive_int)
+    #: Keep at most this many training checkpoints (oldest deleted first); null: keep all.
+    save_total_limit: int | None = attrs.field(default=2, validator=positive_int)
+    #: Log metrics every this many optimiser steps.
+    logging_steps: int = attrs.field(default=10, validator=positive_int)
+    #: Measure real acceptance on held-out conversations every this many steps; null: never.
+    eval_steps: int | None = attrs.field(default=None, validator=positive_int)
+    #: Compute device: auto (CUDA when available) | cpu | cuda.
+    device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
+    #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
+    fsdp: bool = False
+
+
+@attrs.frozen
+class DFlashArchitectureConfig:
+    """The drafter's own dimensions. They never inherit from the base model."""
+
+    #: Draft decoder layers (must match the init checkpoint).
+    num_hidden_layers: int | None = attrs.field(default=None, validator=positive_int)
+    #: Query heads per draft layer.
+    num_attention_heads: int | None = attrs.field(default=None, validator=positive_int)
+    #: Key/value heads per draft layer (GQA); must divide num_attention_heads.
+    num_key_value_heads: int | None = attrs.field(default=None, validator=positive_int)
+    #: Width of one attention head (even).
+    head_dim: int | None = attrs.field(default=None, validator=even_positive_int)
+    #: SwiGLU MLP width.
+    intermediate_size: int | None = attrs.field(default=None, validator=positive_int)
+    #: RMSNorm epsilon.
+    rms_norm_eps: float = attrs.field(default=1.0e-6, validator=positive_float)
+    #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]).
+    #: null: the checkpoint's taps, else the default formula.
+    target_layer_ids: tuple[int, ...] | None = attrs.field(default=None, validator=layer_id_list)
+    #: Head variant: dflash (plain) | domino (GRU correction head) | dspark (Markov bias head).
+    projector_type: ProjectorType = attrs.field(default="dflash", validator=one_of(PROJECTOR_TYPES))
+    #: Domino: width of the correction embedding.
+    emb_dim: int | None = attrs.field(default=None, validator=positive_int)
+    #: Domino: hidden width of the prefix GRU.
+    gru_hidden_dim: int | None = attrs.field(default=None, validator=positive_int)
+    #: DSpark: rank of the low-rank Markov transition bias.
+    markov_rank: int | None = attrs.field(default=None, validator=positive_int)
+    #: DSpark: add the confidence head (confidence_proj).
+    use_confidence_head: bool = False
+    #: Add a learnable attention sink per head (layers.{i}.self_attn.attention_sink_bias).
+    attention_sink: bool = False
+
+
+@attrs.frozen
+class DFlashSection:
+    """DFlash training: block drafting, the warm start and the loss."""
+
+    #: Local directory of an exported drafter (model.safetensors + config.json) to fine-tune.
+    #: Hub ids are not fetched: stage it with `hf download <repo> --local-dir <dir>` first.
+    dflash_init_checkpoint: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Tokens drafted per block (the anchor plus block_size - 1 masked positions).
+    dflash_block_size: int = attrs.field(default=16, validator=block_size_range)
+    #: Token id used for masked block positions (Qwen3: 151669). null: the checkpoint's.
+    dflash_mask_token_id: int | None = attrs.field(default=None, validator=non_negative_int)
+    #: Blocks (anchors) sampled per training sequence each step.
+    dflash_num_anchors: int = attrs.field(default=512, validator=positive_int)
+    #: Position weighting of the loss: decay (exp(-(k-1)/gamma)) | dpace (confidence-based).
+    dflash_loss_objective: LossObjective = attrs.field(
+        default="decay", validator=one_of(LOSS_OBJECTIVES)
+    )
+    #: gamma of the decay weights; null: 7 for B=16, 5 for B=10, 4 for B=8, otherwise
+    #: interpolated linearly through those points (extrapolated from the nearest pair, >= 1).
+    dflash_loss_decay_factor: float | None = attrs.field(default=None, validator=positive_float)
+    #: D-PACE smoothing alpha, in (0, 1].
+    dflash_dpace_alpha: float = attrs.field(default=0.5, validator=fraction_open_closed)
+    #: Add soft cross-entropy against the target's own next-token distribution.
+    dflash_self_logit_distillation: bool = False
+    #: Domino: initial weight of the backbone-logit CE; decays linearly to 0 over training.
+    dflash_domino_backbone_loss_weight: float = attrs.field(
+        default=1.0, validator=non_negative_float
+    )
+    #: DSpark: weight of the total-variation distance to the target distribution.
+    dflash_dspark_tv_weight: float = attrs.field(default=1.0, validator=non_negative_float)
+    #: DSpark: weight of the confidence-head BCE (needs use_confidence_head).
+    dflash_dspark_confidence_weight: float = attrs.field(default=0.1, validator=non_negative_float)
+    #: The drafter's architecture; must match dflash_init_checkpoint when one is given.
+    dflash_architecture_config: DFlashArchitectureConfig = attrs.field(
+        factory=DFlashArchitectureConfig
+    )
+
+
+@attrs.frozen
+class Recipe:
+    """A whole recipe: target model, data, training and DFlash settings."""
+
+    #: The frozen target model.
+    model: ModelSection
+    #: The DFlash drafter and its warm start.
+    dflash: DFlashSection = attrs.field(factory=DFlashSection)
+    #: Training data.
+    data: DataSection = attrs.field(factory=DataSection)
+    #: Optimiser, schedule, checkpoints.
+    training: TrainingSection = attrs.field(factory=TrainingSection)
+
+
+__all__ = [
+    "DFlashArchitectureConfig",
+    "DFlashSection",
+    "DataSection",
+    "ModelSection",
+    "Recipe",
+    "TrainingSection",
+]
