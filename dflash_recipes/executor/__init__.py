@@ -1,0 +1,52 @@
+"""The executor: the only package that imports torch, transformers and safetensors.
+
+It reads a compiled :class:`~dflash_recipes.plan.RunPlan` and never the recipe. This module
+re-exports the model core; import submodules directly for the rest (``data``, ``loss``,
+``train``). Importing ``dflash_recipes`` itself never imports this package.
+"""
+
+from dflash_recipes.executor.checkpointing import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
+from dflash_recipes.executor.convert import (
+    DFlashModel,
+    convert,
+    dflash_module,
+    embed_tokens,
+    lm_head,
+    load_base_model,
+)
+from dflash_recipes.executor.draft import (
+    DFlashDraftModel,
+    DraftMask,
+    block_positions,
+    build_dense_block_mask,
+    build_flex_block_mask,
+    taps_from_hidden_states,
+)
+from dflash_recipes.executor.export import export_drafter
+from dflash_recipes.executor.heads import DominoHead, DSparkHead
+from dflash_recipes.executor.warmstart import WarmStartReport, load_init_checkpoint
+
+__all__ = [
+    "DFlashDraftModel",
+    "DFlashModel",
+    "DSparkHead",
+    "DominoHead",
+    "DraftMask",
+    "WarmStartReport",
+    "block_positions",
+    "build_dense_block_mask",
+    "build_flex_block_mask",
+    "convert",
+    "dflash_module",
+    "embed_tokens",
+    "export_drafter",
+    "lm_head",
+    "load_base_model",
+    "load_init_checkpoint",
+    "restore_training_checkpoint",
+    "save_training_checkpoint",
+    "taps_from_hidden_states",
+]

@@ -1,0 +1,183 @@
+"""Anchor sampling and the per-block inputs and labels of DFlash training.
+
+An anchor is a position ``a`` of a training sequence that opens one block: the drafter sees the
+target's states strictly before ``a``, the token at ``a`` and ``block_size - 1`` mask tokens, and
+block position ``k`` predicts the token at ``a + k`` (position 0, the anchor itself, gets no
+loss).
+
+**Eligibility rule.** With ``L`` the sequence's valid length (the number of ones in its
+attention mask; sequences are right-padded), position ``a`` may open a block when
+
+1. ``a + block_size <= L``: the whole block lies inside the sequence;
+2. ``loss_mask[a] == 1``: the anchor is itself a supervised token (prompt tokens open no
+   blocks; at inference the anchor is always a token the model produced);
+3. ``loss_mask[a + 1] == 1``: the block's first drafted token is supervised, so every block
+   carries at least one label.
+
+With answer-only loss this means the first token of each answer is never a label (nothing of
+the answer precedes it to anchor on), exactly as at inference, where the target produces it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import Tensor
+
+#: Label value at positions that get no loss (PyTorch's cross-entropy ignore_index).
+IGNORE_INDEX = -100
+
+
+@attrs.frozen(eq=False)
+class AnchorBatch:
+    """Sampled anchors per sequence, sorted ascending, padded with ``valid=False``."""
+
+    #: [B, N] long; padding entries are 0 and must be ignored via `valid`.
+    anchors: Tensor
+    #: [B, N] bool; True for real anchors (a prefix of each row).
+    valid: Tensor
+
+
+def eligible_anchor_mask(loss_mask: Tensor, attention_mask: Tensor, *, block_size: int) -> Tensor:
+    """[B, T] bool: positions allowed to open a block (the rule in the module docstring)."""
+    if loss_mask.shape != attention_mask.shape or loss_mask.dim() != 2:
+        msg = (
+            f"loss_mask {tuple(loss_mask.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must both be [batch, seq_len]"
+        )
+        raise ValueError(msg)
+    if block_size < 2:
+        msg = f"block_size must be >= 2, got {block_size}"
+        raise ValueError(msg)
+    _, seq_len = loss_mask.shape
+    supervised = loss_mask != 0
+    valid_len = (attention_mask != 0).sum(dim=1, keepdim=True)
+    positions = torch.arange(seq_len, device=loss_mask.device).unsqueeze(0)
+    fits = positions + block_size <= valid_len
+    next_supervised = torch.zeros_like(supervised)
+    next_supervised[:, :-1] = supervised[:, 1:]
+    return fits & supervised & next_supervised
+
+
+def sample_anchors(
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    *,
+    block_size: int,
+    num_anchors: int,
+    generator: torch.Generator,
+) -> AnchorBatch:
+    """Sample up to `num_anchors` eligible anchors per sequence, uniformly without replacement.
+
+    Every eligible position of a row is equally likely and each subset of the same size is
+    equally likely (random keys, smallest `num_anchors` kept). Rows are sorted ascending and
+    padded to N = the largest count in the batch (N may be 0). Random numbers come from
+    `generator` on its own device, so a CPU generator gives the same anchors on any device
+    and the same generator state always gives the same anchors.
+    """
+    if num_anchors < 1:
+        msg = f"num_anchors must be >= 1, got {num_anchors}"
+        raise ValueError(msg)
+    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    batch, seq_len = eligible.shape
+    device = loss_mask.device
+    counts = eligible.sum(dim=1)
+    n = min(num_anchors, int(counts.max().item())) if batch > 0 else 0
+    if n == 0:
+        empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        return AnchorBatch(anchors=empty, valid=empty.bool())
+    keys = torch.rand(batch, seq_len, generator=generator, device=generator.device).to(device)
+    # Ineligible positions get a key above every random one, so they are picked last.
+    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
+    chosen_keys, chosen = torch.topk(keys, n, dim=1, largest=False, sorted=True)
+    valid = chosen_keys < 2.0
+    # Sort real anchors ascending and push padding to the end of each row.
+    order_key = torch.where(valid, chosen, torch.full_like(chosen, seq_len))
+    sorted_pos, _ = torch.sort(order_key, dim=1)
+    valid = sorted_pos < seq_len
+    anchors = torch.where(valid, sorted_pos, torch.zeros_like(sorted_pos))
+    return AnchorBatch(anchors=anchors.long(), valid=valid)
+
+
+def _block_positions(anchors: Tensor, block_size: int) -> Tensor:
+    """[B, N, block_size]: anchor + k."""
+    offsets = torch.arange(block_size, device=anchors.device)
+    return anchors.unsqueeze(-1) + offsets
+
+
+def block_inputs(
+    input_ids: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    *,
+    block_size: int,
+    mask_token_id: int,
+) -> tuple[Tensor, Tensor]:
+    """Block token ids and positions, packed along the sequence axis.
+
+    Returns ``(block_ids [B, N*block_size], q_positions [B, N*block_size])``: block ``n``
+    occupies columns ``n*block_size .. (n+1)*block_size - 1`` with ids
+    ``[input_ids[anchor], mask, ..., mask]`` and positions ``anchor .. anchor+block_size-1``.
+    Padding blocks (``valid=False``) are all mask tokens at positions ``0 ..``; the caller's
+    attention mask and labels must ignore them.
+    """
+    batch, n = anchors.shape
+    anchor_ids = torch.gather(input_ids, 1, anchors)
+    anchor_ids = torch.where(valid, anchor_ids, torch.full_like(anchor_ids, mask_token_id))
+    ids = torch.full(
+        (batch, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
+    ids[:, :, 0] = anchor_ids
+    positions = _block_positions(anchors, block_size)
+    return ids.reshape(batch, n * block_size), positions.reshape(batch, n * block_size)
+
+
+def block_labels(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    *,
+    block_size: int,
+) -> tuple[Tensor, Tensor]:
+    """Labels of every block position: position k predicts the token at anchor + k.
+
+    Returns ``(labels [B, N, block_size] long, label_mask [B, N, block_size] bool)``. A position
+    is supervised when its block is valid, ``k >= 1``, ``anchor + k`` is inside the sequence and
+    ``loss_mask[anchor + k] == 1``. Unsupervised labels are ``IGNORE_INDEX`` (-100).
+    """
+    _, seq_len = input_ids.shape
+    positions = _block_positions(anchors, block_size)
+    inside = positions < seq_len
+    flat = positions.clamp(max=seq_len - 1).flatten(1)
+    tokens = torch.gather(input_ids, 1, flat).view_as(positions)
+    supervised = torch.gather(loss_mask, 1, flat).view_as(positions) != 0
+    not_anchor = torch.arange(block_size, device=anchors.device) >= 1
+    label_mask = valid.unsqueeze(-1) & inside & supervised & not_anchor
+    labels = torch.where(label_mask, tokens.long(), torch.full_like(tokens.long(), IGNORE_INDEX))
+    return labels, label_mask
+
+
+def gather_teacher_logits(target_logits: Tensor, anchors: Tensor, *, block_size: int) -> Tensor:
+    """The target's next-token logits for every block position: [B, N, block_size, V].
+
+    Entry k is ``target_logits[:, anchor + k - 1]``, the target's distribution for the token at
+    ``anchor + k`` (the same token block position k predicts). Rows outside the sequence (entry 0
+    of an anchor at 0, positions past the end) are clamped into range; `label_mask` from
+    :func:`block_labels` excludes them.
+    """
+    batch, seq_len, _ = target_logits.shape
+    positions = (_block_positions(anchors, block_size) - 1).clamp(min=0, max=seq_len - 1)
+    rows = torch.arange(batch, device=anchors.device).view(batch, 1, 1)
+    return target_logits[rows, positions]
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "AnchorBatch",
+    "block_inputs",
+    "block_labels",
+    "eligible_anchor_mask",
+    "gather_teacher_logits",
+    "sample_anchors",
+]

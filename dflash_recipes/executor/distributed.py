@@ -1,0 +1,518 @@
+"""Data-parallel training on existing engines: torchrun environment, DDP, optional FSDP2.
+
+A run is distributed when a launcher has set the torchrun environment (`RANK`, `WORLD_SIZE`,
+`LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`): `dflash-recipe run --nproc-per-node N` relaunches
+itself through `torch.distributed.run` (see :func:`build_torchrun_argv`), and any other launcher
+that sets the same variables (Slurm + torchrun, Kubernetes operators) works too. Without those
+variables the run is a single process and every helper here is a cheap no-op.
+
+A trainer uses it like this::
+
+    env = detect_dist_env(plan.training.device)
+    init_distributed(env)
+    try:
+        drafter = wrap_ddp(drafter.to(env.device), env)     # trainable: DDP
+        if plan.training.fsdp:
+            target = shard_target_fsdp2(target, env)        # frozen: optional FSDP2
+        ...                                                 # each rank: its share of the batch
+        if is_main(env):
+            ...                                             # only rank 0 logs, saves, exports
+        barrier(env)
+    finally:
+        shutdown_distributed()
+
+Gloo is the backend on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypeVar
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_recipes.errors import LaunchError
+
+DevicePreference = Literal["auto", "cpu", "cuda"]
+Backend = Literal["nccl", "gloo"]
+
+#: The variables torchrun sets for every worker; RANK and WORLD_SIZE decide "distributed".
+TORCHRUN_ENV_VARS: tuple[str, ...] = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+#: Rendezvous id used for multi-node runs when none is given (all nodes must agree on it).
+DEFAULT_RDZV_ID = "dflash-recipes"
+
+_LAUNCH_HINT = (
+    "launch with `dflash-recipe run --nproc-per-node N PLAN` (torchrun sets RANK, WORLD_SIZE, "
+    "LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process), or unset these variables "
+    "for a single-process run"
+)
+
+_T = TypeVar("_T")
+_M = TypeVar("_M", bound=nn.Module)
+
+
+@attrs.frozen
+class DistEnv:
+    """Where this process sits in the job, and which device and backend it uses."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    #: True when world_size > 1: collectives run and DDP wraps the drafter.
+    is_distributed: bool
+    backend: Backend
+    device: torch.device
+
+
+# ---------------------------------------------------------------------------------------------
+# environment
+# ---------------------------------------------------------------------------------------------
+
+
+def is_launched_process(environ: Mapping[str, str] | None = None) -> bool:
+    """True inside a worker started by torchrun (or a launcher that sets RANK and WORLD_SIZE).
+
+    The CLI uses it so that `dflash-recipe run --nproc-per-node N` started by torchrun does not
+    launch torchrun again.
+    """
+    env = os.environ if environ is None else environ
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def detect_dist_env(
+    device_pref: DevicePreference = "auto", environ: Mapping[str, str] | None = None
+) -> DistEnv:
+    """Read the torchrun environment (default: `os.environ`) and pick device and backend.
+
+    No RANK/WORLD_SIZE: a single process. A partial or inconsistent environment, or
+    `device_pref="cuda"` without a usable GPU, raises LaunchError saying how to fix it.
+    """
+    env = os.environ if environ is None else environ
+    present = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in env]
+    if not present:
+        device = _pick_device(device_pref, local_rank=0)
+        return DistEnv(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            is_distributed=False,
+            backend=_backend_for(device),
+            device=device,
+        )
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in env]
+    if missing:
+        msg = (
+            f"incomplete distributed environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} not; {_LAUNCH_HINT}"
+        )
+        raise LaunchError(msg)
+    rank = _int_var(env, "RANK")
+    world_size = _int_var(env, "WORLD_SIZE")
+    local_rank = _int_var(env, "LOCAL_RANK")
+    if world_size < 1:
+        msg = f"WORLD_SIZE={world_size} must be at least 1; {_LAUNCH_HINT}"
+        raise LaunchError(msg)
+    if not 0 <= rank < world_size:
+        msg = (
+            f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size}); {_LAUNCH_HINT}"
+        )
+        raise LaunchError(msg)
+    if not 0 <= local_rank <= rank:
+        msg = (
+            f"LOCAL_RANK={local_rank} is inconsistent with RANK={rank} (expected "
+            f"0 <= LOCAL_RANK <= RANK); {_LAUNCH_HINT}"
+        )
+        raise LaunchError(msg)
+    is_distributed = world_size > 1
+    if is_distributed:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            msg = (
+                f"WORLD_SIZE={world_size} but {' and '.join(missing)} not set: the processes "
+                f"cannot find each other; {_LAUNCH_HINT}"
+            )
+            raise LaunchError(msg)
+        port = _int_var(env, "MASTER_PORT")
+        if not 1 <= port <= 65535:
+            msg = f"MASTER_PORT={port} is not a TCP port (1..65535); {_LAUNCH_HINT}"
+            raise LaunchError(msg)
+    device = _pick_device(device_pref, local_rank=local_rank)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        is_distributed=is_distributed,
+        backend=_backend_for(device),
+        device=device,
+    )
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw.strip())
+    except ValueError:
+        msg = f"{name}={raw!r} is not an integer; {_LAUNCH_HINT}"
+        raise LaunchError(msg) from None
+
+
+def _pick_device(device_pref: DevicePreference, *, local_rank: int) -> torch.device:
+    if device_pref not in ("auto", "cpu", "cuda"):
+        msg = f"training.device must be auto, cpu or cuda, got {device_pref!r}"
+        raise LaunchError(msg)
+    if device_pref == "cpu":
+        return torch.device("cpu")
+    available = torch.cuda.is_available()
+    if not available:
+        if device_pref == "cuda":
+            msg = (
+                f"training.device is cuda but CUDA is not available (torch {torch.__version__}, "
+                f"CUDA build {torch.version.cuda or 'none'}); set training.device: cpu (or auto), "
+                "or install a CUDA build of torch on a machine with a visible GPU"
+            )
+            raise LaunchError(msg)
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        msg = (
+            f"LOCAL_RANK={local_rank} needs GPU {local_rank} but only {count} CUDA device(s) are "
+            "visible; use --nproc-per-node at most the GPUs per node, or check "
+            "CUDA_VISIBLE_DEVICES"
+        )
+        raise LaunchError(msg)
+    return torch.device("cuda", local_rank)
+
+
+def _backend_for(device: torch.device) -> Backend:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+# ---------------------------------------------------------------------------------------------
+# process group and collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def init_distributed(env: DistEnv) -> None:
+    """Join the process group (env:// rendezvous). No-op when not distributed or already joined."""
+    if not env.is_distributed:
+        return
+    if not dist.is_available():
+        msg = f"torch {torch.__version__} was built without torch.distributed; run one process"
+        raise LaunchError(msg)
+    if dist.is_initialized():
+        return
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    try:
+        dist.init_process_group(
+            backend=env.backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            device_id=env.device if env.device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        msg = (
+            f"rank {env.rank} of {env.world_size} could not join the {env.backend} process "
+            f"group at {where}: {exc}; check that every node reaches MASTER_ADDR on MASTER_PORT "
+            "and that all processes were started with the same WORLD_SIZE"
+        )
+        raise LaunchError(msg) from exc
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group if one is active; safe to call twice or when never joined."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main(env: DistEnv) -> bool:
+    """True on rank 0, the only rank that logs, saves checkpoints and exports."""
+    return env.rank == 0
+
+
+def _active(env: DistEnv) -> bool:
+    return env.is_distributed and dist.is_available() and dist.is_initialized()
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait for every rank (no-op for a single process)."""
+    if not _active(env):
+        return
+    if env.backend == "nccl":
+        dist.barrier(device_ids=[env.local_rank])
+    else:
+        dist.barrier()
+
+
+def all_reduce_mean(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean of `tensor` over all ranks, as a new floating-point tensor; the input is unchanged.
+
+    For metrics (loss, accuracy per position): every rank calls it with same-shaped tensors.
+    """
+    out = tensor.detach().clone()
+    if not out.is_floating_point():
+        out = out.to(torch.float64)
+    if not _active(env):
+        return out
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    out /= env.world_size
+    return out
+
+
+def broadcast_object(obj: _T, env: DistEnv, src: int = 0) -> _T:
+    """`obj` from rank `src` on every rank (pickled; for small values such as a resume step)."""
+    if not _active(env):
+        return obj
+    holder: list[object] = [obj]
+    device = env.device if env.backend == "nccl" else None
+    dist.broadcast_object_list(holder, src=src, device=device)
+    return holder[0]  # type: ignore[return-value]  # same type as src's obj by contract
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP for the drafter
+# ---------------------------------------------------------------------------------------------
+
+
+def wrap_ddp(module: nn.Module, env: DistEnv, *, find_unused_parameters: bool = False) -> nn.Module:
+    """Wrap the trainable drafter in DDP (returned unchanged for a single process).
+
+    The module must already be on `env.device`. Gradients of trainable parameters are averaged
+    over ranks, so each rank takes an equal share of the global batch. Parameters with
+    `requires_grad=False` (the target's embeddings and lm_head that the drafter borrows) are
+    neither broadcast at construction nor reduced: every rank loads them from the same files.
+    Set `find_unused_parameters` only when some trainable parameter gets no gradient in a step
+    (it costs a graph traversal per step). Use :func:`unwrap_ddp` to reach the drafter for
+    saving; wrap accumulation micro-steps in `model.no_sync()`.
+    """
+    if not env.is_distributed:
+        return module
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+            module, frozen
+        )
+    device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    return DistributedDataParallel(
+        module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
+    )
+
+
+def unwrap_ddp(module: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (state_dict keys without the `module.` prefix)."""
+    if isinstance(module, DistributedDataParallel):
+        inner = module.module
+        assert isinstance(inner, nn.Module)
+        return inner
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 for a large frozen target
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
+    """Shard the frozen target's decoder layers over all ranks with FSDP2 (`training.fsdp`).
+
+    Returns the same module, sharded in place (unchanged for a single process). Load the target
+    on CPU and call this before moving it: each decoder layer goes to `env.device` already
+    sharded, so no GPU ever holds the whole target; the other parameters and buffers are moved
+    to `env.device` here.
+
+    Limitations:
+
+    - Only the decoder layers (the `nn.ModuleList` named `layers`, as in Hugging Face
+      Qwen3/Llama models) are sharded. Embeddings, the final norm and `lm_head` stay whole on
+      every rank, because the drafter calls `embed_tokens` and `lm_head` outside the target's
+      forward, where FSDP-sharded weights are not gathered.
+    - Inference only: run the target under `torch.no_grad()`; it is never trained or saved
+      through FSDP state dicts.
+    - Every target forward all-gathers each layer's weights (communication per step); use it
+      only when the target does not fit on one device next to the drafter.
+    - While loading, each process holds a full copy of the target in host memory.
+    - One flat mesh over all ranks (no hybrid sharding); needs torch >= 2.6.
+    """
+    if not env.is_distributed:
+        return model
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+    except ImportError as exc:
+        msg = (
+            f"training.fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); "
+            f"torch {torch.__version__} does not provide it: upgrade torch or set "
+            f"training.fsdp: false"
+        )
+        raise LaunchError(msg) from exc
+    if not _active(env):
+        msg = "shard_target_fsdp2 needs the process group: call init_distributed(env) first"
+        raise LaunchError(msg)
+    parent, layers = _find_decoder_layers(model)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    for layer in layers:
+        # reshard_after_forward=True explicitly: FSDP2 would otherwise keep the root's
+        # gathered weights after forward, which for a frozen target is the whole point lost.
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    layer_params = {id(p) for p in layers.parameters()}
+    kept_whole = {p for p in parent.parameters() if id(p) not in layer_params}
+    fully_shard(parent, mesh=mesh, reshard_after_forward=True, ignored_params=kept_whole)
+    # FSDP moves what it shards; everything left whole (ignored params, modules outside the
+    # parent such as lm_head) is moved here.
+    for sub in model.modules():
+        for param in sub.parameters(recurse=False):
+            if not isinstance(param, DTensor) and param.device != env.device:
+                param.data = param.data.to(env.device)
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf.device != env.device:
+                setattr(sub, name, buf.to(env.device))
+    return model
+
+
+def _find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    found: list[tuple[str, nn.Module, nn.ModuleList]] = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if child_name == "layers" and isinstance(child, nn.ModuleList) and len(child) > 0:
+                found.append((f"{name}.{child_name}" if name else child_name, module, child))
+    if len(found) != 1:
+        names = ", ".join(n for n, _, _ in found) or "none"
+        msg = (
+            "training.fsdp: cannot tell which modules are the target's decoder layers "
+            f"(expected exactly one nn.ModuleList named `layers`, found: {names}); "
+            "set training.fsdp: false"
+        )
+        raise LaunchError(msg)
+    _, parent, layers = found[0]
+    return parent, layers
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun launch
+# ---------------------------------------------------------------------------------------------
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})$")
+_RDZV_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_LAUNCH_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--rdzv-endpoint")
+
+
+def build_torchrun_argv(
+    target_argv: Sequence[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+) -> list[str]:
+    """The command that runs `dflash-recipe run TARGET_ARGV...` in N processes per node.
+
+    Single node without an endpoint: `--standalone` (a local rendezvous on a free port).
+    Multi-node (or any given endpoint): c10d rendezvous at HOST:PORT, the same command on every
+    node, the same `rdzv_id` everywhere (default :data:`DEFAULT_RDZV_ID`; use the job id so two
+    jobs on one endpoint do not mix). Invalid values raise LaunchError.
+    """
+    if (
+        isinstance(nproc_per_node, bool)
+        or not isinstance(nproc_per_node, int)
+        or nproc_per_node < 1
+    ):
+        msg = f"--nproc-per-node must be a positive integer (processes), got {nproc_per_node!r}"
+        raise LaunchError(msg)
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        msg = f"--nnodes must be a positive integer, got {nnodes!r}"
+        raise LaunchError(msg)
+    if nnodes > 1 and rdzv_endpoint is None:
+        msg = (
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, an address of the first node "
+            "that every node can reach (for example --rdzv-endpoint node001:29500)"
+        )
+        raise LaunchError(msg)
+    if rdzv_endpoint is not None:
+        match = _HOST_PORT.match(rdzv_endpoint)
+        if match is None or not 1 <= int(match.group("port")) <= 65535:
+            msg = (
+                f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (a host name or IP address "
+                "and a TCP port 1..65535, for example node001:29500 or [fd00::1]:29500)"
+            )
+            raise LaunchError(msg)
+    if rdzv_id is not None:
+        if rdzv_endpoint is None:
+            msg = "--rdzv-id only applies with --rdzv-endpoint (multi-node rendezvous)"
+            raise LaunchError(msg)
+        if not _RDZV_ID.match(rdzv_id):
+            msg = f"--rdzv-id {rdzv_id!r} must be letters, digits, '.', '_' or '-' (e.g. a job id)"
+            raise LaunchError(msg)
+    clashing = [a for a in target_argv if a.split("=", 1)[0] in _LAUNCH_OPTIONS]
+    if clashing:
+        msg = (
+            f"launch options {clashing} must not be passed to the processes torchrun starts "
+            "(they would launch again); pass only the plan or recipe and its overrides"
+        )
+        raise LaunchError(msg)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
+    if rdzv_endpoint is None:
+        argv.append("--standalone")
+    else:
+        argv += [
+            "--nnodes",
+            str(nnodes),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id if rdzv_id is not None else DEFAULT_RDZV_ID,
+        ]
+    argv += ["-m", "dflash_recipes.cli", "run", *target_argv]
+    return argv
+
+
+def launch_torchrun(argv: Sequence[str]) -> int:
+    """Run the torchrun command and return its exit code (128+N when killed by signal N)."""
+    try:
+        completed = subprocess.run(list(argv), check=False)
+    except OSError as exc:
+        msg = f"could not start {argv[0] if argv else '(empty command)'}: {exc}"
+        raise LaunchError(msg) from exc
+    code = completed.returncode
+    return 128 - code if code < 0 else code
+
+
+__all__ = [
+    "DEFAULT_RDZV_ID",
+    "TORCHRUN_ENV_VARS",
+    "Backend",
+    "DevicePreference",
+    "DistEnv",
+    "all_reduce_mean",
+    "barrier",
+    "broadcast_object",
+    "build_torchrun_argv",
+    "detect_dist_env",
+    "init_distributed",
+    "is_launched_process",
+    "is_main",
+    "launch_torchrun",
+    "shard_target_fsdp2",
+    "shutdown_distributed",
+    "unwrap_ddp",
+    "wrap_ddp",
+]

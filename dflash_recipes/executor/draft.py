@@ -1,0 +1,503 @@
+"""The DFlash draft module (reference sections 2-3) and its attention masks.
+
+Parameter names are the z-lab checkpoint keys, so ``state_dict()`` of a
+:class:`DFlashDraftModel` is exactly what an engine loads: no prefix, no embeddings, no
+``lm_head``, no rotary buffers (they are not persistent). Head variants (Domino, DSpark) put
+their submodules at the top level (``prefix_gru.*``, ``markov_w1.*``, ...), as in reference
+section 6.
+
+Shapes used below: ``B`` batch, ``N`` blocks per sequence, ``bs`` block size, ``Q = N * bs``
+packed block positions, ``T`` context length (target positions), ``H`` hidden size.
+
+Masks (reference section 4): a query in block ``b`` with anchor ``a_b`` sees the context
+positions ``j < a_b`` (not the anchor's own context state, nothing later) and every position
+of its own block (bidirectional); nothing of other blocks. A padded block (``valid`` False)
+sees only its own block, so no attention row is ever empty and no NaN appears. Two
+representations with the same semantics: a dense boolean tensor ``[B, 1, Q, T + Q]`` (CPU and
+tests, via SDPA) and a flex-attention :class:`BlockMask` built from tile arithmetic, without
+materialising the dense mask (the CUDA path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeAlias
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflash_recipes.executor.heads import DominoHead, DraftHead, DSparkHead, build_head
+from dflash_recipes.plan import ResolvedDraft, RopePlan, RopeValue
+
+#: Either a dense boolean mask ``[B, 1, Q, T + Q]`` (True = may attend) or a flex BlockMask.
+DraftMask: TypeAlias = Tensor | BlockMask
+
+#: Standard deviation of the normal initialisation of linear and embedding weights (HF default).
+INIT_STD = 0.02
+
+_FLEX_TILE = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE: always the target's settings, carried by the plan
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_parameters(rope: RopePlan) -> dict[str, RopeValue]:
+    """The transformers-5 ``rope_parameters`` dict of a plan's RoPE settings.
+
+    ``rope_theta`` and ``rope_type`` come from the plan's own fields; a legacy ``type`` key or
+    a stray ``rope_theta`` inside ``rope_scaling`` never overrides them.
+    """
+    params: dict[str, RopeValue] = {"rope_type": rope.rope_type, "rope_theta": rope.rope_theta}
+    for key, value in (rope.rope_scaling or {}).items():
+        if key not in ("rope_type", "type", "rope_theta"):
+            params[key] = value
+    return params
+
+
+def rope_config(spec: ResolvedDraft) -> Qwen3Config:
+    """A Qwen3 config carrying only what the rotary embedding reads (dims and RoPE settings)."""
+    return Qwen3Config(
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters=rope_parameters(spec.rope),
+    )
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, heads, S, d]`` by ``cos``/``sin [B, S, d]`` (HF's rotate-half layout)."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------------------------
+
+
+def block_positions(anchors: Tensor, block_size: int) -> Tensor:
+    """Packed positions of the blocks: ``anchors [B, N]`` -> ``[B, N * block_size]``."""
+    offsets = torch.arange(block_size, device=anchors.device, dtype=anchors.dtype)
+    return (anchors.unsqueeze(-1) + offsets).flatten(1)
+
+
+def _check_mask_inputs(anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor) -> None:
+    if anchors.dim() != 2 or valid.shape != anchors.shape:
+        msg = (
+            f"anchors and valid must both be [B, N]; got {tuple(anchors.shape)} and "
+            f"{tuple(valid.shape)}"
+        )
+        raise ValueError(msg)
+    if valid.dtype != torch.bool:
+        msg = f"valid must be a boolean tensor, got {valid.dtype}"
+        raise ValueError(msg)
+    if block_size < 1 or ctx_len < 0:
+        msg = f"block_size must be >= 1 and ctx_len >= 0, got {block_size} and {ctx_len}"
+        raise ValueError(msg)
+
+
+def _visible_context(anchors: Tensor, ctx_len: int, valid: Tensor) -> Tensor:
+    """Per block, how many leading context positions it sees: ``a_b`` (valid) or 0 (padded)."""
+    limit = anchors.clamp(min=0, max=ctx_len)
+    return torch.where(valid, limit, torch.zeros_like(limit))
+
+
+def build_dense_block_mask(anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor) -> Tensor:
+    """Dense mask ``[B, 1, N*bs, ctx_len + N*bs]`` (True = may attend) for packed blocks.
+
+    Key index ``j < ctx_len`` is context position ``j``; ``ctx_len + i`` is packed block
+    position ``i``. See the module docstring for the semantics.
+    """
+    _check_mask_inputs(anchors, block_size, ctx_len, valid)
+    device = anchors.device
+    n_blocks = anchors.shape[1]
+    q_len = n_blocks * block_size
+    q_limit = _visible_context(anchors, ctx_len, valid).repeat_interleave(block_size, dim=1)
+    q_block = torch.arange(q_len, device=device) // block_size
+    kv_idx = torch.arange(ctx_len + q_len, device=device)
+    kv_block = torch.cat([torch.full((ctx_len,), -1, device=device, dtype=torch.long), q_block])
+    sees_context = kv_idx.view(1, 1, -1) < q_limit.unsqueeze(-1)
+    same_block = kv_block.view(1, 1, -1) == q_block.view(1, -1, 1)
+    return (sees_context | same_block).unsqueeze(1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """Tile booleans ``[B, 1, QT, KT]`` -> (count ``[B, 1, QT]``, indices ``[B, 1, QT, KT]``)."""
+    counts = tiles.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts, indices
+
+
+def build_flex_block_mask(
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    valid: Tensor,
+    *,
+    tile_size: tuple[int, int] = (_FLEX_TILE, _FLEX_TILE),
+) -> BlockMask:
+    """The flex-attention :class:`BlockMask` of :func:`build_dense_block_mask`, block-sparse.
+
+    The tile structure (which ``tile_size`` tiles are empty, partial or full) is computed from
+    per-tile minima and maxima of the anchors, so memory is ``O(B * tiles)``; the exact mask is
+    applied inside partial tiles by the mask_mod. Built on ``anchors.device``.
+    """
+    _check_mask_inputs(anchors, block_size, ctx_len, valid)
+    device = anchors.device
+    batch, n_blocks = anchors.shape
+    q_len = n_blocks * block_size
+    kv_len = ctx_len + q_len
+    q_tile, kv_tile = tile_size
+    q_tiles, kv_tiles = _cdiv(q_len, q_tile), _cdiv(kv_len, kv_tile)
+    q_pad, kv_pad = q_tiles * q_tile, kv_tiles * kv_tile
+
+    # Lookup tables padded to whole tiles, so the mask_mod may be called on any padded index.
+    limit = _visible_context(anchors, ctx_len, valid).to(torch.int32)
+    q_limit = torch.zeros(batch, q_pad, device=device, dtype=torch.int32)
+    q_limit[:, :q_len] = limit.repeat_interleave(block_size, dim=1)
+    q_block = torch.full((q_pad,), -2, device=device, dtype=torch.int32)
+    q_block[:q_len] = torch.arange(q_len, device=device, dtype=torch.int32) // block_size
+    kv_block = torch.full((kv_pad,), -3, device=device, dtype=torch.int32)
+    kv_block[:ctx_len] = -1
+    kv_block[ctx_len:kv_len] = q_block[:q_len]
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx < q_limit[b, q_idx]) | (kv_block[kv_idx] == q_block[q_idx])
+
+    # Per query tile: the range of visible context and of block ids (real rows only).
+    rows = q_limit.view(batch, q_tiles, q_tile)
+    real_row = (torch.arange(q_pad, device=device) < q_len).view(1, q_tiles, q_tile)
+    max_limit = rows.amax(dim=-1)
+    min_limit = torch.where(real_row, rows, torch.iinfo(torch.int32).max).amin(dim=-1)
+    q_start = torch.arange(q_tiles, device=device) * q_tile
+    q_end = torch.clamp(q_start + q_tile, max=q_len)
+    q_complete = q_start + q_tile <= q_len
+    qb_lo = q_start // block_size
+    qb_hi = (q_end - 1) // block_size
+
+    # Per key tile: its context part and its block part.
+    kv_start = torch.arange(kv_tiles, device=device) * kv_tile
+    kv_end = torch.clamp(kv_start + kv_tile, max=kv_len)
+    kv_complete = kv_start + kv_tile <= kv_len
+    has_ctx = kv_start < ctx_len
+    ctx_end = torch.clamp(kv_end, max=ctx_len)
+    has_blk = kv_end > ctx_len
+    kb_lo = (torch.clamp(kv_start, min=ctx_len) - ctx_len) // block_size
+    kb_hi = (kv_end - 1 - ctx_len) // block_size
+
+    ctx_any = has_ctx.view(1, 1, -1) & (max_limit.unsqueeze(-1) > kv_start.view(1, 1, -1))
+    overlap = (kb_lo.view(1, -1) <= qb_hi.view(-1, 1)) & (kb_hi.view(1, -1) >= qb_lo.view(-1, 1))
+    blk_any = (has_blk.view(1, -1) & overlap).unsqueeze(0)
+    any_tile = ctx_any | blk_any
+
+    ctx_full = ~has_ctx.view(1, 1, -1) | (min_limit.unsqueeze(-1) >= ctx_end.view(1, 1, -1))
+    one_block = (
+        (qb_lo == qb_hi).view(-1, 1)
+        & (kb_lo == kb_hi).view(1, -1)
+        & (kb_lo.view(1, -1) == qb_lo.view(-1, 1))
+    )
+    blk_full = (~has_blk.view(1, -1) | one_block).unsqueeze(0)
+    complete = (q_complete.view(-1, 1) & kv_complete.view(1, -1)).unsqueeze(0)
+    full_tile = any_tile & ctx_full & blk_full & complete
+    partial_tile = any_tile & ~full_tile
+
+    kv_num, kv_idx = _ordered(partial_tile.unsqueeze(1))
+    full_num, full_idx = _ordered(full_tile.unsqueeze(1))
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=tile_size,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# taps
+# ---------------------------------------------------------------------------------------------
+
+
+def taps_from_hidden_states(
+    hidden_states: Sequence[Tensor], target_layer_ids: Sequence[int]
+) -> Tensor:
+    """Concatenate the outputs of target layers ``target_layer_ids`` on the feature axis.
+
+    ``hidden_states`` is Hugging Face's ``output_hidden_states`` tuple (index 0 is the
+    embedding output), so layer ``k``'s output is ``hidden_states[k + 1]``.
+    """
+    n_layers = len(hidden_states) - 1
+    bad = [k for k in target_layer_ids if not 0 <= k < n_layers]
+    if bad:
+        msg = (
+            f"target_layer_ids {list(target_layer_ids)} reach outside the target's {n_layers} "
+            f"decoder layers (ids {bad}); valid ids are 0..{n_layers - 1}"
+        )
+        raise ValueError(msg)
+    return torch.cat([hidden_states[k + 1] for k in target_layer_ids], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention kernels
+# ---------------------------------------------------------------------------------------------
+
+_compiled_flex: Callable[..., object] | None = None
+
+
+def _flex_kernel(device: torch.device) -> Callable[..., object]:
+    """flex_attention, compiled on CUDA (the fused kernel); eager elsewhere (tests)."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sink: Tensor | None) -> Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+    # A learnable sink is one extra logit per head with a zero value vector.
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink_col = sink.float().view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _flex_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, sink: Tensor | None
+) -> Tensor:
+    kernel = _flex_kernel(q.device)
+    gqa = q.shape[1] != k.shape[1]
+    if sink is None:
+        out = kernel(q, k, v, block_mask=mask, enable_gqa=gqa)
+        assert isinstance(out, Tensor)
+        return out
+    result = kernel(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    assert isinstance(result, tuple)
+    out, aux = result
+    assert isinstance(out, Tensor) and isinstance(aux.lse, Tensor)
+    # sum_j e^s_j v_j / (Z + e^b) = out * sigmoid(log Z - b)
+    scale = torch.sigmoid(aux.lse - sink.float().view(1, -1, 1))
+    return out * scale.unsqueeze(-1).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+# ---------------------------------------------------------------------------------------------
+
+
+class DraftAttention(nn.Module):
+    """KV-injection attention: queries from the block, keys/values over [context ; block]."""
+
+    def __init__(self, spec: ResolvedDraft) -> None:
+        super().__init__()
+        if spec.num_attention_heads % spec.num_key_value_heads != 0:
+            msg = (
+                f"num_attention_heads {spec.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {spec.num_key_value_heads}"
+            )
+            raise ValueError(msg)
+        hidden, head_dim = spec.hidden_size, spec.head_dim
+        self.num_heads = spec.num_attention_heads
+        self.num_kv_heads = spec.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=False)
+        self.q_norm = Qwen3RMSNorm(head_dim, eps=spec.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(head_dim, eps=spec.rms_norm_eps)
+        self.attention_sink_bias: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(self.num_heads)) if spec.attention_sink else None
+        )
+
+    def forward(
+        self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: DraftMask
+    ) -> Tensor:
+        """``x [B, Q, H]`` (normed block states), ``context [B, T, H]``, cos/sin ``[B, T+Q, d]``."""
+        batch, q_len, _ = x.shape
+        ctx_len = context.shape[1]
+        kv_in = torch.cat([context, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(kv_in).view(batch, ctx_len + q_len, -1, self.head_dim))
+        v = self.v_proj(kv_in).view(batch, ctx_len + q_len, -1, self.head_dim)
+        q = apply_rope(q.transpose(1, 2), cos[:, ctx_len:], sin[:, ctx_len:])
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q, k, v, mask, self.attention_sink_bias)
+        else:
+            out = _dense_attention(q, k, v, mask, self.attention_sink_bias)
+        out = out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
+        result: Tensor = self.o_proj(out)
+        return result
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        result: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return result
+
+
+class DraftDecoderLayer(nn.Module):
+    """Pre-norm residual layer: attention with KV injection, then the SwiGLU MLP."""
+
+    def __init__(self, spec: ResolvedDraft) -> None:
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = DraftAttention(spec)
+        self.post_attention_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = DraftMLP(spec.hidden_size, spec.intermediate_size)
+
+    def forward(
+        self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: DraftMask
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+        result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter of a resolved plan; ``state_dict()`` is the z-lab export.
+
+    Build it from ``plan.resolved_draft()``. ``generator`` seeds the initialisation (normal
+    0.02 for linear and embedding weights, ones for norms, zeros for sinks; head output layers
+    start at zero so a fresh head leaves the backbone logits unchanged).
+    """
+
+    _head: DraftHead | None
+
+    def __init__(self, spec: ResolvedDraft, *, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        hidden = spec.hidden_size
+        n_taps = len(spec.target_layer_ids)
+        self.fc = nn.Linear(n_taps * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftDecoderLayer(spec) for _ in range(spec.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=spec.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(rope_config(spec))
+        head = build_head(spec)
+        # The head's submodules are registered here, at the top level, so their keys carry no
+        # prefix (reference section 6); the head object itself is kept outside the module tree.
+        object.__setattr__(self, "_head", head)
+        if head is not None:
+            for name, child in head.named_children():
+                self.add_module(name, child)
+        self.reset_parameters(generator)
+
+    @property
+    def head(self) -> DraftHead | None:
+        """The Domino or DSpark head (sharing this module's parameters), or None."""
+        return self._head
+
+    @property
+    def domino_head(self) -> DominoHead:
+        """The Domino head; TypeError for other variants."""
+        if not isinstance(self._head, DominoHead):
+            msg = f"this drafter has projector_type {self.spec.projector_type!r}, not 'domino'"
+            raise TypeError(msg)
+        return self._head
+
+    @property
+    def dspark_head(self) -> DSparkHead:
+        """The DSpark head; TypeError for other variants."""
+        if not isinstance(self._head, DSparkHead):
+            msg = f"this drafter has projector_type {self.spec.projector_type!r}, not 'dspark'"
+            raise TypeError(msg)
+        return self._head
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Fresh initialisation of every parameter (see the class docstring)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=generator)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, DraftAttention) and module.attention_sink_bias is not None:
+                nn.init.zeros_(module.attention_sink_bias)
+        if self._head is not None:
+            self._head.reset_parameters(generator)
+
+    def fuse_context(self, tapped: Tensor) -> Tensor:
+        """``[B, T, n_taps * H]`` tapped target states -> ``[B, T, H]`` (fc, then hidden_norm)."""
+        fused: Tensor = self.hidden_norm(self.fc(tapped))
+        return fused
+
+    def forward(
+        self,
+        block_embeds: Tensor,
+        context: Tensor,
+        q_positions: Tensor,
+        ctx_positions: Tensor,
+        mask: DraftMask,
+    ) -> Tensor:
+        """Draft states ``[B, Q, H]`` after the final norm (apply the target's lm_head next).
+
+        ``block_embeds [B, Q, H]``: embedded packed blocks; ``context [B, T, H]``: the fused
+        context (:meth:`fuse_context`); ``q_positions [B, Q]`` and ``ctx_positions [B, T]``:
+        RoPE positions; ``mask``: :func:`build_dense_block_mask` or :func:`build_flex_block_mask`.
+        """
+        positions = torch.cat([ctx_positions, q_positions], dim=1)
+        cos, sin = self.rotary_emb(block_embeds, positions)
+        x = block_embeds
+        context = context.to(block_embeds.dtype)
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, mask)
+        result: Tensor = self.norm(x)
+        return result
+
+    def expected_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Name -> shape of every tensor this module saves (its export layout)."""
+        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
+
+
+__all__ = [
+    "INIT_STD",
+    "DFlashDraftModel",
+    "DraftAttention",
+    "DraftDecoderLayer",
+    "DraftMLP",
+    "DraftMask",
+    "apply_rope",
+    "block_positions",
+    "build_dense_block_mask",
+    "build_flex_block_mask",
+    "rope_config",
+    "rope_parameters",
+    "taps_from_hidden_states",
+]

@@ -1,0 +1,160 @@
+"""Export a drafter in the z-lab layout that serving engines load (reference section 5).
+
+``model.safetensors`` holds the drafter's own tensors under their unprefixed keys (58 for a
+5-layer plain drafter; no embeddings, no ``lm_head``, no rotary buffers) and ``config.json``
+describes it, with RoPE settings and vocabulary taken from the target (the plan), never from
+class defaults.
+
+The export is atomic: everything is written into a temporary sibling directory, flushed, and
+renamed into place; an existing export is replaced only once the new one is complete. A crash
+leaves either the old export or the new one, never a half-written directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import nn
+
+from dflash_recipes.errors import PlanError
+from dflash_recipes.executor.convert import dflash_module, torch_dtype
+from dflash_recipes.executor.draft import rope_parameters
+from dflash_recipes.executor.warmstart import layout_spec
+from dflash_recipes.layout import compare_layout, expected_layout, format_layout_diff
+from dflash_recipes.plan import ResolvedDraft, RunPlan
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+ARCHITECTURE_NAME = "DFlashDraftModel"
+
+JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
+
+
+def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
+    """The ``config.json`` of an exported drafter (reference section 5)."""
+    rope = spec.rope
+    params: dict[str, JsonValue] = dict(rope_parameters(rope))
+    scaling: dict[str, JsonValue] | None = None
+    if rope.rope_type != "default" or rope.rope_scaling:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    dflash: dict[str, JsonValue] = {
+        "block_size": spec.block_size,
+        "mask_token_id": spec.mask_token_id,
+        "target_layer_ids": list(spec.target_layer_ids),
+        "projector_type": spec.projector_type,
+        "attention_sink": spec.attention_sink,
+    }
+    if spec.projector_type == "domino":
+        dflash["emb_dim"] = spec.emb_dim
+        dflash["gru_hidden_dim"] = spec.gru_hidden_dim
+    elif spec.projector_type == "dspark":
+        dflash["markov_rank"] = spec.markov_rank
+        dflash["use_confidence_head"] = spec.use_confidence_head
+    return {
+        "architectures": [ARCHITECTURE_NAME],
+        "model_type": "qwen3",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * spec.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "vocab_size": spec.vocab_size,
+        "rope_theta": rope.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": params,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "num_target_layers": spec.num_target_layers,
+        "block_size": spec.block_size,
+        "dflash_config": dflash,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_directory(staging: Path, out_dir: Path) -> None:
+    """Rename a complete ``staging`` directory to ``out_dir``, replacing an old one last."""
+    for child in staging.iterdir():
+        _fsync(child)
+    _fsync(staging)
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            msg = f"{out_dir} exists and is not a directory; choose another export directory"
+            raise FileExistsError(msg)
+        retired = out_dir.with_name(f".old-{out_dir.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, retired)
+        os.rename(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.rename(staging, out_dir)
+    _fsync(out_dir.parent)
+
+
+def export_drafter(
+    module_or_model: nn.Module, plan: RunPlan, out_dir: Path, *, dtype: str | None = None
+) -> Path:
+    """Write ``out_dir/model.safetensors`` and ``out_dir/config.json``; returns ``out_dir``.
+
+    ``dtype`` (``bfloat16``, ``float16``, ``float32``) defaults to the plan's base-model dtype.
+    Accepts a converted model or the drafter itself.
+    """
+    module = dflash_module(module_or_model)
+    spec = plan.resolved_draft()
+    dtype_name = dtype or plan.base_model.dtype
+    target_dtype = torch_dtype(dtype_name)
+    state = module.state_dict()
+    expected = expected_layout(layout_spec(spec))
+    diff = compare_layout(expected, {n: tuple(t.shape) for n, t in state.items()})
+    if not diff.is_empty:
+        msg = "the drafter does not match the plan it is exported with:\n" + format_layout_diff(
+            diff
+        )
+        raise PlanError(msg)
+    tensors = {
+        name: t.detach().to(device="cpu", dtype=target_dtype).contiguous()
+        for name, t in state.items()
+    }
+    config = drafter_config(spec, dtype_name)
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        text = json.dumps(config, indent=2, allow_nan=False) + "\n"
+        (staging / CONFIG_FILE).write_text(text, encoding="utf-8")
+        publish_directory(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+__all__ = [
+    "ARCHITECTURE_NAME",
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "drafter_config",
+    "export_drafter",
+    "publish_directory",
+]

@@ -1,0 +1,795 @@
+"""Online DFlash training: exactly what the run plan says, nothing re-decided.
+
+One optimiser step = ``gradient_accumulation_steps`` micro-batches. Each micro-batch:
+
+1. the frozen target runs on the batch with hidden states on; the plan's taps are fused;
+2. anchors are sampled per sequence (reference section 4), all blocks are packed into one
+   draft forward under the block mask (dense on CPU, block-sparse flex attention on CUDA);
+3. the drafter's states go through the target's ``lm_head``; the loss is the plan's objective
+   (decay or D-PACE weights, optional self-distillation, Domino/DSpark head objectives).
+
+Randomness is counter-based: the anchors of a sequence are drawn from a generator seeded by
+``(seed, epoch, position of the sequence in the epoch's order)``, the data order by
+``(seed, epoch)``. There is no hidden RNG stream, so a resumed run draws exactly what an
+uninterrupted run would have drawn, and a data-parallel run draws the same anchors per sequence
+as a single-process run over the same global batch.
+
+Under DDP the loss of each rank is normalised by the *global* weight sum of the micro-batch,
+so the averaged gradient equals the single-process gradient over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from dflash_recipes.errors import CheckpointError, DataError, PlanError
+from dflash_recipes.executor.anchors import (
+    block_inputs,
+    block_labels,
+    gather_teacher_logits,
+    sample_anchors,
+)
+from dflash_recipes.executor.checkpointing import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
+from dflash_recipes.executor.convert import (
+    convert,
+    dflash_module,
+    embed_tokens,
+    lm_head,
+    load_base_model,
+    torch_dtype,
+)
+from dflash_recipes.executor.data import Batch, TrainDataset, batches, batches_per_epoch
+from dflash_recipes.executor.distributed import (
+    DistEnv,
+    barrier,
+    detect_dist_env,
+    init_distributed,
+    is_main,
+    shard_target_fsdp2,
+    shutdown_distributed,
+    wrap_ddp,
+)
+from dflash_recipes.executor.draft import (
+    DFlashDraftModel,
+    build_dense_block_mask,
+    build_flex_block_mask,
+    taps_from_hidden_states,
+)
+from dflash_recipes.executor.export import export_drafter
+from dflash_recipes.executor.loss import (
+    LossOutput,
+    dflash_loss,
+    domino_backbone_weight,
+    domino_loss,
+    dspark_loss,
+    estimated_acceptance_length,
+    objective_weights,
+    per_position_accuracy,
+)
+from dflash_recipes.executor.warmstart import WarmStartReport
+from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.run_layout import (
+    EXPORT_DIR,
+    METRICS_FILE,
+    PLAN_FILE,
+    latest_complete_checkpoint,
+)
+
+logger = logging.getLogger("dflash_recipes.train")
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_ratio: float, kind: str) -> float:
+    """Multiplier of the peak learning rate at optimiser step `step` (0-based).
+
+    Linear warmup over ``ceil(warmup_ratio * total_steps)`` steps (step 0 already gets
+    ``1 / warmup``), then cosine to 0, linear to 0, or constant.
+    """
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_optimizer_steps(plan: RunPlan, num_examples: int, world_size: int) -> int:
+    """max_steps, else epochs x optimiser steps per epoch (at least 1)."""
+    training = plan.training
+    if training.max_steps is not None:
+        return training.max_steps
+    per_epoch = batches_per_epoch(
+        num_examples, batch_size=training.per_device_train_batch_size, world_size=world_size
+    )
+    steps = training.num_train_epochs * (per_epoch // training.gradient_accumulation_steps)
+    return max(1, steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainable step module (what DDP wraps)
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class DraftOutputs:
+    """Logits of one packed forward, shaped per block: ``[B, N, K, V]``."""
+
+    logits: Tensor
+    backbone_logits: Tensor | None = None
+    confidence_logit: Tensor | None = None
+
+
+class DraftStep(nn.Module):
+    """Fuse taps, run the drafter over packed blocks, apply the target's lm_head and the head.
+
+    The target's ``lm_head`` is held outside the module tree (frozen, shared, never part of the
+    drafter's parameters), so wrapping this module in DDP reduces only drafter gradients.
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, output_head: nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "_lm_head", output_head)
+
+    def forward(
+        self,
+        tapped: Tensor,
+        block_embeds: Tensor,
+        q_positions: Tensor,
+        ctx_positions: Tensor,
+        mask: object,
+        prefix_embeds: Tensor | None,
+        prefix_tokens: Tensor | None,
+    ) -> DraftOutputs:
+        drafter = self.drafter
+        head: nn.Module = self._lm_head  # type: ignore[assignment]
+        context = drafter.fuse_context(tapped)
+        hidden = drafter(block_embeds, context, q_positions, ctx_positions, mask)
+        batch, q_len, width = hidden.shape
+        block = drafter.spec.block_size
+        n_blocks = q_len // block
+        logits: Tensor = head(hidden.to(_weight_dtype(head))).float()
+        logits = logits.view(batch, n_blocks, block, -1)
+        kind = drafter.spec.projector_type
+        if kind == "dflash":
+            return DraftOutputs(logits=logits)
+        flat_hidden = hidden.reshape(batch * n_blocks, block, width)
+        flat_logits = logits.reshape(batch * n_blocks, block, -1)
+        if kind == "domino":
+            assert prefix_embeds is not None
+            corrected = drafter.domino_head(
+                flat_hidden, prefix_embeds.reshape(batch * n_blocks, block, -1), flat_logits
+            )
+            return DraftOutputs(logits=corrected.view_as(logits), backbone_logits=logits)
+        assert prefix_tokens is not None
+        out, confidence = drafter.dspark_head(
+            flat_hidden, prefix_tokens.reshape(batch * n_blocks, block), flat_logits
+        )
+        conf = confidence.view(batch, n_blocks, block) if confidence is not None else None
+        return DraftOutputs(
+            logits=out.view_as(logits), backbone_logits=logits, confidence_logit=conf
+        )
+
+
+def _weight_dtype(module: nn.Module) -> torch.dtype:
+    for parameter in module.parameters():
+        return parameter.dtype
+    return torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# per-sequence anchors (counter-based RNG)
+# ---------------------------------------------------------------------------------------------
+
+
+def anchor_generator(seed: int, epoch: int, position: int) -> torch.Generator:
+    """The generator of one sequence's anchors: a pure function of (seed, epoch, position)."""
+    digest = hashlib.sha256(f"dflash-anchors:{seed}:{epoch}:{position}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sample_batch_anchors(
+    batch: Batch,
+    *,
+    positions: list[int],
+    seed: int,
+    block_size: int,
+    num_anchors: int,
+) -> tuple[Tensor, Tensor]:
+    """Anchors ``[B, N]`` and validity, each row drawn from its own counter-based generator."""
+    rows = []
+    for row, position in enumerate(positions):
+        drawn = sample_anchors(
+            batch.loss_mask[row : row + 1],
+            batch.attention_mask[row : row + 1],
+            block_size=block_size,
+            num_anchors=num_anchors,
+            generator=anchor_generator(seed, batch.epoch, position),
+        )
+        rows.append((drawn.anchors[0], drawn.valid[0]))
+    width = max(1, max(int(a.shape[0]) for a, _ in rows))
+    anchors = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for row, (a, v) in enumerate(rows):
+        anchors[row, : a.shape[0]] = a
+        valid[row, : v.shape[0]] = v
+    return anchors, valid
+
+
+def batch_positions(batch: Batch, env: DistEnv) -> list[int]:
+    """Positions in the epoch's order of this rank's rows of the batch."""
+    local = int(batch.input_ids.shape[0])
+    global_rows = local * env.world_size
+    start = batch.next_index - global_rows + env.rank * local
+    return [start + row for row in range(local)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TrainSummary:
+    """What a finished run reports (also written as the last line of metrics.jsonl)."""
+
+    steps: int
+    resumed_from_step: int | None
+    final_loss: float
+    accuracy_by_position: tuple[float, ...]
+    acceptance_length_estimate: float
+    tokens_per_second: float
+    export_dir: str | None
+    warm_start: str | None
+    data_summary: str
+    last_eval_tau: float | None = None
+
+
+class _MetricWindow:
+    """Accumulates loss and per-position counts between logging steps."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = 0.0
+        self.micro = 0
+        self.correct = torch.zeros(self.block_size, dtype=torch.long)
+        self.count = torch.zeros(self.block_size, dtype=torch.long)
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, out: LossOutput, tokens: int) -> None:
+        self.loss_sum += float(out.loss.detach())
+        self.micro += 1
+        self.correct += out.per_position_correct.detach().cpu()
+        self.count += out.per_position_count.detach().cpu()
+        self.tokens += tokens
+
+
+class Trainer:
+    """Runs one plan: build, (warm start | resume), train, checkpoint, export."""
+
+    def __init__(self, plan: RunPlan, *, progress: bool = True) -> None:
+        self.plan = plan
+        self.spec: ResolvedDraft = plan.resolved_draft()
+        self.progress = progress
+        self.env = detect_dist_env(plan.training.device)
+        self.output_dir = Path(plan.training.output_dir)
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _check_resume_state(self) -> Path | None:
+        """The checkpoint to resume from, as the plan says; refuse to clobber unknown ones."""
+        latest = latest_complete_checkpoint(self.output_dir)
+        resume = self.plan.resume
+        if resume is None:
+            if latest is not None:
+                msg = (
+                    f"{self.output_dir} already holds training checkpoint {latest[1].name}, "
+                    "but this plan was compiled as a fresh run; recompile the recipe "
+                    "(`dflash-recipe compile` or `dflash-recipe run RECIPE`) so the plan "
+                    "resumes from it, or choose another training.output_dir"
+                )
+                raise PlanError(msg)
+            return None
+        path = Path(resume.checkpoint_dir)
+        if latest is not None and latest[0] > resume.step:
+            logger.warning(
+                "plan resumes from step %d but %s is newer; resuming from the newer one",
+                resume.step,
+                latest[1].name,
+            )
+            return latest[1]
+        if not path.is_dir():
+            msg = (
+                f"the plan resumes from {path}, which no longer exists; recompile the recipe "
+                "to resume from what output_dir holds now"
+            )
+            raise CheckpointError(msg)
+        return path
+
+    def _load_tokenizer(self) -> object:
+        from transformers import AutoTokenizer
+
+        base = self.plan.base_model
+        return AutoTokenizer.from_pretrained(
+            base.path, local_files_only=True, trust_remote_code=base.trust_remote_code
+        )
+
+    def _build_dataset(self, tokenizer: object) -> TrainDataset:
+        from dflash_recipes.executor.data import build_dataset
+
+        if self.plan.data.data_path is None:
+            msg = "the plan has no data.data_path; set it in the recipe and recompile"
+            raise DataError(msg)
+        return build_dataset(self.plan, tokenizer)  # type: ignore[arg-type]
+
+    # -- main entry -------------------------------------------------------------------------
+
+    def run(self) -> TrainSummary:
+        env = self.env
+        init_distributed(env)
+        try:
+            return self._run()
+        finally:
+            shutdown_distributed()
+
+    def _run(self) -> TrainSummary:
+        plan, env, spec = self.plan, self.env, self.spec
+        training = plan.training
+        resume_from = self._check_resume_state()
+        tokenizer = self._load_tokenizer()
+        # Data problems stop the run here, before anything is written to output_dir.
+        dataset = self._build_dataset(tokenizer)
+        if is_main(env):
+            logger.info("data: %s", dataset.summary)
+
+        base = load_base_model(plan)
+        model = convert(base, plan, init=resume_from is None)
+        drafter = dflash_module(model)
+        warm: WarmStartReport | None = getattr(drafter, "warm_start_report", None)
+        model.to(env.device)
+        # Master weights of the drafter stay float32; the frozen target keeps the plan dtype.
+        drafter.float()
+        if training.fsdp:
+            shard_target_fsdp2(model, env)
+        step_module = DraftStep(drafter, lm_head(model))
+        trainable = [p for p in drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            trainable, lr=training.learning_rate, weight_decay=training.weight_decay
+        )
+        total_steps = total_optimizer_steps(plan, len(dataset), env.world_size)
+
+        def schedule(step: int) -> float:
+            return lr_factor(
+                step,
+                total_steps=total_steps,
+                warmup_ratio=training.warmup_ratio,
+                kind=training.lr_scheduler_type,
+            )
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        start_step, epoch, next_index = 0, 0, 0
+        if resume_from is not None:
+            state = restore_training_checkpoint(resume_from, drafter, optimizer, scheduler)
+            start_step = _int(state, "step")
+            epoch = _int(state, "epoch")
+            next_index = _int(state, "next_index")
+            if is_main(env):
+                logger.info(
+                    "resumed from %s (step %d); dflash_init_checkpoint is ignored",
+                    resume_from,
+                    start_step,
+                )
+        wrapped = wrap_ddp(step_module, env)
+
+        if is_main(env):
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / PLAN_FILE).write_text(plan.to_json(), encoding="utf-8")
+        barrier(env)
+
+        data = self._data_stream(dataset, epoch, next_index)
+        window = _MetricWindow(spec.block_size)
+        metrics_path = self.output_dir / METRICS_FILE
+        last_row: dict[str, object] = {}
+        bar = self._progress_bar(total_steps, start_step)
+        position = (epoch, next_index)
+        step = start_step
+        target = model
+        embeddings = embed_tokens(model)
+        total_tokens_time = (0, 0.0)
+        last_eval_tau: float | None = None
+        for step in range(start_step, total_steps):
+            model.train(False)
+            drafter.train(True)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(training.gradient_accumulation_steps):
+                batch = next(data)
+                position = (batch.epoch, batch.next_index)
+                sync = micro == training.gradient_accumulation_steps - 1
+                context: AbstractContextManager[object] = (
+                    nullcontext() if sync or not env.is_distributed else wrapped.no_sync()  # type: ignore[operator]
+                )
+                with context:
+                    out, tokens = self._micro_step(
+                        wrapped, target, embeddings, batch, step=step, total_steps=total_steps
+                    )
+                window.add(out, tokens)
+            torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            done = step + 1
+            if bar is not None:
+                bar.update(1)
+            if done % training.logging_steps == 0 or done == total_steps:
+                last_row = self._log_metrics(window, done, scheduler.get_last_lr()[0], metrics_path)
+                elapsed = time.perf_counter() - window.started
+                total_tokens_time = (
+                    total_tokens_time[0] + window.tokens,
+                    total_tokens_time[1] + elapsed,
+                )
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f"{last_row['loss']:.3f}",
+                        tau=f"{last_row['acceptance_length_estimate']:.2f}",
+                    )
+                window.reset()
+            if training.eval_steps is not None and done % training.eval_steps == 0:
+                last_eval_tau = self._maybe_eval(model, tokenizer, done, metrics_path)
+            if done % training.save_steps == 0 or done == total_steps:
+                self._save(drafter, optimizer, scheduler, done, position)
+        if bar is not None:
+            bar.close()
+
+        export_dir: Path | None = None
+        if is_main(env):
+            export_dir = export_drafter(drafter, plan, self.output_dir / EXPORT_DIR)
+            logger.info("exported the drafter to %s", export_dir)
+        barrier(env)
+        tokens, seconds = total_tokens_time
+        acc = last_row.get("accuracy_by_position", [])
+        summary = TrainSummary(
+            steps=total_steps,
+            resumed_from_step=start_step if resume_from is not None else None,
+            final_loss=float(last_row.get("loss", float("nan"))),  # type: ignore[arg-type]
+            accuracy_by_position=tuple(acc),  # type: ignore[arg-type]
+            acceptance_length_estimate=float(last_row.get("acceptance_length_estimate", 1.0)),  # type: ignore[arg-type]
+            tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+            export_dir=str(export_dir) if export_dir is not None else None,
+            warm_start=warm.describe() if warm is not None else None,
+            data_summary=dataset.summary,
+            last_eval_tau=last_eval_tau,
+        )
+        if is_main(env):
+            _append_jsonl(metrics_path, {"kind": "summary", **attrs.asdict(summary)})
+        return summary
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _data_stream(self, dataset: TrainDataset, epoch: int, start: int) -> Iterator[Batch]:
+        training, env = self.plan.training, self.env
+        while True:
+            produced = False
+            for batch in batches(
+                dataset,
+                batch_size=training.per_device_train_batch_size,
+                seed=training.seed,
+                epoch=epoch,
+                start_index=start,
+                rank=env.rank,
+                world_size=env.world_size,
+            ):
+                produced = True
+                yield batch
+            if not produced and start == 0:
+                msg = (
+                    f"the data has {len(dataset)} usable conversations, fewer than one global "
+                    f"batch ({training.per_device_train_batch_size} x {env.world_size} "
+                    "processes); add data or lower per_device_train_batch_size"
+                )
+                raise DataError(msg)
+            epoch, start = epoch + 1, 0
+
+    def _micro_step(
+        self,
+        wrapped: nn.Module,
+        target: nn.Module,
+        embeddings: nn.Module,
+        batch: Batch,
+        *,
+        step: int,
+        total_steps: int,
+    ) -> tuple[LossOutput, int]:
+        plan, spec, env = self.plan, self.spec, self.env
+        objective = plan.draft.objective
+        device = env.device
+        ids = batch.input_ids.to(device)
+        attention = batch.attention_mask.to(device)
+        loss_mask = batch.loss_mask.to(device)
+        anchors_cpu, valid_cpu = sample_batch_anchors(
+            batch,
+            positions=batch_positions(batch, env),
+            seed=plan.training.seed,
+            block_size=spec.block_size,
+            num_anchors=objective.num_anchors,
+        )
+        anchors, valid = anchors_cpu.to(device), valid_cpu.to(device)
+        needs_teacher = objective.self_logit_distillation or (
+            spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
+        )
+        with torch.no_grad():
+            out = target(
+                input_ids=ids,
+                attention_mask=attention,
+                output_hidden_states=True,
+                use_cache=False,
+            )
+            tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+            teacher = (
+                gather_teacher_logits(out.logits.float(), anchors, block_size=spec.block_size)
+                if needs_teacher
+                else None
+            )
+            del out
+            block_ids, q_positions = block_inputs(
+                ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
+            )
+            block_embeds = embeddings(block_ids).float()
+            prefix_tokens = _prefix_tokens(ids, anchors, spec.block_size)
+            prefix_embeds = (
+                embeddings(prefix_tokens.flatten(1)).float()
+                if spec.projector_type == "domino"
+                else None
+            )
+        ctx_len = int(ids.shape[1])
+        ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
+        mask: object
+        if device.type == "cuda":
+            mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
+        else:
+            mask = build_dense_block_mask(anchors, spec.block_size, ctx_len, valid)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda" and plan.base_model.dtype == "bfloat16"
+            else nullcontext()
+        )
+        with autocast:
+            outputs: DraftOutputs = wrapped(
+                tapped, block_embeds, q_positions, ctx_positions, mask, prefix_embeds, prefix_tokens
+            )
+        labels, label_mask = block_labels(
+            ids, loss_mask, anchors, valid, block_size=spec.block_size
+        )
+        result = self._loss(outputs, labels, label_mask, teacher, step, total_steps)
+        # Normalise by the global weight sum so DDP's gradient average equals the
+        # single-process gradient over the whole global batch; then average over micro-batches.
+        weights = objective_weights(
+            outputs.logits.detach(), labels, label_mask, objective=objective
+        )
+        local = (weights * label_mask.float()).sum().detach()
+        total = all_reduce_sum(local.clone(), env)
+        scale = (local * env.world_size / total) if float(total) > 0 else torch.ones_like(local)
+        loss = result.loss * scale / plan.training.gradient_accumulation_steps
+        loss.backward()  # type: ignore[no-untyped-call]
+        tokens = int(attention.sum())
+        return result, tokens
+
+    def _loss(
+        self,
+        outputs: DraftOutputs,
+        labels: Tensor,
+        label_mask: Tensor,
+        teacher: Tensor | None,
+        step: int,
+        total_steps: int,
+    ) -> LossOutput:
+        objective = self.plan.draft.objective
+        kind = self.spec.projector_type
+        distill_teacher = teacher if objective.self_logit_distillation else None
+        if kind == "dflash":
+            return dflash_loss(
+                outputs.logits,
+                labels,
+                label_mask,
+                objective=objective,
+                teacher_logits=distill_teacher,
+            )
+        weights = objective_weights(
+            outputs.logits.detach(), labels, label_mask, objective=objective
+        )
+        if kind == "domino":
+            assert outputs.backbone_logits is not None
+            return domino_loss(
+                outputs.logits,
+                outputs.backbone_logits,
+                labels,
+                label_mask,
+                weights=weights,
+                backbone_weight=domino_backbone_weight(
+                    step, total_steps, objective.domino_backbone_loss_weight
+                ),
+                teacher_logits=distill_teacher,
+            )
+        return dspark_loss(
+            outputs.logits,
+            labels,
+            label_mask,
+            weights=weights,
+            teacher_logits=teacher,
+            confidence_logit=outputs.confidence_logit,
+            tv_weight=objective.dspark_tv_weight,
+            confidence_weight=objective.dspark_confidence_weight,
+        )
+
+    def _log_metrics(
+        self, window: _MetricWindow, step: int, lr: float, path: Path
+    ) -> dict[str, object]:
+        env = self.env
+        correct = all_reduce_sum(window.correct.to(env.device).float(), env).cpu()
+        count = all_reduce_sum(window.count.to(env.device).float(), env).cpu()
+        tokens = float(all_reduce_sum(torch.tensor(float(window.tokens), device=env.device), env))
+        acc = per_position_accuracy(correct.long(), count.long())
+        elapsed = max(1e-9, time.perf_counter() - window.started)
+        row: dict[str, object] = {
+            "kind": "train",
+            "step": step,
+            "loss": window.loss_sum / max(1, window.micro),
+            "lr": lr,
+            "accuracy_by_position": acc,
+            "acceptance_length_estimate": estimated_acceptance_length(acc),
+            "tokens_per_second": tokens / elapsed,
+        }
+        if is_main(env):
+            _append_jsonl(path, row)
+            accs = " ".join(f"{a:.2f}" for a in acc[1:])
+            logger.info(
+                "step %d loss %.4f lr %.3g acc[1..] %s tau~%.2f tok/s %.0f",
+                step,
+                row["loss"],
+                lr,
+                accs,
+                row["acceptance_length_estimate"],
+                row["tokens_per_second"],
+            )
+        return row
+
+    def _maybe_eval(
+        self, model: nn.Module, tokenizer: object, step: int, metrics_path: Path
+    ) -> float | None:
+        if not is_main(self.env) or self.plan.data.eval_data_path is None:
+            return None
+        from dflash_recipes.executor.evaluate import evaluate_on_plan_data
+
+        drafter = dflash_module(model)
+        was_training = drafter.training
+        drafter.eval()
+        report = evaluate_on_plan_data(self.plan, model, drafter, tokenizer)
+        drafter.train(was_training)
+        row = {"kind": "eval", "step": step, **report.to_dict()}
+        _append_jsonl(metrics_path, row)
+        logger.info("eval at step %d: tau %.3f (measured)", step, report.tau)
+        return report.tau
+
+    def _save(
+        self,
+        drafter: DFlashDraftModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        step: int,
+        position: tuple[int, int],
+    ) -> None:
+        env = self.env
+        if is_main(env):
+            state = {
+                "epoch": position[0],
+                "next_index": position[1],
+                "seed": self.plan.training.seed,
+                "plan_fingerprint": self.plan.fingerprint,
+                "world_size": env.world_size,
+            }
+            path = save_training_checkpoint(
+                self.output_dir,
+                step,
+                drafter,
+                optimizer,
+                scheduler,
+                state,
+                save_total_limit=self.plan.training.save_total_limit,
+            )
+            logger.info("saved %s", path)
+        barrier(env)
+
+    def _progress_bar(self, total: int, start: int) -> _Bar | None:
+        if not self.progress or not is_main(self.env):
+            return None
+        from tqdm.auto import tqdm
+
+        bar: _Bar = tqdm(total=total, initial=start, desc="train", unit="step", leave=False)
+        return bar
+
+
+class _Bar:
+    """The part of tqdm the trainer uses (for typing)."""
+
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kwargs: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _prefix_tokens(ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """``[B, N, K]``: index k holds the token at anchor + k - 1 (index 0: the anchor)."""
+    offsets = torch.arange(block_size, device=anchors.device) - 1
+    positions = (anchors.unsqueeze(-1) + offsets).clamp(min=0, max=ids.shape[1] - 1)
+    flat = torch.gather(ids, 1, positions.flatten(1))
+    return flat.view_as(positions)
+
+
+def all_reduce_sum(tensor: Tensor, env: DistEnv) -> Tensor:
+    """Sum a tensor over all ranks (identity for a single process)."""
+    if env.is_distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def _int(state: dict[str, object], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int):
+        msg = f"trainer_state.json has no integer {key!r}; the checkpoint is from another tool"
+        raise CheckpointError(msg)
+    return value
+
+
+def _append_jsonl(path: Path, row: dict[str, object]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row, allow_nan=True, sort_keys=True) + "\n")
+
+
+def run_plan(plan: RunPlan, *, progress: bool = True) -> TrainSummary:
+    """Train as the plan says and return the summary (rank 0's view under torchrun)."""
+    return Trainer(plan, progress=progress).run()
+
+
+def default_torch_dtype(plan: RunPlan) -> torch.dtype:
+    """The target's dtype from the plan."""
+    return torch_dtype(plan.base_model.dtype)
+
+
+LogFn = Callable[[str], None]
+
+__all__ = [
+    "DraftOutputs",
+    "DraftStep",
+    "TrainSummary",
+    "Trainer",
+    "anchor_generator",
+    "lr_factor",
+    "run_plan",
+    "sample_batch_anchors",
+    "total_optimizer_steps",
+]

@@ -1,0 +1,312 @@
+"""Warm start: load an exported drafter into a freshly built ``DFlashDraftModel``, bit-exactly.
+
+The checkpoint is the plan's ``init_checkpoint`` (a local directory with ``model.safetensors``
+or shards). Before any tensor byte is read, its header is checked against the layout the plan
+describes with the same code and words as ``dflash-recipe compile`` (``dflash_recipes.layout``),
+so a mismatch that slipped past compile (the Python API called directly, or the directory
+changed since) raises :class:`~dflash_recipes.errors.WarmStartError` listing every tensor.
+
+Tensors are streamed one at a time (``safetensors.safe_open``) straight into the existing
+parameters: no state dict, no second full copy. A copy is exact by construction: the
+parameter's dtype is the checkpoint's, or a wider float that holds every value of it
+(BF16/F16 -> F32/F64, F32 -> F64); anything else is refused, because it would round.
+
+Head variants may start from a plain DFlash checkpoint: head submodules absent from the
+checkpoint keep their fresh initialisation (warning names them); a partly present head
+submodule is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from dflash_recipes.checkpoint import CheckpointWeights, read_checkpoint_weights
+from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
+from dflash_recipes.layout import (
+    LayoutSpec,
+    Shape,
+    compare_layout,
+    expected_layout,
+    format_layout_diff,
+    format_partial_heads,
+    head_presence,
+    infer_architecture,
+)
+from dflash_recipes.plan import ResolvedDraft, RunPlan
+
+logger = logging.getLogger(__name__)
+
+#: Safetensors dtype names -> torch dtypes (those a drafter can hold).
+SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+# (checkpoint dtype, parameter dtype) pairs whose conversion preserves every value exactly.
+_EXACT_WIDENING: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
+    {
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float64),
+        (torch.float16, torch.float32),
+        (torch.float16, torch.float64),
+        (torch.float32, torch.float64),
+    }
+)
+
+_ARCH_FIELDS: tuple[str, ...] = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "emb_dim",
+    "gru_hidden_dim",
+    "markov_rank",
+)
+
+
+@attrs.frozen
+class WarmStartReport:
+    """What a warm start loaded."""
+
+    checkpoint: str
+    weight_files: tuple[str, ...]
+    tensors_loaded: int
+    #: Safetensors dtypes of the loaded tensors, sorted (e.g. ("BF16",)).
+    dtypes: tuple[str, ...]
+    #: Head submodules absent from the checkpoint: they keep their fresh initialisation.
+    heads_from_scratch: tuple[str, ...]
+    #: The warnings that were logged (degraded warm start, heads from scratch).
+    warnings: tuple[str, ...] = ()
+
+
+def layout_spec(spec: ResolvedDraft) -> LayoutSpec:
+    """The layout description of a resolved drafter (what decides its tensor names/shapes)."""
+    return LayoutSpec(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        n_taps=len(spec.target_layer_ids),
+        vocab_size=spec.vocab_size,
+        projector_type=spec.projector_type,
+        emb_dim=spec.emb_dim,
+        gru_hidden_dim=spec.gru_hidden_dim,
+        markov_rank=spec.markov_rank,
+        use_confidence_head=spec.use_confidence_head,
+        attention_sink=spec.attention_sink,
+    )
+
+
+def _layout_fixes(spec: ResolvedDraft, found: Mapping[str, Shape]) -> list[str]:
+    """Recipe settings that would make the layouts agree, read from the checkpoint's shapes."""
+    inferred = infer_architecture(found)
+    fixes: list[str] = []
+    for name in _ARCH_FIELDS:
+        have = inferred.get(name)
+        if have is not None and have != getattr(spec, name):
+            fixes.append(
+                f"set dflash_architecture_config.{name}: {have}, as the checkpoint's tensors say"
+            )
+    n_taps = inferred.get("n_taps")
+    if n_taps is not None and n_taps != len(spec.target_layer_ids):
+        fixes.append(
+            f"the checkpoint fuses {n_taps} tapped target layers, the plan taps "
+            f"{len(spec.target_layer_ids)}: set dflash_architecture_config.target_layer_ids "
+            "to the checkpoint's (its config.json), or leave it null to use them"
+        )
+    has_sink = any(n.endswith(".self_attn.attention_sink_bias") for n in found)
+    if has_sink != spec.attention_sink:
+        fixes.append(
+            f"set dflash_architecture_config.attention_sink: {str(has_sink).lower()}, as the "
+            "checkpoint's tensors show"
+        )
+    for name in ("hidden_size", "vocab_size"):
+        have = inferred.get(name)
+        if have is not None and have != getattr(spec, name):
+            fixes.append(
+                f"the checkpoint was trained for a target with {name} {have}, the base model has "
+                f"{getattr(spec, name)}: use the target the drafter was trained for"
+            )
+    return fixes
+
+
+def _torch_dtype(name: str, tensor: str) -> torch.dtype:
+    try:
+        return SAFETENSORS_DTYPES[name]
+    except KeyError:
+        msg = f"checkpoint tensor {tensor} has dtype {name}, which a drafter cannot hold"
+        raise WarmStartError(msg) from None
+
+
+def check_exact_copy(
+    name: str,
+    source: torch.dtype,
+    target: torch.dtype,
+    *,
+    error: type[CheckpointError] = WarmStartError,
+) -> None:
+    """Raise ``error`` unless copying ``source`` values into ``target`` keeps them exactly."""
+    if source == target or (source, target) in _EXACT_WIDENING:
+        return
+    msg = (
+        f"checkpoint tensor {name} is {source} but the drafter parameter is {target}: the copy "
+        "would round; load the checkpoint before casting the module (convert does this)"
+    )
+    raise error(msg)
+
+
+def stream_tensors(module: nn.Module, weights: CheckpointWeights, names: Iterable[str]) -> int:
+    """Copy the checkpoint tensors ``names`` into ``module``'s same-named tensors, one at a time.
+
+    Shapes and dtypes must already be checked (:func:`check_exact_copy`). Returns the count.
+    """
+    targets = module.state_dict(keep_vars=True)
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(weights.tensor_files[name], []).append(name)
+    loaded = 0
+    with torch.no_grad():
+        for file_name in weights.weight_files:
+            wanted = by_file.get(file_name)
+            if not wanted:
+                continue
+            path = weights.directory / file_name
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in wanted:
+                    source = handle.get_tensor(name)
+                    targets[name].copy_(source)
+                    del source
+                    loaded += 1
+    return loaded
+
+
+def _init_directory(plan: RunPlan) -> Path:
+    init = plan.init_checkpoint
+    if init is None:
+        msg = "the run plan has no init_checkpoint (dflash.dflash_init_checkpoint is null)"
+        raise PlanError(msg)
+    directory = Path(init.path)
+    if not directory.is_dir():
+        msg = (
+            f"dflash_init_checkpoint {directory} does not exist or is not a directory; it must be "
+            "a local directory holding an exported drafter (model.safetensors + config.json). "
+            f"Hub ids are not fetched: stage it first with `hf download <repo> --local-dir "
+            f"{directory}`"
+        )
+        raise CheckpointError(msg)
+    return directory
+
+
+def _degraded_warnings(plan: RunPlan, spec: ResolvedDraft) -> list[str]:
+    init = plan.init_checkpoint
+    assert init is not None
+    warnings: list[str] = []
+    if init.mask_token_id is not None and init.mask_token_id != spec.mask_token_id:
+        warnings.append(
+            f"warm start will be degraded: the init checkpoint was trained with mask_token_id "
+            f"{init.mask_token_id} (its config.json), this run uses {spec.mask_token_id}"
+        )
+    if init.target_layer_ids is not None and tuple(init.target_layer_ids) != tuple(
+        spec.target_layer_ids
+    ):
+        warnings.append(
+            f"warm start will be degraded: the init checkpoint was trained with target_layer_ids "
+            f"{list(init.target_layer_ids)} (its config.json), this run taps "
+            f"{list(spec.target_layer_ids)}"
+        )
+    return warnings
+
+
+def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
+    """Warm-start ``module`` (a DFlashDraftModel built from ``plan``) from the init checkpoint.
+
+    Raises CheckpointError for a missing or unreadable directory and WarmStartError for a
+    layout or dtype mismatch (nothing is copied then). Logs the degraded-start warnings and one
+    INFO line: checkpoint, tensors loaded, dtype, heads trained from scratch.
+    """
+    directory = _init_directory(plan)
+    spec = plan.resolved_draft()
+    lspec = layout_spec(spec)
+    expected = expected_layout(lspec)
+    own = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    if own != expected:
+        diff = compare_layout(expected, own)
+        msg = (
+            "the module is not the drafter this plan describes; build it with "
+            "DFlashDraftModel(plan.resolved_draft()):\n" + format_layout_diff(diff)
+        )
+        raise WarmStartError(msg)
+
+    weights = read_checkpoint_weights(directory)
+    found = weights.shapes
+    presence = head_presence(lspec, found)
+    if presence.partial:
+        raise WarmStartError(format_partial_heads(presence))
+    from_scratch = presence.absent
+    wanted = {n: s for n, s in expected.items() if n.split(".", 1)[0] not in from_scratch}
+    diff = compare_layout(wanted, found)
+    if not diff.is_empty:
+        # The compiler's words (its CHECKPOINT_LAYOUT_MISMATCH message), then the fixes.
+        fixes = "".join(f"\nfix: {fix}" for fix in _layout_fixes(spec, found))
+        msg = f"{format_layout_diff(diff)}\n(checkpoint: {weights.directory}){fixes}"
+        raise WarmStartError(msg)
+
+    params = module.state_dict(keep_vars=True)
+    for name in wanted:
+        source = _torch_dtype(weights.tensors[name].dtype, name)
+        check_exact_copy(name, source, params[name].dtype)
+
+    warnings = _degraded_warnings(plan, spec)
+    if from_scratch:
+        warnings.append(
+            "head submodules absent from the init checkpoint train from scratch: "
+            + ", ".join(from_scratch)
+        )
+    for text in warnings:
+        logger.warning(text)
+
+    loaded = stream_tensors(module, weights, wanted)
+    dtypes = tuple(sorted({weights.tensors[n].dtype for n in wanted}))
+    logger.info(
+        "warm start from %s: %d tensors loaded (%s); heads trained from scratch: %s",
+        directory,
+        loaded,
+        ", ".join(dtypes),
+        ", ".join(from_scratch) or "none",
+    )
+    return WarmStartReport(
+        checkpoint=str(directory),
+        weight_files=tuple(weights.weight_files),
+        tensors_loaded=loaded,
+        dtypes=dtypes,
+        heads_from_scratch=tuple(from_scratch),
+        warnings=tuple(warnings),
+    )
+
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "WarmStartReport",
+    "check_exact_copy",
+    "layout_spec",
+    "load_init_checkpoint",
+    "stream_tensors",
+]

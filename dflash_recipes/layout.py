@@ -1,0 +1,560 @@
+"""The tensor layout of a DFlash drafter: names and shapes, and how to compare them.
+
+One definition serves the compiler (checking a checkpoint's header before a GPU is touched)
+and the warm-start loader (checking the tensors it is about to copy), so both report a
+mismatch with the same words: :func:`format_layout_diff`.
+
+The layout is the z-lab one that serving engines load: unprefixed keys, no embedding table,
+no output head, no rotary buffer (reference sections 2 and 6).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence, Set
+from typing import Any, Literal
+
+import attrs
+
+Shape = tuple[int, ...]
+ProjectorType = Literal["dflash", "domino", "dspark"]
+
+_PROJECTORS: tuple[str, ...] = ("dflash", "domino", "dspark")
+
+#: Per-layer tensor names, after `layers.{i}.`, in the order a drafter defines them.
+LAYER_TENSORS: tuple[str, ...] = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+# Messages list at most this many grouped lines per kind; the LayoutDiff keeps everything.
+_MAX_LINES_PER_KIND = 40
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        msg = f"{attribute.name} must be a positive integer, got {value!r}"
+        raise ValueError(msg)
+
+
+def _projector(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in _PROJECTORS:
+        msg = f"{attribute.name} must be one of {', '.join(_PROJECTORS)}, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.frozen
+class LayoutSpec:
+    """Everything that decides a drafter's tensor names and shapes.
+
+    Construction checks that the fields a head variant needs are set (ValueError otherwise):
+    domino needs vocab_size, emb_dim and gru_hidden_dim; dspark needs vocab_size and
+    markov_rank. The compiler reports missing fields as diagnostics before building one.
+    """
+
+    hidden_size: int = attrs.field(validator=_positive)
+    num_hidden_layers: int = attrs.field(validator=_positive)
+    num_attention_heads: int = attrs.field(validator=_positive)
+    num_key_value_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    intermediate_size: int = attrs.field(validator=_positive)
+    #: Number of tapped target layers (fc input width is n_taps * hidden_size).
+    n_taps: int = attrs.field(validator=_positive)
+    #: The target's vocabulary; only head variants have vocab-sized tensors.
+    vocab_size: int | None = attrs.field(default=None, validator=_positive)
+    projector_type: ProjectorType = attrs.field(default="dflash", validator=_projector)
+    emb_dim: int | None = attrs.field(default=None, validator=_positive)
+    gru_hidden_dim: int | None = attrs.field(default=None, validator=_positive)
+    markov_rank: int | None = attrs.field(default=None, validator=_positive)
+    use_confidence_head: bool = False
+    attention_sink: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        needed: tuple[str, ...] = ()
+        if self.projector_type == "domino":
+            needed = ("vocab_size", "emb_dim", "gru_hidden_dim")
+        elif self.projector_type == "dspark":
+            needed = ("vocab_size", "markov_rank")
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            msg = f"projector_type {self.projector_type} needs {', '.join(missing)} to be set"
+            raise ValueError(msg)
+
+
+def backbone_layout(spec: LayoutSpec) -> dict[str, Shape]:
+    """The plain DFlash tensors (reference section 2): 3 + 11 * layers (+ sinks)."""
+    hidden = spec.hidden_size
+    q_rows = spec.num_attention_heads * spec.head_dim
+    kv_rows = spec.num_key_value_heads * spec.head_dim
+    inter = spec.intermediate_size
+    per_layer: dict[str, Shape] = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        "self_attn.q_norm.weight": (spec.head_dim,),
+        "self_attn.k_norm.weight": (spec.head_dim,),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    layout: dict[str, Shape] = {
+        "fc.weight": (hidden, spec.n_taps * hidden),
+        "hidden_norm.weight": (hidden,),
+    }
+    for index in range(spec.num_hidden_layers):
+        for suffix in LAYER_TENSORS:
+            layout[f"layers.{index}.{suffix}"] = per_layer[suffix]
+        if spec.attention_sink:
+            layout[f"layers.{index}.self_attn.attention_sink_bias"] = (spec.num_attention_heads,)
+    layout["norm.weight"] = (hidden,)
+    return layout
+
+
+def head_layout(spec: LayoutSpec) -> dict[str, Shape]:
+    """The head variant's own tensors (reference section 6); empty for plain DFlash."""
+    hidden = spec.hidden_size
+    if spec.projector_type == "domino":
+        assert spec.gru_hidden_dim is not None
+        assert spec.emb_dim is not None
+        assert spec.vocab_size is not None
+        gru = spec.gru_hidden_dim
+        return {
+            "prefix_gru.weight_ih_l0": (3 * gru, hidden),
+            "prefix_gru.weight_hh_l0": (3 * gru, gru),
+            "embed_proj.0.weight": (spec.emb_dim, hidden + gru),
+            "embed_proj.2.weight": (spec.vocab_size, spec.emb_dim),
+        }
+    if spec.projector_type == "dspark":
+        assert spec.markov_rank is not None
+        assert spec.vocab_size is not None
+        rank = spec.markov_rank
+        layout: dict[str, Shape] = {
+            "markov_w1.weight": (spec.vocab_size, rank),
+            "markov_w2.weight": (spec.vocab_size, rank),
+        }
+        if spec.use_confidence_head:
+            layout["confidence_proj.weight"] = (1, hidden + rank)
+            layout["confidence_proj.bias"] = (1,)
+        return layout
+    return {}
+
+
+def expected_layout(spec: LayoutSpec) -> dict[str, Shape]:
+    """Every tensor name -> shape a drafter with `spec` stores: backbone, then head."""
+    layout = backbone_layout(spec)
+    layout.update(head_layout(spec))
+    return layout
+
+
+def head_submodules(spec: LayoutSpec) -> dict[str, tuple[str, ...]]:
+    """Head submodule name -> its tensor names (a submodule loads whole or not at all)."""
+    names = tuple(head_layout(spec))
+    groups: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        module = name.split(".", 1)[0]
+        groups[module] = (*groups.get(module, ()), name)
+    return groups
+
+
+@attrs.frozen
+class HeadPresence:
+    """Which head submodules a checkpoint holds wholly, not at all, or only partly."""
+
+    complete: tuple[str, ...]
+    absent: tuple[str, ...]
+    #: Submodule -> (its tensors the checkpoint has, its tensors the checkpoint lacks).
+    partial: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+
+def head_presence(spec: LayoutSpec, found: Mapping[str, Shape]) -> HeadPresence:
+    """Sort the head submodules of `spec` by how much of each `found` contains.
+
+    Absent submodules train from scratch; a partial one is an error (never a half load).
+    """
+    complete: list[str] = []
+    absent: list[str] = []
+    partial: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for module, names in head_submodules(spec).items():
+        have = tuple(n for n in names if n in found)
+        lack = tuple(n for n in names if n not in found)
+        if not lack:
+            complete.append(module)
+        elif not have:
+            absent.append(module)
+        else:
+            partial[module] = (have, lack)
+    return HeadPresence(complete=tuple(complete), absent=tuple(absent), partial=partial)
+
+
+def format_partial_heads(presence: HeadPresence) -> str:
+    """One message naming each partly present head submodule, what it has and what it lacks."""
+    lines = ["head submodules are only partly present in the checkpoint (no half loads):"]
+    for module, (have, lack) in presence.partial.items():
+        lines.append(f"  {module}: has {', '.join(have)}; lacks {', '.join(lack)}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparing layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LayoutDiff:
+    """Differences between an expected layout and what a checkpoint holds."""
+
+    #: Expected but absent: name -> expected shape.
+    missing: Mapping[str, Shape]
+    #: Present but not expected: name -> found shape.
+    unexpected: Mapping[str, Shape]
+    #: Present with another shape: name -> (expected, found).
+    mismatched: Mapping[str, tuple[Shape, Shape]]
+    #: Present with the expected shape (lets messages tell a wholly absent layer).
+    matched: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the layouts agree exactly."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    @property
+    def count(self) -> int:
+        """Number of offending tensors."""
+        return len(self.missing) + len(self.unexpected) + len(self.mismatched)
+
+
+_NUMBER_RE = re.compile(r"(\d+)")
+
+
+def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in _NUMBER_RE.split(name))
+
+
+def compare_layout(expected: Mapping[str, Shape], found: Mapping[str, Shape]) -> LayoutDiff:
+    """Missing, unexpected and shape-mismatched tensors, each sorted naturally by name."""
+    missing = {n: tuple(expected[n]) for n in expected if n not in found}
+    unexpected = {n: tuple(found[n]) for n in found if n not in expected}
+    mismatched = {
+        n: (tuple(expected[n]), tuple(found[n]))
+        for n in expected
+        if n in found and tuple(expected[n]) != tuple(found[n])
+    }
+    return LayoutDiff(
+        missing=dict(sorted(missing.items(), key=lambda i: _natural_key(i[0]))),
+        unexpected=dict(sorted(unexpected.items(), key=lambda i: _natural_key(i[0]))),
+        mismatched=dict(sorted(mismatched.items(), key=lambda i: _natural_key(i[0]))),
+        matched=tuple(n for n in expected if n in found and n not in mismatched),
+    )
+
+
+def format_indices(indices: Sequence[int]) -> str:
+    """`{0..4}` for a run, `{0,2,5}` for scattered indices, `{0..3,7}` mixed, `{5}` alone.
+
+    Runs of three or more collapse to `a..b`; shorter runs are listed.
+    """
+    values = sorted(set(indices))
+    parts: list[str] = []
+    start = 0
+    while start < len(values):
+        end = start
+        while end + 1 < len(values) and values[end + 1] == values[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{values[start]}..{values[end]}")
+        else:
+            parts.extend(str(v) for v in values[start : end + 1])
+        start = end + 1
+    return "{" + ",".join(parts) + "}"
+
+
+def _format_shape(shape: Shape | None) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]" if shape is not None else "none"
+
+
+def _split_index(name: str) -> tuple[str, int, str] | None:
+    """Split at the first dotted component that is a number: `layers.3.mlp...` -> 3."""
+    parts = name.split(".")
+    for position, part in enumerate(parts):
+        if part.isdigit() and len(part) <= 9:
+            prefix = ".".join(parts[:position])
+            suffix = ".".join(parts[position + 1 :])
+            return prefix, int(part), suffix
+    return None
+
+
+def _whole_blocks(names: Sequence[str], others: Sequence[str]) -> set[tuple[str, int]]:
+    """(prefix, index) blocks of two or more `names` that share no index with `others`.
+
+    A layer the checkpoint lacks entirely (or has in excess) reads better as one line.
+    """
+    counts: dict[tuple[str, int], int] = {}
+    for name in names:
+        split = _split_index(name)
+        if split is not None:
+            counts[split[:2]] = counts.get(split[:2], 0) + 1
+    taken = {split[:2] for name in others if (split := _split_index(name)) is not None}
+    return {block for block, count in counts.items() if count >= 2 and block not in taken}
+
+
+def _grouped_lines(
+    items: Mapping[str, tuple[Shape | None, Shape | None]],
+    label: str,
+    whole: Set[tuple[str, int]] = frozenset(),
+) -> list[str]:
+    """One line per (name pattern, expected shape, found shape), indices collapsed."""
+    groups: dict[tuple[str, str, Shape | None, Shape | None], list[int]] = {}
+    block_sizes: dict[tuple[str, int], int] = {}
+    singles: list[tuple[str, Shape | None, Shape | None]] = []
+    for name, (want, have) in items.items():
+        split = _split_index(name)
+        if split is None:
+            singles.append((name, want, have))
+            continue
+        prefix, index, suffix = split
+        if (prefix, index) in whole:
+            block_sizes[prefix, index] = block_sizes.get((prefix, index), 0) + 1
+            continue
+        groups.setdefault((prefix, suffix, want, have), []).append(index)
+    rows: list[tuple[tuple[tuple[int, int | str], ...], str]] = []
+    for name, want, have in singles:
+        rows.append((_natural_key(name), _line(label, name, want, have)))
+    for (prefix, suffix, want, have), indices in groups.items():
+        lead = f"{prefix}." if prefix else ""
+        tail = f".{suffix}" if suffix else ""
+        pattern = f"{lead}{format_indices(indices)}{tail}"
+        key = _natural_key(f"{lead}{min(indices)}{tail}")
+        rows.append((key, _line(label, pattern, want, have)))
+    by_prefix: dict[str, list[int]] = {}
+    for prefix, index in block_sizes:
+        by_prefix.setdefault(prefix, []).append(index)
+    for prefix, indices in by_prefix.items():
+        lead = f"{prefix}." if prefix else ""
+        total = sum(block_sizes[prefix, i] for i in indices)
+        noun = "layers" if prefix.rpartition(".")[2] == "layers" else "blocks"
+        if label == "missing":
+            tail = f"whole {noun} the checkpoint lacks"
+        else:
+            tail = f"whole {noun} the recipe does not expect"
+        text = f"  {label}: {lead}{format_indices(indices)}.*: {total} tensors, {tail}"
+        rows.append((_natural_key(f"{lead}{min(indices)}"), text))
+    rows.sort(key=lambda row: row[0])
+    lines = [text for _, text in rows]
+    if len(lines) > _MAX_LINES_PER_KIND:
+        hidden = len(lines) - _MAX_LINES_PER_KIND
+        lines = [
+            *lines[:_MAX_LINES_PER_KIND],
+            f"  ... and {hidden} more {label or 'with another shape'}",
+        ]
+    return lines
+
+
+def _line(label: str, pattern: str, want: Shape | None, have: Shape | None) -> str:
+    lead = f"  {label}: " if label else "  "
+    if want is None:
+        return f"{lead}{pattern}: checkpoint has {_format_shape(have)}, recipe expects none"
+    if have is None:
+        return f"{lead}{pattern}: recipe expects {_format_shape(want)}, checkpoint has none"
+    return f"{lead}{pattern}: recipe expects {_format_shape(want)}, checkpoint has " + (
+        _format_shape(have)
+    )
+
+
+def format_layout_diff(diff: LayoutDiff, *, fixes: Sequence[str] = ()) -> str:
+    """One message listing every offending tensor, grouped by layer pattern, then the fixes.
+
+    ::
+
+        checkpoint tensors do not match the drafter the recipe describes (5 shapes differ):
+          layers.{0..4}.mlp.gate_proj.weight: recipe expects [22016, 4096], checkpoint has ...
+          missing: layers.{5}.input_layernorm.weight: recipe expects [4096], checkpoint has none
+        fix: set dflash_architecture_config.intermediate_size: 12288
+    """
+    counts: list[str] = []
+    if diff.mismatched:
+        counts.append(f"{len(diff.mismatched)} with another shape")
+    if diff.missing:
+        counts.append(f"{len(diff.missing)} missing")
+    if diff.unexpected:
+        counts.append(f"{len(diff.unexpected)} unexpected")
+    summary = ", ".join(counts) if counts else "no differences"
+    lines = [f"checkpoint tensors do not match the drafter the recipe describes ({summary}):"]
+    lines += _grouped_lines({n: (w, h) for n, (w, h) in diff.mismatched.items()}, "")
+    present = [*diff.matched, *diff.mismatched]
+    missing_blocks = _whole_blocks(list(diff.missing), present)
+    extra_blocks = _whole_blocks(list(diff.unexpected), [*present, *diff.missing])
+    lines += _grouped_lines(
+        {n: (w, None) for n, w in diff.missing.items()}, "missing", missing_blocks
+    )
+    lines += _grouped_lines(
+        {n: (None, h) for n, h in diff.unexpected.items()}, "unexpected", extra_blocks
+    )
+    lines += [f"fix: {fix}" for fix in fixes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading dimensions back from a header
+# ---------------------------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+
+
+def _dim(found: Mapping[str, Shape], name: str, rank: int, axis: int) -> int | None:
+    shape = found.get(name)
+    if shape is None or len(shape) != rank or shape[axis] <= 0:
+        return None
+    return int(shape[axis])
+
+
+def infer_architecture(found: Mapping[str, Shape]) -> dict[str, int]:
+    """Drafter dimensions implied by tensor shapes; fields it cannot tell are left out.
+
+    Keys (when derivable): num_hidden_layers, hidden_size, n_taps, head_dim,
+    num_attention_heads, num_key_value_heads, intermediate_size, and for head variants
+    vocab_size, emb_dim, gru_hidden_dim, markov_rank. Never raises on odd shapes.
+    """
+    dims: dict[str, int] = {}
+    layers = sorted({int(m.group(1)) for n in found if (m := _LAYER_RE.match(n))})
+    if layers:
+        dims["num_hidden_layers"] = layers[-1] + 1
+    hidden = (
+        _dim(found, "norm.weight", 1, 0)
+        or _dim(found, "hidden_norm.weight", 1, 0)
+        or _dim(found, "fc.weight", 2, 0)
+    )
+    if hidden:
+        dims["hidden_size"] = hidden
+        fc_in = _dim(found, "fc.weight", 2, 1)
+        if fc_in and fc_in % hidden == 0:
+            dims["n_taps"] = fc_in // hidden
+    if layers:
+        first = f"layers.{layers[0]}."
+        head_dim = _dim(found, first + "self_attn.q_norm.weight", 1, 0)
+        if head_dim:
+            dims["head_dim"] = head_dim
+            for key, tensor in (
+                ("num_attention_heads", "self_attn.q_proj.weight"),
+                ("num_key_value_heads", "self_attn.k_proj.weight"),
+            ):
+                rows = _dim(found, first + tensor, 2, 0)
+                if rows and rows % head_dim == 0:
+                    dims[key] = rows // head_dim
+        inter = _dim(found, first + "mlp.gate_proj.weight", 2, 0)
+        if inter:
+            dims["intermediate_size"] = inter
+    vocab = _dim(found, "markov_w1.weight", 2, 0) or _dim(found, "embed_proj.2.weight", 2, 0)
+    if vocab:
+        dims["vocab_size"] = vocab
+    emb = _dim(found, "embed_proj.0.weight", 2, 0)
+    if emb:
+        dims["emb_dim"] = emb
+    gru = _dim(found, "prefix_gru.weight_hh_l0", 2, 1)
+    if gru:
+        dims["gru_hidden_dim"] = gru
+    rank = _dim(found, "markov_w1.weight", 2, 1)
+    if rank:
+        dims["markov_rank"] = rank
+    return dims
+
+
+#: Recipe fields under dflash.dflash_architecture_config that tensor shapes determine.
+_SETTABLE_FIELDS: tuple[str, ...] = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "emb_dim",
+    "gru_hidden_dim",
+    "markov_rank",
+)
+
+
+def suggest_layout_fixes(
+    spec: LayoutSpec,
+    found: Mapping[str, Shape],
+    *,
+    field_prefix: str = "dflash_architecture_config.",
+) -> list[str]:
+    """Fix lines for :func:`format_layout_diff`, from the dims the checkpoint's shapes imply.
+
+    `set <field>: <value>` for each recipe field that disagrees; a note for the hidden size
+    (it comes from the base model and cannot be set) and for the tap count.
+    """
+    inferred = infer_architecture(found)
+    fixes: list[str] = []
+    for name in _SETTABLE_FIELDS:
+        have = inferred.get(name)
+        if have is not None and getattr(spec, name) not in (None, have):
+            fixes.append(f"set {field_prefix}{name}: {have} (the checkpoint's tensors say so)")
+    hidden = inferred.get("hidden_size")
+    if hidden is not None and hidden != spec.hidden_size:
+        fixes.append(
+            f"the checkpoint was trained for a target with hidden_size {hidden}, but the base "
+            f"model's is {spec.hidden_size}: use the base model this drafter was trained for"
+        )
+    taps = inferred.get("n_taps")
+    if taps is not None and hidden == spec.hidden_size and taps != spec.n_taps:
+        fixes.append(
+            f"the checkpoint's fc.weight takes {taps} tapped layers, the recipe gives "
+            f"{spec.n_taps}: set {field_prefix}target_layer_ids to the checkpoint's {taps} taps"
+        )
+    return fixes
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Default taps (reference section 3): one layer -> N // 2, else spread over 1 .. N - 3.
+
+    `round(1 + i * (N - 4) / (L - 1))` with Python's round (half to even). Raises ValueError
+    when the target is too shallow for the formula to give distinct layers inside it.
+    """
+    n, count = num_target_layers, num_draft_layers
+    if n < 1 or count < 1:
+        msg = f"need at least one target and one draft layer, got N={n}, L={count}"
+        raise ValueError(msg)
+    if count == 1:
+        return (n // 2,)
+    ids = tuple(round(1 + i * (n - 4) / (count - 1)) for i in range(count))
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n:
+        msg = (
+            f"the default taps formula gives {list(ids)} for a {n}-layer target and {count} "
+            "draft layers (out of range or repeated); set target_layer_ids explicitly"
+        )
+        raise ValueError(msg)
+    return ids
+
+
+__all__ = [
+    "LAYER_TENSORS",
+    "HeadPresence",
+    "LayoutDiff",
+    "LayoutSpec",
+    "ProjectorType",
+    "Shape",
+    "backbone_layout",
+    "compare_layout",
+    "default_target_layer_ids",
+    "expected_layout",
+    "format_indices",
+    "format_layout_diff",
+    "format_partial_heads",
+    "head_layout",
+    "head_presence",
+    "head_submodules",
+    "infer_architecture",
+    "suggest_layout_fixes",
+]

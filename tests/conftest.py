@@ -1,0 +1,141 @@
+"""Shared fixtures: tiny base-model folders, tiny drafter checkpoints and tiny recipes.
+
+Everything is generated into `tmp_path` (no downloads, no torch). The default sizes agree with
+`st_fixtures`: an 8-layer target 32 wide with a 256-token vocabulary, and a 2-layer drafter
+(4 heads, 2 kv heads, head_dim 8, intermediate 64) tapping [1, 5] with mask id 250, block 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from st_fixtures import write_base_model, write_drafter_checkpoint
+
+from dflash_recipes.recipe import (
+    DataSection,
+    DFlashArchitectureConfig,
+    DFlashSection,
+    ModelSection,
+    Recipe,
+    TrainingSection,
+)
+
+#: The architecture of the default tiny drafter (st_fixtures.write_drafter_checkpoint).
+TINY_ARCH: Mapping[str, int] = {
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 64,
+}
+TINY_TAPS = (1, 5)
+TINY_MASK = 250
+
+
+@pytest.fixture
+def base_model(tmp_path: Path) -> Path:
+    """`tmp_path/base`: config.json of an 8-layer Qwen3-style target (hidden 32, vocab 256)."""
+    return write_base_model(tmp_path / "base")
+
+
+@pytest.fixture
+def drafter(tmp_path: Path) -> Path:
+    """`tmp_path/drafter`: an exported 2-layer drafter (model.safetensors + config.json)."""
+    return write_drafter_checkpoint(tmp_path / "drafter")
+
+
+@pytest.fixture
+def train_file(tmp_path: Path) -> Path:
+    """`tmp_path/train.jsonl` with one conversation."""
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n', encoding="utf-8")
+    return path
+
+
+RecipeFactory = Callable[..., Recipe]
+
+
+@pytest.fixture
+def make_recipe(base_model: Path, train_file: Path) -> RecipeFactory:
+    """Build a Recipe for the tiny target; paths are relative to tmp_path (pass base_dir).
+
+    Keyword arguments: `init` (init checkpoint value or None), `arch` (fields replacing the
+    tiny architecture; None values unset them), `dflash`, `data`, `training` (section fields).
+    """
+
+    def build(
+        *,
+        init: str | None = "drafter",
+        arch: Mapping[str, Any] | None = None,
+        dflash: Mapping[str, Any] | None = None,
+        data: Mapping[str, Any] | None = None,
+        training: Mapping[str, Any] | None = None,
+        model: str = "base",
+    ) -> Recipe:
+        arch_fields: dict[str, Any] = {**TINY_ARCH, **(arch or {})}
+        return Recipe(
+            model=ModelSection(model_name_or_path=model),
+            data=DataSection(**{"data_path": train_file.name, **(data or {})}),
+            training=TrainingSection(**(training or {})),
+            dflash=DFlashSection(
+                dflash_init_checkpoint=init,
+                dflash_architecture_config=DFlashArchitectureConfig(**arch_fields),
+                **(dflash or {}),
+            ),
+        )
+
+    return build
+
+
+@pytest.fixture
+def write_recipe(tmp_path: Path) -> Callable[..., Path]:
+    """Write a recipe file into tmp_path: YAML text as given, or a dict dumped as YAML."""
+
+    def write(content: str | Mapping[str, Any], name: str = "recipe.yaml") -> Path:
+        path = tmp_path / name
+        text = content if isinstance(content, str) else yaml.safe_dump(dict(content))
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def recipe_text() -> Callable[..., str]:
+    """Render a tiny recipe as YAML text (see :func:`_recipe_yaml`)."""
+    return _recipe_yaml
+
+
+def _recipe_yaml(
+    *,
+    init: str | None = "drafter",
+    arch: Mapping[str, Any] | None = None,
+    dflash: Mapping[str, Any] | None = None,
+    data_path: str | None = "train.jsonl",
+) -> str:
+    """A tiny recipe as YAML text, one key per line (so diagnostics have distinct lines)."""
+    arch_fields = {**TINY_ARCH, **(arch or {})}
+    lines = ["model:", "  model_name_or_path: base", "data:"]
+    lines.append(f"  data_path: {data_path}" if data_path else "  data_path: null")
+    lines += ["dflash:"]
+    if init is not None:
+        lines.append(f"  dflash_init_checkpoint: {init}")
+    for key, value in (dflash or {}).items():
+        lines.append(f"  {key}: {_flow(value)}")
+    lines.append("  dflash_architecture_config:")
+    for key, value in arch_fields.items():
+        if value is not None:
+            lines.append(f"    {key}: {_flow(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _flow(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)

@@ -1,0 +1,412 @@
+"""Distributed helpers: torchrun environment, launch command, and a real 2-process gloo run.
+
+The multi-process test starts this file as a script twice with the variables torchrun sets
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `detect_dist_env` reads a real
+launch environment; the workers write what they computed and the test compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_recipes.errors import LaunchError
+from dflash_recipes.executor.distributed import (
+    DEFAULT_RDZV_ID,
+    DistEnv,
+    all_reduce_mean,
+    barrier,
+    broadcast_object,
+    build_torchrun_argv,
+    detect_dist_env,
+    init_distributed,
+    is_launched_process,
+    is_main,
+    launch_torchrun,
+    shard_target_fsdp2,
+    shutdown_distributed,
+    unwrap_ddp,
+    wrap_ddp,
+)
+
+TORCHRUN_ENV = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# detect_dist_env
+# ---------------------------------------------------------------------------------------------
+
+
+def test_no_launcher_variables_is_a_single_cpu_process() -> None:
+    env = detect_dist_env("cpu", environ={"MASTER_ADDR": "somehost"})
+    assert env == DistEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        is_distributed=False,
+        backend="gloo",
+        device=torch.device("cpu"),
+    )
+    assert is_main(env)
+
+
+def test_torchrun_environment_is_read() -> None:
+    env = detect_dist_env("cpu", environ=TORCHRUN_ENV)
+    assert (env.rank, env.world_size, env.local_rank) == (1, 2, 1)
+    assert env.is_distributed
+    assert env.backend == "gloo"
+    assert not is_main(env)
+    assert is_launched_process(TORCHRUN_ENV)
+    assert not is_launched_process({"LOCAL_RANK": "0"})
+
+
+def test_world_size_one_under_torchrun_is_not_distributed() -> None:
+    env = detect_dist_env("cpu", environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    assert not env.is_distributed
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"RANK": "0"}, "WORLD_SIZE, LOCAL_RANK not"),
+        ({"RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE not"),
+        ({**TORCHRUN_ENV, "RANK": "2"}, "RANK=2 is outside 0..1"),
+        ({**TORCHRUN_ENV, "WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE=0 must be at least 1"),
+        ({**TORCHRUN_ENV, "RANK": "one"}, "RANK='one' is not an integer"),
+        ({**TORCHRUN_ENV, "RANK": "0", "LOCAL_RANK": "1"}, "LOCAL_RANK=1 is inconsistent"),
+        ({k: v for k, v in TORCHRUN_ENV.items() if k != "MASTER_ADDR"}, "MASTER_ADDR not set"),
+        ({**TORCHRUN_ENV, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+    ],
+)
+def test_partial_or_inconsistent_environment_says_how_to_launch(
+    environ: dict[str, str], expected: str
+) -> None:
+    with pytest.raises(LaunchError) as info:
+        detect_dist_env("cpu", environ=environ)
+    assert expected in str(info.value)
+    assert "--nproc-per-node" in str(info.value)
+
+
+def test_cuda_requested_without_cuda_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LaunchError, match="set training.device: cpu"):
+        detect_dist_env("cuda", environ={})
+    assert detect_dist_env("auto", environ={}).device == torch.device("cpu")
+
+
+def test_cuda_picks_the_local_rank_gpu_and_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    env = detect_dist_env("auto", environ=TORCHRUN_ENV)
+    assert env.device == torch.device("cuda", 1)
+    assert env.backend == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(LaunchError, match="only 1 CUDA device"):
+        detect_dist_env("cuda", environ=TORCHRUN_ENV)
+
+
+def test_single_process_helpers_are_no_ops() -> None:
+    env = detect_dist_env("cpu", environ={})
+    init_distributed(env)
+    assert not torch.distributed.is_initialized()
+    value = torch.tensor([1, 3])
+    mean = all_reduce_mean(value, env)
+    assert mean.dtype.is_floating_point
+    assert mean.tolist() == [1.0, 3.0]
+    marker = {"step": 3}
+    assert broadcast_object(marker, env) is marker
+    barrier(env)
+    module = nn.Linear(2, 2)
+    assert wrap_ddp(module, env) is module
+    assert unwrap_ddp(module) is module
+    assert shard_target_fsdp2(module, env) is module
+    shutdown_distributed()
+    shutdown_distributed()
+
+
+# ---------------------------------------------------------------------------------------------
+# build_torchrun_argv / launch_torchrun
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_as_torchrun(argv: list[str]) -> dict[str, object]:
+    """Parse our command with torchrun's own parser, so the flags are ones torchrun accepts."""
+    from torch.distributed.run import get_args_parser
+
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    return vars(get_args_parser().parse_args(argv[3:]))
+
+
+def test_single_node_command_is_standalone() -> None:
+    argv = build_torchrun_argv(["plan.json"], nproc_per_node=2)
+    assert argv == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "-m",
+        "dflash_recipes.cli",
+        "run",
+        "plan.json",
+    ]
+    args = _parse_as_torchrun(argv)
+    assert args["standalone"] is True
+    assert args["nproc_per_node"] == "2"
+    assert args["module"] is True
+    assert args["training_script"] == "dflash_recipes.cli"
+    assert args["training_script_args"] == ["run", "plan.json"]
+
+
+def test_multi_node_command_uses_c10d_rendezvous() -> None:
+    argv = build_torchrun_argv(
+        ["recipe.yaml", "training.max_steps=10"],
+        nproc_per_node=8,
+        nnodes=4,
+        rdzv_endpoint="node001:29500",
+        rdzv_id="123456",
+    )
+    args = _parse_as_torchrun(argv)
+    assert args["standalone"] is False
+    assert (args["nnodes"], args["nproc_per_node"]) == ("4", "8")
+    assert (args["rdzv_backend"], args["rdzv_endpoint"], args["rdzv_id"]) == (
+        "c10d",
+        "node001:29500",
+        "123456",
+    )
+    assert args["training_script_args"] == ["run", "recipe.yaml", "training.max_steps=10"]
+    default_id = build_torchrun_argv(["p.json"], nproc_per_node=1, rdzv_endpoint="[fd00::1]:29400")
+    assert _parse_as_torchrun(default_id)["rdzv_id"] == DEFAULT_RDZV_ID
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"nproc_per_node": 0}, "--nproc-per-node must be a positive integer"),
+        ({"nproc_per_node": 2, "nnodes": 0}, "--nnodes must be a positive integer"),
+        ({"nproc_per_node": 2, "nnodes": 2}, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        ({"nproc_per_node": 2, "nnodes": 2, "rdzv_endpoint": "node001"}, "is not HOST:PORT"),
+        ({"nproc_per_node": 2, "rdzv_endpoint": "node001:99999"}, "is not HOST:PORT"),
+        ({"nproc_per_node": 2, "rdzv_endpoint": "bad host:1"}, "is not HOST:PORT"),
+        ({"nproc_per_node": 2, "rdzv_id": "42"}, "--rdzv-id only applies with --rdzv-endpoint"),
+        (
+            {"nproc_per_node": 2, "rdzv_endpoint": "h:1", "rdzv_id": "a b"},
+            "--rdzv-id 'a b' must be",
+        ),
+    ],
+)
+def test_invalid_launch_options_are_explained(kwargs: dict[str, object], expected: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        build_torchrun_argv(["plan.json"], **kwargs)  # type: ignore[arg-type]
+    assert expected in str(info.value)
+
+
+def test_launch_options_are_not_forwarded_to_the_workers() -> None:
+    with pytest.raises(LaunchError, match="would launch again"):
+        build_torchrun_argv(["plan.json", "--nproc-per-node=2"], nproc_per_node=2)
+
+
+def test_launch_returns_the_exit_code() -> None:
+    assert launch_torchrun([sys.executable, "-c", "raise SystemExit(3)"]) == 0 + 3
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert launch_torchrun([sys.executable, "-c", killed]) == 128 + signal.SIGTERM
+    with pytest.raises(LaunchError, match="could not start"):
+        launch_torchrun(["/nonexistent/torchrun-binary"])
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes, gloo
+# ---------------------------------------------------------------------------------------------
+
+GLOBAL_BATCH = 8
+SGD_STEPS = 3
+
+
+class _Drafter(nn.Module):
+    """A trainable head plus a frozen parameter standing in for the borrowed target weights."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+        self.borrowed = nn.Parameter(torch.full((2,), float(rank)), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.embed_tokens(ids)
+        for layer in self.layers:
+            hidden = torch.tanh(layer(hidden))
+        out: torch.Tensor = self.norm(hidden)
+        return out
+
+
+class _Target(nn.Module):
+    """Hugging Face shape: `model.layers` inside, `lm_head` outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Decoder()
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.model(ids))
+        return out
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(SGD_STEPS):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+
+def _worker(out_dir: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    env = detect_dist_env("cpu")
+    init_distributed(env)
+    init_distributed(env)  # idempotent
+    result: dict[str, object] = {"rank": env.rank, "world_size": env.world_size}
+    try:
+        value = torch.tensor([float(env.rank + 1), 10.0 * (env.rank + 1)])
+        result["mean"] = all_reduce_mean(value, env).tolist()
+        result["input_after"] = value.tolist()
+        payload = {"fingerprint": "abc123", "step": 7} if is_main(env) else None
+        result["broadcast"] = broadcast_object(payload, env)
+        barrier(env)
+
+        # DDP: each rank half of the global batch; start from different weights on purpose.
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(GLOBAL_BATCH, 4, generator=gen)
+        y = torch.randn(GLOBAL_BATCH, 3, generator=gen)
+        torch.manual_seed(100 + env.rank)
+        ddp = wrap_ddp(_Drafter(env.rank), env)
+        share = GLOBAL_BATCH // env.world_size
+        lo = env.rank * share
+        _train(ddp, x[lo : lo + share], y[lo : lo + share])
+        drafter = unwrap_ddp(ddp)
+        assert isinstance(drafter, _Drafter)
+        torch.manual_seed(100)  # rank 0's initial weights, which DDP broadcast
+        reference = _Drafter(0)
+        _train(reference, x, y)
+        result["ddp_weight"] = drafter.head.weight.tolist()
+        result["ddp_bias"] = drafter.head.bias.tolist()
+        result["ddp_vs_single_max_diff"] = max(
+            (drafter.head.weight - reference.head.weight).abs().max().item(),
+            (drafter.head.bias - reference.head.bias).abs().max().item(),
+        )
+        result["borrowed_after_wrap"] = drafter.borrowed.tolist()
+
+        # FSDP2: a frozen target sharded layer-wise gives the unsharded outputs.
+        torch.manual_seed(0)
+        target = _Target().requires_grad_(False)
+        ids = torch.tensor([[1, 2, 3, 5, 8]])
+        with torch.no_grad():
+            expected = target(ids)
+            shard_target_fsdp2(target, env)
+            layer_weight = target.model.layers[0].weight
+            result["layer_is_dtensor"] = isinstance(layer_weight, DTensor)
+            result["layer_local_rows"] = (
+                layer_weight.to_local().shape[0] if isinstance(layer_weight, DTensor) else None
+            )
+            result["embed_is_dtensor"] = isinstance(target.model.embed_tokens.weight, DTensor)
+            got = target(ids)
+            result["fsdp_max_diff"] = (got - expected).abs().max().item()
+            result["layer_resharded"] = isinstance(target.model.layers[0].weight, DTensor)
+            # the drafter borrows these outside the target's forward
+            result["borrowed_embed_shape"] = list(target.model.embed_tokens(ids).shape)
+    finally:
+        shutdown_distributed()
+        shutdown_distributed()
+    (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+    )
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(tmp_path)],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    elapsed = time.monotonic() - start
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{out}"
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+
+    assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
+    for r in (r0, r1):
+        assert r["mean"] == [1.5, 15.0]
+        assert r["broadcast"] == {"fingerprint": "abc123", "step": 7}
+        assert r["ddp_vs_single_max_diff"] < 1e-6
+        assert r["layer_is_dtensor"] and r["layer_resharded"]
+        assert r["layer_local_rows"] == 4  # 8 rows split over 2 ranks
+        assert not r["embed_is_dtensor"]
+        assert r["fsdp_max_diff"] < 1e-6
+        assert r["borrowed_embed_shape"] == [1, 5, 8]
+    assert r1["input_after"] == [2.0, 20.0]  # all_reduce_mean leaves its input alone
+    assert r0["ddp_weight"] == r1["ddp_weight"]
+    assert r0["ddp_bias"] == r1["ddp_bias"]
+    # frozen parameters are not broadcast by DDP (each rank loads them itself)
+    assert r1["borrowed_after_wrap"] == [1.0, 1.0]
+    print(f"2-process gloo run took {elapsed:.1f}s")
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

@@ -1,0 +1,233 @@
+"""Warm start from an exported drafter (mirrors the seed's TestDFlashWarmStart)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_recipes.errors import CheckpointError, WarmStartError
+from dflash_recipes.executor.checkpointing import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
+from dflash_recipes.executor.convert import convert
+from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.executor.export import export_drafter
+from dflash_recipes.executor.warmstart import load_init_checkpoint
+from dflash_recipes.plan import ResumePlan, RunPlan
+
+from .tiny import tiny_plan, tiny_target, with_init_checkpoint
+
+DOMINO = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+DSPARK = {"projector_type": "dspark", "markov_rank": 4, "use_confidence_head": True}
+
+
+def exported(tmp_path: Path, dtype: str = "bfloat16", **overrides: object) -> tuple[RunPlan, Path]:
+    """A trained-looking plain drafter exported to tmp_path/init; returns its plan and path."""
+    plan = tiny_plan(tmp_path, **overrides)
+    module = DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(7))
+    return plan, export_drafter(module, plan, tmp_path / "init", dtype=dtype)
+
+
+def fresh(plan: RunPlan) -> DFlashDraftModel:
+    return DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(99))
+
+
+def test_round_trip_at_another_block_size_is_bit_exact(tmp_path: Path) -> None:
+    _, init = exported(tmp_path, block_size=4)
+    plan = with_init_checkpoint(tiny_plan(tmp_path, block_size=8), init)
+    model = convert(tiny_target(plan), plan)
+    source = load_file(str(init / "model.safetensors"))
+    loaded = model.dflash_module.state_dict()
+    assert loaded.keys() == source.keys()
+    for name, tensor in source.items():
+        assert loaded[name].dtype == torch.float32  # master weights; bf16 widens exactly
+        assert torch.equal(loaded[name], tensor.to(torch.float32)), name
+
+
+def test_float32_checkpoint_loads_bit_exactly(tmp_path: Path) -> None:
+    _, init = exported(tmp_path, dtype="float32")
+    plan = with_init_checkpoint(tiny_plan(tmp_path), init)
+    module = fresh(plan)
+    report = load_init_checkpoint(module, plan)
+    source = load_file(str(init / "model.safetensors"))
+    assert report.tensors_loaded == len(source) == 25
+    assert report.dtypes == ("F32",)
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(tensor.view(torch.int32), source[name].view(torch.int32)), name
+
+
+def test_default_without_init_checkpoint_is_random(tmp_path: Path) -> None:
+    _, init = exported(tmp_path)
+    plan = tiny_plan(tmp_path)
+    model = convert(tiny_target(plan), plan)
+    source = load_file(str(init / "model.safetensors"))
+    loaded = model.dflash_module.state_dict()
+    assert not torch.equal(loaded["fc.weight"], source["fc.weight"].float())
+    assert not any(
+        torch.equal(loaded[n], source[n].float()) for n in source if n.endswith("proj.weight")
+    )
+
+
+def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    plan = with_init_checkpoint(tiny_plan(tmp_path), tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="does not exist") as info:
+        convert(tiny_target(plan), plan)
+    assert "hf download" in str(info.value)
+
+
+def test_directory_without_weights_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "init").mkdir()
+    (tmp_path / "init" / "config.json").write_text("{}")
+    plan = with_init_checkpoint(tiny_plan(tmp_path), tmp_path / "init")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_init_checkpoint(fresh(plan), plan)
+
+
+def test_one_more_layer_lists_every_missing_tensor(tmp_path: Path) -> None:
+    _, init = exported(tmp_path)
+    plan = with_init_checkpoint(tiny_plan(tmp_path, num_hidden_layers=3), init)
+    module = fresh(plan)
+    before = module.fc.weight.clone()
+    with pytest.raises(WarmStartError) as info:
+        load_init_checkpoint(module, plan)
+    text = str(info.value)
+    assert "11 missing" in text
+    assert "missing: layers.{2}" in text
+    assert "num_hidden_layers: 2" in text  # the fix
+    assert torch.equal(module.fc.weight, before), "nothing is copied when the layout differs"
+
+
+def test_wrong_intermediate_size_lists_every_layer(tmp_path: Path) -> None:
+    _, init = exported(tmp_path)
+    plan = with_init_checkpoint(tiny_plan(tmp_path, intermediate_size=96), init)
+    with pytest.raises(WarmStartError) as info:
+        convert(tiny_target(plan), plan)
+    text = str(info.value)
+    assert "layers.{0,1}.mlp.gate_proj.weight: recipe expects [96, 64], checkpoint has [128, 64]" in text
+    assert "layers.{0,1}.mlp.down_proj.weight: recipe expects [64, 96], checkpoint has [64, 128]" in text
+    assert "fix: set dflash_architecture_config.intermediate_size: 128" in text
+
+
+def test_mask_token_mismatch_warns_and_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _, init = exported(tmp_path, mask_token_id=120)
+    plan = with_init_checkpoint(tiny_plan(tmp_path, mask_token_id=121), init)
+    module = fresh(plan)
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
+        report = load_init_checkpoint(module, plan)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "mask_token_id 120" in warnings[0] and "uses 121" in warnings[0]
+    assert "degraded" in warnings[0]
+    assert report.tensors_loaded == 25
+
+
+def test_target_layer_mismatch_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _, init = exported(tmp_path, target_layer_ids=(1, 2))
+    plan = with_init_checkpoint(tiny_plan(tmp_path, target_layer_ids=(0, 2)), init)
+    with caplog.at_level(logging.WARNING):
+        load_init_checkpoint(fresh(plan), plan)
+    assert any("target_layer_ids [1, 2]" in r.getMessage() for r in caplog.records)
+
+
+def test_one_info_line_says_what_was_loaded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _, init = exported(tmp_path)
+    plan = with_init_checkpoint(tiny_plan(tmp_path), init)
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
+        load_init_checkpoint(fresh(plan), plan)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == [f"warm start from {init}: 25 tensors loaded (BF16); heads trained from scratch: none"]
+
+
+@pytest.mark.parametrize(
+    ("variant", "heads"),
+    [(DOMINO, ("prefix_gru", "embed_proj")), (DSPARK, ("markov_w1", "markov_w2", "confidence_proj"))],
+)
+def test_head_variant_warm_starts_its_backbone_from_plain_dflash(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    variant: dict[str, object],
+    heads: tuple[str, ...],
+) -> None:
+    _, init = exported(tmp_path)
+    plan = with_init_checkpoint(tiny_plan(tmp_path, **variant), init)
+    module = fresh(plan)
+    untouched = {n: t.clone() for n, t in module.state_dict().items() if n.split(".")[0] in heads}
+    with caplog.at_level(logging.INFO):
+        report = load_init_checkpoint(module, plan)
+    source = load_file(str(init / "model.safetensors"))
+    state = module.state_dict()
+    for name, tensor in source.items():
+        assert torch.equal(state[name], tensor.float()), name
+    assert untouched and all(torch.equal(state[n], t) for n, t in untouched.items())
+    assert report.heads_from_scratch == heads
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert warning.endswith("train from scratch: " + ", ".join(heads))
+    assert "heads trained from scratch: " + ", ".join(heads) in caplog.text
+
+
+def test_partly_present_head_is_an_error(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path, **DOMINO)
+    export_drafter(DFlashDraftModel(plan.resolved_draft()), plan, tmp_path / "init")
+    weights = load_file(str(tmp_path / "init" / "model.safetensors"))
+    del weights["embed_proj.2.weight"]
+    save_file(weights, str(tmp_path / "init" / "model.safetensors"))
+    plan = with_init_checkpoint(plan, tmp_path / "init")
+    with pytest.raises(WarmStartError, match="only partly present") as info:
+        load_init_checkpoint(fresh(plan), plan)
+    assert "embed_proj: has embed_proj.0.weight; lacks embed_proj.2.weight" in str(info.value)
+
+
+def test_sharded_checkpoint_streams_every_shard(tmp_path: Path) -> None:
+    _, init = exported(tmp_path, dtype="float32")
+    weights = load_file(str(init / "model.safetensors"))
+    (init / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file_name, members in shards.items():
+        save_file({n: weights[n] for n in members}, str(init / file_name))
+        weight_map.update(dict.fromkeys(members, file_name))
+    (init / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    plan = with_init_checkpoint(tiny_plan(tmp_path), init)
+    module = fresh(plan)
+    report = load_init_checkpoint(module, plan)
+    assert report.weight_files == tuple(sorted(shards))
+    assert all(torch.equal(module.state_dict()[n], weights[n]) for n in names)
+
+
+def test_loading_after_a_narrowing_cast_is_refused(tmp_path: Path) -> None:
+    _, init = exported(tmp_path, dtype="float32")
+    plan = with_init_checkpoint(tiny_plan(tmp_path), init)
+    module = fresh(plan).to(torch.bfloat16)
+    with pytest.raises(WarmStartError, match="would round"):
+        load_init_checkpoint(module, plan)
+
+
+def test_restore_ignores_the_init_checkpoint(tmp_path: Path) -> None:
+    _, init = exported(tmp_path)
+    plan = with_init_checkpoint(tiny_plan(tmp_path), init)
+    model = convert(tiny_target(plan), plan)
+    drafter = model.dflash_module
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    drafter.fc.weight.grad = torch.ones_like(drafter.fc.weight)
+    optimizer.step()  # the saved weights now differ from the init checkpoint
+    saved = {n: t.clone() for n, t in drafter.state_dict().items()}
+    checkpoint = save_training_checkpoint(
+        Path(plan.training.output_dir), 2, model, optimizer, None, {"epoch": 0}
+    )
+    shutil.rmtree(init)
+
+    resumed = attrs.evolve(plan, resume=ResumePlan(checkpoint_dir=str(checkpoint), step=2))
+    model2 = convert(tiny_target(resumed), resumed)  # must not touch the deleted init dir
+    state = restore_training_checkpoint(checkpoint, model2)
+    assert state["step"] == 2
+    restored = model2.dflash_module.state_dict()
+    assert all(torch.equal(restored[n], saved[n]) for n in saved)

@@ -1,0 +1,199 @@
+"""`render_init_recipe`: a commented recipe that compiles cleanly, read from the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from st_fixtures import drafter_config, write_base_model, write_drafter_checkpoint, write_json
+
+from dflash_recipes.compiler import CompileResult, compile_file
+from dflash_recipes.diagnostics import Severity
+from dflash_recipes.errors import CheckpointError, DFlashRecipeError
+from dflash_recipes.init_recipe import render_init_recipe
+
+
+def write_and_compile(tmp_path: Path, text: str) -> CompileResult:
+    path = tmp_path / "recipes" / "finetune.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return compile_file(path)
+
+
+def assert_clean(result: CompileResult) -> None:
+    assert result.ok, result.diagnostics
+    problems = [d for d in result.diagnostics if d.severity is not Severity.INFO]
+    assert [d.code for d in problems] == ["data-path-unset"]  # data is the user's to add
+
+
+def tokenizer_like_qwen3(directory: Path) -> None:
+    """Token ids 0..151668 (151643 regular + 26 added), like Qwen3's tokenizer, no mask."""
+    write_json(
+        directory / "tokenizer.json",
+        {"model": {"type": "BPE", "vocab": {"!": 0, "zz": 151642}}, "added_tokens": []},
+    )
+    decoder = {
+        str(i): {"content": f"<|special_{i}|>", "special": True} for i in range(151643, 151669)
+    }
+    write_json(directory / "tokenizer_config.json", {"added_tokens_decoder": decoder})
+
+
+def test_from_a_checkpoint_everything_is_the_checkpoints(tmp_path: Path, base_model: Path) -> None:
+    ckpt = write_drafter_checkpoint(
+        tmp_path / "drafter",
+        layers=3,
+        intermediate=48,
+        n_taps=3,
+        config=drafter_config(
+            layers=3, intermediate=48, target_layer_ids=[0, 3, 6], mask_token_id=201, block_size=10
+        ),
+    )
+    text = render_init_recipe(base_model, ckpt)
+    result = write_and_compile(tmp_path, text)
+    assert_clean(result)
+    plan = result.plan
+    assert plan is not None
+    assert plan.draft.architecture.num_hidden_layers == 3
+    assert plan.draft.architecture.intermediate_size == 48
+    assert plan.draft.target_layer_ids == (0, 3, 6)
+    assert plan.draft.mask_token_id == 201
+    assert plan.draft.block_size == 10
+    assert plan.draft.objective.loss_decay_factor == 5.0
+    assert plan.training.learning_rate == 1.0e-4
+    assert plan.init_checkpoint is not None and plan.init_checkpoint.path == str(ckpt)
+
+
+def test_header_shows_the_commands_and_comments_explain_the_choices(
+    tmp_path: Path, base_model: Path, drafter: Path
+) -> None:
+    text = render_init_recipe(base_model, drafter, recipe_path="finetune.yaml")
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert "#   dflash-recipe compile finetune.yaml -o plan.json" in header
+    assert "#   dflash-recipe run finetune.yaml" in header
+    assert "never fills them from the base model" in text
+    assert "intermediate_size: 64  # the checkpoint's config.json says" in text
+    assert "dflash_mask_token_id: 250  # the checkpoint's mask id" in text
+    # the YAML is plain data with the values the comments talk about
+    data = yaml.safe_load(text)
+    assert data["dflash"]["dflash_init_checkpoint"] == str(drafter)
+    assert data["dflash"]["dflash_architecture_config"]["target_layer_ids"] == [1, 5]
+
+
+def test_dims_are_read_from_the_header_when_config_lacks_them(
+    tmp_path: Path, base_model: Path
+) -> None:
+    config = drafter_config()
+    for key in ("intermediate_size", "head_dim", "num_key_value_heads"):
+        del config[key]
+    ckpt = write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    text = render_init_recipe(base_model, ckpt, data_path="data/train.jsonl")
+    assert "intermediate_size: 64  # the checkpoint's tensor shapes show" in text
+    path = tmp_path / "recipes" / "finetune.yaml"
+    (tmp_path / "recipes" / "data").mkdir(parents=True)
+    (tmp_path / "recipes" / "data" / "train.jsonl").write_text("{}\n", encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
+    result = compile_file(path)
+    assert result.ok and not [d for d in result.diagnostics if d.severity is not Severity.INFO]
+
+
+def test_domino_checkpoint_gives_a_domino_recipe(tmp_path: Path, base_model: Path) -> None:
+    ckpt = write_drafter_checkpoint(
+        tmp_path / "drafter", projector_type="domino", emb_dim=16, gru_hidden_dim=8
+    )
+    result = write_and_compile(tmp_path, render_init_recipe(base_model, ckpt))
+    assert_clean(result)
+    assert result.plan is not None
+    arch = result.plan.draft.architecture
+    assert (arch.projector_type, arch.emb_dim, arch.gru_hidden_dim) == ("domino", 16, 8)
+    assert result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.heads_from_scratch == ()
+
+
+def test_checkpoint_without_taps_is_refused_not_guessed(tmp_path: Path, base_model: Path) -> None:
+    ckpt = write_drafter_checkpoint(tmp_path / "drafter", n_taps=3, write_config=False)
+    with pytest.raises(CheckpointError, match="target_layer_ids") as caught:
+        render_init_recipe(base_model, ckpt)
+    assert "fc.weight takes 3 taps" in str(caught.value)
+
+
+def test_checkpoint_for_another_width_is_refused(tmp_path: Path, base_model: Path) -> None:
+    ckpt = write_drafter_checkpoint(tmp_path / "drafter", hidden=48)
+    with pytest.raises(CheckpointError, match="48 wide"):
+        render_init_recipe(base_model, ckpt)
+
+
+def test_hub_id_checkpoint_is_refused_with_the_staging_command(base_model: Path) -> None:
+    with pytest.raises(DFlashRecipeError, match="hf download z-lab/Qwen3-8B-DFlash-b16"):
+        render_init_recipe(base_model, Path("z-lab/Qwen3-8B-DFlash-b16"))
+
+
+def test_from_scratch_uses_target_defaults_and_the_first_unused_row(
+    tmp_path: Path,
+) -> None:
+    base = write_base_model(
+        tmp_path / "base",
+        layers=36,
+        hidden=64,
+        heads=8,
+        kv_heads=2,
+        head_dim=8,
+        intermediate=96,
+        vocab=151936,
+    )
+    tokenizer_like_qwen3(base)
+    text = render_init_recipe(base, None)
+    assert "dflash_init_checkpoint" not in text
+    assert "dflash_mask_token_id: 151669  # first unused embedding row" in text
+    assert "start at the target's values" in text
+    result = write_and_compile(tmp_path, text)
+    assert_clean(result)
+    plan = result.plan
+    assert plan is not None and plan.init_checkpoint is None
+    arch = plan.draft.architecture
+    assert (arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads) == (5, 8, 2)
+    assert (arch.head_dim, arch.intermediate_size) == (8, 96)
+    assert plan.draft.target_layer_ids == (1, 9, 17, 25, 33)  # the reference's Qwen3-8B taps
+    assert plan.draft.mask_token_id == 151669
+    assert plan.training.learning_rate == 6.0e-4
+    # taps are written out, so compile does not need to apply its default formula
+    assert "taps-default" not in {d.code for d in result.diagnostics}
+
+
+def test_tokenizer_mask_token_is_preferred(tmp_path: Path, base_model: Path) -> None:
+    write_json(
+        base_model / "tokenizer_config.json",
+        {
+            "mask_token": "<mask>",
+            "added_tokens_decoder": {"7": {"content": "<mask>"}, "9": {"content": "<eos>"}},
+        },
+    )
+    text = render_init_recipe(base_model, None)
+    assert "dflash_mask_token_id: 7  # the tokenizer's own mask token" in text
+    assert_clean(write_and_compile(tmp_path, text))
+
+
+def test_from_scratch_without_tokenizer_refuses_to_guess_the_mask(
+    tmp_path: Path, base_model: Path
+) -> None:
+    with pytest.raises(CheckpointError, match="mask") as caught:
+        render_init_recipe(base_model, None)
+    assert "151669" in str(caught.value)
+    text = render_init_recipe(base_model, None, mask_token_id=255)
+    assert_clean(write_and_compile(tmp_path, text))
+
+
+def test_shallow_target_gets_fewer_draft_layers(tmp_path: Path) -> None:
+    base = write_base_model(tmp_path / "base", layers=4)
+    text = render_init_recipe(base, None, mask_token_id=255, output_dir="runs/a")
+    result = write_and_compile(tmp_path, text)
+    assert_clean(result)
+    assert result.plan is not None
+    assert result.plan.draft.architecture.num_hidden_layers == 1
+    assert result.plan.draft.target_layer_ids == (2,)
+    assert result.plan.training.output_dir == str(tmp_path / "recipes" / "runs" / "a")
+
+
+def test_missing_base_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        render_init_recipe(tmp_path / "nope", None)

@@ -1,0 +1,81 @@
+"""Typed construction of recipes in Python: same rules as YAML, frozen, `attrs.evolve` works."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from dflash_recipes import (
+    DataSection,
+    DFlashArchitectureConfig,
+    DFlashSection,
+    ModelSection,
+    Recipe,
+    TrainingSection,
+)
+
+
+def make() -> Recipe:
+    return Recipe(
+        model=ModelSection(model_name_or_path="/models/qwen3-8b"),
+        dflash=DFlashSection(
+            dflash_block_size=16,
+            dflash_mask_token_id=151669,
+            dflash_architecture_config=DFlashArchitectureConfig(
+                num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+            ),
+        ),
+    )
+
+
+def test_defaults_fill_the_unnamed_sections() -> None:
+    recipe = make()
+    assert recipe.data == DataSection()
+    assert recipe.training == TrainingSection()
+    assert recipe.training.learning_rate == 1e-4
+    assert recipe.dflash.dflash_num_anchors == 512
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: DFlashSection(dflash_block_size=1),
+            r"dflash_block_size must be an integer in \[2, 128\]",
+        ),
+        (lambda: DFlashArchitectureConfig(head_dim=127), "head_dim must be even"),
+        (lambda: DFlashArchitectureConfig(target_layer_ids=()), "non-empty list"),
+        (lambda: TrainingSection(warmup_ratio=1.0), r"warmup_ratio must be in \[0, 1\)"),
+        (
+            lambda: TrainingSection(lr_scheduler_type="cosin"),  # type: ignore[arg-type]
+            "must be one of cosine, linear, constant",
+        ),
+        (lambda: ModelSection(model_name_or_path=""), "non-empty string"),
+        (lambda: DFlashSection(dflash_dpace_alpha=0.0), r"\(0, 1\]"),
+    ],
+)
+def test_python_construction_runs_the_same_validators(build: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()  # type: ignore[operator]
+
+
+def test_evolve_changes_one_field_and_revalidates() -> None:
+    recipe = make()
+    smaller = attrs.evolve(recipe, dflash=attrs.evolve(recipe.dflash, dflash_block_size=8))
+    assert smaller.dflash.dflash_block_size == 8
+    assert recipe.dflash.dflash_block_size == 16  # the original is untouched
+    with pytest.raises(ValueError, match="dflash_block_size"):
+        attrs.evolve(recipe.dflash, dflash_block_size=0)
+
+
+def test_recipes_are_frozen_and_hashable_by_value() -> None:
+    recipe = make()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        recipe.model = ModelSection(model_name_or_path="/other")  # type: ignore[misc]
+    assert recipe == make()
+    assert hash(recipe) == hash(make())
+
+
+def test_model_is_required() -> None:
+    with pytest.raises(TypeError, match="model"):
+        Recipe()  # type: ignore[call-arg]
