@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import re
+import reprlib
 import stat
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -85,7 +86,7 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
-            msg = f"duplicate key {key!r}"
+            msg = f"duplicate key {_show(key)}"
             raise _JsonRuleError(msg)
         result[key] = value
     return result
@@ -122,6 +123,20 @@ def _json_problem(exc: BaseException) -> str:
     if isinstance(exc, RecursionError):
         return "invalid JSON: nested too deeply"
     return f"invalid JSON: {exc}"
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel = 3
+_SHORT_REPR.maxstring = 80
+_SHORT_REPR.maxother = 40
+_SHORT_REPR.maxlist = 6
+_SHORT_REPR.maxdict = 4
+_SHORT_REPR.maxlong = 40
+
+
+def _show(value: object) -> str:
+    """A short repr for messages: bounded length and depth, whatever a header holds."""
+    return _SHORT_REPR.repr(value)
 
 
 def _has_surrogates(text: str) -> bool:
@@ -180,7 +195,7 @@ def _element_count(shape: tuple[int, ...], limit: int) -> int | None:
 
 
 def _check_entry(where: str, name: str, entry: object, data_size: int) -> TensorInfo:
-    label = f"{where}: tensor {name!r}"
+    label = f"{where}: tensor {_show(name)}"
     if not isinstance(entry, dict):
         msg = f"{label}: entry must be an object with dtype, shape, data_offsets"
         raise SafetensorsHeaderError(msg)
@@ -198,16 +213,16 @@ def _check_entry(where: str, name: str, entry: object, data_size: int) -> Tensor
 
     dtype = entry["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        msg = f"{label}: unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BITS))})"
+        msg = f"{label}: unknown dtype {_show(dtype)} (known: {', '.join(sorted(DTYPE_BITS))})"
         raise SafetensorsHeaderError(msg)
 
     raw_shape = entry["shape"]
     if not isinstance(raw_shape, list):
-        msg = f"{label}: shape must be a list of integers >= 0, got {raw_shape!r:.80}"
+        msg = f"{label}: shape must be a list of integers >= 0, got {_show(raw_shape)}"
         raise SafetensorsHeaderError(msg)
     for dim in raw_shape:
         if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim <= _U64_MAX:
-            msg = f"{label}: shape must be a list of integers >= 0, got dimension {dim!r:.40}"
+            msg = f"{label}: shape must be a list of integers >= 0, got dimension {_show(dim)}"
             raise SafetensorsHeaderError(msg)
     shape = tuple(raw_shape)
 
@@ -220,9 +235,8 @@ def _check_entry(where: str, name: str, entry: object, data_size: int) -> Tensor
             for o in raw_offsets
         )
     ):
-        msg = (
-            f"{label}: data_offsets must be two integers [begin, end] >= 0, got {raw_offsets!r:.80}"
-        )
+        shown = _show(raw_offsets)
+        msg = f"{label}: data_offsets must be two integers [begin, end] >= 0, got {shown}"
         raise SafetensorsHeaderError(msg)
     begin, end = raw_offsets
     if begin > end:
@@ -249,9 +263,8 @@ def _check_entry(where: str, name: str, entry: object, data_size: int) -> Tensor
         raise SafetensorsHeaderError(msg)
     expected = count * bits // 8
     if expected != end - begin:
-        shown = list(shape)
         msg = (
-            f"{label}: shape {shown} of {dtype} needs {expected} bytes, but data_offsets "
+            f"{label}: shape {list(shape)} of {dtype} needs {expected} bytes, but data_offsets "
             f"[{begin}, {end}] span {end - begin}"
         )
         raise SafetensorsHeaderError(msg)
@@ -269,15 +282,15 @@ def _check_coverage(where: str, tensors: Mapping[str, TensorInfo], data_size: in
             assert previous is not None
             prev = tensors[previous].data_offsets
             msg = (
-                f"{where}: tensor {name!r} data_offsets [{begin}, {end}] overlap tensor "
-                f"{previous!r} [{prev[0]}, {prev[1]}]"
+                f"{where}: tensor {_show(name)} data_offsets [{begin}, {end}] overlap tensor "
+                f"{_show(previous)} [{prev[0]}, {prev[1]}]"
             )
             raise SafetensorsHeaderError(msg)
         if begin > position:
-            after = f"after tensor {previous!r}" if previous is not None else "at the start"
+            after = f"after tensor {_show(previous)}" if previous is not None else "at the start"
             msg = (
-                f"{where}: tensor {name!r} starts at byte {begin} but the previous data ends at "
-                f"{position}: a gap of {begin - position} bytes {after} (tensors must be "
+                f"{where}: tensor {_show(name)} starts at byte {begin} but the previous data "
+                f"ends at {position}: a gap of {begin - position} bytes {after} (tensors must be "
                 "contiguous, the first starting at 0)"
             )
             raise SafetensorsHeaderError(msg)
@@ -390,7 +403,7 @@ def _parse_header(
     tensors: dict[str, TensorInfo] = {}
     for name, entry in document.items():
         if _has_surrogates(name):
-            msg = f"{where}: tensor name {name!r} contains an unpaired UTF-16 surrogate escape"
+            msg = f"{where}: tensor name {_show(name)} contains an unpaired UTF-16 surrogate escape"
             raise SafetensorsHeaderError(msg)
         if name == _METADATA_KEY:
             metadata = _check_metadata(where, entry)
@@ -405,14 +418,16 @@ def _parse_header(
 
 def _check_metadata(where: str, entry: object) -> dict[str, str]:
     if not isinstance(entry, dict):
-        msg = f"{where}: __metadata__ must be an object of string values, got {entry!r:.80}"
+        msg = f"{where}: __metadata__ must be an object of string values, got {_show(entry)}"
         raise SafetensorsHeaderError(msg)
     for key, value in entry.items():
         if not isinstance(value, str):
-            msg = f"{where}: __metadata__[{key!r}] must be a string, got {value!r:.80}"
+            msg = f"{where}: __metadata__[{_show(key)}] must be a string, got {_show(value)}"
             raise SafetensorsHeaderError(msg)
         if _has_surrogates(key) or _has_surrogates(value):
-            msg = f"{where}: __metadata__[{key!r}] contains an unpaired UTF-16 surrogate escape"
+            msg = (
+                f"{where}: __metadata__[{_show(key)}] contains an unpaired UTF-16 surrogate escape"
+            )
             raise SafetensorsHeaderError(msg)
     return dict(entry)
 
@@ -521,12 +536,14 @@ def _read_sharded(directory: Path, index: Path, max_index_bytes: int) -> Checkpo
     by_shard: dict[str, set[str]] = {}
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
-            msg = f"{where}: weight_map[{name!r}] must be a shard file name, got {shard!r:.80}"
+            msg = (
+                f"{where}: weight_map[{_show(name)}] must be a shard file name, got {_show(shard)}"
+            )
             raise CheckpointError(msg)
         if not _plain_basename(shard):
             msg = (
-                f"{where}: weight_map[{name!r}] names shard {shard!r}, which is not a plain file "
-                f"name inside {directory} (no '/', '..' or absolute paths)"
+                f"{where}: weight_map[{_show(name)}] names shard {_show(shard)}, which is not "
+                f"a plain file name inside {directory} (no '/', '..' or absolute paths)"
             )
             raise CheckpointError(msg)
         by_shard.setdefault(shard, set()).add(name)
@@ -548,8 +565,8 @@ def _read_sharded(directory: Path, index: Path, max_index_bytes: int) -> Checkpo
             other = seen_in.get(name)
             if other is not None:
                 msg = (
-                    f"{directory}: tensor {name!r} is stored in two shards, {other} and {shard}; "
-                    "which copy to load would be ambiguous"
+                    f"{directory}: tensor {_show(name)} is stored in two shards, {other} and "
+                    f"{shard}; which copy to load would be ambiguous"
                 )
                 raise CheckpointError(msg)
             seen_in[name] = shard
@@ -564,7 +581,7 @@ def _read_sharded(directory: Path, index: Path, max_index_bytes: int) -> Checkpo
     for name, shard in seen_in.items():
         if name not in weight_map:
             msg = (
-                f"{where}: shard {shard} holds tensor {name!r}, which the index does not list "
+                f"{where}: shard {shard} holds tensor {_show(name)}, which the index does not list "
                 "(the index and the shards disagree)"
             )
             raise CheckpointError(msg)

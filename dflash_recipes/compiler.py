@@ -82,23 +82,23 @@ def _code(code: str, severity: Severity, summary: str) -> str:
     return register_code(code, severity, summary)
 
 
-E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
+_E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
 
 ARCH_DIM_MISSING = _code(
-    "arch-dim-missing", E, "a draft dimension is unset; dims never inherit from the base model"
+    "arch-dim-missing", _E, "a draft dimension is unset; dims never inherit from the base model"
 )
 KV_HEADS_NOT_DIVISOR = _code(
-    "kv-heads-not-divisor", E, "num_key_value_heads does not divide num_attention_heads"
+    "kv-heads-not-divisor", _E, "num_key_value_heads does not divide num_attention_heads"
 )
 HEAD_FIELD_MISSING = _code(
-    "head-field-missing", E, "the projector type needs a head size that is unset"
+    "head-field-missing", _E, "the projector type needs a head size that is unset"
 )
 HEAD_FIELD_UNUSED = _code(
-    "head-field-unused", W, "a head field is set for another projector type and is ignored"
+    "head-field-unused", _W, "a head field is set for another projector type and is ignored"
 )
-TAPS_DUPLICATE = _code("taps-duplicate", E, "target_layer_ids lists a target layer twice")
+TAPS_DUPLICATE = _code("taps-duplicate", _E, "target_layer_ids lists a target layer twice")
 EVAL_DATA_UNSET = _code(
-    "eval-data-unset", W, "training.eval_steps is set but data.eval_data_path is not"
+    "eval-data-unset", _W, "training.eval_steps is set but data.eval_data_path is not"
 )
 
 _DIR_KINDS: dict[str, str] = {
@@ -111,108 +111,115 @@ _DIR_KINDS: dict[str, str] = {
     "no-weights": "has no model.safetensors (or sharded index)",
     "no-config": "has no config.json",
 }
-for _kind, _meaning in _DIR_KINDS.items():
-    if _kind != "no-weights":
-        _code(f"base-model-{_kind}", E, f"model.model_name_or_path {_meaning}")
-    if _kind != "no-config":
-        _code(f"init-checkpoint-{_kind}", E, f"dflash.dflash_init_checkpoint {_meaning}")
+
+
+def _register_directory_codes() -> None:
+    """One code per way a directory value can be unusable, for the model and the checkpoint."""
+    for kind, meaning in _DIR_KINDS.items():
+        if kind != "no-weights":
+            _code(f"base-model-{kind}", _E, f"model.model_name_or_path {meaning}")
+        if kind != "no-config":
+            _code(f"init-checkpoint-{kind}", _E, f"dflash.dflash_init_checkpoint {meaning}")
+
+
+_register_directory_codes()
 
 INIT_CHECKPOINT_BAD_WEIGHTS = _code(
     "init-checkpoint-bad-weights",
-    E,
+    _E,
     "the init checkpoint's safetensors header or shard index is malformed or inconsistent",
 )
 CHECKPOINT_CONFIG_MISSING = _code(
     "checkpoint-config-missing",
-    W,
+    _W,
     "the init checkpoint has no config.json, so mask/taps/block/RoPE checks are skipped",
 )
-DATA_PATH_UNSET = _code("data-path-unset", W, "data.data_path is unset; `run` needs it")
+DATA_PATH_UNSET = _code("data-path-unset", _W, "data.data_path is unset; `run` needs it")
 DATA_FILE_MISSING = _code(
-    "data-file-missing", E, "a data file named by the recipe does not exist or is not a file"
+    "data-file-missing", _E, "a data file named by the recipe does not exist or is not a file"
 )
 OUTPUT_DIR_UNUSABLE = _code(
-    "output-dir-unusable", E, "training.output_dir is a file or cannot be listed"
+    "output-dir-unusable", _E, "training.output_dir is a file or cannot be listed"
 )
 RESUME_FROM_CHECKPOINT = _code(
     "resume-from-checkpoint",
-    INFO,
+    _I,
     "training.output_dir holds a complete checkpoint: the run resumes",
 )
 INIT_CHECKPOINT_IGNORED = _code(
-    "init-checkpoint-ignored", INFO, "the run resumes, so dflash_init_checkpoint is not read"
+    "init-checkpoint-ignored", _I, "the run resumes, so dflash_init_checkpoint is not read"
 )
 CHECKPOINT_LAYOUT_MISMATCH = _code(
     "checkpoint-layout-mismatch",
-    E,
+    _E,
     "the init checkpoint's tensors differ from the drafter the recipe describes",
 )
 HEAD_PARTLY_PRESENT = _code(
-    "head-partly-present", E, "a head submodule is only partly in the init checkpoint"
+    "head-partly-present", _E, "a head submodule is only partly in the init checkpoint"
 )
 HEADS_FROM_SCRATCH = _code(
-    "heads-from-scratch", W, "head submodules absent from the init checkpoint train from scratch"
+    "heads-from-scratch", _W, "head submodules absent from the init checkpoint train from scratch"
 )
 HIDDEN_SIZE_MISMATCH = _code(
-    "hidden-size-mismatch", E, "the init checkpoint's width differs from the base model's"
+    "hidden-size-mismatch", _E, "the init checkpoint's width differs from the base model's"
 )
 CHECKPOINT_TARGET_DIFFERS = _code(
     "checkpoint-target-differs",
-    W,
+    _W,
     "the init checkpoint was trained against a target with other layer count or vocabulary",
 )
 TAPS_OUT_OF_RANGE = _code(
-    "taps-out-of-range", E, "a target_layer_ids entry is not a layer of the base model"
+    "taps-out-of-range", _E, "a target_layer_ids entry is not a layer of the base model"
 )
 TAPS_FROM_CHECKPOINT = _code(
-    "taps-from-checkpoint", INFO, "target_layer_ids taken from the init checkpoint's config.json"
+    "taps-from-checkpoint", _I, "target_layer_ids taken from the init checkpoint's config.json"
 )
 TAPS_FROM_PREVIOUS_RUN = _code(
-    "taps-from-previous-run", INFO, "target_layer_ids taken from the plan of the run being resumed"
+    "taps-from-previous-run", _I, "target_layer_ids taken from the plan of the run being resumed"
 )
 TAPS_DEFAULT = _code(
     "taps-default",
-    INFO,
+    _I,
     "target_layer_ids from the default formula (no checkpoint to take them from)",
 )
 TAPS_UNKNOWN = _code(
-    "taps-unknown", E, "target_layer_ids unset and the checkpoint does not state them (no guess)"
+    "taps-unknown", _E, "target_layer_ids unset and the checkpoint does not state them (no guess)"
 )
 CHECKPOINT_TAPS_DIFFER = _code(
     "checkpoint-taps-differ",
-    W,
+    _W,
     "target_layer_ids differ from the checkpoint's: degraded warm start",
 )
 MASK_TOKEN_MISSING = _code(
-    "mask-token-missing", E, "dflash_mask_token_id unset and no checkpoint states it (no guess)"
+    "mask-token-missing", _E, "dflash_mask_token_id unset and no checkpoint states it (no guess)"
 )
 MASK_FROM_CHECKPOINT = _code(
     "mask-from-checkpoint",
-    INFO,
+    _I,
     "dflash_mask_token_id taken from the init checkpoint's config.json",
 )
 MASK_FROM_PREVIOUS_RUN = _code(
     "mask-from-previous-run",
-    INFO,
+    _I,
     "dflash_mask_token_id taken from the plan of the run being resumed",
 )
 CHECKPOINT_MASK_DIFFERS = _code(
     "checkpoint-mask-differs",
-    W,
+    _W,
     "dflash_mask_token_id differs from the checkpoint's: degraded warm start",
 )
 MASK_TOKEN_OUT_OF_RANGE = _code(
-    "mask-token-out-of-range", E, "dflash_mask_token_id is not below the target's vocab_size"
+    "mask-token-out-of-range", _E, "dflash_mask_token_id is not below the target's vocab_size"
 )
 CHECKPOINT_ROPE_DIFFERS = _code(
-    "checkpoint-rope-differs", W, "the checkpoint's RoPE settings differ from the base model's"
+    "checkpoint-rope-differs", _W, "the checkpoint's RoPE settings differ from the base model's"
 )
 CHECKPOINT_RMS_NORM_EPS_DIFFERS = _code(
-    "checkpoint-rms-norm-eps-differs", W, "rms_norm_eps differs from the checkpoint's"
+    "checkpoint-rms-norm-eps-differs", _W, "rms_norm_eps differs from the checkpoint's"
 )
 CHECKPOINT_BLOCK_SIZE_DIFFERS = _code(
     "checkpoint-block-size-differs",
-    INFO,
+    _I,
     "dflash_block_size differs from the checkpoint's (allowed: weights are block-size agnostic)",
 )
 
@@ -335,7 +342,7 @@ class _Compilation:
         self.resume: ResumePlan | None = None
         self.previous_plan: RunPlan | None = None
         self.checkpoint_dir: Path | None = None
-        #: True when the init checkpoint should have been read but could not be.
+        #: True when the init checkpoint (weights or config.json) exists but cannot be read.
         self.checkpoint_broken = False
         self.weights: CheckpointWeights | None = None
         self.config: CheckpointConfigFacts | None = None
@@ -579,6 +586,8 @@ class _Compilation:
             )
         for item in self.config.problems:
             self.emit_problem(item, _INIT, f"init checkpoint {self.config.path}")
+        if not self.config.readable and self.config.present:
+            self.checkpoint_broken = True  # its taps and mask are unknown, not absent
         found = self.weights.shapes if self.weights is not None else None
         self.dims = checkpoint_dims(self.config if self.config.readable else None, found)
 

@@ -23,7 +23,7 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
@@ -110,7 +110,7 @@ def _fail(code: str, message: str, hint: str | None) -> NoReturn:
 # ---------------------------------------------------------------------------------------------
 
 
-def closest_name(word: str, candidates: Iterator[str] | Sequence[str] | set[str]) -> str | None:
+def closest_name(word: str, candidates: Iterable[str]) -> str | None:
     """The candidate a typo most likely meant (case-insensitive first), or None."""
     options = sorted(candidates)
     for option in options:

@@ -181,7 +181,12 @@ class _Fields:
 
     def bad(self, code: str, severity: Severity, where: str, want: str, value: object) -> None:
         message = f"`{where}` must be {want}, got {value!r}"
-        self.problems.append(ConfigProblem(code, severity, where, message))
+        if severity is Severity.ERROR:
+            hint = f"restore `{where}` from the model's original config.json"
+        else:
+            message += "; it is ignored"
+            hint = f"correct `{where}` in config.json (re-export or re-download the checkpoint)"
+        self.problems.append(ConfigProblem(code, severity, where, message, hint))
 
     def integer(self, key: str, code: str, severity: Severity, *, minimum: int = 1) -> int | None:
         found = self.raw(key)
@@ -287,7 +292,8 @@ def _read_rope(
         number = _positive_number(value)
         if number is None:
             message = f"`{key}` must be a finite number > 0, got {value!r}"
-            problems.append(ConfigProblem(field_code, field_severity, key, message))
+            hint = f"correct `{key}` in config.json"
+            problems.append(ConfigProblem(field_code, field_severity, key, message, hint))
             continue
         if theta is None:
             theta = number
@@ -306,8 +312,10 @@ def _read_rope(
         if isinstance(stated_type, str) and stated_type:
             rope_type = stated_type
         elif stated_type is not None:
-            message = f"`{where}rope_type` must be a string, got {stated_type!r}"
-            problems.append(ConfigProblem(field_code, field_severity, f"{where}rope_type", message))
+            key = f"{where}rope_type"
+            message = f"`{key}` must be a string, got {stated_type!r}; `default` is assumed"
+            hint = f"correct `{key}` in config.json"
+            problems.append(ConfigProblem(field_code, field_severity, key, message, hint))
         for key in sorted(params):
             if key in _ROPE_NAMING_KEYS:
                 continue
@@ -348,7 +356,8 @@ def target_config_from_mapping(config: Mapping[str, object], path: str) -> Targe
     num_hidden_layers = fields.integer("num_hidden_layers", code, severity)
     vocab_size = fields.integer("vocab_size", code, severity)
     max_positions = fields.integer("max_position_embeddings", code, severity)
-    rms_norm_eps = fields.positive_float("rms_norm_eps", code, severity)
+    # the target's epsilon is informational (the draft has its own): a bad one only warns
+    rms_norm_eps = fields.positive_float("rms_norm_eps", code, Severity.WARNING)
     heads = fields.integer("num_attention_heads", code, Severity.WARNING)
     kv_heads = fields.integer("num_key_value_heads", code, Severity.WARNING)
     head_dim = fields.integer("head_dim", code, Severity.WARNING)
@@ -436,6 +445,11 @@ def target_config_from_mapping(config: Mapping[str, object], path: str) -> Targe
     )
 
 
+def _reason(exc: BaseException, path: Path) -> str:
+    """The error text without the leading `path: ` the reader puts in front of it."""
+    return str(exc).removeprefix(f"{path}: ")
+
+
 def read_target_facts(model_dir: Path) -> TargetConfig:
     """Read `model_dir/config.json` into :class:`TargetFacts` plus problems (never raises).
 
@@ -446,7 +460,7 @@ def read_target_facts(model_dir: Path) -> TargetConfig:
     try:
         config = read_json_config(path)
     except (DFlashRecipeError, OSError, ValueError) as exc:
-        message = f"cannot read {path}: {exc}"
+        message = f"cannot be read: {_reason(exc, path)}"
         hint = "restore config.json from the model's original download"
         problem = ConfigProblem(TARGET_CONFIG_UNREADABLE, Severity.ERROR, "", message, hint)
         return TargetConfig(path=str(path), facts=None, problems=(problem,))
@@ -570,7 +584,7 @@ def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:
     try:
         config = read_json_config(path)
     except (DFlashRecipeError, OSError, ValueError) as exc:
-        message = f"cannot read {path}: {exc}"
+        message = f"cannot be read: {_reason(exc, path)}"
         hint = "restore config.json from the drafter's original download, or delete it"
         problem = ConfigProblem(CHECKPOINT_CONFIG_UNREADABLE, Severity.ERROR, "", message, hint)
         return CheckpointConfigFacts(path=str(path), present=True, problems=(problem,))

@@ -339,7 +339,8 @@ def _scalar(value: object) -> str:
         return text
     if isinstance(value, list):
         return "[" + ", ".join(_scalar(v) for v in value) + "]"
-    return json.dumps(str(value))  # a JSON string is a valid double-quoted YAML scalar
+    # a JSON string is a valid double-quoted YAML scalar (non-ASCII kept as UTF-8)
+    return json.dumps(str(value), ensure_ascii=False)
 
 
 def _line(indent: int, key: str, value: object, why: str | None = None) -> str:
@@ -374,6 +375,12 @@ def render_init_recipe(
         checkpoint = None
         draft = _new_draft(base_model_dir, target, mask_token_id)
     model_dir = resolve_local_path(str(base_model_dir), base_dir=None)
+    # paths typed on the command line mean the shell's folder, not the recipe's: write them
+    # absolute so the recipe means the same wherever it is saved
+    if data_path is not None:
+        data_path = str(resolve_local_path(data_path, base_dir=None))
+    if output_dir is not None:
+        output_dir = str(resolve_local_path(output_dir, base_dir=None))
     recipe = recipe_path or "recipe.yaml"
     block = draft.block_size.value
     assert isinstance(block, int)
@@ -410,7 +417,7 @@ def render_init_recipe(
             1,
             "output_dir",
             output_dir or "outputs/dflash",
-            "checkpoints, metrics and the export (relative to this file)",
+            "checkpoints, metrics and the export (a relative path is under this file's folder)",
         ),
         _line(1, "learning_rate", draft.learning_rate.value, draft.learning_rate.why),
         _line(1, "num_train_epochs", 1),

@@ -237,11 +237,16 @@ class LayoutDiff:
         return len(self.missing) + len(self.unexpected) + len(self.mismatched)
 
 
-_NUMBER_RE = re.compile(r"(\d+)")
+_NUMBER_RE = re.compile(r"([0-9]+)")
+
+
+def _is_number(part: str) -> bool:
+    # ASCII only: "²".isdigit() is True but int("²") fails, and names come from any header.
+    return part.isascii() and part.isdigit()
 
 
 def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in _NUMBER_RE.split(name))
+    return tuple((0, int(p)) if _is_number(p) else (1, p) for p in _NUMBER_RE.split(name))
 
 
 def compare_layout(expected: Mapping[str, Shape], found: Mapping[str, Shape]) -> LayoutDiff:
@@ -289,7 +294,7 @@ def _split_index(name: str) -> tuple[str, int, str] | None:
     """Split at the first dotted component that is a number: `layers.3.mlp...` -> 3."""
     parts = name.split(".")
     for position, part in enumerate(parts):
-        if part.isdigit() and len(part) <= 9:
+        if _is_number(part) and len(part) <= 9:
             prefix = ".".join(parts[:position])
             suffix = ".".join(parts[position + 1 :])
             return prefix, int(part), suffix
@@ -410,7 +415,7 @@ def format_layout_diff(diff: LayoutDiff, *, fixes: Sequence[str] = ()) -> str:
 # reading dimensions back from a header
 # ---------------------------------------------------------------------------------------------
 
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"^layers\.([0-9]{1,9})\.")
 
 
 def _dim(found: Mapping[str, Shape], name: str, rank: int, axis: int) -> int | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from st_fixtures import base_model_config, write_base_model
 
-from dflash_recipes import compiler
+from dflash_recipes import compiler, hfconfig
 from dflash_recipes.compiler import (
     CompileResult,
     compile_file,
@@ -360,6 +360,9 @@ def test_every_compiler_code_is_registered_kebab_case_with_its_severity() -> Non
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", code), code
         assert registered[code].severity is severity
         assert registered[code].summary
+    config_codes = [c for c in vars(hfconfig).values() if isinstance(c, str) and c in registered]
+    assert len(config_codes) == 8
+    assert all(re.fullmatch(r"(target|checkpoint)(-[a-z0-9]+)+", c) for c in config_codes)
 
 
 def test_compile_result_ok_and_errors() -> None:

@@ -21,9 +21,8 @@ from st_fixtures import (
     write_raw_safetensors,
 )
 
-from dflash_recipes import checkpoint
 from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
-from dflash_recipes.diagnostics import Diagnostic, Severity
+from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
 from dflash_recipes.recipe import Recipe
 from dflash_recipes.run_layout import CHECKPOINT_FILES, PLAN_FILE, checkpoint_dir_name
 
@@ -31,8 +30,17 @@ RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"
 
 
+REGISTERED = {info.code: info.severity for info in registered_codes()}
+
+
 def compile_in(tmp_path: Path, recipe: Recipe) -> CompileResult:
-    return compile_recipe(recipe, base_dir=tmp_path)
+    """Compile against tmp_path, checking what every diagnostic must carry."""
+    result = compile_recipe(recipe, base_dir=tmp_path)
+    for d in result.diagnostics:
+        assert REGISTERED.get(d.code) is d.severity, d
+        assert d.path and d.message and d.hint, d
+    assert (result.plan is None) == any(d.severity is Severity.ERROR for d in result.diagnostics)
+    return result
 
 
 def only(result: CompileResult, code: str) -> Diagnostic:
@@ -88,6 +96,31 @@ def test_sharded_checkpoint_is_read_from_its_index(
     assert init.weight_files == tuple(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
     assert init.tensor_count == 25
     assert init.dtypes == ("F32",)
+
+
+def test_sharded_checkpoint_with_a_missing_shard_is_an_error(
+    tmp_path: Path, make_recipe: RecipeFactory, base_model: Path
+) -> None:
+    ckpt = write_drafter_checkpoint(tmp_path / "drafter", shards=2)
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    result = compile_in(tmp_path, make_recipe())
+    d = only(result, "init-checkpoint-bad-weights")
+    assert "model-00002-of-00002.safetensors" in d.message
+
+
+def test_flat_checkpoint_config_layout_supplies_taps_mask_and_block(
+    tmp_path: Path, make_recipe: RecipeFactory, base_model: Path
+) -> None:
+    config = drafter_config()
+    del config["dflash_config"]
+    config.update({"block_size": 8, "mask_token_id": 201, "target_layer_ids": [2, 6]})
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_in(tmp_path, make_recipe())
+    assert result.plan is not None and result.plan.init_checkpoint is not None
+    assert result.plan.draft.target_layer_ids == (2, 6)
+    assert result.plan.draft.mask_token_id == 201
+    assert result.plan.init_checkpoint.trained_block_size == 8
+    assert only(result, "checkpoint-block-size-differs").severity is Severity.INFO
 
 
 def test_base_model_rope_goes_into_the_plan_from_either_layout(
@@ -156,6 +189,53 @@ def test_base_model_without_config_lists_the_folder(
     assert "config.json" in d.message and "model.safetensors" in d.message
 
 
+@pytest.mark.parametrize(
+    ("make", "code", "fact"),
+    [
+        (lambda base: None, "base-model-not-found", "does not exist"),
+        (lambda base: base.write_text("{}"), "base-model-not-a-directory", "is a file"),
+        (lambda base: base.mkdir(), "base-model-empty-directory", "is empty"),
+        (lambda base: base.symlink_to(base.parent / "gone"), "base-model-broken-symlink", "gone"),
+    ],
+)
+def test_unusable_base_model_directory(
+    tmp_path: Path,
+    make_recipe: RecipeFactory,
+    drafter: Path,
+    make: Callable[[Path], object],
+    code: str,
+    fact: str,
+) -> None:
+    shutil.rmtree(tmp_path / "base")
+    make(tmp_path / "base")
+    result = compile_in(tmp_path, make_recipe())
+    d = only(result, code)
+    assert d.path == "model.model_name_or_path"
+    assert str(tmp_path / "base") in d.message and fact in d.message
+
+
+def test_unreadable_base_model_config(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)
+    result = compile_in(tmp_path, make_recipe())
+    d = only(result, "base-model-unreadable")
+    assert "config.json" in d.message and "not readable" in d.message
+
+
+def test_bad_field_in_checkpoint_config_is_ignored_with_a_warning(
+    tmp_path: Path, make_recipe: RecipeFactory, base_model: Path
+) -> None:
+    config = drafter_config()
+    config["dflash_config"]["mask_token_id"] = "151669"  # type: ignore[index]
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_in(tmp_path, make_recipe(dflash={"dflash_mask_token_id": 250}))
+    assert result.ok
+    d = only(result, "checkpoint-config-field")
+    assert d.path == "dflash.dflash_init_checkpoint"
+    assert "dflash_config.mask_token_id" in d.message and "ignored" in d.message
+
+
 def test_missing_init_checkpoint(tmp_path: Path, make_recipe: RecipeFactory) -> None:
     write_base_model(tmp_path / "base")
     result = compile_in(tmp_path, make_recipe(init="drafters/qwen3/gone"))
@@ -200,7 +280,7 @@ def test_unreadable_weights_file(
     tmp_path: Path, make_recipe: RecipeFactory, drafter: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if os.geteuid() == 0:  # root reads any file: make the permission check say no instead
-        monkeypatch.setattr(checkpoint.os, "access", lambda *args, **kwargs: False)
+        monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)
     (drafter / "model.safetensors").chmod(0)
     try:
         result = compile_in(tmp_path, make_recipe())
@@ -496,8 +576,9 @@ def test_missing_dims_show_the_checkpoint_values(
     assert inter.hint == (
         "set dflash_architecture_config.intermediate_size: 64, as the checkpoint's config.json says"
     )
-    assert missing[f"{ARCH}.head_dim"].hint is not None
-    assert "head_dim: 8" in missing[f"{ARCH}.head_dim"].hint
+    assert "head_dim: 8, as the checkpoint's config.json says" in (
+        missing[f"{ARCH}.head_dim"].hint or ""
+    )
 
 
 def test_missing_dims_without_checkpoint_are_not_taken_from_the_target(

@@ -87,13 +87,12 @@ def test_dims_are_read_from_the_header_when_config_lacks_them(
     for key in ("intermediate_size", "head_dim", "num_key_value_heads"):
         del config[key]
     ckpt = write_drafter_checkpoint(tmp_path / "drafter", config=config)
-    text = render_init_recipe(base_model, ckpt, data_path="data/train.jsonl")
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text("{}\n", encoding="utf-8")
+    text = render_init_recipe(base_model, ckpt, data_path=str(data))
     assert "intermediate_size: 64  # the checkpoint's tensor shapes show" in text
-    path = tmp_path / "recipes" / "finetune.yaml"
-    (tmp_path / "recipes" / "data").mkdir(parents=True)
-    (tmp_path / "recipes" / "data" / "train.jsonl").write_text("{}\n", encoding="utf-8")
-    path.write_text(text, encoding="utf-8")
-    result = compile_file(path)
+    result = write_and_compile(tmp_path, text)
     assert result.ok and not [d for d in result.diagnostics if d.severity is not Severity.INFO]
 
 
@@ -183,15 +182,18 @@ def test_from_scratch_without_tokenizer_refuses_to_guess_the_mask(
     assert_clean(write_and_compile(tmp_path, text))
 
 
-def test_shallow_target_gets_fewer_draft_layers(tmp_path: Path) -> None:
+def test_shallow_target_gets_fewer_draft_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base = write_base_model(tmp_path / "base", layers=4)
+    monkeypatch.chdir(tmp_path)  # paths given to init are relative to the shell's folder
     text = render_init_recipe(base, None, mask_token_id=255, output_dir="runs/a")
     result = write_and_compile(tmp_path, text)
     assert_clean(result)
     assert result.plan is not None
     assert result.plan.draft.architecture.num_hidden_layers == 1
     assert result.plan.draft.target_layer_ids == (2,)
-    assert result.plan.training.output_dir == str(tmp_path / "recipes" / "runs" / "a")
+    assert result.plan.training.output_dir == str(tmp_path / "runs" / "a")
 
 
 def test_missing_base_model_is_refused(tmp_path: Path) -> None:

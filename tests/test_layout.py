@@ -414,3 +414,12 @@ def test_default_taps_refuse_a_target_too_shallow() -> None:
         default_target_layer_ids(5, 4)
     with pytest.raises(ValueError, match="at least one target and one draft layer"):
         default_target_layer_ids(0, 1)
+
+
+def test_odd_names_from_a_foreign_checkpoint_do_not_break_the_message() -> None:
+    recipe = expected_layout(_spec(num_hidden_layers=1))
+    found = {"a.².b": (1,), "layers.٣.w": (2,), "layers.99999999999.w": (3,), "": (4,)}
+    message = format_layout_diff(compare_layout(recipe, found))
+    for name in found:
+        assert f"unexpected: {name}: checkpoint has" in message
+    assert infer_architecture(found) == {}

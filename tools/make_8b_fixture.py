@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 # The fixture writers live with the tests (our own struct/json safetensors writer).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -35,7 +36,8 @@ from st_fixtures import (
 from dflash_recipes.checkpoint import read_checkpoint_weights
 
 # Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter), reference sections 2 and 5.
-DRAFTER = {
+# Any: splatted into keyword arguments of the fixture writers.
+DRAFTER: dict[str, Any] = {
     "hidden": 4096,
     "layers": 5,
     "heads": 32,

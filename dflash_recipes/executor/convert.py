@@ -70,7 +70,7 @@ def load_base_model(plan: RunPlan) -> PreTrainedModel:
             trust_remote_code=base.trust_remote_code,
             dtype=torch_dtype(base.dtype),
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         msg = f"cannot load the base model from {path}: {exc}"
         raise CheckpointError(msg) from exc
     assert isinstance(model, PreTrainedModel)
@@ -121,7 +121,9 @@ def convert(base_model: PreTrainedModel, plan: RunPlan, *, init: bool = True) ->
     """Attach the plan's drafter to ``base_model`` as ``dflash_module``, freeze the base.
 
     With ``init`` (the default), a plan with ``init_checkpoint`` and no ``resume`` warm-starts
-    the drafter here, before anything moves it. Returns ``base_model`` (converted in place).
+    the drafter here, before anything moves it, and records the
+    :class:`~dflash_recipes.executor.warmstart.WarmStartReport` as
+    ``dflash_module.warm_start_report``. Returns ``base_model`` (converted in place).
     """
     if hasattr(base_model, DRAFT_ATTRIBUTE):
         msg = "this model already has a dflash_module; convert a fresh base model"
@@ -148,7 +150,7 @@ def convert(base_model: PreTrainedModel, plan: RunPlan, *, init: bool = True) ->
     generator = torch.Generator().manual_seed(plan.training.seed)
     module = DFlashDraftModel(spec, generator=generator)
     if init and plan.init_checkpoint is not None and plan.resume is None:
-        load_init_checkpoint(module, plan)
+        module.warm_start_report = load_init_checkpoint(module, plan)
     base_model.add_module(DRAFT_ATTRIBUTE, module)
     return base_model
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from dflash_recipes.executor.heads import DominoHead, DraftHead, DSparkHead, build_head
 from dflash_recipes.plan import ResolvedDraft, RopePlan, RopeValue
+
+if TYPE_CHECKING:
+    from dflash_recipes.executor.warmstart import WarmStartReport
 
 #: Either a dense boolean mask ``[B, 1, Q, T + Q]`` (True = may attend) or a flex BlockMask.
 DraftMask: TypeAlias = Tensor | BlockMask
@@ -268,7 +271,8 @@ def _flex_kernel(device: torch.device) -> Callable[..., object]:
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # Default dynamism: one static compile, then a dynamic one if lengths vary by batch.
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
@@ -401,6 +405,8 @@ class DFlashDraftModel(nn.Module):
     def __init__(self, spec: ResolvedDraft, *, generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.spec = spec
+        #: Set by ``convert`` when it warm-started this module (None otherwise).
+        self.warm_start_report: WarmStartReport | None = None
         hidden = spec.hidden_size
         n_taps = len(spec.target_layer_ids)
         self.fc = nn.Linear(n_taps * hidden, hidden, bias=False)
@@ -454,8 +460,9 @@ class DFlashDraftModel(nn.Module):
             self._head.reset_parameters(generator)
 
     def fuse_context(self, tapped: Tensor) -> Tensor:
-        """``[B, T, n_taps * H]`` tapped target states -> ``[B, T, H]`` (fc, then hidden_norm)."""
-        fused: Tensor = self.hidden_norm(self.fc(tapped))
+        """``[B, T, n_taps * H]`` tapped target states -> ``[B, T, H]`` (fc, then hidden_norm),
+        in the module's parameter dtype."""
+        fused: Tensor = self.hidden_norm(self.fc(tapped.to(self.fc.weight.dtype)))
         return fused
 
     def forward(
@@ -466,16 +473,20 @@ class DFlashDraftModel(nn.Module):
         ctx_positions: Tensor,
         mask: DraftMask,
     ) -> Tensor:
-        """Draft states ``[B, Q, H]`` after the final norm (apply the target's lm_head next).
+        """Draft states ``[B, Q, H]`` after the final norm (apply the target's lm_head next),
+        in the module's parameter dtype.
 
         ``block_embeds [B, Q, H]``: embedded packed blocks; ``context [B, T, H]``: the fused
         context (:meth:`fuse_context`); ``q_positions [B, Q]`` and ``ctx_positions [B, T]``:
         RoPE positions; ``mask``: :func:`build_dense_block_mask` or :func:`build_flex_block_mask`.
         """
+        # Inputs follow the weights (float32 master weights under a bf16 target); autocast,
+        # when on, still runs the matmuls in low precision.
+        dtype = self.fc.weight.dtype
+        x = block_embeds.to(dtype)
+        context = context.to(dtype)
         positions = torch.cat([ctx_positions, q_positions], dim=1)
-        cos, sin = self.rotary_emb(block_embeds, positions)
-        x = block_embeds
-        context = context.to(block_embeds.dtype)
+        cos, sin = self.rotary_emb(x, positions)
         for layer in self.layers:
             x = layer(x, context, cos, sin, mask)
         result: Tensor = self.norm(x)

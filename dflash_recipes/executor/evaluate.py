@@ -294,6 +294,40 @@ def _chat_template_text(plan: RunPlan) -> str | None:
         raise DataError(msg) from exc
 
 
+def evaluate_on_plan_data(
+    plan: RunPlan,
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_new_tokens: int = 32,
+    num_prompts: int = 4,
+) -> AcceptanceReport:
+    """Measured acceptance on the first ``num_prompts`` of ``data.eval_data_path`` (in training).
+
+    ``drafter`` is the drafter or the converted model, on the target's device; its train/eval
+    mode is restored afterwards. DataError when the plan has no eval data.
+    """
+    if plan.data.eval_data_path is None:
+        msg = "data.eval_data_path is not set: there are no held-out conversations to measure on"
+        raise DataError(msg)
+    prompts = load_prompts(
+        Path(plan.data.eval_data_path),
+        tokenizer,
+        chat_template=_chat_template_text(plan),
+        limit=num_prompts,
+    )
+    eos = tokenizer.eos_token_id
+    return evaluate_acceptance(
+        target,
+        drafter,
+        plan.resolved_draft(),
+        prompts,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=int(eos) if eos is not None else None,
+    )
+
+
 def run_eval(
     plan: RunPlan,
     checkpoint_dir: Path,
@@ -344,6 +378,7 @@ __all__ = [
     "AcceptanceReport",
     "acceptance_from_steps",
     "evaluate_acceptance",
+    "evaluate_on_plan_data",
     "load_drafter_weights",
     "load_prompts",
     "prompt_messages",

@@ -155,6 +155,23 @@ __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "drafter_config",
+    "export_checkpoint",
     "export_drafter",
     "publish_directory",
 ]
+
+
+def export_checkpoint(
+    checkpoint_dir: Path, plan: RunPlan, out_dir: Path, *, dtype: str | None = None
+) -> Path:
+    """Export the drafter weights of a training checkpoint (or another export) to `out_dir`.
+
+    Builds the plan's drafter, loads the checkpoint's weights exactly (names, shapes and dtypes
+    checked), then writes the z-lab layout atomically. Never reads ``dflash_init_checkpoint``.
+    """
+    from dflash_recipes.executor.draft import DFlashDraftModel
+    from dflash_recipes.executor.evaluate import load_drafter_weights
+
+    drafter = DFlashDraftModel(plan.resolved_draft())
+    load_drafter_weights(drafter, Path(checkpoint_dir))
+    return export_drafter(drafter, plan, out_dir, dtype=dtype)

@@ -32,6 +32,7 @@ from pathlib import Path
 import attrs
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.errors import CheckpointError, DataError, PlanError
 from dflash_recipes.executor.anchors import (
@@ -332,21 +333,22 @@ class Trainer:
             raise CheckpointError(msg)
         return path
 
-    def _load_tokenizer(self) -> object:
+    def _load_tokenizer(self) -> PreTrainedTokenizerBase:
         from transformers import AutoTokenizer
 
         base = self.plan.base_model
-        return AutoTokenizer.from_pretrained(
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             base.path, local_files_only=True, trust_remote_code=base.trust_remote_code
         )
+        return tokenizer
 
-    def _build_dataset(self, tokenizer: object) -> TrainDataset:
+    def _build_dataset(self, tokenizer: PreTrainedTokenizerBase) -> TrainDataset:
         from dflash_recipes.executor.data import build_dataset
 
         if self.plan.data.data_path is None:
             msg = "the plan has no data.data_path; set it in the recipe and recompile"
             raise DataError(msg)
-        return build_dataset(self.plan, tokenizer)  # type: ignore[arg-type]
+        return build_dataset(self.plan, tokenizer)
 
     # -- main entry -------------------------------------------------------------------------
 
@@ -372,7 +374,7 @@ class Trainer:
         model = convert(base, plan, init=resume_from is None)
         drafter = dflash_module(model)
         warm: WarmStartReport | None = getattr(drafter, "warm_start_report", None)
-        model.to(env.device)
+        nn.Module.to(model, env.device)
         # Master weights of the drafter stay float32; the frozen target keeps the plan dtype.
         drafter.float()
         if training.fsdp:
@@ -446,7 +448,9 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
             if done % training.logging_steps == 0 or done == total_steps:
-                last_row = self._log_metrics(window, done, scheduler.get_last_lr()[0], metrics_path)
+                last_row = self._log_metrics(
+                    window, done, float(scheduler.get_last_lr()[0]), metrics_path
+                )
                 elapsed = time.perf_counter() - window.started
                 total_tokens_time = (
                     total_tokens_time[0] + window.tokens,
@@ -678,7 +682,11 @@ class Trainer:
         return row
 
     def _maybe_eval(
-        self, model: nn.Module, tokenizer: object, step: int, metrics_path: Path
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        step: int,
+        metrics_path: Path,
     ) -> float | None:
         if not is_main(self.env) or self.plan.data.eval_data_path is None:
             return None

@@ -94,6 +94,14 @@ class WarmStartReport:
     #: The warnings that were logged (degraded warm start, heads from scratch).
     warnings: tuple[str, ...] = ()
 
+    def describe(self) -> str:
+        """One line: checkpoint, tensors loaded, dtype, heads trained from scratch."""
+        return (
+            f"warm start from {self.checkpoint}: {self.tensors_loaded} tensors loaded "
+            f"({', '.join(self.dtypes)}); heads trained from scratch: "
+            f"{', '.join(self.heads_from_scratch) or 'none'}"
+        )
+
 
 def layout_spec(spec: ResolvedDraft) -> LayoutSpec:
     """The layout description of a resolved drafter (what decides its tensor names/shapes)."""
@@ -284,22 +292,16 @@ def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
         logger.warning(text)
 
     loaded = stream_tensors(module, weights, wanted)
-    dtypes = tuple(sorted({weights.tensors[n].dtype for n in wanted}))
-    logger.info(
-        "warm start from %s: %d tensors loaded (%s); heads trained from scratch: %s",
-        directory,
-        loaded,
-        ", ".join(dtypes),
-        ", ".join(from_scratch) or "none",
-    )
-    return WarmStartReport(
+    report = WarmStartReport(
         checkpoint=str(directory),
         weight_files=tuple(weights.weight_files),
         tensors_loaded=loaded,
-        dtypes=dtypes,
+        dtypes=tuple(sorted({weights.tensors[n].dtype for n in wanted})),
         heads_from_scratch=tuple(from_scratch),
         warnings=tuple(warnings),
     )
+    logger.info("%s", report.describe())
+    return report
 
 
 __all__ = [

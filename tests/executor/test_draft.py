@@ -258,7 +258,7 @@ def test_taps_are_outputs_of_target_decoder_layers(tmp_path: Path) -> None:
     assert taps.shape == (2, 9, 2 * 64)
     assert torch.equal(taps[..., :64], captured[0])
     assert torch.equal(taps[..., 64:], captured[2])
-    with pytest.raises(ValueError, match="valid ids are 0..3"):
+    with pytest.raises(ValueError, match=r"valid ids are 0\.\.3"):
         taps_from_hidden_states(result.hidden_states, (1, 4))
 
 

@@ -37,7 +37,9 @@ def test_five_layer_export_has_58_unprefixed_tensors(tmp_path: Path) -> None:
 
 
 def test_config_json_describes_the_drafter_and_its_target(tmp_path: Path) -> None:
-    plan = tiny_plan(tmp_path, rope_theta=1_000_000.0, block_size=8, target_max_position_embeddings=512)
+    plan = tiny_plan(
+        tmp_path, rope_theta=1_000_000.0, block_size=8, target_max_position_embeddings=512
+    )
     out = export_drafter(
         DFlashDraftModel(plan.resolved_draft()), plan, tmp_path / "export", dtype="bfloat16"
     )
@@ -111,7 +113,11 @@ def test_config_json_carries_rope_scaling_and_head_fields(tmp_path: Path) -> Non
     plan = tiny_plan(tmp_path, projector_type="domino", emb_dim=16, gru_hidden_dim=8)
     out = export_drafter(DFlashDraftModel(plan.resolved_draft()), plan, tmp_path / "domino")
     dflash = json.loads((out / "config.json").read_text())["dflash_config"]
-    assert (dflash["projector_type"], dflash["emb_dim"], dflash["gru_hidden_dim"]) == ("domino", 16, 8)
+    assert (dflash["projector_type"], dflash["emb_dim"], dflash["gru_hidden_dim"]) == (
+        "domino",
+        16,
+        8,
+    )
 
 
 def test_failed_export_leaves_no_partial_directory(
@@ -138,15 +144,13 @@ def test_failed_export_keeps_the_previous_one(
     before = load_file(str(out / "model.safetensors"))
     second = DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(2))
 
-    real = export_module.json.dumps
+    def crash(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("killed before the rename")
 
-    def crash(*args: object, **kwargs: object) -> str:
-        raise RuntimeError("killed while writing config.json")
-
-    monkeypatch.setattr(export_module.json, "dumps", crash)
-    with pytest.raises(RuntimeError, match="killed"):
-        export_drafter(second, plan, tmp_path / "export")
-    monkeypatch.setattr(export_module.json, "dumps", real)
+    with monkeypatch.context() as patch:
+        patch.setattr(export_module, "publish_directory", crash)
+        with pytest.raises(RuntimeError, match="killed"):
+            export_drafter(second, plan, tmp_path / "export")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     after = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(before[n], after[n]) for n in before)

@@ -23,9 +23,7 @@ from .tiny import tiny_plan
 
 def test_dense_mask_by_hand() -> None:
     # ctx_len 4, block size 2; block 0 anchored at 2, block 1 at 3; keys: c0 c1 c2 c3 b0 b0 b1 b1
-    mask = build_dense_block_mask(
-        torch.tensor([[2, 3]]), 2, 4, torch.tensor([[True, True]])
-    )
+    mask = build_dense_block_mask(torch.tensor([[2, 3]]), 2, 4, torch.tensor([[True, True]]))
     expected = torch.tensor(
         [
             [1, 1, 0, 0, 1, 1, 0, 0],

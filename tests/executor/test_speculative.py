@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -13,7 +13,14 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.convert import load_base_model
+from dflash_recipes.executor.checkpointing import save_training_checkpoint
+from dflash_recipes.executor.convert import (
+    convert,
+    dflash_module,
+    embed_tokens,
+    lm_head,
+    load_base_model,
+)
 from dflash_recipes.executor.data import Conversation, Message, read_conversations
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
@@ -24,6 +31,7 @@ from dflash_recipes.executor.draft import (
 from dflash_recipes.executor.evaluate import (
     acceptance_from_steps,
     evaluate_acceptance,
+    evaluate_on_plan_data,
     load_drafter_weights,
     prompts_from_conversations,
     run_eval,
@@ -54,6 +62,15 @@ def scramble(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.3 * noise)
             else:
                 p.copy_(noise / math.sqrt(p.shape[-1]) if p.dim() > 1 else noise)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Hundreds of tiny forwards: one thread avoids OpenMP waits on busy shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +262,7 @@ def test_drafter_sees_what_training_shows_it(target: PreTrainedModel, tmp_path: 
     """One block at inference equals the same block in a packed training forward."""
     _, spec = make_spec(tmp_path, block_size=4)
     drafter = make_drafter(spec)
-    block = DFlashBlockDrafter(drafter, target.get_input_embeddings(), target.lm_head, spec)
+    block = DFlashBlockDrafter(drafter, embed_tokens(target), lm_head(target), spec)
     ids = list(PROMPTS[0]) + greedy_generate(target, PROMPTS[0], 14, None)
     with torch.no_grad():
         out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
@@ -255,7 +272,7 @@ def test_drafter_sees_what_training_shows_it(target: PreTrainedModel, tmp_path: 
         block_ids = torch.full((1, 3, 4), spec.mask_token_id)
         block_ids[0, :, 0] = torch.tensor([ids[a] for a in anchors[0].tolist()])
         packed = drafter(
-            target.get_input_embeddings()(block_ids.view(1, -1)),
+            embed_tokens(target)(block_ids.view(1, -1)),
             drafter.fuse_context(taps),
             block_positions(anchors, 4),
             torch.arange(len(ids)).unsqueeze(0),
@@ -289,40 +306,62 @@ def test_context_taps_come_from_the_committed_tokens(
     assert seen == [len(prompt) + 2 * i for i in range(4)]
 
 
+HEADS: list[dict[str, object]] = [
+    {"projector_type": "domino", "emb_dim": 32, "gru_hidden_dim": 16},
+    {"projector_type": "dspark", "markov_rank": 8},
+]
+
+
+@pytest.mark.parametrize("overrides", HEADS, ids=lambda o: str(o["projector_type"]))
 def test_head_proposals_use_their_own_greedy_prefix(
-    target: PreTrainedModel, tmp_path: Path
+    target: PreTrainedModel, tmp_path: Path, overrides: dict[str, object]
 ) -> None:
     """Each proposal is the head's argmax given the anchor and the proposals before it."""
-    _, spec = make_spec(
-        tmp_path, block_size=5, projector_type="domino", emb_dim=32, gru_hidden_dim=16
-    )
+    _, spec = make_spec(tmp_path, block_size=6, **overrides)
     drafter = make_drafter(spec, seed=3)
-    embed = target.get_input_embeddings()
-    block = DFlashBlockDrafter(drafter, embed, target.lm_head, spec)
+    with torch.no_grad():
+        # Let the prefix decide: the head's correction outweighs the backbone logits and, for
+        # domino, depends on the GRU state of the prefix only.
+        if spec.projector_type == "domino":
+            first, _, last = drafter.domino_head.embed_proj
+            assert isinstance(first, torch.nn.Linear) and isinstance(last, torch.nn.Linear)
+            first.weight[:, : spec.hidden_size] = 0.0
+            last.weight.mul_(20.0)
+        else:
+            drafter.dspark_head.markov_w2.weight.mul_(20.0)
+    embed = embed_tokens(target)
+    block = DFlashBlockDrafter(drafter, embed, lm_head(target), spec)
     ids = list(PROMPTS[0]) + greedy_generate(target, PROMPTS[0], 6, None)
     with torch.no_grad():
         out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
         taps = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids)
-        context = DraftContext(committed=tuple(ids), taps=taps[:, :-1], block_size=5)
+        context = DraftContext(committed=tuple(ids), taps=taps[:, :-1], block_size=6)
         proposals = block.propose(context)
         hidden = block.draft_hidden(context)
-        base = target.lm_head(hidden)
-        # Index k of the prefix holds the token at anchor + k - 1 (heads.py).
-        prefix = torch.tensor([[ids[-2], ids[-1], *proposals[:3]]])
-        logits = drafter.domino_head(hidden, embed(prefix), base)
+        base = lm_head(target)(hidden)
+        # Index k of the prefix holds the token at anchor + k - 1 (heads.py); teacher-forced
+        # with the proposals, one pass gives every position's logits.
+        prefix = torch.tensor([[ids[-2], ids[-1], *proposals[:-1]]])
+        if spec.projector_type == "domino":
+            logits = drafter.domino_head(hidden, embed(prefix), base)
+        else:
+            logits, _ = drafter.dspark_head(hidden, prefix, base)
     assert proposals == logits[0, 1:].argmax(-1).tolist()
     # The head matters: without it the backbone alone proposes something else here.
     assert proposals != base[0, 1:].argmax(-1).tolist()
 
 
-def test_evaluation_restores_training_mode(target: PreTrainedModel, tmp_path: Path) -> None:
-    _, spec = make_spec(tmp_path, block_size=3)
-    drafter = make_drafter(spec).train()
-    evaluate_acceptance(
-        target, drafter, spec, [list(PROMPTS[2])], max_new_tokens=3, eos_token_id=None
+def test_converted_model_is_target_and_drafter_and_keeps_its_modes(tmp_path: Path) -> None:
+    """The trainer's call: the converted model serves as both; the drafter stays in train mode."""
+    plan, spec = make_spec(tmp_path, block_size=3)
+    model = convert(tiny_target(plan), plan)
+    dflash_module(model).train()
+    report = evaluate_acceptance(
+        model, model, spec, [list(PROMPTS[2])], max_new_tokens=4, eos_token_id=None
     )
-    assert drafter.training
-    assert not target.training
+    assert report.lossless
+    assert dflash_module(model).training
+    assert not model.model.training
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,6 +474,17 @@ def test_run_eval_reads_eval_data_path_and_training_checkpoints(
     report = run_eval(plan, export, None, max_new_tokens=4, num_prompts=8)
     assert report.num_prompts == len(TEXTS)
     assert report.lossless
+
+    # A training checkpoint of the same weights measures the same, and so does the trainer's
+    # in-memory call on a converted model.
+    model = convert(load_base_model(plan), plan)
+    load_drafter_weights(dflash_module(model), export)
+    optimizer = torch.optim.SGD(dflash_module(model).parameters(), lr=0.1)
+    checkpoint = save_training_checkpoint(tmp_path / "run", 3, model, optimizer, None, {})
+    assert run_eval(plan, checkpoint, None, max_new_tokens=4, num_prompts=8) == report
+    tokenizer = AutoTokenizer.from_pretrained(plan.base_model.path)
+    in_training = evaluate_on_plan_data(plan, model, model, tokenizer, max_new_tokens=4)
+    assert in_training == report  # its default of 4 prompts covers all 3 here
 
 
 def test_run_eval_errors_say_what_to_pass(eval_setup: tuple[RunPlan, Path], tmp_path: Path) -> None:

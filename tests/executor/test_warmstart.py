@@ -44,6 +44,8 @@ def test_round_trip_at_another_block_size_is_bit_exact(tmp_path: Path) -> None:
     _, init = exported(tmp_path, block_size=4)
     plan = with_init_checkpoint(tiny_plan(tmp_path, block_size=8), init)
     model = convert(tiny_target(plan), plan)
+    report = model.dflash_module.warm_start_report
+    assert report is not None and report.tensors_loaded == 25
     source = load_file(str(init / "model.safetensors"))
     loaded = model.dflash_module.state_dict()
     assert loaded.keys() == source.keys()
@@ -87,7 +89,7 @@ def test_directory_without_weights_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "init").mkdir()
     (tmp_path / "init" / "config.json").write_text("{}")
     plan = with_init_checkpoint(tiny_plan(tmp_path), tmp_path / "init")
-    with pytest.raises(CheckpointError, match="no model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
         load_init_checkpoint(fresh(plan), plan)
 
 
@@ -111,12 +113,20 @@ def test_wrong_intermediate_size_lists_every_layer(tmp_path: Path) -> None:
     with pytest.raises(WarmStartError) as info:
         convert(tiny_target(plan), plan)
     text = str(info.value)
-    assert "layers.{0,1}.mlp.gate_proj.weight: recipe expects [96, 64], checkpoint has [128, 64]" in text
-    assert "layers.{0,1}.mlp.down_proj.weight: recipe expects [64, 96], checkpoint has [64, 128]" in text
+    assert (
+        "layers.{0,1}.mlp.gate_proj.weight: recipe expects [96, 64], checkpoint has [128, 64]"
+        in text
+    )
+    assert (
+        "layers.{0,1}.mlp.down_proj.weight: recipe expects [64, 96], checkpoint has [64, 128]"
+        in text
+    )
     assert "fix: set dflash_architecture_config.intermediate_size: 128" in text
 
 
-def test_mask_token_mismatch_warns_and_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_mask_token_mismatch_warns_and_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _, init = exported(tmp_path, mask_token_id=120)
     plan = with_init_checkpoint(tiny_plan(tmp_path, mask_token_id=121), init)
     module = fresh(plan)
@@ -137,18 +147,25 @@ def test_target_layer_mismatch_warns(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert any("target_layer_ids [1, 2]" in r.getMessage() for r in caplog.records)
 
 
-def test_one_info_line_says_what_was_loaded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_one_info_line_says_what_was_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _, init = exported(tmp_path)
     plan = with_init_checkpoint(tiny_plan(tmp_path), init)
     with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
         load_init_checkpoint(fresh(plan), plan)
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert infos == [f"warm start from {init}: 25 tensors loaded (BF16); heads trained from scratch: none"]
+    assert infos == [
+        f"warm start from {init}: 25 tensors loaded (BF16); heads trained from scratch: none"
+    ]
 
 
 @pytest.mark.parametrize(
     ("variant", "heads"),
-    [(DOMINO, ("prefix_gru", "embed_proj")), (DSPARK, ("markov_w1", "markov_w2", "confidence_proj"))],
+    [
+        (DOMINO, ("prefix_gru", "embed_proj")),
+        (DSPARK, ("markov_w1", "markov_w2", "confidence_proj")),
+    ],
 )
 def test_head_variant_warm_starts_its_backbone_from_plain_dflash(
     tmp_path: Path,
@@ -190,7 +207,10 @@ def test_sharded_checkpoint_streams_every_shard(tmp_path: Path) -> None:
     weights = load_file(str(init / "model.safetensors"))
     (init / "model.safetensors").unlink()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     weight_map = {}
     for file_name, members in shards.items():
         save_file({n: weights[n] for n in members}, str(init / file_name))

@@ -9,8 +9,9 @@ its attribute name; the first section that has it wins, in this order:
     ObjectivePlan -> TrainingPlan -> DataPlan -> BaseModelPlan (dtype, ...) -> RopePlan
     (rope_theta, rope_type, rope_scaling)
 
-Target facts take a ``target_`` prefix (``target_layer_ids`` stays the draft's taps): ``target_num_hidden_layers=6``,
-``target_model_type="llama"``, ``target_hidden_size=32``, ``target_vocab_size=256``.
+Target facts take a ``target_`` prefix (``target_layer_ids`` stays the draft's taps):
+``target_num_hidden_layers=6``, ``target_model_type="llama"``, ``target_hidden_size=32``,
+``target_vocab_size=256``.
 ``tiny_target(plan)`` builds a random model matching the plan's target facts (Qwen3, or
 Llama when ``target_model_type="llama"``); ``save=True`` also writes it to the plan's
 base-model path so :func:`load_base_model` can read it.

@@ -1,0 +1,135 @@
+"""Training checkpoints: atomic save, pruning, exact restore, no pickle execution."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_recipes.errors import CheckpointError
+from dflash_recipes.executor import checkpointing
+from dflash_recipes.executor.checkpointing import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
+from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.run_layout import complete_checkpoints
+
+from .tiny import tiny_plan
+
+
+def trained(
+    tmp_path: Path, seed: int = 0
+) -> tuple[DFlashDraftModel, torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    plan = tiny_plan(tmp_path)
+    module = DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    for _ in range(2):
+        for p in module.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        scheduler.step()
+    return module, optimizer, scheduler
+
+
+def test_save_then_restore_gives_back_weights_optimizer_and_scheduler(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(
+        tmp_path / "out", 2, module, optimizer, scheduler, {"epoch": 1, "seen": [3, 4]}
+    )
+    assert path.name == "checkpoint-00000002"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "model.safetensors",
+        "optimizer.pt",
+        "trainer_state.json",
+    ]
+
+    other, other_opt, other_sched = trained(tmp_path, seed=5)
+    state = restore_training_checkpoint(path, other, other_opt, other_sched)
+    assert state == {"epoch": 1, "seen": [3, 4], "step": 2}
+    for (name, a), b in zip(module.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    saved_state = optimizer.state_dict()["state"]
+    for key, value in other_opt.state_dict()["state"].items():
+        assert torch.equal(value["exp_avg"], saved_state[key]["exp_avg"])
+    assert other_sched.last_epoch == scheduler.last_epoch == 2
+    assert other_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_old_checkpoints_beyond_the_limit_are_pruned(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    for step in (1, 2, 3):
+        save_training_checkpoint(
+            tmp_path / "out", step, module, optimizer, scheduler, {}, save_total_limit=2
+        )
+    assert [step for step, _ in complete_checkpoints(tmp_path / "out")] == [2, 3]
+
+
+def test_a_crash_while_saving_leaves_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    out = tmp_path / "out"
+    save_training_checkpoint(out, 1, module, optimizer, scheduler, {})
+
+    def crash(*_args: object, **_kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpointing.torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_training_checkpoint(out, 2, module, optimizer, scheduler, {})
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-00000001"]
+
+
+def test_stale_staging_directories_are_removed_on_the_next_save(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    out = tmp_path / "out"
+    (out / ".tmp-checkpoint-00000001-dead").mkdir(parents=True)
+    save_training_checkpoint(out, 2, module, optimizer, scheduler, {})
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-00000002"]
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"missing: optimizer\.pt"):
+        restore_training_checkpoint(path, module)
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    bigger = DFlashDraftModel(tiny_plan(tmp_path, intermediate_size=96).resolved_draft())
+    with pytest.raises(CheckpointError, match=r"gate_proj\.weight: recipe expects \[96, 64\]"):
+        restore_training_checkpoint(path, bigger)
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+def test_optimizer_file_is_never_unpickled_freely(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    with open(path / "optimizer.pt", "wb") as handle:
+        pickle.dump({"optimizer": _Payload()}, handle, protocol=2)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError):
+        restore_training_checkpoint(path, module, optimizer)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_trainer_state_must_be_json(tmp_path: Path) -> None:
+    module, optimizer, _ = trained(tmp_path)
+    with pytest.raises(ValueError, match="JSON"):
+        save_training_checkpoint(tmp_path / "out", 1, module, optimizer, None, {"x": object()})
+    path = save_training_checkpoint(tmp_path / "out", 1, module, optimizer, None, {"loss": 0.5})
+    assert json.loads((path / "trainer_state.json").read_text()) == {"loss": 0.5, "step": 1}
