@@ -1,5 +1,11 @@
-"""dflash-recipes: typed, compiled recipes for training DFlash speculative-decoding drafters."""
+"""dflash-recipes: typed, compiled recipes for training DFlash speculative-decoding drafters.
 
+The public surface is `__all__`. Importing the package loads only the pure-data compile path
+(attrs, cattrs, yaml, json): never torch, transformers or safetensors, which only the executor
+(`dflash_recipes.executor`, used by `dflash-recipe run`) imports.
+"""
+
+from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
 from dflash_recipes.diagnostics import Diagnostic, Severity
 from dflash_recipes.errors import (
     CheckpointError,
@@ -12,6 +18,7 @@ from dflash_recipes.errors import (
     SafetensorsHeaderError,
     WarmStartError,
 )
+from dflash_recipes.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 from dflash_recipes.recipe import (
     DataSection,
@@ -21,12 +28,14 @@ from dflash_recipes.recipe import (
     Recipe,
     TrainingSection,
 )
+from dflash_recipes.schema import recipe_json_schema
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
     "CompileError",
+    "CompileResult",
     "DFlashArchitectureConfig",
     "DFlashRecipeError",
     "DFlashSection",
@@ -34,6 +43,7 @@ __all__ = [
     "DataSection",
     "Diagnostic",
     "LaunchError",
+    "LoadResult",
     "ModelSection",
     "PlanError",
     "Recipe",
@@ -45,4 +55,9 @@ __all__ = [
     "TrainingSection",
     "WarmStartError",
     "__version__",
+    "compile_file",
+    "compile_recipe",
+    "load_recipe",
+    "load_recipe_with_diagnostics",
+    "recipe_json_schema",
 ]

@@ -347,9 +347,12 @@ def schema_command(output: Path | None) -> None:
     text = json.dumps(recipe_json_schema(), indent=2, sort_keys=True) + "\n"
     if output is None:
         click.echo(text, nl=False)
-    else:
+        return
+    try:
         _write_atomic(output, text)
-        click.echo(f"wrote {output}", err=True)
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
+    click.echo(f"wrote {output}", err=True)
 
 
 @main.command("init")
@@ -364,6 +367,12 @@ def schema_command(output: Path | None) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Local directory of an exported drafter to fine-tune (model.safetensors).",
 )
+@click.option(
+    "--mask-token-id",
+    type=click.IntRange(min=0),
+    help="dflash_mask_token_id (default: the checkpoint's; without one, the tokenizer's mask "
+    "token or first unused embedding row).",
+)
 @click.option("--output-dir", "run_output_dir", help="training.output_dir of the new recipe.")
 @click.option("--data-path", help="data.data_path of the new recipe (JSONL conversations).")
 @click.option(
@@ -375,6 +384,7 @@ def schema_command(output: Path | None) -> None:
 def init_command(
     base_model: Path,
     init_checkpoint: Path | None,
+    mask_token_id: int | None,
     run_output_dir: str | None,
     data_path: str | None,
     output: Path | None,
@@ -383,9 +393,11 @@ def init_command(
     from the init checkpoint (or sensible defaults from the base model without one).
 
     \b
-    Example:
+    Examples:
       dflash-recipe init --base-model /hf-local/Qwen/Qwen3-8B \\
           --init-checkpoint /hf-local/z-lab/Qwen3-8B-DFlash-b16 -o finetune.yaml
+      dflash-recipe init --base-model /hf-local/Qwen/Qwen3-8B --mask-token-id 151669 \\
+          --data-path train.jsonl -o scratch.yaml
     """
     from dflash_recipes.init_recipe import render_init_recipe
 
@@ -393,15 +405,25 @@ def init_command(
         _fail(f"{output} already exists; choose another -o path or delete it first", EXIT_USAGE)
     try:
         text = render_init_recipe(
-            base_model, init_checkpoint, output_dir=run_output_dir, data_path=data_path
+            base_model,
+            init_checkpoint,
+            output_dir=run_output_dir,
+            data_path=data_path,
+            mask_token_id=mask_token_id,
+            recipe_path=str(output) if output is not None else None,
         )
     except DFlashRecipeError as exc:
         _fail(str(exc))
     if output is None:
         click.echo(text, nl=False)
-    else:
-        _write_atomic(output, text)
-        click.echo(f"wrote {output}; check it with: dflash-recipe compile {output}", err=True)
+        return
+    try:
+        written = _write_new(output, text)
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
+    if not written:
+        _fail(f"{output} already exists; choose another -o path or delete it first", EXIT_USAGE)
+    click.echo(f"wrote {output}; check it with: dflash-recipe compile {output}", err=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,7 +514,7 @@ def run_command(
             nproc_per_node=nproc_per_node or 1,
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
-            rdzv_id=rdzv_id or plan.fingerprint[:16],
+            rdzv_id=rdzv_id or (plan.fingerprint[:16] if rdzv_endpoint else None),
         )
         sys.exit(launch_torchrun(argv))
     _setup_logging(verbose)
@@ -664,3 +686,7 @@ def run_cli() -> None:
 
 
 __all__ = ["load_plan_or_recipe", "main", "run_cli"]
+
+
+if __name__ == "__main__":  # `python -m dflash_recipes.cli` (how torchrun starts workers)
+    run_cli()

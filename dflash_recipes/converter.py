@@ -245,8 +245,13 @@ def _structure_float(value: object, _: object) -> float:
 def _structure_bool(value: object, _: object) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        hint = f"write {value.strip().lower()} without quotes"
+    if isinstance(value, str) and value.strip() in ("true", "false"):
+        hint = f"write {value.strip()} without quotes"
+    elif isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        hint = (
+            f"use true or false: only lowercase {value.strip().lower()} is a boolean in "
+            f"recipes ({value.strip()!r} is a string)"
+        )
     elif isinstance(value, str) and value.strip().lower() in _TRUE_WORDS:
         hint = f"write true ({value.strip()!r} is a string in recipes, not a boolean)"
     elif isinstance(value, str) and value.strip().lower() in _FALSE_WORDS:

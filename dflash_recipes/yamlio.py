@@ -3,8 +3,9 @@
 Recipes are small hand-written files, so the loader is deliberately narrow:
 
 - safe only (a `yaml.SafeLoader` subclass composes the node tree; values are built here);
-- YAML 1.2 core scalars: `true`/`false` (also `True`/`TRUE`, `False`/`FALSE`) are the only
-  booleans, so `yes`, `no`, `on` and `off` stay strings; `1e-4`, `1.0e-4` and `.5` are floats;
+- YAML 1.2 core scalars, stricter on booleans: only `true` and `false` are booleans, so
+  `True`, `FALSE`, `yes`, `no`, `on` and `off` stay strings (a boolean field then reports the
+  wrong type instead of guessing); `1e-4`, `1.0e-4` and `.5` are floats;
   `~`, `null` and an empty value are None; no timestamps, no sexagesimal or other implicit types;
 - duplicate keys and keys that are not strings are errors (every one is reported);
 - aliases are refused at the first `*name`, before anything is expanded, which makes alias
@@ -62,7 +63,7 @@ _MAP = "tag:yaml.org,2002:map"
 _SEQ = "tag:yaml.org,2002:seq"
 _CORE_SCALAR_TAGS = frozenset({_STR, _INT, _FLOAT, _BOOL, _NULL})
 
-_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_BOOL_RE = re.compile(r"^(?:true|false)$")
 _NULL_RE = re.compile(r"^(?:~|null|Null|NULL|)$")
 _INT_RE = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
 _FLOAT_RE = re.compile(
@@ -97,7 +98,7 @@ class _StrictLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-_StrictLoader.add_implicit_resolver(_BOOL, _BOOL_RE, list("tTfF"))
+_StrictLoader.add_implicit_resolver(_BOOL, _BOOL_RE, list("tf"))
 _StrictLoader.add_implicit_resolver(_NULL, _NULL_RE, ["~", "n", "N", ""])
 _StrictLoader.add_implicit_resolver(_INT, _INT_RE, list("-+0123456789"))
 _StrictLoader.add_implicit_resolver(_FLOAT, _FLOAT_RE, list("-+.0123456789"))
@@ -120,7 +121,7 @@ def _scalar_from_tag(tag: str, text: str) -> tuple[bool, object]:
     if tag == _BOOL:
         if not _BOOL_RE.match(text):
             return False, None
-        return True, text.lower() == "true"
+        return True, text == "true"
     if tag == _INT:
         if not _INT_RE.match(text):
             return False, None

@@ -9,6 +9,7 @@ import pytest
 
 from dflash_recipes.diagnostics import Diagnostic, SourceMark, registered_codes
 from dflash_recipes.errors import RecipeError
+from dflash_recipes.loader import recipe_from_text
 from dflash_recipes.yamlio import MAX_DEPTH, load_yaml
 
 
@@ -38,7 +39,6 @@ def problems(text: str) -> tuple[Diagnostic, ...]:
         ("0x1F", 31),
         ("true", True),
         ("false", False),
-        ("True", True),
         ("null", None),
         ("~", None),
         ("", None),
@@ -57,6 +57,43 @@ def test_core_schema_scalars(text: str, value: object) -> None:
 )
 def test_yaml_11_implicit_types_stay_strings(text: str) -> None:
     assert load(f"key: {text}\n") == {"key": text}
+
+
+@pytest.mark.parametrize("text", ["True", "TRUE", "False", "FALSE", "tRUE"])
+def test_only_lowercase_true_and_false_are_booleans(text: str) -> None:
+    assert load(f"key: {text}\n") == {"key": text}
+    assert load(f"key: [{text}, true]\n") == {"key": [text, True]}
+
+
+def test_capitalised_boolean_with_an_explicit_bool_tag_is_refused() -> None:
+    (found,) = problems("key: !!bool True\n")
+    assert found.code == "yaml-tag"
+    assert "'True' cannot be read as !!bool" in found.message
+
+
+@pytest.mark.parametrize(
+    ("text", "lower"), [("True", "true"), ("TRUE", "true"), ("False", "false"), ("FALSE", "false")]
+)
+def test_a_bool_field_rejects_capitalised_booleans_with_the_lowercase_fix(
+    text: str, lower: str
+) -> None:
+    recipe = f"model:\n  model_name_or_path: /m\n  trust_remote_code: {text}\n"
+    result = recipe_from_text(recipe, filename="r.yaml")
+    assert result.recipe is None
+    (found,) = result.diagnostics
+    assert (found.code, found.path) == ("wrong-type", "model.trust_remote_code")
+    assert (found.file, found.line, found.column) == ("r.yaml", 3, 3)
+    assert found.message == f"expected true or false, got the string {text!r}"
+    assert found.hint is not None
+    assert found.hint.startswith("use true or false")
+    assert f"only lowercase {lower} is a boolean" in found.hint
+
+
+def test_a_quoted_lowercase_boolean_is_told_to_drop_the_quotes() -> None:
+    recipe = "model:\n  model_name_or_path: /m\n  trust_remote_code: 'false'\n"
+    (found,) = recipe_from_text(recipe, filename="r.yaml").diagnostics
+    assert found.code == "wrong-type"
+    assert found.hint == "write false without quotes"
 
 
 def test_infinity_and_quoted_scalars() -> None:

@@ -294,8 +294,13 @@ class _MetricWindow:
 class Trainer:
     """Runs one plan: build, (warm start | resume), train, checkpoint, export."""
 
-    def __init__(self, plan: RunPlan, *, progress: bool = True) -> None:
+    def __init__(
+        self, plan: RunPlan, *, progress: bool = True, stop_after: int | None = None
+    ) -> None:
         self.plan = plan
+        #: Stop after this optimiser step (its checkpoint saved), as if the job were killed
+        #: there; the schedule still spans the whole run. For tests and preemption drills.
+        self.stop_after = stop_after
         self.spec: ResolvedDraft = plan.resolved_draft()
         self.progress = progress
         self.env = detect_dist_env(plan.training.device)
@@ -464,13 +469,18 @@ class Trainer:
                 window.reset()
             if training.eval_steps is not None and done % training.eval_steps == 0:
                 last_eval_tau = self._maybe_eval(model, tokenizer, done, metrics_path)
-            if done % training.save_steps == 0 or done == total_steps:
+            stopping = self.stop_after is not None and done >= self.stop_after
+            if done % training.save_steps == 0 or done == total_steps or stopping:
                 self._save(drafter, optimizer, scheduler, done, position)
+            if stopping:
+                break
         if bar is not None:
             bar.close()
 
         export_dir: Path | None = None
-        if is_main(env):
+        if self.stop_after is not None and step + 1 < total_steps:
+            logger.info("stopped after step %d as asked (no export)", step + 1)
+        elif is_main(env):
             export_dir = export_drafter(drafter, plan, self.output_dir / EXPORT_DIR)
             logger.info("exported the drafter to %s", export_dir)
         barrier(env)
@@ -656,12 +666,20 @@ class Trainer:
         correct = all_reduce_sum(window.correct.to(env.device).float(), env).cpu()
         count = all_reduce_sum(window.count.to(env.device).float(), env).cpu()
         tokens = float(all_reduce_sum(torch.tensor(float(window.tokens), device=env.device), env))
+        loss_mean = (
+            float(
+                all_reduce_sum(
+                    torch.tensor(window.loss_sum / max(1, window.micro), device=env.device), env
+                )
+            )
+            / env.world_size
+        )
         acc = per_position_accuracy(correct.long(), count.long())
         elapsed = max(1e-9, time.perf_counter() - window.started)
         row: dict[str, object] = {
             "kind": "train",
             "step": step,
-            "loss": window.loss_sum / max(1, window.micro),
+            "loss": loss_mean,
             "lr": lr,
             "accuracy_by_position": acc,
             "acceptance_length_estimate": estimated_acceptance_length(acc),
@@ -778,9 +796,15 @@ def _append_jsonl(path: Path, row: dict[str, object]) -> None:
         handle.write(json.dumps(row, allow_nan=True, sort_keys=True) + "\n")
 
 
-def run_plan(plan: RunPlan, *, progress: bool = True) -> TrainSummary:
-    """Train as the plan says and return the summary (rank 0's view under torchrun)."""
-    return Trainer(plan, progress=progress).run()
+def run_plan(
+    plan: RunPlan, *, progress: bool = True, stop_after: int | None = None
+) -> TrainSummary:
+    """Train as the plan says and return the summary (rank 0's view under torchrun).
+
+    `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
+    would; rerunning the recipe then resumes.
+    """
+    return Trainer(plan, progress=progress, stop_after=stop_after).run()
 
 
 def default_torch_dtype(plan: RunPlan) -> torch.dtype:
