@@ -754,7 +754,10 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        bar: _Bar = tqdm(total=total, initial=start, desc="train", unit="step", leave=False)
+        # disable=None: no bar when stderr is not a terminal (CI logs, files).
+        bar: _Bar = tqdm(
+            total=total, initial=start, desc="train", unit="step", leave=False, disable=None
+        )
         return bar
 
 

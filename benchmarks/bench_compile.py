@@ -1,0 +1,118 @@
+"""Whole-process `dflash-recipe compile` of a tiny warm-start recipe (target < 0.3 s).
+
+Baselines measured in the same run, interleaved: `python -c pass` (interpreter start) and
+`python -c "import click, attrs, cattrs, yaml"` (the compile path's own dependencies, the
+floor for any pure-Python CLI built on them), and `dflash-recipe --version` (our CLI start,
+no compile). Machines here are noisy: read the ratios first.
+
+The last row runs compile without a bytecode cache (PYTHONDONTWRITEBYTECODE=1, as this
+environment is set up): every module of the package is compiled from source again.
+
+Usage: python benchmarks/bench_compile.py [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from _measure import (
+    NO_BYTECODE_CACHE,
+    REPO,
+    Command,
+    dflash_recipe_argv,
+    interleaved,
+    median_rss_mb,
+    median_seconds,
+    print_table,
+    verdict,
+)
+
+sys.path.insert(0, str(REPO / "tests"))
+from st_fixtures import write_base_model, write_drafter_checkpoint
+
+TARGET_SECONDS = 0.3
+PASS = "python -c pass"
+IMPORTS = "python -c 'import click, attrs, cattrs, yaml'"
+COMPILE = "dflash-recipe compile recipe.yaml -o plan.json"
+
+RECIPE = """\
+# dflash-recipe compile recipe.yaml -o plan.json
+model:
+  model_name_or_path: base
+data:
+  data_path: train.jsonl
+training:
+  output_dir: run
+  learning_rate: 1.0e-4
+dflash:
+  dflash_init_checkpoint: drafter
+  dflash_block_size: 16
+  dflash_mask_token_id: 250
+  dflash_architecture_config:
+    num_hidden_layers: 2
+    num_attention_heads: 4
+    num_key_value_heads: 2
+    head_dim: 8
+    intermediate_size: 64
+    target_layer_ids: [1, 5]
+"""
+
+
+def write_tiny(workdir: Path) -> None:
+    write_base_model(workdir / "base")
+    write_drafter_checkpoint(workdir / "drafter")
+    (workdir / "train.jsonl").write_text('{"messages": []}\n', encoding="utf-8")
+    (workdir / "recipe.yaml").write_text(RECIPE, encoding="utf-8")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    cli = dflash_recipe_argv()
+    compile_argv = [*cli, "compile", "recipe.yaml", "-o", "plan.json"]
+    commands = {
+        PASS: Command([sys.executable, "-c", "pass"]),
+        IMPORTS: Command([sys.executable, "-c", "import click, attrs, cattrs, yaml"]),
+        "dflash-recipe --version": Command([*cli, "--version"]),
+        COMPILE: Command(compile_argv),
+        f"{COMPILE} (no .pyc cache)": Command(compile_argv, NO_BYTECODE_CACHE),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+        workdir = Path(tmp)
+        write_tiny(workdir)
+        samples = interleaved(commands, workdir, args.repeats)
+
+    base = median_seconds(samples[PASS])
+    deps = median_seconds(samples[IMPORTS])
+    rows = []
+    for name, runs in samples.items():
+        median = median_seconds(runs)
+        rows.append(
+            [
+                name,
+                f"{median:.3f}",
+                f"{min(s.seconds for s in runs):.3f}",
+                f"{median / base:.2f}x",
+                f"{median / deps:.2f}x",
+                f"{median_rss_mb(runs):.1f}",
+            ]
+        )
+    print(f"whole-process times, median of {args.repeats} interleaved runs ({' '.join(cli)})")
+    print_table(["command", "median s", "min s", "/ pass", "/ imports", "peak RSS MB"], rows)
+    compile_s = median_seconds(samples[COMPILE])
+    print()
+    print(
+        f"compile: {compile_s:.3f} s whole process (target < {TARGET_SECONDS} s: "
+        f"{verdict(compile_s < TARGET_SECONDS)}); {compile_s - base:.3f} s above interpreter "
+        f"start, {compile_s - deps:.3f} s above importing click, attrs, cattrs and yaml"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
