@@ -176,7 +176,10 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
 
 def _print_summary(result: DemoResult, plan: RunPlan, echo: Echo) -> None:
     block = plan.draft.block_size
-    mean = lambda acc: sum(acc[1:]) / max(1, len(acc) - 1)  # noqa: E731
+
+    def mean(acc: tuple[float, ...]) -> float:
+        return sum(acc[1:]) / max(1, len(acc) - 1)
+
     rows = [
         ("mean top-1 accuracy (positions 1..)", result.warm_accuracy, result.scratch_accuracy),
     ]
@@ -201,7 +204,8 @@ def _print_summary(result: DemoResult, plan: RunPlan, echo: Echo) -> None:
         f"bit-exact; demo took {result.seconds:.0f}s"
     )
     verdict = "better" if result.warm_tau > result.scratch_tau else "NOT better"
-    echo(f"  the warm start is {verdict} at equal steps ({result.warm_tau / result.scratch_tau:.2f}x tau)")
+    ratio = result.warm_tau / result.scratch_tau
+    echo(f"  the warm start is {verdict} at equal steps ({ratio:.2f}x tau)")
 
 
 def _maybe_report(runs: Path, echo: Echo) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -113,7 +114,7 @@ def test_schedule_warmup_then_cosine() -> None:
     assert factors[0] == pytest.approx(0.5) and factors[1] == pytest.approx(1.0)
     assert factors[2] == pytest.approx(1.0)
     assert factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
-    assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(factors[1:]))
     assert lr_factor(5, total_steps=10, warmup_ratio=0.0, kind="constant") == 1.0
     assert lr_factor(5, total_steps=10, warmup_ratio=0.0, kind="linear") == pytest.approx(0.5)
 
