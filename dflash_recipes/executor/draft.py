@@ -37,8 +37,26 @@ from dflash_recipes.plan import ResolvedDraft, RopePlan, RopeValue
 if TYPE_CHECKING:
     from dflash_recipes.executor.warmstart import WarmStartReport
 
-#: Either a dense boolean mask ``[B, 1, Q, T + Q]`` (True = may attend) or a flex BlockMask.
-DraftMask: TypeAlias = Tensor | BlockMask
+
+class SplitBlockMask:
+    """The block mask as two parts: visible context ``[B, 1, Q, T]`` plus "own block only".
+
+    Attention then costs ``Q x (T + bs)`` instead of ``Q x (T + Q)``: the context part is a
+    masked matmul against the context keys, the block part a batched ``bs x bs`` matmul per
+    block; one softmax spans both. Same semantics as :func:`build_dense_block_mask` (a test
+    checks the outputs agree); the CPU training path uses it.
+    """
+
+    __slots__ = ("block_size", "context")
+
+    def __init__(self, context: Tensor, block_size: int) -> None:
+        self.context = context
+        self.block_size = block_size
+
+
+#: A dense boolean mask ``[B, 1, Q, T + Q]`` (True = may attend), a :class:`SplitBlockMask`
+#: or a flex BlockMask.
+DraftMask: TypeAlias = Tensor | SplitBlockMask | BlockMask
 
 #: Standard deviation of the normal initialisation of linear and embedding weights (HF default).
 INIT_STD = 0.02
@@ -262,6 +280,18 @@ def taps_from_hidden_states(
 # attention kernels
 # ---------------------------------------------------------------------------------------------
 
+
+def build_split_block_mask(
+    anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor
+) -> SplitBlockMask:
+    """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`)."""
+    _check_mask_inputs(anchors, block_size, ctx_len, valid)
+    q_limit = _visible_context(anchors, ctx_len, valid).repeat_interleave(block_size, dim=1)
+    kv_idx = torch.arange(ctx_len, device=anchors.device)
+    sees_context = kv_idx.view(1, 1, -1) < q_limit.unsqueeze(-1)
+    return SplitBlockMask(sees_context.unsqueeze(1), block_size)
+
+
 _compiled_flex: Callable[..., object] | None = None
 
 
@@ -288,6 +318,37 @@ def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sink: Tensor
     sink_col = sink.float().view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
     probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def _split_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: SplitBlockMask, sink: Tensor | None
+) -> Tensor:
+    """Attention over [visible context ; own block] without the Q x Q part (see the mask)."""
+    batch, heads, q_len, dim = q.shape
+    ctx_len = mask.context.shape[-1]
+    bs = mask.block_size
+    n_blocks = q_len // bs
+    groups = heads // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    k_ctx, k_blk = k[:, :, :ctx_len], k[:, :, ctx_len:]
+    v_ctx, v_blk = v[:, :, :ctx_len], v[:, :, ctx_len:]
+    scale = 1.0 / math.sqrt(dim)
+    ctx_scores = torch.matmul(q, k_ctx.transpose(-1, -2)) * scale
+    ctx_scores = ctx_scores.masked_fill(~mask.context, float("-inf"))
+    qb = q.reshape(batch, heads, n_blocks, bs, dim)
+    kb = k_blk.reshape(batch, heads, n_blocks, bs, dim)
+    blk_scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+    parts = [ctx_scores.view(batch, heads, n_blocks, bs, ctx_len), blk_scores]
+    if sink is not None:
+        parts.append(sink.to(q.dtype).view(1, -1, 1, 1, 1).expand(batch, heads, n_blocks, bs, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(v.dtype)
+    p_ctx = probs[..., :ctx_len].reshape(batch, heads, q_len, ctx_len)
+    p_blk = probs[..., ctx_len : ctx_len + bs]
+    out_ctx = torch.matmul(p_ctx, v_ctx)
+    out_blk = torch.matmul(p_blk, v_blk.reshape(batch, heads, n_blocks, bs, dim))
+    return out_ctx + out_blk.reshape(batch, heads, q_len, dim)
 
 
 def _flex_attention(
@@ -353,6 +414,8 @@ class DraftAttention(nn.Module):
         v = v.transpose(1, 2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q, k, v, mask, self.attention_sink_bias)
+        elif isinstance(mask, SplitBlockMask):
+            out = _split_attention(q, k, v, mask, self.attention_sink_bias)
         else:
             out = _dense_attention(q, k, v, mask, self.attention_sink_bias)
         out = out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
@@ -504,10 +567,12 @@ __all__ = [
     "DraftDecoderLayer",
     "DraftMLP",
     "DraftMask",
+    "SplitBlockMask",
     "apply_rope",
     "block_positions",
     "build_dense_block_mask",
     "build_flex_block_mask",
+    "build_split_block_mask",
     "rope_config",
     "rope_parameters",
     "taps_from_hidden_states",

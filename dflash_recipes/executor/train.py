@@ -66,8 +66,8 @@ from dflash_recipes.executor.distributed import (
 )
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
-    build_dense_block_mask,
     build_flex_block_mask,
+    build_split_block_mask,
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.export import export_drafter
@@ -585,7 +585,8 @@ class Trainer:
         if device.type == "cuda":
             mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
         else:
-            mask = build_dense_block_mask(anchors, spec.block_size, ctx_len, valid)
+            # CPU: the split form of the dense mask (no blocks x blocks part).
+            mask = build_split_block_mask(anchors, spec.block_size, ctx_len, valid)
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if device.type == "cuda" and plan.base_model.dtype == "bfloat16"

@@ -15,6 +15,7 @@ from dflash_recipes.executor.draft import (
     block_positions,
     build_dense_block_mask,
     build_flex_block_mask,
+    build_split_block_mask,
 )
 
 from .test_draft import randomize
@@ -120,3 +121,36 @@ def test_mask_inputs_are_checked() -> None:
         build_dense_block_mask(torch.tensor([[1]]), 2, 3, torch.tensor([[1]]))
     with pytest.raises(ValueError, match=r"\[B, N\]"):
         build_flex_block_mask(torch.tensor([1]), 2, 3, torch.tensor([True]))
+
+
+def test_split_attention_output_and_gradients_equal_dense(tmp_path: Path) -> None:
+    """The CPU training path (context part + own-block part) equals the dense mask."""
+    anchors = torch.tensor([[3, 7, 10], [0, 5, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    block, ctx = 4, 14
+    for sink in (False, True):
+        model = DFlashDraftModel(tiny_plan(tmp_path, attention_sink=sink).resolved_draft())
+        randomize(model)
+        gen = torch.Generator().manual_seed(5)
+        embeds = torch.randn(2, 3 * block, 64, generator=gen)
+        context = torch.randn(2, ctx, 64, generator=gen)
+        q_pos = block_positions(anchors, block)
+        c_pos = torch.arange(ctx).expand(2, ctx)
+        outputs = []
+        grads = []
+        for mask in (
+            build_dense_block_mask(anchors, block, ctx, valid),
+            build_split_block_mask(anchors, block, ctx, valid),
+        ):
+            model.zero_grad()
+            out = model(embeds, context, q_pos, c_pos, mask)
+            out.square().sum().backward()
+            outputs.append(out.detach())
+            grads.append(model.layers[0].self_attn.q_proj.weight.grad.clone())
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+        # The check can fail: a split mask that hides the context changes the output.
+        blind = build_split_block_mask(anchors, block, ctx, valid)
+        blind.context.zero_()
+        with torch.no_grad():
+            assert not torch.allclose(model(embeds, context, q_pos, c_pos, blind), outputs[0])

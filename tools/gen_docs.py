@@ -1,0 +1,226 @@
+"""Regenerate the tables of docs/dflash.md from the code, so the docs cannot drift.
+
+    python tools/gen_docs.py            # rewrite the generated regions in place
+    python tools/gen_docs.py --check    # exit 1 if docs/dflash.md is out of date (CI, tests)
+
+Two regions are generated, each between its markers:
+
+- `<!-- codes:start -->` .. `<!-- codes:end -->`: every diagnostic code, from
+  `dflash_recipes.diagnostics.registered_codes()` (code | severity | meaning);
+- `<!-- fields:start -->` .. `<!-- fields:end -->`: every recipe field, one table per section,
+  with the `#:` comments of recipe.py (`dflash_recipes.schema.field_docs()`) and the types and
+  defaults of the JSON Schema.
+
+Text outside the markers is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = ROOT / "dflash_recipes"
+DOCS = ROOT / "docs" / "dflash.md"
+REGENERATE = "python tools/gen_docs.py"
+
+CODES_START, CODES_END = "<!-- codes:start -->", "<!-- codes:end -->"
+FIELDS_START, FIELDS_END = "<!-- fields:start -->", "<!-- fields:end -->"
+
+JsonObject = Mapping[str, object]
+
+
+class DocsError(Exception):
+    """The docs file cannot be regenerated (missing or misplaced markers)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# diagnostic codes
+# ---------------------------------------------------------------------------------------------
+
+
+def code_modules() -> list[str]:
+    """Every module of the package that registers diagnostic codes.
+
+    Codes are registered at import time, so the table is only complete once each of these
+    modules is imported. Finding them by their source, rather than keeping a list here, means
+    a new module that registers codes cannot be forgotten.
+    """
+    modules = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.name == "__main__.py" or "register_code(" not in path.read_text("utf-8"):
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules.append(".".join(parts))
+    return modules
+
+
+def _cell(text: str) -> str:
+    """Table-cell text: one line, and `|` escaped so it cannot split the cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def render_codes_table() -> str:
+    """The markdown table of every registered diagnostic code, sorted by code."""
+    for module in code_modules():
+        importlib.import_module(module)
+    from dflash_recipes.diagnostics import registered_codes
+
+    lines = ["| code | severity | meaning |", "|---|---|---|"]
+    lines += [
+        f"| `{info.code}` | {info.severity.value} | {_cell(info.summary)} |"
+        for info in registered_codes()
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# recipe fields
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_text(schema: JsonObject) -> str:
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        text = " \\| ".join(f"`{value}`" for value in enum if value is not None)
+        return text + (" or null" if None in enum else "")
+    kinds = schema.get("type")
+    names = [kinds] if isinstance(kinds, str) else list(kinds) if isinstance(kinds, list) else []
+    nullable = "null" in names
+    words = []
+    for kind in names:
+        if kind == "null":
+            continue
+        if kind == "array":
+            items = schema.get("items")
+            inner = items.get("type") if isinstance(items, Mapping) else None
+            words.append(f"list of {inner}s" if isinstance(inner, str) else "list")
+        elif kind == "object":
+            words.append("section")
+        else:
+            words.append(str(kind))
+    return " or ".join(words) + (" or null" if nullable else "")
+
+
+def _default_text(name: str, schema: JsonObject, required: object) -> str:
+    if isinstance(required, list) and name in required:
+        return "**required**"
+    if schema.get("type") == "object":
+        return ""
+    if "default" not in schema:
+        return ""
+    default = schema["default"]
+    # Strings as a recipe writes them (no JSON quotes); everything else as JSON/YAML spells it.
+    return f"`{default}`" if isinstance(default, str) else f"`{json.dumps(default)}`"
+
+
+def _sections(
+    schema: JsonObject, prefix: str = ""
+) -> Iterator[tuple[str, list[tuple[str, JsonObject, object]]]]:
+    """(dotted section path, [(field name, field schema, the section's required list)])."""
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping):
+        return
+    rows = []
+    nested = []
+    for name, field in properties.items():
+        if not isinstance(field, Mapping):
+            continue
+        if field.get("type") == "object":
+            nested.append((f"{prefix}{name}", field))
+        else:
+            rows.append((name, field, schema.get("required")))
+    if rows:
+        yield prefix.rstrip("."), rows
+    for path, field in nested:
+        yield from _sections(field, f"{path}.")
+
+
+def render_fields_tables() -> str:
+    """One markdown table per recipe section: field | type | default | meaning."""
+    from dflash_recipes.schema import field_docs, recipe_json_schema
+
+    docs = field_docs()
+    blocks = []
+    for section, rows in _sections(recipe_json_schema()):
+        about = docs.get(section, "")
+        lines = [f"### `{section}`", ""]
+        if about:
+            lines += [about, ""]
+        lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
+        for name, field, required in rows:
+            meaning = docs.get(f"{section}.{name}", "")
+            lines.append(
+                f"| `{name}` | {_type_text(field)} | {_default_text(name, field, required)} "
+                f"| {_cell(meaning)} |"
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the docs file
+# ---------------------------------------------------------------------------------------------
+
+
+def generated_region(text: str, start: str, end: str) -> str:
+    """The text between the `start` and `end` markers (without the surrounding newlines)."""
+    if text.count(start) != 1 or text.count(end) != 1:
+        msg = f"expected exactly one {start} and one {end} marker"
+        raise DocsError(msg)
+    head, _, rest = text.partition(start)
+    body, _, _ = rest.partition(end)
+    if end in head:
+        msg = f"{end} comes before {start}"
+        raise DocsError(msg)
+    return body.strip("\n")
+
+
+def replace_region(text: str, start: str, end: str, content: str) -> str:
+    """`text` with the region between the markers replaced by `content`."""
+    generated_region(text, start, end)  # validates the markers
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    return f"{head}{start}\n{content}\n{end}{tail}"
+
+
+def render_docs(text: str) -> str:
+    """`text` (the docs file) with every generated region brought up to date."""
+    text = replace_region(text, CODES_START, CODES_END, render_codes_table())
+    return replace_region(text, FIELDS_START, FIELDS_END, render_fields_tables())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="default: docs/dflash.md")
+    args = parser.parse_args(argv)
+    try:
+        current = args.docs.read_text(encoding="utf-8")
+        updated = render_docs(current)
+    except (OSError, DocsError) as exc:
+        print(f"error: {args.docs}: {exc}", file=sys.stderr)
+        return 2
+    if updated == current:
+        print(f"{args.docs} is up to date")
+        return 0
+    if args.check:
+        print(
+            f"{args.docs} is out of date with the code (diagnostic codes or recipe fields "
+            f"changed); regenerate it with: {REGENERATE}",
+            file=sys.stderr,
+        )
+        return 1
+    args.docs.write_text(updated, encoding="utf-8")
+    print(f"rewrote the generated tables of {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
