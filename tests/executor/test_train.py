@@ -166,3 +166,68 @@ def test_two_process_gloo_matches_one_process(tmp_path: Path) -> None:
         diff = (a[name].float() - b[name].float()).abs()
         assert float(diff.max()) < 1e-4, name
         assert float(diff.mean()) < 1e-7, name
+
+
+def _train_and_export(tmp_path: Path, name: str, *extra: str) -> RunPlan:
+    plan = _plan(tmp_path, name, "training.max_steps=2", *extra)
+    run_plan(plan, progress=False)
+    return plan
+
+
+def test_heads_warm_start_backbone_from_plain_export_and_train(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Domino and DSpark: the backbone starts from a plain export, the heads from scratch."""
+    _train_and_export(tmp_path, "plain")
+    source = _weights(tmp_path / "plain")
+    for projector, head_fields in (
+        ("domino", ("emb_dim=32", "gru_hidden_dim=16")),
+        ("dspark", ("markov_rank=8", "use_confidence_head=true")),
+    ):
+        arch = "dflash.dflash_architecture_config"
+        plan = _plan(
+            tmp_path,
+            projector,
+            "training.max_steps=2",
+            f"dflash.dflash_init_checkpoint={tmp_path / 'plain' / 'export'}",
+            f"{arch}.projector_type={projector}",
+            *(f"{arch}.{field}" for field in head_fields),
+            "training.learning_rate=1.0e-3",
+        )
+        assert plan.init_checkpoint is not None and plan.init_checkpoint.heads_from_scratch
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            summary = run_plan(plan, progress=False)
+        assert math.isfinite(summary.final_loss)
+        warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        for head in plan.init_checkpoint.heads_from_scratch:
+            assert head in warned, (head, warned)
+        trained = _weights(tmp_path / projector)
+        heads = set(trained) - set(source)
+        assert heads, projector
+        assert set(source) <= set(trained)
+        rows = (tmp_path / projector / "metrics.jsonl").read_text().splitlines()
+        first = json.loads(rows[0])
+        assert first["kind"] == "train" and math.isfinite(first["loss"])
+        for name in heads:
+            assert bool(trained[name].abs().sum() > 0), name
+
+
+def test_self_distillation_and_eval_steps(tmp_path: Path) -> None:
+    plan = _plan(
+        tmp_path,
+        "distill",
+        "training.max_steps=2",
+        "training.eval_steps=2",
+        "dflash.dflash_self_logit_distillation=true",
+        "dflash.dflash_loss_objective=dpace",
+    )
+    assert plan.draft.objective.self_logit_distillation
+    summary = run_plan(plan, progress=False)
+    assert summary.last_eval_tau is not None and 1.0 <= summary.last_eval_tau <= 4.0
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()
+    ]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["lossless"] is True
