@@ -1,0 +1,95 @@
+"""The executor commands through the CLI: run, export, eval (in process, tiny)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from dflash_recipes.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> object:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_run_then_export_and_eval(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    runner = CliRunner()
+    args = [
+        "run",
+        str(SCRATCH),
+        f"training.output_dir={out}",
+        "training.max_steps=2",
+        "training.save_steps=1",
+        "training.save_total_limit=null",
+        "training.per_device_train_batch_size=2",
+        "dflash.dflash_num_anchors=4",
+        "dflash.dflash_block_size=4",
+        "--no-progress",
+    ]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "done: 2 steps" in result.output
+
+    # Export the step-1 checkpoint with the run's plan.json (found next to it).
+    exported = tmp_path / "step1"
+    result = runner.invoke(main, ["export", str(out / "checkpoint-00000001"), str(exported)])
+    assert result.exit_code == 0, result.output
+    weights = load_file(str(exported / "model.safetensors"))
+    saved = load_file(str(out / "checkpoint-00000001" / "model.safetensors"))
+    assert weights.keys() == saved.keys()
+    assert all(torch.equal(weights[k], saved[k]) for k in weights)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+
+    prompts = REPO / "dflash_recipes" / "demo_data" / "data" / "eval.jsonl"
+    result = runner.invoke(
+        main,
+        [
+            "eval",
+            str(out / "plan.json"),
+            "--checkpoint",
+            str(out / "export"),
+            "--prompts",
+            str(prompts),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{") :])
+    assert report["lossless"] is True
+    assert 1.0 <= report["tau"] <= 4.0
+    assert report["num_prompts"] == 2
+
+
+def test_export_without_plan_says_how(tmp_path: Path) -> None:
+    lonely = tmp_path / "checkpoint-00000001"
+    lonely.mkdir()
+    result = CliRunner().invoke(main, ["export", str(lonely), str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "--plan" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_overrides_on_a_plan_are_refused(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}", encoding="utf-8")
+    result = CliRunner().invoke(main, ["run", str(plan), "training.max_steps=3"])
+    assert result.exit_code == 2
+    assert "overrides apply to recipes" in result.output
