@@ -74,6 +74,7 @@ def test_every_registered_code_is_documented_and_nothing_else() -> None:
 
 
 def test_every_documented_code_has_its_registered_severity() -> None:
+    import_compile_path()
     severities = {info.code: info.severity.value for info in registered_codes()}
     region = gen_docs.generated_region(docs_text(), gen_docs.CODES_START, gen_docs.CODES_END)
     for code, severity in re.findall(r"^\| `([a-z0-9-]+)` \| (\w+) \|", region, re.MULTILINE):
@@ -184,3 +185,17 @@ def test_pipes_in_a_meaning_cannot_break_the_table() -> None:
         if line.startswith("| `"):
             # 4 columns: 5 unescaped pipes
             assert len(re.findall(r"(?<!\\)\|", line)) == 5, line
+
+
+def test_the_gamma_table_matches_the_compiler_default() -> None:
+    from dflash_recipes.compiler import default_loss_decay_factor
+
+    lines = docs_text().splitlines()
+    sizes_row = next(line for line in lines if line.startswith("| block size `B` |"))
+    gamma_row = lines[lines.index(sizes_row) + 2]
+    assert gamma_row.startswith("| gamma |")
+    sizes = [int(cell) for cell in sizes_row.strip("|").split("|")[1:]]
+    gammas = [float(cell.strip(" *")) for cell in gamma_row.strip("|").split("|")[1:]]
+    assert len(sizes) == len(gammas) >= 3
+    for size, gamma in zip(sizes, gammas, strict=True):
+        assert round(default_loss_decay_factor(size), 2) == gamma, f"B={size}"

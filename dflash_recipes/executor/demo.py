@@ -217,7 +217,7 @@ def _maybe_report(runs: Path, echo: Echo) -> None:
             runs / "warm_vs_scratch.png",
             labels=["warm start", "from scratch"],
         )
-    except DFlashRecipeError as exc:
+    except (DFlashRecipeError, ImportError) as exc:
         echo(f"  (no plot: {str(exc).splitlines()[0]})")
         return
     echo(f"  plot: {out}")

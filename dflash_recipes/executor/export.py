@@ -91,9 +91,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _default_file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def publish_directory(staging: Path, out_dir: Path) -> None:
-    """Rename a complete ``staging`` directory to ``out_dir``, replacing an old one last."""
+    """Rename a complete ``staging`` directory to ``out_dir``, replacing an old one last.
+
+    Files get the usual permissions (0666 minus the umask): some writers create private
+    (0600) files, which a serving process running as another user could not read.
+    """
+    mode = _default_file_mode()
     for child in staging.iterdir():
+        if child.is_file():
+            os.chmod(child, mode)
         _fsync(child)
     _fsync(staging)
     if out_dir.exists() or out_dir.is_symlink():

@@ -159,3 +159,19 @@ def test_failed_export_keeps_the_previous_one(
     replaced = load_file(str(out / "model.safetensors"))
     assert torch.equal(replaced["fc.weight"], second.fc.weight)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_export_files_are_readable_by_other_users(tmp_path: Path) -> None:
+    """An engine running as another user must be able to read the export (umask 022)."""
+    import os
+    import stat
+
+    plan = tiny_plan(tmp_path)
+    old = os.umask(0o022)
+    try:
+        out = export_drafter(DFlashDraftModel(plan.resolved_draft()), plan, tmp_path / "export")
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        mode = stat.S_IMODE((out / name).stat().st_mode)
+        assert mode == 0o644, (name, oct(mode))
