@@ -471,6 +471,10 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
     for noisy in ("httpx", "urllib3", "filelock", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 @main.command("run")

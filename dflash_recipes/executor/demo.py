@@ -147,13 +147,13 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
 
     echo("\n== 4. measured acceptance (speculative decoding, greedy verification)")
     warm_eval = run_eval(
-        finetune, Path(finetune.training.output_dir) / EXPORT_DIR, eval_prompts, num_prompts=8
+        finetune, Path(finetune.training.output_dir) / EXPORT_DIR, eval_prompts, num_prompts=24
     )
     scratch_eval = run_eval(
         scratch_plan,
         Path(scratch_plan.training.output_dir) / EXPORT_DIR,
         eval_prompts,
-        num_prompts=8,
+        num_prompts=24,
     )
     result = DemoResult(
         steps=warm.steps,
