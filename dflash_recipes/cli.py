@@ -64,7 +64,20 @@ def _exit_code_for(diagnostics: Sequence[Diagnostic]) -> int:
     return EXIT_FINDINGS if has_errors(diagnostics) else EXIT_OK
 
 
+class _Group(click.Group):
+    """A group whose commands turn library errors into `error: ...` and exit 1, never a
+    traceback, however they are invoked (console script, `python -m`, CliRunner)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except DFlashRecipeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(EXIT_FINDINGS)
+
+
 @click.group(
+    cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, "--version", prog_name="dflash-recipe")
@@ -474,7 +487,7 @@ def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 @main.command("run")

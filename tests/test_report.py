@@ -1,0 +1,103 @@
+"""`dflash-recipe report`: PNG from metrics.jsonl, the plot-extra hint, malformed input."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_recipes.cli import main
+from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.report import render_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(run: Path, accuracies: list[float], *, with_eval: bool) -> Path:
+    run.mkdir(parents=True)
+    rows = []
+    for step in (10, 20, 30):
+        acc = [0.0] + [a * step / 30 for a in accuracies]
+        rows.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": 5.0 / step,
+                "lr": 1e-4,
+                "accuracy_by_position": acc,
+                "acceptance_length_estimate": 1.0 + sum(acc[1:]),
+                "tokens_per_second": 1000.0,
+            }
+        )
+    if with_eval:
+        rows.append({"kind": "eval", "step": 30, "tau": 2.5, "lossless": True})
+    rows.append({"kind": "summary", "steps": 30})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_report_of_two_runs_is_a_png(tmp_path: Path) -> None:
+    warm = _write_run(tmp_path / "warm", [0.8, 0.6, 0.4], with_eval=True)
+    scratch = _write_run(tmp_path / "scratch", [0.3, 0.2, 0.1], with_eval=False)
+    out = render_report([warm, scratch], tmp_path / "cmp.png", labels=["warm", "scratch"])
+    data = out.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(str(out)).shape[:2]
+    assert (width, height) == (1500, 420)
+    assert not list(tmp_path.glob(".cmp.png.tmp-*"))
+
+
+def test_report_of_a_real_tiny_run(tmp_path: Path) -> None:
+    """Render from what the trainer writes (a 2-step run of the tiny recipe)."""
+    import torch
+
+    from dflash_recipes.compiler import compile_file
+    from dflash_recipes.executor.train import run_plan
+
+    torch.set_num_threads(1)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "tiny_scratch.yaml"
+    result = compile_file(
+        recipe,
+        overrides=(
+            f"training.output_dir={tmp_path / 'run'}",
+            "training.max_steps=2",
+            "training.logging_steps=1",
+            "dflash.dflash_num_anchors=4",
+            "dflash.dflash_block_size=4",
+        ),
+    )
+    assert result.plan is not None
+    run_plan(result.plan, progress=False)
+    cli = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.png")])
+    assert cli.exit_code == 0, cli.output
+    assert (tmp_path / "r.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_missing_matplotlib_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _write_run(tmp_path / "run", [0.5], with_eval=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(DFlashRecipeError, match=r"pip install 'dflash-recipes\[plot\]'"):
+        render_report([run], tmp_path / "r.png")
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_malformed_line_is_named(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", [0.5], with_eval=False)
+    with (run / "metrics.jsonl").open("a") as handle:
+        handle.write("{broken\n")
+    with pytest.raises(DFlashRecipeError, match=r"metrics\.jsonl:5: not a JSON object"):
+        render_report([run], tmp_path / "r.png")
+
+
+def test_missing_metrics_file(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["report", str(tmp_path), "-o", str(tmp_path / "r.png")])
+    assert result.exit_code == 1
+    assert "metrics.jsonl does not exist" in result.output
+    assert "Traceback" not in result.output
