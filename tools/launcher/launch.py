@@ -1,0 +1,113 @@
+"""Render (and optionally submit) a Slurm batch script for a dflash recipe.
+
+    python tools/launcher/launch.py --yaml RECIPE --nodes N --gpus-per-node G [--yes]
+
+The recipe is compiled first (errors stop here, before anything is queued). The compiled
+plan is written next to the script, the job name carries the plan's fingerprint, and every
+node runs `dflash-recipe run PLAN --nproc-per-node G --nnodes N --rdzv-endpoint HEAD:29500`
+through srun, with the rendezvous id taken from the Slurm job id. Without --yes the script is
+only written and printed, with the sbatch command to submit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_recipes.compiler import compile_file
+from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_line
+
+RDZV_PORT = 29500
+
+
+def render_slurm_script(
+    plan_path: Path,
+    fingerprint: str,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    partition: str | None = None,
+    time: str | None = None,
+    account: str | None = None,
+    cpus_per_task: int = 16,
+) -> str:
+    """The batch script text: one srun task per node, each a torchrun of G processes."""
+    if nodes < 1 or gpus_per_node < 1:
+        msg = f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}"
+        raise ValueError(msg)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=dflash-{fingerprint[:12]}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --cpus-per-task={cpus_per_task}",
+        f"#SBATCH --output=dflash-{fingerprint[:12]}-%j.log",
+    ]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if time:
+        lines.append(f"#SBATCH --time={time}")
+    if account:
+        lines.append(f"#SBATCH --account={account}")
+    plan = shlex.quote(str(plan_path))
+    lines += [
+        "",
+        "set -euo pipefail",
+        "# The first node of the allocation hosts the c10d rendezvous.",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"# Plan fingerprint {fingerprint}",
+        "srun --kill-on-bad-exit=1 dflash-recipe run "
+        f"{plan} --nproc-per-node {gpus_per_node} --nnodes {nodes} "
+        f'--rdzv-endpoint "$HEAD_NODE:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" --no-progress',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--yaml", required=True, type=Path, help="the recipe to launch")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--partition")
+    parser.add_argument("--time", help="HH:MM:SS wall-clock limit")
+    parser.add_argument("--account")
+    parser.add_argument("--output", type=Path, help="script path (default: next to the recipe)")
+    parser.add_argument("--yes", action="store_true", help="submit with sbatch")
+    parser.add_argument("overrides", nargs="*", help="a.b.c=value recipe overrides")
+    args = parser.parse_args(argv)
+
+    result = compile_file(args.yaml, overrides=tuple(args.overrides))
+    if result.diagnostics:
+        print(render_text(sort_diagnostics(result.diagnostics)), file=sys.stderr)
+    if result.plan is None:
+        print(f"not launched: {summary_line(result.diagnostics)}", file=sys.stderr)
+        return 1
+    fingerprint = result.plan.fingerprint
+    script_path = args.output or args.yaml.with_name(f"{args.yaml.stem}.{fingerprint[:12]}.sbatch")
+    plan_path = script_path.with_suffix(".plan.json").resolve()
+    plan_path.write_text(result.plan.to_json(), encoding="utf-8")
+    script = render_slurm_script(
+        plan_path,
+        fingerprint,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+    )
+    script_path.write_text(script, encoding="utf-8")
+    print(script)
+    if not args.yes:
+        print(f"# wrote {script_path}; submit with: sbatch {script_path}", file=sys.stderr)
+        return 0
+    completed = subprocess.run(["sbatch", str(script_path)], check=False)
+    return completed.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
