@@ -105,7 +105,7 @@ def test_partial_or_inconsistent_environment_says_how_to_launch(
 
 def test_cuda_requested_without_cuda_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(LaunchError, match="set training.device: cpu"):
+    with pytest.raises(LaunchError, match=r"set training\.device: cpu"):
         detect_dist_env("cuda", environ={})
     assert detect_dist_env("auto", environ={}).device == torch.device("cpu")
 
