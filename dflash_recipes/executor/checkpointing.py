@@ -28,8 +28,7 @@ from dflash_recipes.checkpoint import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
 from dflash_recipes.executor.convert import dflash_module
 from dflash_recipes.executor.export import publish_directory
-from dflash_recipes.executor.warmstart import SAFETENSORS_DTYPES, check_exact_copy, stream_tensors
-from dflash_recipes.layout import compare_layout, format_layout_diff
+from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.run_layout import (
     CHECKPOINT_FILES,
     CHECKPOINT_PREFIX,
@@ -142,20 +141,6 @@ def restore_training_checkpoint(
         raise CheckpointError(msg)
     drafter = dflash_module(module)
     weights = read_checkpoint_weights(path)
-    own = drafter.state_dict(keep_vars=True)
-    diff = compare_layout({n: tuple(t.shape) for n, t in own.items()}, weights.shapes)
-    if not diff.is_empty:
-        msg = (
-            f"training checkpoint {path} does not match this drafter (was the recipe's "
-            "architecture changed since it was saved?):\n" + format_layout_diff(diff)
-        )
-        raise CheckpointError(msg)
-    for name, info in weights.tensors.items():
-        source = SAFETENSORS_DTYPES.get(info.dtype)
-        if source is None:
-            msg = f"{path}: tensor {name} has dtype {info.dtype}, which a drafter cannot hold"
-            raise CheckpointError(msg)
-        check_exact_copy(name, source, own[name].dtype, error=CheckpointError)
 
     try:
         trainer_state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
@@ -172,7 +157,14 @@ def restore_training_checkpoint(
         )
         raise CheckpointError(msg)
 
-    stream_tensors(drafter, weights, list(weights.tensors))
+    load_exact_weights(
+        drafter,
+        weights,
+        mismatch=(
+            f"training checkpoint {path} does not match this drafter (was the recipe's "
+            "architecture changed since it was saved?)"
+        ),
+    )
     if optimizer is not None or scheduler is not None:
         blob = torch.load(path / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
         if not isinstance(blob, dict):

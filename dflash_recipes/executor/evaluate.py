@@ -33,8 +33,7 @@ from dflash_recipes.executor.speculative import (
     greedy_generate,
     speculative_generate,
 )
-from dflash_recipes.executor.warmstart import SAFETENSORS_DTYPES, check_exact_copy, stream_tensors
-from dflash_recipes.layout import compare_layout, format_layout_diff
+from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 from dflash_recipes.run_layout import CHECKPOINT_WEIGHTS, EXPORT_DIR, complete_checkpoints
 
@@ -265,21 +264,14 @@ def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int
             )
             raise CheckpointError(msg)
     weights = read_checkpoint_weights(checkpoint_dir)
-    own = drafter.state_dict(keep_vars=True)
-    diff = compare_layout({name: tuple(t.shape) for name, t in own.items()}, weights.shapes)
-    if not diff.is_empty:
-        msg = (
+    return load_exact_weights(
+        drafter,
+        weights,
+        mismatch=(
             f"{checkpoint_dir} does not hold the drafter the plan describes; evaluate it with "
-            "the plan (or recipe) it was trained with:\n" + format_layout_diff(diff)
-        )
-        raise CheckpointError(msg)
-    for name, info in weights.tensors.items():
-        source = SAFETENSORS_DTYPES.get(info.dtype)
-        if source is None:
-            msg = f"{checkpoint_dir}: tensor {name} has dtype {info.dtype}, not a float or int"
-            raise CheckpointError(msg)
-        check_exact_copy(name, source, own[name].dtype, error=CheckpointError)
-    return stream_tensors(drafter, weights, list(weights.tensors))
+            "the plan (or recipe) it was trained with"
+        ),
+    )
 
 
 def _chat_template_text(plan: RunPlan) -> str | None:

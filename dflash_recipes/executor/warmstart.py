@@ -164,6 +164,30 @@ def _torch_dtype(name: str, tensor: str) -> torch.dtype:
         raise WarmStartError(msg) from None
 
 
+def load_exact_weights(drafter: nn.Module, weights: CheckpointWeights, *, mismatch: str) -> int:
+    """Stream `weights` into `drafter` after checking names, shapes and exact dtypes.
+
+    For saved drafters (training checkpoints, exports) that must match the module exactly:
+    a layout difference raises CheckpointError with `mismatch` and the grouped tensor list.
+    Returns the number of tensors copied.
+    """
+    own = drafter.state_dict(keep_vars=True)
+    diff = compare_layout({name: tuple(t.shape) for name, t in own.items()}, weights.shapes)
+    if not diff.is_empty:
+        msg = f"{mismatch}:\n" + format_layout_diff(diff)
+        raise CheckpointError(msg)
+    for name, info in weights.tensors.items():
+        source = SAFETENSORS_DTYPES.get(info.dtype)
+        if source is None:
+            msg = (
+                f"{weights.directory}: tensor {name} has dtype {info.dtype}, which a drafter "
+                "cannot hold"
+            )
+            raise CheckpointError(msg)
+        check_exact_copy(name, source, own[name].dtype, error=CheckpointError)
+    return stream_tensors(drafter, weights, list(weights.tensors))
+
+
 def check_exact_copy(
     name: str,
     source: torch.dtype,
@@ -309,6 +333,7 @@ __all__ = [
     "WarmStartReport",
     "check_exact_copy",
     "layout_spec",
+    "load_exact_weights",
     "load_init_checkpoint",
     "stream_tensors",
 ]
