@@ -41,17 +41,22 @@ if TYPE_CHECKING:
 class SplitBlockMask:
     """The block mask as two parts: visible context ``[B, 1, Q, T]`` plus "own block only".
 
-    Attention then costs ``Q x (T + bs)`` instead of ``Q x (T + Q)``: the context part is a
-    masked matmul against the context keys, the block part a batched ``bs x bs`` matmul per
-    block; one softmax spans both. Same semantics as :func:`build_dense_block_mask` (a test
-    checks the outputs agree); the CPU training path uses it.
+    Attention then costs about ``Q x (T / 2 + bs)`` instead of ``Q x (T + Q)``: the block part
+    is a batched ``bs x bs`` matmul per block, and the context part runs per chunk of blocks
+    against only the context keys that chunk can see (anchors are sorted, so later chunks see
+    more); one softmax spans both. Same semantics as :func:`build_dense_block_mask` (a test
+    checks outputs and gradients agree); the CPU training path uses it.
     """
 
-    __slots__ = ("block_size", "context")
+    __slots__ = ("block_size", "chunks", "context")
 
-    def __init__(self, context: Tensor, block_size: int) -> None:
+    def __init__(
+        self, context: Tensor, block_size: int, chunks: tuple[tuple[int, int, int], ...]
+    ) -> None:
         self.context = context
         self.block_size = block_size
+        #: (first block, end block, visible context length) per chunk of blocks.
+        self.chunks = chunks
 
 
 #: A dense boolean mask ``[B, 1, Q, T + Q]`` (True = may attend), a :class:`SplitBlockMask`
@@ -282,14 +287,26 @@ def taps_from_hidden_states(
 
 
 def build_split_block_mask(
-    anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor
+    anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor, *, num_chunks: int = 8
 ) -> SplitBlockMask:
-    """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`)."""
+    """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`).
+
+    Blocks are grouped into up to `num_chunks` chunks; each chunk attends to the context
+    prefix its furthest anchor can see (exact for any anchor order, cheapest when sorted).
+    """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
-    q_limit = _visible_context(anchors, ctx_len, valid).repeat_interleave(block_size, dim=1)
+    limit = _visible_context(anchors, ctx_len, valid)
+    q_limit = limit.repeat_interleave(block_size, dim=1)
     kv_idx = torch.arange(ctx_len, device=anchors.device)
     sees_context = kv_idx.view(1, 1, -1) < q_limit.unsqueeze(-1)
-    return SplitBlockMask(sees_context.unsqueeze(1), block_size)
+    n_blocks = anchors.shape[1]
+    per_chunk = max(1, -(-n_blocks // max(1, num_chunks)))
+    chunk_max = [int(v) for v in limit.amax(dim=0).tolist()] if n_blocks else []
+    chunks = tuple(
+        (start, min(n_blocks, start + per_chunk), max(chunk_max[start : start + per_chunk]))
+        for start in range(0, n_blocks, per_chunk)
+    )
+    return SplitBlockMask(sees_context.unsqueeze(1), block_size, chunks)
 
 
 _compiled_flex: Callable[..., object] | None = None
@@ -328,6 +345,8 @@ def _split_attention(
     ctx_len = mask.context.shape[-1]
     bs = mask.block_size
     n_blocks = q_len // bs
+    if not mask.chunks:
+        return q.new_zeros(batch, heads, q_len, dim)
     groups = heads // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -335,20 +354,27 @@ def _split_attention(
     k_ctx, k_blk = k[:, :, :ctx_len], k[:, :, ctx_len:]
     v_ctx, v_blk = v[:, :, :ctx_len], v[:, :, ctx_len:]
     scale = 1.0 / math.sqrt(dim)
-    ctx_scores = torch.matmul(q, k_ctx.transpose(-1, -2)) * scale
-    ctx_scores = ctx_scores.masked_fill(~mask.context, float("-inf"))
-    qb = q.reshape(batch, heads, n_blocks, bs, dim)
-    kb = k_blk.reshape(batch, heads, n_blocks, bs, dim)
-    blk_scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-    parts = [ctx_scores.view(batch, heads, n_blocks, bs, ctx_len), blk_scores]
-    if sink is not None:
-        parts.append(sink.to(q.dtype).view(1, -1, 1, 1, 1).expand(batch, heads, n_blocks, bs, 1))
-    probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(v.dtype)
-    p_ctx = probs[..., :ctx_len].reshape(batch, heads, q_len, ctx_len)
-    p_blk = probs[..., ctx_len : ctx_len + bs]
-    out_ctx = torch.matmul(p_ctx, v_ctx)
-    out_blk = torch.matmul(p_blk, v_blk.reshape(batch, heads, n_blocks, bs, dim))
-    return out_ctx + out_blk.reshape(batch, heads, q_len, dim)
+    kb_all = k_blk.reshape(batch, heads, n_blocks, bs, dim)
+    vb_all = v_blk.reshape(batch, heads, n_blocks, bs, dim)
+    outputs = []
+    for first, end, visible in mask.chunks:
+        n = end - first
+        qc = q[:, :, first * bs : end * bs]
+        ctx_scores = torch.matmul(qc, k_ctx[:, :, :visible].transpose(-1, -2)) * scale
+        seen = mask.context[:, :, first * bs : end * bs, :visible]
+        ctx_scores = ctx_scores.masked_fill(~seen, float("-inf"))
+        qb = qc.reshape(batch, heads, n, bs, dim)
+        blk_scores = torch.matmul(qb, kb_all[:, :, first:end].transpose(-1, -2)) * scale
+        parts = [ctx_scores.view(batch, heads, n, bs, visible), blk_scores]
+        if sink is not None:
+            parts.append(sink.to(q.dtype).view(1, -1, 1, 1, 1).expand(batch, heads, n, bs, 1))
+        probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(v.dtype)
+        p_ctx = probs[..., :visible].reshape(batch, heads, n * bs, visible)
+        p_blk = probs[..., visible : visible + bs]
+        out_ctx = torch.matmul(p_ctx, v_ctx[:, :, :visible])
+        out_blk = torch.matmul(p_blk, vb_all[:, :, first:end])
+        outputs.append(out_ctx + out_blk.reshape(batch, heads, n * bs, dim))
+    return torch.cat(outputs, dim=2)
 
 
 def _flex_attention(
