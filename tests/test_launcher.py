@@ -4,11 +4,25 @@ without --yes."""
 from __future__ import annotations
 
 import importlib.util
+import re
+import shlex
 import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from dflash_recipes.compiler import CompileResult
+from dflash_recipes.errors import LaunchError
+from dflash_recipes.plan import (
+    ArchitecturePlan,
+    BaseModelPlan,
+    DataPlan,
+    DraftPlan,
+    ObjectivePlan,
+    RunPlan,
+    TrainingPlan,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,3 +83,124 @@ def test_recipe_errors_stop_before_anything_is_written(tmp_path: Path) -> None:
     code = launch.main(["--yaml", str(bad), "--output", str(tmp_path / "job.sbatch")])
     assert code == 1
     assert not (tmp_path / "job.sbatch").exists()
+
+
+def _plan(output_dir: Path) -> RunPlan:
+    """A plan built directly (no compiler), as the executor would read it."""
+    return RunPlan(
+        base_model=BaseModelPlan(path="/models/target", dtype="bfloat16", trust_remote_code=False),
+        data=DataPlan(data_path="/data/train.jsonl", chat_template=None, answer_only_loss=True),
+        training=TrainingPlan(
+            output_dir=str(output_dir),
+            learning_rate=1e-4,
+            num_train_epochs=1,
+            max_steps=10,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=1,
+            training_seq_len=128,
+            warmup_ratio=0.04,
+            lr_scheduler_type="cosine",
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            seed=0,
+            save_steps=5,
+            save_total_limit=None,
+            logging_steps=1,
+            eval_steps=None,
+            device="cuda",
+            fsdp=False,
+        ),
+        draft=DraftPlan(
+            block_size=16,
+            mask_token_id=None,
+            target_layer_ids=None,
+            architecture=ArchitecturePlan(
+                num_hidden_layers=5,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                intermediate_size=12288,
+                rms_norm_eps=1e-6,
+                projector_type="dflash",
+                emb_dim=None,
+                gru_hidden_dim=None,
+                markov_rank=None,
+                use_confidence_head=False,
+                attention_sink=False,
+            ),
+            objective=ObjectivePlan(
+                num_anchors=512,
+                loss_objective="decay",
+                loss_decay_factor=7.0,
+                dpace_alpha=0.5,
+                self_logit_distillation=False,
+                domino_backbone_loss_weight=0.5,
+                dspark_tv_weight=1.0,
+                dspark_confidence_weight=0.1,
+            ),
+        ),
+    )
+
+
+def test_render_slurm_script_for_a_plan(tmp_path: Path) -> None:
+    launch = _launcher()
+    plan = _plan(tmp_path / "out")
+    plan_path = tmp_path / "job dir" / "plan.json"
+    text = launch.render_slurm_script(
+        plan_path,
+        plan.fingerprint,
+        nodes=4,
+        gpus_per_node=8,
+        partition="gpu",
+        time="1-12:00:00",
+        account="proj_a",
+    )
+    assert text.startswith("#!/bin/bash\n")
+    assert f"#SBATCH --job-name=dflash-{plan.fingerprint[:12]}\n" in text
+    for line in ("--nodes=4", "--gpus-per-node=8", "--partition=gpu", "--time=1-12:00:00"):
+        assert f"#SBATCH {line}\n" in text
+    assert "#SBATCH --account=proj_a\n" in text
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    args = shlex.split(srun.replace('"$HEAD_NODE:29500"', "HEAD:29500"))
+    assert args[args.index("--nnodes") + 1] == "4"
+    assert args[args.index("--nproc-per-node") + 1] == "8"
+    assert args[args.index("--rdzv-endpoint") + 1] == "HEAD:29500"
+    assert str(plan_path) in args  # quoted, so the space survives the shell
+    assert "scontrol show hostnames" in text
+    assert "sbatch" not in text.replace("#SBATCH", "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"nodes": 0}, "must be >= 1"),
+        ({"partition": "gpu\n#SBATCH --qos=high"}, "--partition"),
+        ({"account": "a b"}, "--account"),
+        ({"time": "90"}, "--time '90' is not HH:MM:SS"),
+    ],
+)
+def test_invalid_slurm_values_are_refused(
+    tmp_path: Path, kwargs: dict[str, object], expected: str
+) -> None:
+    launch = _launcher()
+    options: dict[str, object] = {"nodes": 1, "gpus_per_node": 8, **kwargs}
+    with pytest.raises(LaunchError, match=re.escape(expected)):
+        launch.render_slurm_script(tmp_path / "p.json", "ab" * 32, **options)
+
+
+def test_yes_submits_the_written_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = _launcher()
+    plan = _plan(tmp_path / "out")
+    monkeypatch.setattr(launch, "compile_file", lambda path, overrides=(): CompileResult(plan, ()))
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], check: bool) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    script = tmp_path / "job.sbatch"
+    code = launch.main(["--yaml", "r.yaml", "--output", str(script), "--yes", "--nodes", "2"])
+    assert code == 0
+    assert calls == [["sbatch", str(script)]]
+    assert RunPlan.from_json((tmp_path / "job.plan.json").read_text()) == plan

@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypeVar
 
@@ -55,6 +56,9 @@ TORCHRUN_ENV_VARS: tuple[str, ...] = (
 
 #: Rendezvous id used for multi-node runs when none is given (all nodes must agree on it).
 DEFAULT_RDZV_ID = "dflash-recipes"
+
+#: How long backend threads get to release finished work before the group is destroyed.
+_DRAIN_SECONDS = 0.2
 
 _LAUNCH_HINT = (
     "launch with `dflash-recipe run --nproc-per-node N PLAN` (torchrun sets RANK, WORLD_SIZE, "
@@ -237,9 +241,20 @@ def init_distributed(env: DistEnv) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group if one is active; safe to call twice or when never joined."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group if one is active; safe to call twice or when never joined.
+
+    Call it on every rank after the last collective (the trainer does, in a `finally`).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    # A collective issued during backward holds a Python object (the autograd context torch
+    # stashes in thread-local state), and the backend thread that finishes the op needs the
+    # GIL to drop it. If the process group is destroyed while the main thread holds the GIL,
+    # or the interpreter exits first, the process hangs or aborts ("terminate called without
+    # an active exception"; seen with gloo on torch 2.13). Give those threads a moment
+    # (sleeping releases the GIL) before tearing down; it costs nothing at the end of a run.
+    time.sleep(_DRAIN_SECONDS)
+    dist.destroy_process_group()
 
 
 def is_main(env: DistEnv) -> bool:

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -83,10 +83,12 @@ from dflash_recipes.executor.loss import (
 )
 from dflash_recipes.executor.warmstart import WarmStartReport
 from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.report import eval_row, metrics_json_line, train_row
 from dflash_recipes.run_layout import (
     EXPORT_DIR,
     METRICS_FILE,
     PLAN_FILE,
+    TRAINER_STATE,
     latest_complete_checkpoint,
 )
 
@@ -281,7 +283,11 @@ class _MetricWindow:
         self.correct = torch.zeros(self.block_size, dtype=torch.long)
         self.count = torch.zeros(self.block_size, dtype=torch.long)
         self.tokens = 0
+        self.grad_norm: float | None = None
         self.started = time.perf_counter()
+
+    def add_grad_norm(self, norm: float) -> None:
+        self.grad_norm = norm
 
     def add(self, out: LossOutput, tokens: int) -> None:
         self.loss_sum += float(out.loss.detach())
@@ -313,6 +319,11 @@ class Trainer:
         latest = latest_complete_checkpoint(self.output_dir)
         resume = self.plan.resume
         if resume is None:
+            if latest is not None and _saved_by(latest[1]) == self.plan.fingerprint:
+                # Checkpoints this very plan wrote (a requeued job reusing its plan.json):
+                # continuing them is what the plan asked for, not a new decision.
+                logger.info("continuing this plan's own checkpoint %s", latest[1].name)
+                return latest[1]
             if latest is not None:
                 msg = (
                     f"{self.output_dir} already holds training checkpoint {latest[1].name}, "
@@ -379,11 +390,13 @@ class Trainer:
         model = convert(base, plan, init=resume_from is None)
         drafter = dflash_module(model)
         warm: WarmStartReport | None = getattr(drafter, "warm_start_report", None)
-        nn.Module.to(model, env.device)
+        if training.fsdp and env.is_distributed:
+            # Shard before moving: each decoder layer reaches the device already sharded.
+            shard_target_fsdp2(model, env)
+        else:
+            nn.Module.to(model, env.device)
         # Master weights of the drafter stay float32; the frozen target keeps the plan dtype.
         drafter.float()
-        if training.fsdp:
-            shard_target_fsdp2(model, env)
         step_module = DraftStep(drafter, lm_head(model))
         trainable = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
@@ -446,7 +459,8 @@ class Trainer:
                         wrapped, target, embeddings, batch, step=step, total_steps=total_steps
                     )
                 window.add(out, tokens)
-            torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
+            window.add_grad_norm(float(norm))
             optimizer.step()
             scheduler.step()
             done = step + 1
@@ -687,7 +701,20 @@ class Trainer:
             "tokens_per_second": tokens / elapsed,
         }
         if is_main(env):
-            _append_jsonl(path, row)
+            line = metrics_json_line(
+                train_row(
+                    step=step,
+                    loss=loss_mean,
+                    lr=lr,
+                    # Position 0 (the anchor) carries no loss: null, not a 0.0 accuracy.
+                    accuracy_by_position=[None, *acc[1:]],
+                    acceptance_length_estimate=estimated_acceptance_length(acc),
+                    tokens_per_second=tokens / elapsed,
+                    grad_norm=window.grad_norm,
+                )
+            )
+            with path.open("a", encoding="utf-8") as handle:
+                handle.write(line)
             accs = " ".join(f"{a:.2f}" for a in acc[1:])
             logger.info(
                 "step %d loss %.4f lr %.3g acc[1..] %s tau~%.2f tok/s %.0f",
@@ -716,7 +743,7 @@ class Trainer:
         drafter.eval()
         report = evaluate_on_plan_data(self.plan, model, drafter, tokenizer)
         drafter.train(was_training)
-        row = {"kind": "eval", "step": step, **report.to_dict()}
+        row = {**report.to_dict(), **eval_row(step=step, tau=report.tau)}
         _append_jsonl(metrics_path, row)
         logger.info("eval at step %d: tau %.3f (measured)", step, report.tau)
         return report.tau
@@ -787,6 +814,16 @@ def all_reduce_sum(tensor: Tensor, env: DistEnv) -> Tensor:
     return tensor
 
 
+def _saved_by(checkpoint: Path) -> str | None:
+    """The plan fingerprint a training checkpoint records (None if unreadable)."""
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = state.get("plan_fingerprint") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _int(state: dict[str, object], key: str) -> int:
     value = state.get(key)
     if not isinstance(value, int):
@@ -795,9 +832,20 @@ def _int(state: dict[str, object], key: str) -> int:
     return value
 
 
-def _append_jsonl(path: Path, row: dict[str, object]) -> None:
+def _strict(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
+
+
+def _append_jsonl(path: Path, row: Mapping[str, object]) -> None:
+    """One strict-JSON line (non-finite numbers as null), like the report's rows."""
     with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(row, allow_nan=True, sort_keys=True) + "\n")
+        handle.write(json.dumps(_strict(dict(row)), allow_nan=False, sort_keys=True) + "\n")
 
 
 def run_plan(

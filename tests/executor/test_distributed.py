@@ -237,6 +237,7 @@ def test_launch_returns_the_exit_code() -> None:
 
 GLOBAL_BATCH = 8
 SGD_STEPS = 3
+TEARDOWN_CYCLES = 5
 
 
 class _Drafter(nn.Module):
@@ -285,7 +286,7 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     for _ in range(SGD_STEPS):
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
 
 
@@ -347,7 +348,30 @@ def _worker(out_dir: Path) -> None:
     finally:
         shutdown_distributed()
         shutdown_distributed()
+    result["teardown_cycles"] = _teardown_cycles()
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+def _teardown_cycles() -> int:
+    """Join, DDP backward, leave and drop the DDP module at once, several times.
+
+    Without the drain in shutdown_distributed this hangs within a few cycles on torch 2.13:
+    a gloo worker thread needs the GIL to release the backward's work item while the main
+    thread, holding the GIL, joins it in the process group's destructor.
+    """
+    # The main thread keeps the GIL unless it blocks: the worst case, made the usual one.
+    sys.setswitchinterval(5.0)
+    done = 0
+    for port in os.environ["TEARDOWN_PORTS"].split(","):
+        os.environ["MASTER_PORT"] = port
+        env = detect_dist_env("cpu")
+        init_distributed(env)
+        model = wrap_ddp(nn.Linear(64, 64), env)
+        model(torch.randn(8, 64)).sum().backward()
+        shutdown_distributed()
+        del model
+        done += 1
+    return done
 
 
 def _free_port() -> int:
@@ -362,6 +386,7 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     base.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()),
+        TEARDOWN_PORTS=",".join(str(_free_port()) for _ in range(TEARDOWN_CYCLES)),
         WORLD_SIZE="2",
         OMP_NUM_THREADS="1",
     )
@@ -379,7 +404,10 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     outputs = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=120)
+            try:
+                out, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the 2-process run hung (a process group teardown deadlock?)")
             outputs.append(out)
     finally:
         for proc in procs:
@@ -400,6 +428,7 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
         assert not r["embed_is_dtensor"]
         assert r["fsdp_max_diff"] < 1e-6
         assert r["borrowed_embed_shape"] == [1, 5, 8]
+        assert r["teardown_cycles"] == TEARDOWN_CYCLES
     assert r1["input_after"] == [2.0, 20.0]  # all_reduce_mean leaves its input alone
     assert r0["ddp_weight"] == r1["ddp_weight"]
     assert r0["ddp_bias"] == r1["ddp_bias"]

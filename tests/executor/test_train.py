@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -91,11 +92,16 @@ def test_resume_gives_identical_weights(tmp_path: Path) -> None:
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
-def test_stale_plan_refuses_to_overwrite_checkpoints(tmp_path: Path) -> None:
-    plan = _plan(tmp_path, "stale", "training.max_steps=2")
-    run_plan(plan, progress=False)
+def test_a_plan_continues_its_own_checkpoints_but_not_others(tmp_path: Path) -> None:
+    """A requeued job reusing its plan.json continues; another plan never clobbers them."""
+    plan = _plan(tmp_path, "stale")
+    run_plan(plan, progress=False, stop_after=2)
+    summary = run_plan(plan, progress=False)  # same plan file, e.g. a Slurm requeue
+    assert summary.resumed_from_step == 2
+    other = _plan(tmp_path, "stale", "training.learning_rate=5.0e-4")
+    other = attrs.evolve(other, resume=None)
     with pytest.raises(PlanError, match="recompile"):
-        run_plan(plan, progress=False)
+        run_plan(other, progress=False)
 
 
 def test_unusable_data_stops_before_writing_anything(tmp_path: Path) -> None:

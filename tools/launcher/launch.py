@@ -12,6 +12,7 @@ only written and printed, with the sbatch command to submit it.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -19,8 +20,14 @@ from pathlib import Path
 
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_line
+from dflash_recipes.errors import LaunchError
 
 RDZV_PORT = 29500
+
+#: Slurm names (partition, account): no spaces or newlines, which would break the #SBATCH line.
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+\-]+$")
+#: Slurm --time forms used here: MM:SS is ambiguous, so ask for [D-]HH:MM:SS.
+_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:[0-5]\d:[0-5]\d$")
 
 
 def render_slurm_script(
@@ -34,10 +41,27 @@ def render_slurm_script(
     account: str | None = None,
     cpus_per_task: int = 16,
 ) -> str:
-    """The batch script text: one srun task per node, each a torchrun of G processes."""
-    if nodes < 1 or gpus_per_node < 1:
-        msg = f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}"
-        raise ValueError(msg)
+    """The batch script text: one srun task per node, each a torchrun of G processes.
+
+    Invalid values raise LaunchError (they would otherwise surface only when Slurm rejects
+    the script, or split an #SBATCH line).
+    """
+    if nodes < 1 or gpus_per_node < 1 or cpus_per_task < 1:
+        msg = (
+            "--nodes, --gpus-per-node and cpus per task must be >= 1, got "
+            f"{nodes}, {gpus_per_node} and {cpus_per_task}"
+        )
+        raise LaunchError(msg)
+    for option, value in (("--partition", partition), ("--account", account)):
+        if value is not None and not _SLURM_NAME.match(value):
+            msg = f"{option} {value!r} is not a Slurm name (letters, digits, '_', '-', '.')"
+            raise LaunchError(msg)
+    if time is not None and not _SLURM_TIME.match(time):
+        msg = f"--time {time!r} is not HH:MM:SS (or D-HH:MM:SS), e.g. --time 24:00:00"
+        raise LaunchError(msg)
+    if not re.fullmatch(r"[0-9a-f]{12,64}", fingerprint):
+        msg = f"fingerprint {fingerprint!r} is not a plan fingerprint (hex sha256)"
+        raise LaunchError(msg)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=dflash-{fingerprint[:12]}",
@@ -90,22 +114,35 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = result.plan.fingerprint
     script_path = args.output or args.yaml.with_name(f"{args.yaml.stem}.{fingerprint[:12]}.sbatch")
     plan_path = script_path.with_suffix(".plan.json").resolve()
+    try:
+        script = render_slurm_script(
+            plan_path,
+            fingerprint,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            partition=args.partition,
+            time=args.time,
+            account=args.account,
+        )
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    script_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.write_text(result.plan.to_json(), encoding="utf-8")
-    script = render_slurm_script(
-        plan_path,
-        fingerprint,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        partition=args.partition,
-        time=args.time,
-        account=args.account,
-    )
     script_path.write_text(script, encoding="utf-8")
     print(script)
     if not args.yes:
         print(f"# wrote {script_path}; submit with: sbatch {script_path}", file=sys.stderr)
         return 0
-    completed = subprocess.run(["sbatch", str(script_path)], check=False)
+    try:
+        completed = subprocess.run(["sbatch", str(script_path)], check=False)
+    except OSError as exc:
+        print(
+            f"error: could not run sbatch ({exc}); submit on a Slurm login node with: "
+            f"sbatch {script_path}",
+            file=sys.stderr,
+        )
+        return 1
     return completed.returncode
 
 
