@@ -252,3 +252,68 @@ def test_llama_block_10_recipe_compiles_against_the_llama_31_config(tmp_path: Pa
     rope = plan.base_model.facts.rope
     assert (rope.rope_type, rope.rope_theta) == ("llama3", 500000.0)
     assert rope.rope_scaling is not None and rope.rope_scaling["factor"] == 8.0
+
+
+# -- the demo's tiny recipes compile fully (config.json + header), not only at schema level --
+
+TINY = ROOT / "recipes" / "tiny"
+
+
+@pytest.mark.parametrize("name", ["tiny_released.yaml", "tiny_scratch.yaml"])
+def test_tiny_recipes_compile_fully(name: str, tmp_path: Path) -> None:
+    result = compile_file(TINY / name, overrides=(f"training.output_dir={tmp_path / 'run'}",))
+    assert result.plan is not None, [d.message for d in result.diagnostics]
+    assert result.plan.resolved
+    assert not [d for d in result.diagnostics if d.severity is not Severity.INFO]
+    assert result.plan.draft.target_layer_ids == (1, 3)
+    assert result.plan.draft.mask_token_id == 384
+
+
+def test_tiny_finetune_compiles_against_a_stage_one_export(tmp_path: Path) -> None:
+    export = write_drafter_checkpoint(
+        tmp_path / "released",
+        hidden=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        intermediate=256,
+        n_taps=2,
+        vocab=392,
+        num_target_layers=6,
+        dtype="F32",
+        config={
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "intermediate_size": 256,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 392,
+            "num_target_layers": 6,
+            "rope_theta": 1000000.0,
+            "block_size": 8,
+            "dflash_config": {"block_size": 8, "mask_token_id": 384, "target_layer_ids": [1, 3]},
+        },
+    )
+    result = compile_file(
+        TINY / "tiny_finetune.yaml",
+        overrides=(
+            f"training.output_dir={tmp_path / 'run'}",
+            f"dflash.dflash_init_checkpoint={export}",
+        ),
+    )
+    assert result.plan is not None, [d.message for d in result.diagnostics]
+    codes = {d.code for d in result.diagnostics}
+    assert {
+        "taps-from-checkpoint",
+        "mask-from-checkpoint",
+        "checkpoint-block-size-differs",
+    } <= codes
+    assert not [d for d in result.diagnostics if d.severity is not Severity.INFO]
+    assert result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.tensor_count == 25
+    assert result.plan.draft.block_size == 16
