@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -51,7 +51,6 @@ from dflash_recipes.executor.convert import (
     embed_tokens,
     lm_head,
     load_base_model,
-    torch_dtype,
 )
 from dflash_recipes.executor.data import Batch, TrainDataset, batches, batches_per_epoch
 from dflash_recipes.executor.distributed import (
@@ -858,13 +857,6 @@ def run_plan(
     """
     return Trainer(plan, progress=progress, stop_after=stop_after).run()
 
-
-def default_torch_dtype(plan: RunPlan) -> torch.dtype:
-    """The target's dtype from the plan."""
-    return torch_dtype(plan.base_model.dtype)
-
-
-LogFn = Callable[[str], None]
 
 __all__ = [
     "DraftOutputs",
