@@ -353,9 +353,27 @@ class Trainer:
         from transformers import AutoTokenizer
 
         base = self.plan.base_model
-        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            base.path, local_files_only=True, trust_remote_code=base.trust_remote_code
-        )
+        known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any((Path(base.path) / name).is_file() for name in known):
+            # transformers would build an empty tokenizer from config.json alone.
+            msg = (
+                f"the base model directory {base.path} has no tokenizer files (none of "
+                f"{', '.join(known)}); the directory needs them next to config.json: stage "
+                f"the whole model with `hf download <repo> --local-dir {base.path}`"
+            )
+            raise CheckpointError(msg)
+        try:
+            tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+                base.path, local_files_only=True, trust_remote_code=base.trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            msg = (
+                f"cannot load the tokenizer of the base model from {base.path}: {exc}; the "
+                "directory needs the tokenizer files (tokenizer.json / tokenizer_config.json) "
+                "next to config.json: stage the whole model with `hf download <repo> "
+                f"--local-dir {base.path}`"
+            )
+            raise CheckpointError(msg) from exc
         return tokenizer
 
     def _build_dataset(self, tokenizer: PreTrainedTokenizerBase) -> TrainDataset:

@@ -237,3 +237,19 @@ def test_self_distillation_and_eval_steps(tmp_path: Path) -> None:
     ]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["lossless"] is True
+
+
+def test_base_model_without_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    import shutil
+
+    from dflash_recipes.errors import CheckpointError
+
+    target = tmp_path / "target"
+    shutil.copytree(REPO / "dflash_recipes" / "demo_data" / "target", target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (target / name).unlink()
+    plan = _plan(tmp_path, "notok", f"model.model_name_or_path={target}")
+    with pytest.raises(CheckpointError, match="tokenizer files") as info:
+        run_plan(plan, progress=False)
+    assert str(target) in str(info.value)
+    assert not (tmp_path / "notok").exists()
