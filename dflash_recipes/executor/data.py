@@ -481,7 +481,7 @@ def build_dataset(
         msg = f"{field} is not set; point it at a JSONL file of conversations"
         raise DataError(msg)
     path = Path(raw_path)
-    template = _resolve_template(tokenizer, _read_template(data.chat_template))
+    template = _resolve_template(tokenizer, read_chat_template(data.chat_template))
     file = read_conversations(path, answer_only_loss=data.answer_only_loss)
     max_len = plan.training.training_seq_len
     block_size = plan.draft.block_size
@@ -528,7 +528,8 @@ def build_dataset(
     return TrainDataset(tuple(examples), int(pad), stats, path)
 
 
-def _read_template(chat_template: str | None) -> str | None:
+def read_chat_template(chat_template: str | None) -> str | None:
+    """The text of a `data.chat_template` file (None passes through); DataError if unreadable."""
     if chat_template is None:
         return None
     path = Path(chat_template)
@@ -638,6 +639,7 @@ __all__ = [
     "batches_per_epoch",
     "build_dataset",
     "epoch_order",
+    "read_chat_template",
     "read_conversations",
     "summarize",
     "tokenize_conversation",

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from dflash_recipes.checkpoint import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError, DataError
 from dflash_recipes.executor.convert import load_base_model, torch_dtype
-from dflash_recipes.executor.data import Conversation, read_conversations
+from dflash_recipes.executor.data import Conversation, read_chat_template, read_conversations
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.speculative import (
     BlockDrafter,
@@ -274,18 +274,6 @@ def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int
     )
 
 
-def _chat_template_text(plan: RunPlan) -> str | None:
-    """The text of ``data.chat_template`` (a file path in the plan), or None."""
-    if plan.data.chat_template is None:
-        return None
-    path = Path(plan.data.chat_template)
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        msg = f"cannot read data.chat_template {path}: {exc}"
-        raise DataError(msg) from exc
-
-
 def evaluate_on_plan_data(
     plan: RunPlan,
     target: PreTrainedModel,
@@ -306,7 +294,7 @@ def evaluate_on_plan_data(
     prompts = load_prompts(
         Path(plan.data.eval_data_path),
         tokenizer,
-        chat_template=_chat_template_text(plan),
+        chat_template=read_chat_template(plan.data.chat_template),
         limit=num_prompts,
     )
     eos = tokenizer.eos_token_id
@@ -351,7 +339,10 @@ def run_eval(
     load_drafter_weights(drafter, checkpoint_dir)
     tokenizer = AutoTokenizer.from_pretrained(plan.base_model.path, local_files_only=True)
     prompts = load_prompts(
-        source, tokenizer, chat_template=_chat_template_text(plan), limit=num_prompts
+        source,
+        tokenizer,
+        chat_template=read_chat_template(plan.data.chat_template),
+        limit=num_prompts,
     )
     target = load_base_model(plan)
     drafter.to(dtype=torch_dtype(plan.base_model.dtype))
