@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from dflash_recipes import __version__
+from dflash_recipes.atomic import temporary_sibling, write_text_atomic
 from dflash_recipes.diagnostics import (
     Diagnostic,
     Severity,
@@ -138,7 +139,7 @@ def compile_command(recipe: str, overrides: tuple[str, ...], output: Path | None
         code = EXIT_FINDINGS
     if output is not None and plan is not None:
         try:
-            _write_atomic(output, plan.to_json())
+            write_text_atomic(output, plan.to_json())
         except OSError as exc:
             diagnostics.append(_unwritable(output, exc))
             plan, code = None, EXIT_USAGE
@@ -176,24 +177,6 @@ def _unwritable(path: Path, exc: OSError) -> Diagnostic:
     )
 
 
-def _temporary_sibling(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write text to path through a temporary sibling, so a failure leaves no partial file.
-
-    Raises OSError (the folder cannot be created, or is not writable) with nothing left behind.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_sibling(path)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_new(path: Path, text: str) -> bool:
     """Write text to a new file at path, complete or not at all; False if path exists.
 
@@ -201,7 +184,7 @@ def _write_new(path: Path, text: str) -> bool:
     link fails when the name exists, so an existing file is never replaced, even in a race.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_sibling(path)
+    tmp = temporary_sibling(path)
     try:
         tmp.write_text(text, encoding="utf-8")
         try:
@@ -362,7 +345,7 @@ def schema_command(output: Path | None) -> None:
         click.echo(text, nl=False)
         return
     try:
-        _write_atomic(output, text)
+        write_text_atomic(output, text)
     except OSError as exc:
         _fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
     click.echo(f"wrote {output}", err=True)

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from dflash_recipes.atomic import write_text_atomic
 from dflash_recipes.errors import CheckpointError, DataError, PlanError
 from dflash_recipes.executor.anchors import (
     block_inputs,
@@ -448,7 +448,7 @@ class Trainer:
         if is_main(env):
             self.output_dir.mkdir(parents=True, exist_ok=True)
             # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
-            _write_atomic(self.output_dir / PLAN_FILE, plan.to_json())
+            write_text_atomic(self.output_dir / PLAN_FILE, plan.to_json())
         barrier(env)
 
         data = self._data_stream(dataset, epoch, next_index)
@@ -849,16 +849,6 @@ def _int(state: dict[str, object], key: str) -> int:
         msg = f"trainer_state.json has no integer {key!r}; the checkpoint is from another tool"
         raise CheckpointError(msg)
     return value
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _strict(value: object) -> object:
