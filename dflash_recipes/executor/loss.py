@@ -55,6 +55,9 @@ class LossOutput:
     per_position_correct: Tensor
     #: [K] long: supervised positions (entry 0 is always 0).
     per_position_count: Tensor
+    #: Detached sum of the position weights over supervised positions: the denominator of
+    #: the weighted means (a data-parallel trainer normalises by its global sum).
+    weight_sum: Tensor
     #: Detached soft cross-entropy against the target, when self-distillation is on.
     distill: Tensor | None = None
     #: Domino: detached cross-entropy of the backbone logits (before its weight).
@@ -155,6 +158,7 @@ def dflash_loss(
         ce=ce.detach(),
         per_position_correct=correct,
         per_position_count=count,
+        weight_sum=_weight_sum(weights, label_mask),
         distill=None if distill is None else distill.detach(),
     )
 
@@ -205,6 +209,7 @@ def domino_loss(
         ce=ce.detach(),
         per_position_correct=correct,
         per_position_count=count,
+        weight_sum=_weight_sum(weights, label_mask),
         distill=None if distill is None else distill.detach(),
         backbone_ce=backbone_ce.detach(),
     )
@@ -271,6 +276,7 @@ def dspark_loss(
         ce=ce.detach(),
         per_position_correct=correct,
         per_position_count=count,
+        weight_sum=_weight_sum(weights, label_mask),
         tv=None if tv is None else tv.detach(),
         confidence_bce=None if confidence_bce is None else confidence_bce.detach(),
     )
@@ -355,6 +361,12 @@ def _soft_ce(logits: Tensor, teacher_logits: Tensor) -> Tensor:
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     target = torch.softmax(teacher_logits.detach().float(), dim=-1)
     return -(target * log_probs).sum(dim=-1)
+
+
+def _weight_sum(weights: Tensor, label_mask: Tensor) -> Tensor:
+    """Detached ``sum(w)`` over supervised positions, the weighted means' denominator."""
+    w = torch.broadcast_to(weights.detach().float(), label_mask.shape) * label_mask
+    return w.sum()
 
 
 def _weighted_mean(values: Tensor, weights: Tensor, label_mask: Tensor) -> Tensor:

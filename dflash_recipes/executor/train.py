@@ -635,10 +635,7 @@ class Trainer:
         result = self._loss(outputs, labels, label_mask, teacher, step, total_steps)
         # Normalise by the global weight sum so DDP's gradient average equals the
         # single-process gradient over the whole global batch; then average over micro-batches.
-        weights = objective_weights(
-            outputs.logits.detach(), labels, label_mask, objective=objective
-        )
-        local = (weights * label_mask.float()).sum().detach()
+        local = result.weight_sum
         total = all_reduce_sum(local.clone(), env)
         scale = (local * env.world_size / total) if float(total) > 0 else torch.ones_like(local)
         loss = result.loss * scale / plan.training.gradient_accumulation_steps

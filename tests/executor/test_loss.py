@@ -80,6 +80,9 @@ def test_dflash_loss_equals_the_hand_computed_weighted_cross_entropy() -> None:
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
     assert out.ce.item() == pytest.approx(expected, rel=1e-5)
     assert out.distill is None
+    # The denominator, for a data-parallel trainer's global normalisation.
+    assert out.weight_sum.item() == pytest.approx(w1 + w2, rel=1e-6)
+    assert not out.weight_sum.requires_grad
     torch.autograd.backward(out.loss)
     assert logits.grad is not None
     assert logits.grad[0, 0, 0].abs().sum() == 0  # the anchor position gets no gradient
