@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import TypeAlias
 
+import attrs
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -166,6 +167,48 @@ def dflash_module(model: nn.Module) -> DFlashDraftModel:
     return module
 
 
+@attrs.frozen(eq=False)
+class TargetStates:
+    """What one frozen target forward gives the trainer."""
+
+    #: Hugging Face's ``output_hidden_states`` tuple (index 0 is the embedding output).
+    hidden_states: tuple[torch.Tensor, ...]
+    #: ``[B, S, V]`` next-token logits, only when asked for (None otherwise).
+    logits: torch.Tensor | None
+
+
+def target_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    with_logits: bool,
+) -> TargetStates:
+    """Run the frozen target for its hidden states, and its logits only when asked.
+
+    Without logits only the decoder runs (``model.get_decoder()``): the ``lm_head`` product
+    over every position, ``[B, S, vocab]`` (about a tenth of an 8B target's forward at a
+    152k vocabulary), is skipped. Taps are the same either way. With logits, or for a model
+    whose decoder cannot be told apart, the whole causal LM runs, so the logits are exactly
+    the model's (including any scaling or soft-capping its forward applies). Call it under
+    ``torch.no_grad()``.
+    """
+    runner: nn.Module = model
+    if not with_logits:
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if callable(get_decoder) else None
+        if isinstance(decoder, nn.Module) and decoder is not model:
+            runner = decoder
+    out = runner(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    hidden = tuple(out.hidden_states)
+    return TargetStates(hidden, out.logits if with_logits else None)
+
+
 def embed_tokens(model: PreTrainedModel) -> nn.Module:
     """The base's input embedding table (shared with the drafter, never copied)."""
     embeddings: nn.Module = model.get_input_embeddings()
@@ -184,10 +227,12 @@ def lm_head(model: PreTrainedModel) -> nn.Module:
 __all__ = [
     "DRAFT_ATTRIBUTE",
     "DFlashModel",
+    "TargetStates",
     "convert",
     "dflash_module",
     "embed_tokens",
     "lm_head",
     "load_base_model",
+    "target_forward",
     "torch_dtype",
 ]

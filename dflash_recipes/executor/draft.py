@@ -39,21 +39,24 @@ if TYPE_CHECKING:
 
 
 class SplitBlockMask:
-    """The block mask as two parts: visible context ``[B, 1, Q, T]`` plus "own block only".
+    """The block mask cut into chunks of consecutive blocks, each with its own small dense mask.
 
-    Attention then costs about ``Q x (T / 2 + bs)`` instead of ``Q x (T + Q)``: the block part
-    is a batched ``bs x bs`` matmul per block, and the context part runs per chunk of blocks
-    against only the context keys that chunk can see (anchors are sorted, so later chunks see
-    more); one softmax spans both. Same semantics as :func:`build_dense_block_mask` (a test
-    checks outputs and gradients agree); the CPU training path uses it.
+    Chunk ``c`` (blocks ``first .. end-1``) attends to the context prefix its furthest anchor
+    can see, ``[0, visible)``, plus the chunk's own blocks: its mask is
+    ``[B, 1, (end - first) * bs, visible + (end - first) * bs]``. Anchors are sorted, so early
+    chunks see short prefixes and attention costs about ``Q x (T / 2 + Q / chunks)`` instead of
+    ``Q x (T + Q)``, through the fused SDPA kernel. Same semantics as
+    :func:`build_dense_block_mask` (a test checks outputs and gradients agree); the CPU
+    training path uses it.
     """
 
-    __slots__ = ("block_size", "chunks", "context")
+    __slots__ = ("block_size", "chunks", "masks")
 
     def __init__(
-        self, context: Tensor, block_size: int, chunks: tuple[tuple[int, int, int], ...]
+        self, masks: tuple[Tensor, ...], block_size: int, chunks: tuple[tuple[int, int, int], ...]
     ) -> None:
-        self.context = context
+        #: One boolean mask per chunk (True = may attend): ``[visible context ; chunk blocks]``.
+        self.masks = masks
         self.block_size = block_size
         #: (first block, end block, visible context length) per chunk of blocks.
         self.chunks = chunks
@@ -296,17 +299,23 @@ def build_split_block_mask(
     """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
     limit = _visible_context(anchors, ctx_len, valid)
-    q_limit = limit.repeat_interleave(block_size, dim=1)
-    kv_idx = torch.arange(ctx_len, device=anchors.device)
-    sees_context = kv_idx.view(1, 1, -1) < q_limit.unsqueeze(-1)
     n_blocks = anchors.shape[1]
     per_chunk = max(1, -(-n_blocks // max(1, num_chunks)))
     chunk_max = [int(v) for v in limit.amax(dim=0).tolist()] if n_blocks else []
-    chunks = tuple(
-        (start, min(n_blocks, start + per_chunk), max(chunk_max[start : start + per_chunk]))
-        for start in range(0, n_blocks, per_chunk)
-    )
-    return SplitBlockMask(sees_context.unsqueeze(1), block_size, chunks)
+    chunks: list[tuple[int, int, int]] = []
+    masks: list[Tensor] = []
+    for first in range(0, n_blocks, per_chunk):
+        end = min(n_blocks, first + per_chunk)
+        visible = max(chunk_max[first:end])
+        n_q = (end - first) * block_size
+        q_limit = limit[:, first:end].repeat_interleave(block_size, dim=1)
+        kv_ctx = torch.arange(visible, device=anchors.device)
+        sees_context = kv_ctx.view(1, 1, -1) < q_limit.unsqueeze(-1)
+        q_block = torch.arange(n_q, device=anchors.device) // block_size
+        same_block = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(anchors.shape[0], -1, -1)
+        masks.append(torch.cat([sees_context, same_block], dim=-1).unsqueeze(1))
+        chunks.append((first, end, visible))
+    return SplitBlockMask(tuple(masks), block_size, tuple(chunks))
 
 
 _compiled_flex: Callable[..., object] | None = None
@@ -340,40 +349,22 @@ def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sink: Tensor
 def _split_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: SplitBlockMask, sink: Tensor | None
 ) -> Tensor:
-    """Attention over [visible context ; own block] without the Q x Q part (see the mask)."""
+    """Attention per chunk of blocks over [visible context ; the chunk's blocks] (see the mask)."""
     batch, heads, q_len, dim = q.shape
-    ctx_len = mask.context.shape[-1]
     bs = mask.block_size
-    n_blocks = q_len // bs
     if not mask.chunks:
         return q.new_zeros(batch, heads, q_len, dim)
-    groups = heads // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    k_ctx, k_blk = k[:, :, :ctx_len], k[:, :, ctx_len:]
-    v_ctx, v_blk = v[:, :, :ctx_len], v[:, :, ctx_len:]
-    scale = 1.0 / math.sqrt(dim)
-    kb_all = k_blk.reshape(batch, heads, n_blocks, bs, dim)
-    vb_all = v_blk.reshape(batch, heads, n_blocks, bs, dim)
+    ctx_len = k.shape[2] - q_len
+    sizes = [(end - first) * bs for first, end, _ in mask.chunks]
+    k_ctx, *k_blocks = torch.split(k, [ctx_len, *sizes], dim=2)
+    v_ctx, *v_blocks = torch.split(v, [ctx_len, *sizes], dim=2)
     outputs = []
-    for first, end, visible in mask.chunks:
-        n = end - first
-        qc = q[:, :, first * bs : end * bs]
-        ctx_scores = torch.matmul(qc, k_ctx[:, :, :visible].transpose(-1, -2)) * scale
-        seen = mask.context[:, :, first * bs : end * bs, :visible]
-        ctx_scores = ctx_scores.masked_fill(~seen, float("-inf"))
-        qb = qc.reshape(batch, heads, n, bs, dim)
-        blk_scores = torch.matmul(qb, kb_all[:, :, first:end].transpose(-1, -2)) * scale
-        parts = [ctx_scores.view(batch, heads, n, bs, visible), blk_scores]
-        if sink is not None:
-            parts.append(sink.to(q.dtype).view(1, -1, 1, 1, 1).expand(batch, heads, n, bs, 1))
-        probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(v.dtype)
-        p_ctx = probs[..., :visible].reshape(batch, heads, n * bs, visible)
-        p_blk = probs[..., visible : visible + bs]
-        out_ctx = torch.matmul(p_ctx, v_ctx[:, :, :visible])
-        out_blk = torch.matmul(p_blk, vb_all[:, :, first:end])
-        outputs.append(out_ctx + out_blk.reshape(batch, heads, n * bs, dim))
+    for (_, _, visible), q_c, k_c, v_c, mask_c in zip(
+        mask.chunks, torch.split(q, sizes, dim=2), k_blocks, v_blocks, mask.masks, strict=True
+    ):
+        keys = torch.cat([k_ctx[:, :, :visible], k_c], dim=2)
+        values = torch.cat([v_ctx[:, :, :visible], v_c], dim=2)
+        outputs.append(_dense_attention(q_c, keys, values, mask_c, sink))
     return torch.cat(outputs, dim=2)
 
 

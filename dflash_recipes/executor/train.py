@@ -47,11 +47,13 @@ from dflash_recipes.executor.checkpointing import (
     save_training_checkpoint,
 )
 from dflash_recipes.executor.convert import (
+    DFlashModel,
     convert,
     dflash_module,
     embed_tokens,
     lm_head,
     load_base_model,
+    target_forward,
 )
 from dflash_recipes.executor.data import Batch, TrainDataset, batches, batches_per_epoch
 from dflash_recipes.executor.distributed import (
@@ -564,7 +566,7 @@ class Trainer:
     def _micro_step(
         self,
         wrapped: nn.Module,
-        target: nn.Module,
+        target: DFlashModel,
         embeddings: nn.Module,
         batch: Batch,
         *,
@@ -589,16 +591,11 @@ class Trainer:
             spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
         )
         with torch.no_grad():
-            out = target(
-                input_ids=ids,
-                attention_mask=attention,
-                output_hidden_states=True,
-                use_cache=False,
-            )
+            out = target_forward(target, ids, attention, with_logits=needs_teacher)
             tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
             teacher = (
                 gather_teacher_logits(out.logits.float(), anchors, block_size=spec.block_size)
-                if needs_teacher
+                if out.logits is not None
                 else None
             )
             del out

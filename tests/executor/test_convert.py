@@ -14,6 +14,7 @@ from dflash_recipes.executor.convert import (
     embed_tokens,
     lm_head,
     load_base_model,
+    target_forward,
 )
 from dflash_recipes.executor.draft import (
     block_positions,
@@ -114,3 +115,29 @@ def test_load_base_model_without_a_local_directory_says_how_to_stage_it(tmp_path
     plan = tiny_plan(tmp_path)
     with pytest.raises(CheckpointError, match="hf download"):
         load_base_model(plan)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_target_forward_skips_the_lm_head_unless_logits_are_asked_for(
+    tmp_path: Path, family: str
+) -> None:
+    plan = tiny_plan(tmp_path, target_model_type=family)
+    model = convert(tiny_target(plan), plan)
+    head_calls: list[int] = []
+    lm_head(model).register_forward_hook(lambda *_: head_calls.append(1))
+    ids = torch.randint(0, 100, (2, 12))
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0  # left padding is passed through
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+        head_calls.clear()
+        states = target_forward(model, ids, attention, with_logits=False)
+        assert head_calls == []  # no [B, S, vocab] product
+        assert states.logits is None
+        assert len(states.hidden_states) == len(full.hidden_states)
+        for ours, theirs in zip(states.hidden_states, full.hidden_states, strict=True):
+            assert torch.equal(ours, theirs)
+        with_logits = target_forward(model, ids, attention, with_logits=True)
+        assert head_calls == [1]
+        assert with_logits.logits is not None
+        assert torch.equal(with_logits.logits, full.logits)

@@ -140,17 +140,21 @@ def test_split_attention_output_and_gradients_equal_dense(tmp_path: Path) -> Non
         grads = []
         for mask in (
             build_dense_block_mask(anchors, block, ctx, valid),
-            build_split_block_mask(anchors, block, ctx, valid),
+            build_split_block_mask(anchors, block, ctx, valid),  # one block per chunk
+            build_split_block_mask(anchors, block, ctx, valid, num_chunks=2),  # 2 + 1 blocks
         ):
             model.zero_grad()
             out = model(embeds, context, q_pos, c_pos, mask)
             out.square().sum().backward()
             outputs.append(out.detach())
             grads.append(model.layers[0].self_attn.q_proj.weight.grad.clone())
-        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+        for split in (1, 2):
+            torch.testing.assert_close(outputs[split], outputs[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grads[split], grads[0], rtol=1e-4, atol=1e-5)
         # The check can fail: a split mask that hides the context changes the output.
-        blind = build_split_block_mask(anchors, block, ctx, valid)
-        blind.context.zero_()
+        blind = build_split_block_mask(anchors, block, ctx, valid, num_chunks=2)
+        assert [c[1] - c[0] for c in blind.chunks] == [2, 1]
+        for (_, _, visible), chunk_mask in zip(blind.chunks, blind.masks, strict=True):
+            chunk_mask[..., :visible] = False
         with torch.no_grad():
             assert not torch.allclose(model(embeds, context, q_pos, c_pos, blind), outputs[0])
