@@ -377,27 +377,11 @@ def read_safetensors_header(
 def _parse_header(
     where: str, raw: bytes, header_size: int, file_size: int, data_size: int
 ) -> SafetensorsHeader:
-    try:
-        text = raw.decode("utf-8", errors="strict")
-    except UnicodeDecodeError as exc:
-        msg = f"{where}: header is not valid UTF-8 (byte {exc.start} of the header)"
-        raise SafetensorsHeaderError(msg) from exc
     # The format's text says the header begins with "{"; the reference library also takes
     # leading whitespace, and so do we: a file every engine loads must not fail to compile.
-    if not text.lstrip(" \t\r\n").startswith("{"):
-        msg = f"{where}: header must be a JSON object (it starts with {text[:16]!r})"
-        raise SafetensorsHeaderError(msg)
-    try:
-        document = _strict_json(text)
-    except _JsonRuleError as exc:
-        msg = f"{where}: header JSON rejected: {exc}"
-        raise SafetensorsHeaderError(msg) from exc
-    except (ValueError, RecursionError) as exc:
-        msg = f"{where}: header is {_json_problem(exc)}"
-        raise SafetensorsHeaderError(msg) from exc
-    if not isinstance(document, dict):
-        msg = f"{where}: header must be a JSON object, got {type(document).__name__}"
-        raise SafetensorsHeaderError(msg)
+    document = _json_object(
+        raw, where=where, what="header", error=SafetensorsHeaderError, must_open_brace=True
+    )
 
     metadata: dict[str, str] = {}
     tensors: dict[str, TensorInfo] = {}
@@ -623,11 +607,26 @@ def _read_strict_json_file(
         raise error(msg)
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
+    return _json_object(raw, where=where, what=what, error=error)
+
+
+def _json_object(
+    raw: bytes,
+    *,
+    where: str,
+    what: str,
+    error: Callable[[str], Exception],
+    must_open_brace: bool = False,
+) -> dict[str, object]:
+    """Decode `raw` as UTF-8 strict JSON (:func:`_strict_json` rules) holding one object."""
     try:
         text = raw.decode("utf-8", errors="strict")
     except UnicodeDecodeError as exc:
-        msg = f"{where}: the {what} is not valid UTF-8 (byte {exc.start})"
+        msg = f"{where}: the {what} is not valid UTF-8 (byte {exc.start} of the {what})"
         raise error(msg) from exc
+    if must_open_brace and not text.lstrip(" \t\r\n").startswith("{"):
+        msg = f"{where}: the {what} must be a JSON object (it starts with {text[:16]!r})"
+        raise error(msg)
     try:
         document = _strict_json(text)
     except _JsonRuleError as exc:

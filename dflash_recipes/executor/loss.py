@@ -152,15 +152,7 @@ def dflash_loss(
     if teacher_logits is not None:
         distill = _weighted_mean(_soft_ce(logits, teacher_logits), weights, label_mask)
         loss = loss + distill
-    correct, count = _position_counts(logits, labels, label_mask)
-    return LossOutput(
-        loss=loss,
-        ce=ce.detach(),
-        per_position_correct=correct,
-        per_position_count=count,
-        weight_sum=_weight_sum(weights, label_mask),
-        distill=None if distill is None else distill.detach(),
-    )
+    return _output(loss, ce, logits, labels, label_mask, weights, distill=distill)
 
 
 def domino_backbone_weight(step: int, total_steps: int, initial: float) -> float:
@@ -203,15 +195,15 @@ def domino_loss(
     if teacher_logits is not None:
         distill = _weighted_mean(_soft_ce(corrected_logits, teacher_logits), weights, label_mask)
         loss = loss + distill
-    correct, count = _position_counts(corrected_logits, labels, label_mask)
-    return LossOutput(
-        loss=loss,
-        ce=ce.detach(),
-        per_position_correct=correct,
-        per_position_count=count,
-        weight_sum=_weight_sum(weights, label_mask),
-        distill=None if distill is None else distill.detach(),
-        backbone_ce=backbone_ce.detach(),
+    return _output(
+        loss,
+        ce,
+        corrected_logits,
+        labels,
+        label_mask,
+        weights,
+        distill=distill,
+        backbone_ce=backbone_ce,
     )
 
 
@@ -270,15 +262,8 @@ def dspark_loss(
         )
         confidence_bce = _weighted_mean(per_token_bce, torch.ones_like(per_token_bce), label_mask)
         loss = loss + confidence_weight * confidence_bce
-    correct, count = _position_counts(logits, labels, label_mask)
-    return LossOutput(
-        loss=loss,
-        ce=ce.detach(),
-        per_position_correct=correct,
-        per_position_count=count,
-        weight_sum=_weight_sum(weights, label_mask),
-        tv=None if tv is None else tv.detach(),
-        confidence_bce=None if confidence_bce is None else confidence_bce.detach(),
+    return _output(
+        loss, ce, logits, labels, label_mask, weights, tv=tv, confidence_bce=confidence_bce
     )
 
 
@@ -321,6 +306,27 @@ def estimated_acceptance_length(acc: Sequence[float]) -> float:
 # ---------------------------------------------------------------------------------------------
 # internals
 # ---------------------------------------------------------------------------------------------
+
+
+def _output(
+    loss: Tensor,
+    ce: Tensor,
+    served_logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    weights: Tensor,
+    **parts: Tensor | None,
+) -> LossOutput:
+    """A :class:`LossOutput`: accuracy counts of `served_logits`, every reported part detached."""
+    correct, count = _position_counts(served_logits, labels, label_mask)
+    return LossOutput(
+        loss=loss,
+        ce=ce.detach(),
+        per_position_correct=correct,
+        per_position_count=count,
+        weight_sum=_weight_sum(weights, label_mask),
+        **{name: None if part is None else part.detach() for name, part in parts.items()},
+    )
 
 
 def _check_shapes(logits: Tensor, labels: Tensor, label_mask: Tensor) -> None:
