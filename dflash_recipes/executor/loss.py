@@ -33,7 +33,7 @@ of KL(q || p); the reported value includes the target's entropy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -66,6 +66,10 @@ class LossOutput:
     tv: Tensor | None = None
     #: DSpark: detached confidence BCE (before its weight).
     confidence_bce: Tensor | None = None
+    #: The differentiable part of `loss` that is a mean over supervised positions rather than
+    #: a weighted mean (DSpark's weighted confidence BCE); None when there is none. Lets
+    #: :func:`combine_losses` rebuild the exact loss of a whole batch from its chunks.
+    count_normalized: Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +267,70 @@ def dspark_loss(
         confidence_bce = _weighted_mean(per_token_bce, torch.ones_like(per_token_bce), label_mask)
         loss = loss + confidence_weight * confidence_bce
     return _output(
-        loss, ce, logits, labels, label_mask, weights, tv=tv, confidence_bce=confidence_bce
+        loss,
+        ce,
+        logits,
+        labels,
+        label_mask,
+        weights,
+        count_normalized=(None if confidence_bce is None else confidence_weight * confidence_bce),
+        tv=tv,
+        confidence_bce=confidence_bce,
+    )
+
+
+def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
+    """The :class:`LossOutput` of a whole batch from those of disjoint chunks of its blocks.
+
+    Exact, gradients included, because every term is a sum over positions divided by a
+    normaliser: each chunk's weighted means are scaled back to sums with its ``weight_sum``
+    (and its count-normalised part with its supervised count), summed, and divided by the
+    totals. Chunks must come from the same objective call pattern (the same optional parts).
+    """
+    if not parts:
+        msg = "combine_losses needs at least one chunk"
+        raise ValueError(msg)
+    if len(parts) == 1:
+        return parts[0]
+    weights = [part.weight_sum for part in parts]
+    counts = [part.per_position_count.sum().float() for part in parts]
+    w_total = torch.stack(weights).sum()
+    n_total = torch.stack(counts).sum()
+    w_norm = w_total.clamp_min(torch.finfo(w_total.dtype).tiny)
+    n_norm = n_total.clamp_min(1.0)
+
+    def weighted(values: Sequence[Tensor]) -> Tensor:
+        return torch.stack([v * w for v, w in zip(values, weights, strict=True)]).sum() / w_norm
+
+    def counted(values: Sequence[Tensor]) -> Tensor:
+        return torch.stack([v * n for v, n in zip(values, counts, strict=True)]).sum() / n_norm
+
+    def optional(name: str, combine: Callable[[Sequence[Tensor]], Tensor]) -> Tensor | None:
+        values = [getattr(part, name) for part in parts]
+        if all(v is None for v in values):
+            return None
+        if any(v is None for v in values):
+            msg = f"combine_losses: chunk outputs disagree on whether {name} is present"
+            raise ValueError(msg)
+        return combine(values)
+
+    by_count = [part.count_normalized for part in parts]
+    has_count_part = any(c is not None for c in by_count)
+    zero = torch.zeros((), dtype=parts[0].loss.dtype, device=parts[0].loss.device)
+    count_parts = [zero if c is None else c for c in by_count]
+    weighted_loss = weighted([p.loss - c for p, c in zip(parts, count_parts, strict=True)])
+    count_loss = counted(count_parts) if has_count_part else None
+    return LossOutput(
+        loss=weighted_loss if count_loss is None else weighted_loss + count_loss,
+        ce=weighted([p.ce for p in parts]),
+        per_position_correct=torch.stack([p.per_position_correct for p in parts]).sum(dim=0),
+        per_position_count=torch.stack([p.per_position_count for p in parts]).sum(dim=0),
+        weight_sum=w_total,
+        distill=optional("distill", weighted),
+        backbone_ce=optional("backbone_ce", weighted),
+        tv=optional("tv", weighted),
+        confidence_bce=optional("confidence_bce", counted),
+        count_normalized=count_loss,
     )
 
 
@@ -315,6 +382,8 @@ def _output(
     labels: Tensor,
     label_mask: Tensor,
     weights: Tensor,
+    *,
+    count_normalized: Tensor | None = None,
     **parts: Tensor | None,
 ) -> LossOutput:
     """A :class:`LossOutput`: accuracy counts of `served_logits`, every reported part detached."""
@@ -325,6 +394,7 @@ def _output(
         per_position_correct=correct,
         per_position_count=count,
         weight_sum=_weight_sum(weights, label_mask),
+        count_normalized=count_normalized,
         **{name: None if part is None else part.detach() for name, part in parts.items()},
     )
 
@@ -394,6 +464,7 @@ def _position_counts(logits: Tensor, labels: Tensor, label_mask: Tensor) -> tupl
 
 __all__ = [
     "LossOutput",
+    "combine_losses",
     "decay_weights",
     "dflash_loss",
     "domino_backbone_weight",

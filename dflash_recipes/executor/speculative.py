@@ -271,6 +271,40 @@ def greedy_generate(
     return generated
 
 
+@torch.no_grad()
+def is_greedy_decoding(
+    target: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    generated: Sequence[int],
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> bool:
+    """Whether `generated` is what :func:`greedy_generate` returns, checked in ONE target pass.
+
+    The target is causal, so its logits at position ``i`` of ``prompt + generated`` depend only
+    on the tokens before ``i``: one forward pass gives the greedy token after every prefix, and
+    `generated` is the greedy decoding exactly when each of its tokens is the argmax after its
+    prefix and it stops where greedy decoding stops (at `eos_token_id`, or after
+    `max_new_tokens`). Costs one pass instead of one per token.
+    """
+    _check_prompt(prompt_ids)
+    tokens = list(generated)
+    if len(tokens) > max_new_tokens:
+        return False
+    if eos_token_id is not None and eos_token_id in tokens[:-1]:
+        return False  # greedy decoding stops at the first eos
+    ended = bool(tokens) and tokens[-1] == eos_token_id
+    if len(tokens) < max_new_tokens and not ended:
+        return False  # stopped early without an eos
+    if not tokens:
+        return True
+    ids = [*prompt_ids, *tokens[:-1]]
+    input_ids = torch.tensor([ids], dtype=torch.long, device=_device_of(target))
+    logits = target(input_ids=input_ids, use_cache=False).logits
+    predicted = logits[0, len(prompt_ids) - 1 :].argmax(dim=-1)
+    return bool(predicted.tolist() == tokens)
+
+
 __all__ = [
     "BlockDrafter",
     "DFlashBlockDrafter",
@@ -278,5 +312,6 @@ __all__ = [
     "SpecResult",
     "as_block_drafter",
     "greedy_generate",
+    "is_greedy_decoding",
     "speculative_generate",
 ]

@@ -32,6 +32,7 @@ from pathlib import Path
 import attrs
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.atomic import write_text_atomic
@@ -75,6 +76,7 @@ from dflash_recipes.executor.draft import (
 from dflash_recipes.executor.export import export_drafter
 from dflash_recipes.executor.loss import (
     LossOutput,
+    combine_losses,
     dflash_loss,
     domino_backbone_weight,
     domino_loss,
@@ -84,7 +86,7 @@ from dflash_recipes.executor.loss import (
     per_position_accuracy,
 )
 from dflash_recipes.executor.warmstart import WarmStartReport
-from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.plan import ObjectivePlan, ResolvedDraft, RunPlan
 from dflash_recipes.report import eval_row, metrics_json_line, train_row
 from dflash_recipes.run_layout import (
     EXPORT_DIR,
@@ -137,26 +139,64 @@ def total_optimizer_steps(plan: RunPlan, num_examples: int, world_size: int) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(eq=False)
-class DraftOutputs:
-    """Logits of one packed forward, shaped per block: ``[B, N, K, V]``."""
+#: Most logits one chunk of blocks may hold (elements of ``[B, n, K, vocab]``, 2**26 = 256 MiB
+#: in float32). A batch whose logits exceed it computes lm_head, head and loss per chunk of
+#: blocks under activation checkpointing (see :class:`DraftStep`).
+MAX_CHUNK_LOGITS = 2**26
 
-    logits: Tensor
-    backbone_logits: Tensor | None = None
-    confidence_logit: Tensor | None = None
+
+@attrs.frozen(eq=False)
+class LossTargets:
+    """What the objective compares the drafter's blocks with (all per block, ``[B, N, ...]``)."""
+
+    #: ``[B, N, K]`` labels and supervision mask (:func:`block_labels`).
+    labels: Tensor
+    label_mask: Tensor
+    #: ``[B, N]`` anchors, to gather the target's logits per chunk of blocks.
+    anchors: Tensor
+    #: ``[B, S, V]`` the target's logits when the objective needs a teacher, else None.
+    target_logits: Tensor | None
+    #: Optimiser step and total, for Domino's decaying backbone weight.
+    step: int
+    total_steps: int
 
 
 class DraftStep(nn.Module):
-    """Fuse taps, run the drafter over packed blocks, apply the target's lm_head and the head.
+    """Fuse taps, run the drafter over packed blocks, then lm_head, head and loss.
 
-    The target's ``lm_head`` is held outside the module tree (frozen, shared, never part of the
-    drafter's parameters), so wrapping this module in DDP reduces only drafter gradients.
+    Returns the objective's :class:`LossOutput`. The target's ``lm_head`` is held outside the
+    module tree (frozen, shared, never part of the drafter's parameters), so wrapping this
+    module in DDP reduces only drafter gradients.
+
+    Memory: the drafter runs once over all blocks (one packed forward). Its logits
+    ``[B, N, K, vocab]`` are the largest tensors of a step (5 GB in float32 for 512 blocks of
+    16 at a 152k vocabulary, and the loss keeps copies for backward), so when they exceed
+    `max_chunk_logits` elements (default :data:`MAX_CHUNK_LOGITS`), lm_head, head and loss run
+    per chunk of blocks under non-reentrant activation checkpointing: a chunk's logits are freed
+    after its loss and recomputed during backward, and :func:`combine_losses` makes the
+    batch's loss exactly the unchunked one. The price is a second lm_head/loss forward.
     """
 
-    def __init__(self, drafter: DFlashDraftModel, output_head: nn.Module) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        output_head: nn.Module,
+        objective: ObjectivePlan,
+        *,
+        max_chunk_logits: int | None = None,
+    ) -> None:
         super().__init__()
         self.drafter = drafter
+        self.objective = objective
+        self.max_chunk_logits = max_chunk_logits
         object.__setattr__(self, "_lm_head", output_head)
+
+    def blocks_per_chunk(self, batch: int, n_blocks: int) -> int:
+        """How many blocks (per row) one chunk of lm_head + loss holds (all of them if they fit)."""
+        spec = self.drafter.spec
+        budget = self.max_chunk_logits or MAX_CHUNK_LOGITS
+        per_block = max(1, batch * spec.block_size * spec.vocab_size)
+        return max(1, min(n_blocks, budget // per_block))
 
     def forward(
         self,
@@ -167,34 +207,104 @@ class DraftStep(nn.Module):
         mask: object,
         prefix_embeds: Tensor | None,
         prefix_tokens: Tensor | None,
-    ) -> DraftOutputs:
+        targets: LossTargets,
+    ) -> LossOutput:
         drafter = self.drafter
-        head: nn.Module = self._lm_head  # type: ignore[assignment]
         context = drafter.fuse_context(tapped)
         hidden = drafter(block_embeds, context, q_positions, ctx_positions, mask)
         batch, q_len, width = hidden.shape
         block = drafter.spec.block_size
         n_blocks = q_len // block
+        hidden = hidden.view(batch, n_blocks, block, width)
+        if prefix_embeds is not None:
+            prefix_embeds = prefix_embeds.view(batch, n_blocks, block, -1)
+        per_chunk = self.blocks_per_chunk(batch, n_blocks)
+        if per_chunk >= n_blocks:
+            return self._objective(hidden, prefix_embeds, prefix_tokens, targets, 0)
+        # split, not slicing: its backward is one concatenation, not a zero-filled
+        # full-size gradient per chunk.
+        hidden_chunks = torch.split(hidden, per_chunk, dim=1)
+        embeds_chunks = (
+            torch.split(prefix_embeds, per_chunk, dim=1)
+            if prefix_embeds is not None
+            else (None,) * len(hidden_chunks)
+        )
+        parts = []
+        for index, (hidden_c, embeds_c) in enumerate(
+            zip(hidden_chunks, embeds_chunks, strict=True)
+        ):
+            first = index * per_chunk
+            tokens_c = (
+                None if prefix_tokens is None else prefix_tokens[:, first : first + per_chunk]
+            )
+            part = checkpoint(
+                self._objective, hidden_c, embeds_c, tokens_c, targets, first, use_reentrant=False
+            )
+            assert isinstance(part, LossOutput)
+            parts.append(part)
+        return combine_losses(parts)
+
+    def _objective(
+        self,
+        hidden: Tensor,
+        prefix_embeds: Tensor | None,
+        prefix_tokens: Tensor | None,
+        targets: LossTargets,
+        first: int,
+    ) -> LossOutput:
+        """lm_head, head and loss of blocks ``first .. first + n - 1``: ``hidden [B, n, K, H]``."""
+        batch, n, block, width = hidden.shape
+        objective = self.objective
+        head: nn.Module = self._lm_head  # type: ignore[assignment]
+        labels = targets.labels[:, first : first + n]
+        label_mask = targets.label_mask[:, first : first + n]
+        teacher: Tensor | None = None
+        if targets.target_logits is not None:
+            anchors = targets.anchors[:, first : first + n]
+            teacher = gather_teacher_logits(
+                targets.target_logits, anchors, block_size=block
+            ).float()
+        distill_teacher = teacher if objective.self_logit_distillation else None
         logits: Tensor = head(hidden.to(_weight_dtype(head))).float()
-        logits = logits.view(batch, n_blocks, block, -1)
-        kind = drafter.spec.projector_type
+        kind = self.drafter.spec.projector_type
         if kind == "dflash":
-            return DraftOutputs(logits=logits)
-        flat_hidden = hidden.reshape(batch * n_blocks, block, width)
-        flat_logits = logits.reshape(batch * n_blocks, block, -1)
+            return dflash_loss(
+                logits, labels, label_mask, objective=objective, teacher_logits=distill_teacher
+            )
+        flat_hidden = hidden.reshape(batch * n, block, width)
+        flat_logits = logits.reshape(batch * n, block, -1)
         if kind == "domino":
             assert prefix_embeds is not None
-            corrected = drafter.domino_head(
-                flat_hidden, prefix_embeds.reshape(batch * n_blocks, block, -1), flat_logits
+            corrected = self.drafter.domino_head(
+                flat_hidden, prefix_embeds.reshape(batch * n, block, -1), flat_logits
+            ).view_as(logits)
+            return domino_loss(
+                corrected,
+                logits,
+                labels,
+                label_mask,
+                weights=objective_weights(
+                    corrected.detach(), labels, label_mask, objective=objective
+                ),
+                backbone_weight=domino_backbone_weight(
+                    targets.step, targets.total_steps, objective.domino_backbone_loss_weight
+                ),
+                teacher_logits=distill_teacher,
             )
-            return DraftOutputs(logits=corrected.view_as(logits), backbone_logits=logits)
         assert prefix_tokens is not None
-        out, confidence = drafter.dspark_head(
-            flat_hidden, prefix_tokens.reshape(batch * n_blocks, block), flat_logits
+        out, confidence = self.drafter.dspark_head(
+            flat_hidden, prefix_tokens.reshape(batch * n, block), flat_logits
         )
-        conf = confidence.view(batch, n_blocks, block) if confidence is not None else None
-        return DraftOutputs(
-            logits=out.view_as(logits), backbone_logits=logits, confidence_logit=conf
+        out = out.view_as(logits)
+        return dspark_loss(
+            out,
+            labels,
+            label_mask,
+            weights=objective_weights(out.detach(), labels, label_mask, objective=objective),
+            teacher_logits=teacher,
+            confidence_logit=None if confidence is None else confidence.view(batch, n, block),
+            tv_weight=objective.dspark_tv_weight,
+            confidence_weight=objective.dspark_confidence_weight,
         )
 
 
@@ -417,7 +527,7 @@ class Trainer:
             nn.Module.to(model, env.device)
         # Master weights of the drafter stay float32; the frozen target keeps the plan dtype.
         drafter.float()
-        step_module = DraftStep(drafter, lm_head(model))
+        step_module = DraftStep(drafter, lm_head(model), plan.draft.objective)
         trainable = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             trainable, lr=training.learning_rate, weight_decay=training.weight_decay
@@ -593,11 +703,8 @@ class Trainer:
         with torch.no_grad():
             out = target_forward(target, ids, attention, with_logits=needs_teacher)
             tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
-            teacher = (
-                gather_teacher_logits(out.logits.float(), anchors, block_size=spec.block_size)
-                if out.logits is not None
-                else None
-            )
+            # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
+            target_logits = out.logits
             del out
             block_ids, q_positions = block_inputs(
                 ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
@@ -622,14 +729,28 @@ class Trainer:
             if device.type == "cuda" and plan.base_model.dtype == "bfloat16"
             else nullcontext()
         )
-        with autocast:
-            outputs: DraftOutputs = wrapped(
-                tapped, block_embeds, q_positions, ctx_positions, mask, prefix_embeds, prefix_tokens
-            )
         labels, label_mask = block_labels(
             ids, loss_mask, anchors, valid, block_size=spec.block_size
         )
-        result = self._loss(outputs, labels, label_mask, teacher, step, total_steps)
+        targets = LossTargets(
+            labels=labels,
+            label_mask=label_mask,
+            anchors=anchors,
+            target_logits=target_logits,
+            step=step,
+            total_steps=total_steps,
+        )
+        with autocast:
+            result: LossOutput = wrapped(
+                tapped,
+                block_embeds,
+                q_positions,
+                ctx_positions,
+                mask,
+                prefix_embeds,
+                prefix_tokens,
+                targets,
+            )
         # Normalise by the global weight sum so DDP's gradient average equals the
         # single-process gradient over the whole global batch; then average over micro-batches.
         local = result.weight_sum
@@ -639,53 +760,6 @@ class Trainer:
         loss.backward()  # type: ignore[no-untyped-call]
         tokens = int(attention.sum())
         return result, tokens
-
-    def _loss(
-        self,
-        outputs: DraftOutputs,
-        labels: Tensor,
-        label_mask: Tensor,
-        teacher: Tensor | None,
-        step: int,
-        total_steps: int,
-    ) -> LossOutput:
-        objective = self.plan.draft.objective
-        kind = self.spec.projector_type
-        distill_teacher = teacher if objective.self_logit_distillation else None
-        if kind == "dflash":
-            return dflash_loss(
-                outputs.logits,
-                labels,
-                label_mask,
-                objective=objective,
-                teacher_logits=distill_teacher,
-            )
-        weights = objective_weights(
-            outputs.logits.detach(), labels, label_mask, objective=objective
-        )
-        if kind == "domino":
-            assert outputs.backbone_logits is not None
-            return domino_loss(
-                outputs.logits,
-                outputs.backbone_logits,
-                labels,
-                label_mask,
-                weights=weights,
-                backbone_weight=domino_backbone_weight(
-                    step, total_steps, objective.domino_backbone_loss_weight
-                ),
-                teacher_logits=distill_teacher,
-            )
-        return dspark_loss(
-            outputs.logits,
-            labels,
-            label_mask,
-            weights=weights,
-            teacher_logits=teacher,
-            confidence_logit=outputs.confidence_logit,
-            tv_weight=objective.dspark_tv_weight,
-            confidence_weight=objective.dspark_confidence_weight,
-        )
 
     def _log_metrics(
         self, window: _MetricWindow, step: int, lr: float, path: Path
@@ -873,8 +947,9 @@ def run_plan(
 
 
 __all__ = [
-    "DraftOutputs",
+    "MAX_CHUNK_LOGITS",
     "DraftStep",
+    "LossTargets",
     "TrainSummary",
     "Trainer",
     "anchor_generator",

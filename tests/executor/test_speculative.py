@@ -41,6 +41,7 @@ from dflash_recipes.executor.speculative import (
     DFlashBlockDrafter,
     DraftContext,
     greedy_generate,
+    is_greedy_decoding,
     speculative_generate,
 )
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
@@ -154,6 +155,63 @@ def test_greedy_generate_stops_after_eos(target: PreTrainedModel) -> None:
     eos = full[4]
     stopped = greedy_generate(target, PROMPTS[0], MAX_NEW, eos)
     assert stopped == full[: full.index(eos) + 1]
+
+
+def test_one_pass_greedy_check_accepts_exactly_greedy_decoding(target: PreTrainedModel) -> None:
+    for prompt in PROMPTS:
+        full = greedy_generate(target, prompt, MAX_NEW, None)
+        assert is_greedy_decoding(target, prompt, full, MAX_NEW, None)
+        # Any changed token, at the start, middle or end, is caught.
+        for index in (0, MAX_NEW // 2, MAX_NEW - 1):
+            wrong = list(full)
+            wrong[index] = (wrong[index] + 1) % 100
+            assert not is_greedy_decoding(target, prompt, wrong, MAX_NEW, None), index
+        # Stopping early without an eos, or running past the limit, is not greedy decoding.
+        assert not is_greedy_decoding(target, prompt, full[:-1], MAX_NEW, None)
+        longer = greedy_generate(target, prompt, MAX_NEW + 1, None)
+        assert not is_greedy_decoding(target, prompt, longer, MAX_NEW, None)
+    # With an eos: greedy decoding stops right after the first one.
+    full = greedy_generate(target, PROMPTS[0], MAX_NEW, None)
+    eos = full[4]
+    stopped = greedy_generate(target, PROMPTS[0], MAX_NEW, eos)
+    assert is_greedy_decoding(target, PROMPTS[0], stopped, MAX_NEW, eos)
+    assert not is_greedy_decoding(target, PROMPTS[0], full, MAX_NEW, eos)  # ran past the eos
+    assert is_greedy_decoding(target, PROMPTS[0], [], 0, None)
+
+
+class _WrongCommit:
+    """Speculative decoding with a bug: every output's last token is replaced."""
+
+    def __init__(self, real: object) -> None:
+        self.real = real
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        result = self.real(*args, **kwargs)  # type: ignore[operator]
+        tokens = list(result.tokens)
+        tokens[-1] = (tokens[-1] + 1) % 100
+        return attrs.evolve(result, tokens=tokens)
+
+
+def test_acceptance_report_flags_output_that_is_not_greedy(
+    target: PreTrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash_recipes.executor.evaluate as evaluate
+
+    _, spec = make_spec(tmp_path, block_size=4)
+    monkeypatch.setattr(
+        evaluate, "speculative_generate", _WrongCommit(evaluate.speculative_generate)
+    )
+    prompts = [list(p) for p in PROMPTS]
+    report = evaluate_acceptance(
+        target,
+        make_drafter(spec),
+        spec,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=None,
+    )
+    assert not report.lossless
+    assert report.mismatched_prompts == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------------

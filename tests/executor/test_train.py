@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.errors import DataError, PlanError
+from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.train import lr_factor, run_plan
 from dflash_recipes.plan import RunPlan
 from dflash_recipes.run_layout import complete_checkpoints
@@ -90,6 +91,26 @@ def test_resume_gives_identical_weights(tmp_path: Path) -> None:
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "halves")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_chunked_loss_trains_like_the_whole_batch_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vocabulary too large for one chunk of logits: same training, within float noise."""
+    whole = _plan(tmp_path, "whole", "training.max_steps=2")
+    run_plan(whole, progress=False)
+    # One block per chunk (2 rows x 4 positions x 392 vocab > 3000 logits).
+    monkeypatch.setattr("dflash_recipes.executor.train.MAX_CHUNK_LOGITS", 3000)
+    chunked = _plan(tmp_path, "chunked", "training.max_steps=2")
+    run_plan(chunked, progress=False)
+    a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "chunked")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    # Training moved the weights well beyond that tolerance, so the comparison means something.
+    seed = torch.Generator().manual_seed(whole.training.seed)
+    start = DFlashDraftModel(whole.resolved_draft(), generator=seed).state_dict()
+    assert any(not torch.allclose(a[n], start[n].to(a[n].dtype), rtol=1e-4, atol=1e-5) for n in a)
 
 
 def test_a_plan_continues_its_own_checkpoints_but_not_others(tmp_path: Path) -> None:

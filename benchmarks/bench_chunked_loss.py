@@ -1,0 +1,182 @@
+"""Peak memory and time of one training step at a 152k vocabulary: chunked vs whole-batch loss.
+
+    python benchmarks/bench_chunked_loss.py [--blocks 128] [--block 16] [--vocab 151936]
+
+The drafter's logits ``[B, N, K, vocab]`` are the largest tensors of a DFlash step (512 blocks
+of 16 at Qwen3's 151936 rows: 5 GB in float32, plus the copies the loss keeps for backward).
+`DraftStep` computes lm_head, head and loss per chunk of blocks under activation checkpointing
+when they exceed `MAX_CHUNK_LOGITS`. This script builds a small random target with Qwen3's
+vocabulary (hidden 64, so the logits dominate), runs one step (draft forward, loss, backward)
+in a fresh process per variant and reports the growth of the process's peak resident memory
+during that step, and the step's time, both variants measured in the same run. A check first
+confirms both give the same loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
+
+
+def _make_target(directory: Path, vocab: int) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+
+
+def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) -> None:
+    import torch
+
+    from dflash_recipes.compiler import compile_file
+    from dflash_recipes.executor.anchors import block_inputs, block_labels, sample_anchors
+    from dflash_recipes.executor.convert import (
+        convert,
+        dflash_module,
+        embed_tokens,
+        lm_head,
+        load_base_model,
+        target_forward,
+    )
+    from dflash_recipes.executor.draft import build_split_block_mask, taps_from_hidden_states
+    from dflash_recipes.executor.train import DraftStep, LossTargets
+
+    torch.set_num_threads(1)
+    result = compile_file(
+        RECIPE,
+        overrides=(
+            f"model.model_name_or_path={target}",
+            "training.output_dir=/tmp/dflash-bench-unused",
+            f"dflash.dflash_block_size={block}",
+            f"dflash.dflash_num_anchors={blocks}",
+            "dflash.dflash_mask_token_id=151669",
+            "training.per_device_train_batch_size=1",
+            f"training.training_seq_len={seq}",
+        ),
+    )
+    assert result.plan is not None, result.diagnostics
+    plan = result.plan
+    spec = plan.resolved_draft()
+    model = convert(load_base_model(plan), plan)
+    drafter = dflash_module(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 150000, (1, seq), generator=gen)
+    ones = torch.ones_like(ids)
+    drawn = sample_anchors(ones, ones, block_size=block, num_anchors=blocks, generator=gen)
+    anchors, valid = drawn.anchors, drawn.valid
+    labels, label_mask = block_labels(ids, ones, anchors, valid, block_size=block)
+    with torch.no_grad():
+        out = target_forward(model, ids, ones, with_logits=False)
+        tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+        block_ids, q_pos = block_inputs(
+            ids, anchors, valid, block_size=block, mask_token_id=spec.mask_token_id
+        )
+        embeds = embed_tokens(model)(block_ids).float()
+    targets = LossTargets(
+        labels=labels,
+        label_mask=label_mask,
+        anchors=anchors,
+        target_logits=None,
+        step=0,
+        total_steps=1,
+    )
+    mask = build_split_block_mask(anchors, block, seq, valid)
+    ctx_pos = torch.arange(seq).unsqueeze(0)
+    step = DraftStep(drafter, lm_head(model), plan.draft.objective, max_chunk_logits=budget)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    loss = step(tapped, embeds, q_pos, ctx_pos, mask, None, None, targets)
+    loss.loss.backward()
+    elapsed = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    n_blocks = anchors.shape[1]
+    print(
+        json.dumps(
+            {
+                "loss": float(loss.loss.detach()),
+                "growth_mb": (peak - before) / 1024,
+                "seconds": elapsed,
+                "chunks": -(-n_blocks // step.blocks_per_chunk(1, n_blocks)),
+                "logits_mb": n_blocks * block * spec.vocab_size * 4 / 2**20,
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=128)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--child", nargs=2, metavar=("TARGET", "BUDGET"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        target, budget = args.child
+        _child(Path(target), args.blocks, args.block, args.seq, int(budget) or None)
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "target"
+        _make_target(target, args.vocab)
+        # Whole batch: a budget larger than the logits. Chunked: the default budget.
+        variants = {"whole batch": str(2**62), "chunked (default)": "0"}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, budget in variants.items():
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    str(target),
+                    budget,
+                    *("--blocks", str(args.blocks), "--block", str(args.block)),
+                    *("--seq", str(args.seq)),
+                ]
+                done = subprocess.run(command, capture_output=True, text=True, check=True)
+                runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first = runs["whole batch"][0]
+    print(
+        f"config: 1 sequence of {args.seq}, {args.blocks} blocks of {args.block}, vocab "
+        f"{args.vocab}: the logits alone are {first['logits_mb']:.0f} MiB in float32; "
+        f"target and drafter hidden 64; best of {args.repeats} fresh processes per variant"
+    )
+    losses = [run["loss"] for name in runs for run in runs[name]]
+    same = max(losses) - min(losses) <= 1e-4 * max(1.0, abs(losses[0]))
+    print(f"same loss: {same} ({', '.join(f'{v:.6f}' for v in losses)})")
+    print(f"{'variant':20s} {'chunks':>6s} {'peak growth MiB':>16s} {'s/step':>8s}")
+    best = {
+        name: (min(r["growth_mb"] for r in rs), min(r["seconds"] for r in rs), rs[0]["chunks"])
+        for name, rs in runs.items()
+    }
+    for name, (growth, seconds, chunks) in best.items():
+        print(f"{name:20s} {chunks:6.0f} {growth:16.0f} {seconds:8.3f}")
+    whole, chunked = best["whole batch"], best["chunked (default)"]
+    print(
+        f"chunked: {whole[0] / chunked[0]:.1f}x less peak memory growth, "
+        f"{chunked[1] / whole[1]:.2f}x the step time (the recomputed lm_head and loss)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""lm_head + head + loss per chunk of blocks (large vocabularies) equals the unchunked step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from dflash_recipes.executor.anchors import block_inputs, block_labels, sample_anchors
+from dflash_recipes.executor.convert import (
+    convert,
+    dflash_module,
+    embed_tokens,
+    lm_head,
+    target_forward,
+)
+from dflash_recipes.executor.draft import build_split_block_mask, taps_from_hidden_states
+from dflash_recipes.executor.loss import LossOutput, combine_losses, dflash_loss
+from dflash_recipes.executor.train import DraftStep, LossTargets, _prefix_tokens
+from dflash_recipes.plan import RunPlan
+
+from .test_draft import randomize
+from .tiny import TINY_VOCAB, tiny_plan, tiny_target
+
+BLOCK = 4
+BATCH = 2
+
+VARIANTS = {
+    "dflash-decay": {},
+    "dflash-dpace-distill": {
+        "loss_objective": "dpace",
+        "dpace_alpha": 0.7,
+        "self_logit_distillation": True,
+    },
+    "domino-distill": {
+        "projector_type": "domino",
+        "emb_dim": 16,
+        "gru_hidden_dim": 8,
+        "self_logit_distillation": True,
+        "domino_backbone_loss_weight": 0.5,
+    },
+    "dspark-tv-confidence": {
+        "projector_type": "dspark",
+        "markov_rank": 4,
+        "use_confidence_head": True,
+        "dspark_tv_weight": 0.3,
+        "dspark_confidence_weight": 0.2,
+        "loss_objective": "dpace",
+        "dpace_alpha": 0.5,
+    },
+}
+
+
+def _step_inputs(plan: RunPlan) -> tuple[DraftStep, tuple[object, ...]]:
+    """A DraftStep over random weights and one micro-step's inputs (prompts unsupervised)."""
+    model = convert(tiny_target(plan), plan)
+    drafter = dflash_module(model)
+    randomize(drafter)
+    spec = plan.resolved_draft()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, spec.mask_token_id, (BATCH, 40), generator=gen)
+    attention = torch.ones_like(ids)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, :9] = 0  # a prompt: the two rows supervise different numbers of positions
+    loss_mask[1, :3] = 0
+    drawn = sample_anchors(loss_mask, attention, block_size=BLOCK, num_anchors=7, generator=gen)
+    anchors, valid = drawn.anchors, drawn.valid
+    objective = plan.draft.objective
+    needs_teacher = objective.self_logit_distillation or objective.dspark_tv_weight > 0
+    with torch.no_grad():
+        out = target_forward(model, ids, attention, with_logits=needs_teacher)
+        tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+        block_ids, q_pos = block_inputs(
+            ids, anchors, valid, block_size=BLOCK, mask_token_id=spec.mask_token_id
+        )
+        embed = embed_tokens(model)
+        prefix_tokens = _prefix_tokens(ids, anchors, BLOCK)
+        prefix_embeds = embed(prefix_tokens.flatten(1)).float()
+    labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=BLOCK)
+    targets = LossTargets(
+        labels=labels,
+        label_mask=label_mask,
+        anchors=anchors,
+        target_logits=out.logits,
+        step=3,
+        total_steps=10,
+    )
+    seq = ids.shape[1]
+    step = DraftStep(drafter, lm_head(model), objective)
+    args = (
+        tapped,
+        embed(block_ids).float(),
+        q_pos,
+        torch.arange(seq).expand(BATCH, seq),
+        build_split_block_mask(anchors, BLOCK, seq, valid),
+        prefix_embeds if spec.projector_type == "domino" else None,
+        prefix_tokens,
+        targets,
+    )
+    return step, args
+
+
+def _run(step: DraftStep, args: tuple[object, ...]) -> tuple[LossOutput, dict[str, Tensor]]:
+    step.drafter.zero_grad(set_to_none=True)
+    result = step(*args)
+    assert isinstance(result, LossOutput)
+    result.loss.backward()
+    grads = {
+        name: p.grad.clone() for name, p in step.drafter.named_parameters() if p.grad is not None
+    }
+    return result, grads
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_chunked_step_equals_the_whole_batch_step(tmp_path: Path, variant: str) -> None:
+    plan = tiny_plan(tmp_path, block_size=BLOCK, **VARIANTS[variant])
+    step, args = _step_inputs(plan)
+    n_blocks = args[-1].labels.shape[1]  # type: ignore[attr-defined]
+    whole, whole_grads = _run(step, args)
+    assert step.blocks_per_chunk(BATCH, n_blocks) == n_blocks  # tiny vocab: one chunk
+    assert whole.per_position_count.sum() > 0
+    per_block = BATCH * BLOCK * TINY_VOCAB
+    for blocks in (1, 2, 3):  # 3 leaves an uneven last chunk
+        step.max_chunk_logits = blocks * per_block
+        assert step.blocks_per_chunk(BATCH, n_blocks) == blocks
+        chunked, grads = _run(step, args)
+        torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-5, atol=1e-6)
+        for part in ("ce", "weight_sum", "distill", "backbone_ce", "tv", "confidence_bce"):
+            ours, theirs = getattr(chunked, part), getattr(whole, part)
+            assert (ours is None) == (theirs is None), part
+            if ours is not None:
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert torch.equal(chunked.per_position_correct, whole.per_position_correct)
+        assert torch.equal(chunked.per_position_count, whole.per_position_count)
+        assert grads.keys() == whole_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, whole_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    step.max_chunk_logits = None
+
+
+def test_chunks_bound_the_logits_held_at_once(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path, block_size=BLOCK)
+    step, args = _step_inputs(plan)
+    n_blocks = args[-1].labels.shape[1]  # type: ignore[attr-defined]
+    sizes: list[int] = []
+    hook = step._lm_head.register_forward_hook(  # type: ignore[union-attr]
+        lambda _m, _i, out: sizes.append(out.numel())
+    )
+    budget = 2 * BATCH * BLOCK * TINY_VOCAB
+    step.max_chunk_logits = budget
+    step(*args).loss.backward()
+    hook.remove()
+    chunks = -(-n_blocks // 2)
+    # Forward once per chunk, then each chunk's logits recomputed once during backward.
+    assert len(sizes) == 2 * chunks
+    assert max(sizes) <= budget
+
+
+def test_combine_losses_weights_chunks_by_their_supervision(tmp_path: Path) -> None:
+    """A plain mean of chunk losses is wrong when chunks supervise different amounts."""
+    objective = tiny_plan(tmp_path).draft.objective
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4, BLOCK, 11, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 11, (1, 4, BLOCK), generator=gen)
+    mask = torch.ones(1, 4, BLOCK, dtype=torch.bool)
+    mask[0, 0, 2:] = False  # block 0 supervises one position, the others three
+    whole = dflash_loss(logits, labels, mask, objective=objective)
+    parts = [
+        dflash_loss(
+            logits[:, i : i + 2], labels[:, i : i + 2], mask[:, i : i + 2], objective=objective
+        )
+        for i in (0, 2)
+    ]
+    combined = combine_losses(parts)
+    torch.testing.assert_close(combined.loss, whole.loss)
+    torch.testing.assert_close(combined.weight_sum, whole.weight_sum)
+    naive = (parts[0].loss + parts[1].loss) / 2
+    assert not torch.allclose(naive, whole.loss)
+    with pytest.raises(ValueError, match="at least one chunk"):
+        combine_losses([])
