@@ -146,9 +146,34 @@ def test_schedule_warmup_then_cosine() -> None:
     assert lr_factor(5, total_steps=10, warmup_ratio=0.0, kind="linear") == pytest.approx(0.5)
 
 
+_CHUNKING_SITECUSTOMIZE = """
+import os
+from pathlib import Path
+
+import dflash_recipes.executor.train as train
+
+train.MAX_CHUNK_LOGITS = 1000  # 1 row x 4 positions x 392 vocab > 1000: one block per chunk
+_blocks_per_chunk = train.DraftStep.blocks_per_chunk
+
+
+def _recorded(self, batch, n_blocks):
+    blocks = _blocks_per_chunk(self, batch, n_blocks)
+    marker = Path(os.environ["DFLASH_TEST_MARKERS"]) / f"rank{os.environ.get('RANK', '-')}"
+    marker.write_text(f"{blocks} of {n_blocks}")
+    return blocks
+
+
+train.DraftStep.blocks_per_chunk = _recorded
+"""
+
+
 @pytest.mark.slow
 def test_two_process_gloo_matches_one_process(tmp_path: Path) -> None:
-    """Same global batch: 2 ranks x 1 sequence == 1 process x 2 sequences."""
+    """Same global batch: 2 ranks x 1 sequence == 1 process x 2 sequences.
+
+    The ranks also compute their loss in chunks of one block (a large-vocabulary run), the
+    single process over the whole batch: both must still agree.
+    """
     single = _plan(tmp_path, "single", "training.max_steps=3")
     run_plan(single, progress=False)
 
@@ -166,6 +191,12 @@ def test_two_process_gloo_matches_one_process(tmp_path: Path) -> None:
         if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     }
     env["OMP_NUM_THREADS"] = "1"
+    hooks, markers = tmp_path / "hooks", tmp_path / "markers"
+    hooks.mkdir()
+    markers.mkdir()
+    (hooks / "sitecustomize.py").write_text(_CHUNKING_SITECUSTOMIZE, encoding="utf-8")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
+    env["DFLASH_TEST_MARKERS"] = str(markers)
     proc = subprocess.run(
         [
             sys.executable,
@@ -184,6 +215,8 @@ def test_two_process_gloo_matches_one_process(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    chunked = {m.name: m.read_text() for m in markers.iterdir()}
+    assert chunked == {"rank0": "1 of 4", "rank1": "1 of 4"}, chunked
     a, b = _weights(tmp_path / "single"), _weights(tmp_path / "ddp")
     assert a.keys() == b.keys()
     # Float tolerance: reduction order differs between 1 and 2 processes, and AdamW's first
