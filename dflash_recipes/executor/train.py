@@ -4,9 +4,11 @@ One optimiser step = ``gradient_accumulation_steps`` micro-batches. Each micro-b
 
 1. the frozen target runs on the batch with hidden states on; the plan's taps are fused;
 2. anchors are sampled per sequence (reference section 4), all blocks are packed into one
-   draft forward under the block mask (dense on CPU, block-sparse flex attention on CUDA);
+   draft forward under the block mask (chunked SDPA on CPU, block-sparse flex attention on
+   CUDA);
 3. the drafter's states go through the target's ``lm_head``; the loss is the plan's objective
-   (decay or D-PACE weights, optional self-distillation, Domino/DSpark head objectives).
+   (decay or D-PACE weights, optional self-distillation, Domino/DSpark head objectives),
+   per chunk of blocks when the logits are large (:class:`DraftStep`).
 
 Randomness is counter-based: the anchors of a sequence are drawn from a generator seeded by
 ``(seed, epoch, position of the sequence in the epoch's order)``, the data order by
