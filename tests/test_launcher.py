@@ -12,17 +12,9 @@ from types import ModuleType
 
 import pytest
 
-from dflash_recipes.compiler import CompileResult
+from dflash_recipes.compiler import CompileResult, compile_file
 from dflash_recipes.errors import LaunchError
-from dflash_recipes.plan import (
-    ArchitecturePlan,
-    BaseModelPlan,
-    DataPlan,
-    DraftPlan,
-    ObjectivePlan,
-    RunPlan,
-    TrainingPlan,
-)
+from dflash_recipes.plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,60 +78,13 @@ def test_recipe_errors_stop_before_anything_is_written(tmp_path: Path) -> None:
 
 
 def _plan(output_dir: Path) -> RunPlan:
-    """A plan built directly (no compiler), as the executor would read it."""
-    return RunPlan(
-        base_model=BaseModelPlan(path="/models/target", dtype="bfloat16", trust_remote_code=False),
-        data=DataPlan(data_path="/data/train.jsonl", chat_template=None, answer_only_loss=True),
-        training=TrainingPlan(
-            output_dir=str(output_dir),
-            learning_rate=1e-4,
-            num_train_epochs=1,
-            max_steps=10,
-            per_device_train_batch_size=1,
-            gradient_accumulation_steps=1,
-            training_seq_len=128,
-            warmup_ratio=0.04,
-            lr_scheduler_type="cosine",
-            max_grad_norm=1.0,
-            weight_decay=0.0,
-            seed=0,
-            save_steps=5,
-            save_total_limit=None,
-            logging_steps=1,
-            eval_steps=None,
-            device="cuda",
-            fsdp=False,
-        ),
-        draft=DraftPlan(
-            block_size=16,
-            mask_token_id=None,
-            target_layer_ids=None,
-            architecture=ArchitecturePlan(
-                num_hidden_layers=5,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                head_dim=128,
-                intermediate_size=12288,
-                rms_norm_eps=1e-6,
-                projector_type="dflash",
-                emb_dim=None,
-                gru_hidden_dim=None,
-                markov_rank=None,
-                use_confidence_head=False,
-                attention_sink=False,
-            ),
-            objective=ObjectivePlan(
-                num_anchors=512,
-                loss_objective="decay",
-                loss_decay_factor=7.0,
-                dpace_alpha=0.5,
-                self_logit_distillation=False,
-                domino_backbone_loss_weight=0.5,
-                dspark_tv_weight=1.0,
-                dspark_confidence_weight=0.1,
-            ),
-        ),
+    """The compiled plan of the tiny recipe, writing to `output_dir`."""
+    result = compile_file(
+        REPO / "recipes" / "tiny" / "tiny_scratch.yaml",
+        overrides=(f"training.output_dir={output_dir}",),
     )
+    assert result.plan is not None, result.diagnostics
+    return result.plan
 
 
 def test_render_slurm_script_for_a_plan(tmp_path: Path) -> None:

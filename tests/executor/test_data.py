@@ -30,15 +30,9 @@ from dflash_recipes.executor.tiny_tokenizer import (
     build_tiny_tokenizer,
     spare_token_ids,
 )
-from dflash_recipes.plan import (
-    ArchitecturePlan,
-    BaseModelPlan,
-    DataPlan,
-    DraftPlan,
-    ObjectivePlan,
-    RunPlan,
-    TrainingPlan,
-)
+from dflash_recipes.plan import RunPlan
+
+from .tiny import tiny_plan
 
 CORPUS = [
     "You are a helpful assistant.",
@@ -113,62 +107,13 @@ def _plan(
     seq_len: int = 256,
     block_size: int = 4,
 ) -> RunPlan:
-    return RunPlan(
-        base_model=BaseModelPlan(str(tmp_path / "base"), "float32", False),
-        data=DataPlan(
-            data_path=None if data_path is None else str(data_path),
-            chat_template=None if chat_template is None else str(chat_template),
-            answer_only_loss=answer_only_loss,
-        ),
-        training=TrainingPlan(
-            output_dir=str(tmp_path / "out"),
-            learning_rate=1e-4,
-            num_train_epochs=1,
-            max_steps=None,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=1,
-            training_seq_len=seq_len,
-            warmup_ratio=0.0,
-            lr_scheduler_type="constant",
-            max_grad_norm=1.0,
-            weight_decay=0.0,
-            seed=0,
-            save_steps=10,
-            save_total_limit=None,
-            logging_steps=1,
-            eval_steps=None,
-            device="cpu",
-            fsdp=False,
-        ),
-        draft=DraftPlan(
-            block_size=block_size,
-            mask_token_id=None,
-            target_layer_ids=None,
-            architecture=ArchitecturePlan(
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=8,
-                intermediate_size=32,
-                rms_norm_eps=1e-6,
-                projector_type="dflash",
-                emb_dim=None,
-                gru_hidden_dim=None,
-                markov_rank=None,
-                use_confidence_head=False,
-                attention_sink=False,
-            ),
-            objective=ObjectivePlan(
-                num_anchors=4,
-                loss_objective="decay",
-                loss_decay_factor=4.0,
-                dpace_alpha=0.5,
-                self_logit_distillation=False,
-                domino_backbone_loss_weight=1.0,
-                dspark_tv_weight=1.0,
-                dspark_confidence_weight=0.1,
-            ),
-        ),
+    return tiny_plan(
+        tmp_path,
+        data_path=None if data_path is None else str(data_path),
+        chat_template=None if chat_template is None else str(chat_template),
+        answer_only_loss=answer_only_loss,
+        training_seq_len=seq_len,
+        block_size=block_size,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -65,13 +65,7 @@ def scramble(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise / math.sqrt(p.shape[-1]) if p.dim() > 1 else noise)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Hundreds of tiny forwards: one thread avoids OpenMP waits on busy shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

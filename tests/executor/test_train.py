@@ -26,12 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _plan(tmp_path: Path, name: str, *extra: str) -> RunPlan:
