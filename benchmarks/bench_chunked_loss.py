@@ -48,17 +48,15 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
     import torch
 
     from dflash_recipes.compiler import compile_file
-    from dflash_recipes.executor.anchors import block_inputs, block_labels, sample_anchors
+    from dflash_recipes.executor.anchors import sample_anchors
     from dflash_recipes.executor.convert import (
         convert,
         dflash_module,
         embed_tokens,
         lm_head,
         load_base_model,
-        target_forward,
     )
-    from dflash_recipes.executor.draft import build_split_block_mask, taps_from_hidden_states
-    from dflash_recipes.executor.train import DraftStep, LossTargets
+    from dflash_recipes.executor.train import DraftStep, step_inputs
 
     torch.set_num_threads(1)
     result = compile_file(
@@ -82,33 +80,27 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
     ids = torch.randint(3, 150000, (1, seq), generator=gen)
     ones = torch.ones_like(ids)
     drawn = sample_anchors(ones, ones, block_size=block, num_anchors=blocks, generator=gen)
-    anchors, valid = drawn.anchors, drawn.valid
-    labels, label_mask = block_labels(ids, ones, anchors, valid, block_size=block)
-    with torch.no_grad():
-        out = target_forward(model, ids, ones, with_logits=False)
-        tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
-        block_ids, q_pos = block_inputs(
-            ids, anchors, valid, block_size=block, mask_token_id=spec.mask_token_id
-        )
-        embeds = embed_tokens(model)(block_ids).float()
-    targets = LossTargets(
-        labels=labels,
-        label_mask=label_mask,
-        anchors=anchors,
-        target_logits=None,
+    inputs = step_inputs(
+        model,
+        embed_tokens(model),
+        spec,
+        plan.draft.objective,
+        ids,
+        ones,
+        ones,
+        drawn.anchors,
+        drawn.valid,
         step=0,
         total_steps=1,
     )
-    mask = build_split_block_mask(anchors, block, seq, valid)
-    ctx_pos = torch.arange(seq).unsqueeze(0)
     step = DraftStep(drafter, lm_head(model), plan.draft.objective, max_chunk_logits=budget)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    loss = step(tapped, embeds, q_pos, ctx_pos, mask, None, None, targets)
+    loss = step(*inputs.args())
     loss.loss.backward()
     elapsed = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    n_blocks = anchors.shape[1]
+    n_blocks = drawn.anchors.shape[1]
     print(
         json.dumps(
             {

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor.anchors import block_inputs, block_labels, sample_anchors
+from dflash_recipes.executor.anchors import block_labels, sample_anchors
 from dflash_recipes.executor.convert import (
     convert,
     dflash_module,
@@ -44,8 +44,9 @@ from dflash_recipes.executor.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.draft import build_split_block_mask, taps_from_hidden_states
+from dflash_recipes.executor.draft import taps_from_hidden_states
 from dflash_recipes.executor.loss import dflash_loss
+from dflash_recipes.executor.train import DraftStep, step_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,17 +111,25 @@ def main() -> None:
             out = target_forward(model, ids, attention, with_logits=False)
             return taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
 
+    step_module = DraftStep(drafter, head, objective)
+
     def packed() -> float:
+        # The trainer's own micro-step: step_inputs (target forward included), then DraftStep.
         drafter.zero_grad(set_to_none=True)
-        taps = target_taps()
-        block_ids, q_pos = block_inputs(
-            ids, anchors, valid, block_size=size, mask_token_id=spec.mask_token_id
+        inputs = step_inputs(
+            model,
+            embed,
+            spec,
+            objective,
+            ids,
+            attention,
+            loss_mask,
+            anchors,
+            valid,
+            step=0,
+            total_steps=1,
         )
-        mask = build_split_block_mask(anchors, size, seq, valid)
-        ctx_pos = torch.arange(seq).expand(batch, seq)
-        hidden = drafter(embed(block_ids).float(), drafter.fuse_context(taps), q_pos, ctx_pos, mask)
-        logits = head(hidden).view(batch, anchors.shape[1], size, -1)
-        loss = dflash_loss(logits, labels, label_mask, objective=objective).loss
+        loss = step_module(*inputs.args()).loss
         loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 

@@ -314,12 +314,10 @@ def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
             raise ValueError(msg)
         return combine(values)
 
-    by_count = [part.count_normalized for part in parts]
-    has_count_part = any(c is not None for c in by_count)
-    zero = torch.zeros((), dtype=parts[0].loss.dtype, device=parts[0].loss.device)
-    count_parts = [zero if c is None else c for c in by_count]
-    weighted_loss = weighted([p.loss - c for p, c in zip(parts, count_parts, strict=True)])
-    count_loss = counted(count_parts) if has_count_part else None
+    count_loss = optional("count_normalized", counted)
+    weighted_loss = weighted(
+        [p.loss if p.count_normalized is None else p.loss - p.count_normalized for p in parts]
+    )
     return LossOutput(
         loss=weighted_loss if count_loss is None else weighted_loss + count_loss,
         ce=weighted([p.ce for p in parts]),

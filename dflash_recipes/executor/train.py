@@ -223,24 +223,20 @@ class DraftStep(nn.Module):
         per_chunk = self.blocks_per_chunk(batch, n_blocks)
         if per_chunk >= n_blocks:
             return self._objective(hidden, prefix_embeds, prefix_tokens, targets, 0)
-        # split, not slicing: its backward is one concatenation, not a zero-filled
-        # full-size gradient per chunk.
-        hidden_chunks = torch.split(hidden, per_chunk, dim=1)
-        embeds_chunks = (
-            torch.split(prefix_embeds, per_chunk, dim=1)
-            if prefix_embeds is not None
-            else (None,) * len(hidden_chunks)
-        )
+        # split, not slicing, for the states that carry gradients: its backward is one
+        # concatenation, not a zero-filled full-size gradient per chunk. The other inputs carry
+        # none and are sliced.
         parts = []
-        for index, (hidden_c, embeds_c) in enumerate(
-            zip(hidden_chunks, embeds_chunks, strict=True)
-        ):
-            first = index * per_chunk
-            tokens_c = (
-                None if prefix_tokens is None else prefix_tokens[:, first : first + per_chunk]
-            )
+        for index, hidden_c in enumerate(torch.split(hidden, per_chunk, dim=1)):
+            chunk = slice(index * per_chunk, (index + 1) * per_chunk)
             part = checkpoint(
-                self._objective, hidden_c, embeds_c, tokens_c, targets, first, use_reentrant=False
+                self._objective,
+                hidden_c,
+                None if prefix_embeds is None else prefix_embeds[:, chunk],
+                None if prefix_tokens is None else prefix_tokens[:, chunk],
+                targets,
+                chunk.start,
+                use_reentrant=False,
             )
             assert isinstance(part, LossOutput)
             parts.append(part)
@@ -308,6 +304,101 @@ class DraftStep(nn.Module):
             tv_weight=objective.dspark_tv_weight,
             confidence_weight=objective.dspark_confidence_weight,
         )
+
+
+@attrs.frozen(eq=False)
+class StepInputs:
+    """The arguments of one :class:`DraftStep` call (see :func:`step_inputs`)."""
+
+    tapped: Tensor
+    block_embeds: Tensor
+    q_positions: Tensor
+    ctx_positions: Tensor
+    mask: object
+    prefix_embeds: Tensor | None
+    prefix_tokens: Tensor
+    targets: LossTargets
+
+    def args(self) -> tuple[object, ...]:
+        """Positional arguments of ``DraftStep.forward``, in order."""
+        return (
+            self.tapped,
+            self.block_embeds,
+            self.q_positions,
+            self.ctx_positions,
+            self.mask,
+            self.prefix_embeds,
+            self.prefix_tokens,
+            self.targets,
+        )
+
+
+def step_inputs(
+    target: DFlashModel,
+    embeddings: nn.Module,
+    spec: ResolvedDraft,
+    objective: ObjectivePlan,
+    ids: Tensor,
+    attention: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    *,
+    step: int,
+    total_steps: int,
+) -> StepInputs:
+    """Everything a micro-step feeds the drafter, from a batch and its anchors (on one device).
+
+    Runs the frozen target (its logits only when the objective needs a teacher) and builds
+    the packed blocks, their positions, the block mask (flex on CUDA, the split form on CPU)
+    and the labels. Fusing the taps is left to the step, which trains ``fc``.
+    """
+    device = ids.device
+    needs_teacher = objective.self_logit_distillation or (
+        spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
+    )
+    with torch.no_grad():
+        out = target_forward(target, ids, attention, with_logits=needs_teacher)
+        tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+        # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
+        target_logits = out.logits
+        del out
+        block_ids, q_positions = block_inputs(
+            ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
+        )
+        block_embeds = embeddings(block_ids).float()
+        prefix_tokens = _prefix_tokens(ids, anchors, spec.block_size)
+        prefix_embeds = (
+            embeddings(prefix_tokens.flatten(1)).float()
+            if spec.projector_type == "domino"
+            else None
+        )
+    ctx_len = int(ids.shape[1])
+    ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
+    mask: object
+    if device.type == "cuda":
+        mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
+    else:
+        # CPU: the split form of the dense mask (no blocks x blocks part).
+        mask = build_split_block_mask(anchors, spec.block_size, ctx_len, valid)
+    labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=spec.block_size)
+    return StepInputs(
+        tapped=tapped,
+        block_embeds=block_embeds,
+        q_positions=q_positions,
+        ctx_positions=ctx_positions,
+        mask=mask,
+        prefix_embeds=prefix_embeds,
+        prefix_tokens=prefix_tokens,
+        targets=LossTargets(
+            labels=labels,
+            label_mask=label_mask,
+            anchors=anchors,
+            target_logits=target_logits,
+            step=step,
+            total_steps=total_steps,
+        ),
+    )
 
 
 def _weight_dtype(module: nn.Module) -> torch.dtype:
@@ -699,60 +790,26 @@ class Trainer:
             num_anchors=objective.num_anchors,
         )
         anchors, valid = anchors_cpu.to(device), valid_cpu.to(device)
-        needs_teacher = objective.self_logit_distillation or (
-            spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
+        inputs = step_inputs(
+            target,
+            embeddings,
+            spec,
+            objective,
+            ids,
+            attention,
+            loss_mask,
+            anchors,
+            valid,
+            step=step,
+            total_steps=total_steps,
         )
-        with torch.no_grad():
-            out = target_forward(target, ids, attention, with_logits=needs_teacher)
-            tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
-            # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
-            target_logits = out.logits
-            del out
-            block_ids, q_positions = block_inputs(
-                ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
-            )
-            block_embeds = embeddings(block_ids).float()
-            prefix_tokens = _prefix_tokens(ids, anchors, spec.block_size)
-            prefix_embeds = (
-                embeddings(prefix_tokens.flatten(1)).float()
-                if spec.projector_type == "domino"
-                else None
-            )
-        ctx_len = int(ids.shape[1])
-        ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
-        mask: object
-        if device.type == "cuda":
-            mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
-        else:
-            # CPU: the split form of the dense mask (no blocks x blocks part).
-            mask = build_split_block_mask(anchors, spec.block_size, ctx_len, valid)
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if device.type == "cuda" and plan.base_model.dtype == "bfloat16"
             else nullcontext()
         )
-        labels, label_mask = block_labels(
-            ids, loss_mask, anchors, valid, block_size=spec.block_size
-        )
-        targets = LossTargets(
-            labels=labels,
-            label_mask=label_mask,
-            anchors=anchors,
-            target_logits=target_logits,
-            step=step,
-            total_steps=total_steps,
-        )
         with autocast:
-            result: LossOutput = wrapped(
-                tapped,
-                block_embeds,
-                q_positions,
-                ctx_positions,
-                mask,
-                prefix_embeds,
-                prefix_tokens,
-                targets,
-            )
+            result: LossOutput = wrapped(*inputs.args())
         # Normalise by the global weight sum so DDP's gradient average equals the
         # single-process gradient over the whole global batch; then average over micro-batches.
         local = result.weight_sum
@@ -952,11 +1009,13 @@ __all__ = [
     "MAX_CHUNK_LOGITS",
     "DraftStep",
     "LossTargets",
+    "StepInputs",
     "TrainSummary",
     "Trainer",
     "anchor_generator",
     "lr_factor",
     "run_plan",
     "sample_batch_anchors",
+    "step_inputs",
     "total_optimizer_steps",
 ]

@@ -8,17 +8,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from dflash_recipes.executor.anchors import block_inputs, block_labels, sample_anchors
-from dflash_recipes.executor.convert import (
-    convert,
-    dflash_module,
-    embed_tokens,
-    lm_head,
-    target_forward,
-)
-from dflash_recipes.executor.draft import build_split_block_mask, taps_from_hidden_states
+from dflash_recipes.executor.anchors import sample_anchors
+from dflash_recipes.executor.convert import convert, dflash_module, embed_tokens, lm_head
 from dflash_recipes.executor.loss import LossOutput, combine_losses, dflash_loss
-from dflash_recipes.executor.train import DraftStep, LossTargets, _prefix_tokens
+from dflash_recipes.executor.train import DraftStep, step_inputs
 from dflash_recipes.plan import RunPlan
 
 from .test_draft import randomize
@@ -66,40 +59,20 @@ def _step_inputs(plan: RunPlan) -> tuple[DraftStep, tuple[object, ...]]:
     loss_mask[0, :9] = 0  # a prompt: the two rows supervise different numbers of positions
     loss_mask[1, :3] = 0
     drawn = sample_anchors(loss_mask, attention, block_size=BLOCK, num_anchors=7, generator=gen)
-    anchors, valid = drawn.anchors, drawn.valid
-    objective = plan.draft.objective
-    needs_teacher = objective.self_logit_distillation or objective.dspark_tv_weight > 0
-    with torch.no_grad():
-        out = target_forward(model, ids, attention, with_logits=needs_teacher)
-        tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
-        block_ids, q_pos = block_inputs(
-            ids, anchors, valid, block_size=BLOCK, mask_token_id=spec.mask_token_id
-        )
-        embed = embed_tokens(model)
-        prefix_tokens = _prefix_tokens(ids, anchors, BLOCK)
-        prefix_embeds = embed(prefix_tokens.flatten(1)).float()
-    labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=BLOCK)
-    targets = LossTargets(
-        labels=labels,
-        label_mask=label_mask,
-        anchors=anchors,
-        target_logits=out.logits,
+    inputs = step_inputs(
+        model,
+        embed_tokens(model),
+        spec,
+        plan.draft.objective,
+        ids,
+        attention,
+        loss_mask,
+        drawn.anchors,
+        drawn.valid,
         step=3,
         total_steps=10,
     )
-    seq = ids.shape[1]
-    step = DraftStep(drafter, lm_head(model), objective)
-    args = (
-        tapped,
-        embed(block_ids).float(),
-        q_pos,
-        torch.arange(seq).expand(BATCH, seq),
-        build_split_block_mask(anchors, BLOCK, seq, valid),
-        prefix_embeds if spec.projector_type == "domino" else None,
-        prefix_tokens,
-        targets,
-    )
-    return step, args
+    return DraftStep(drafter, lm_head(model), plan.draft.objective), inputs.args()
 
 
 def _run(step: DraftStep, args: tuple[object, ...]) -> tuple[LossOutput, dict[str, Tensor]]:
