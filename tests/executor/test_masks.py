@@ -95,18 +95,33 @@ def test_flex_mask_equals_dense_mask(
     assert _tile_sets(flex) == _tile_sets(reference)
 
 
+#: Two sequences of three blocks of 4 over 14 context positions; the last block of the second
+#: sequence is padding.
+_ANCHORS = torch.tensor([[3, 7, 10], [0, 5, 0]])
+_VALID = torch.tensor([[True, True, True], [True, True, False]])
+_BLOCK, _CTX = 4, 14
+
+
+def _random_drafter_and_inputs(
+    tmp_path: Path, *, sink: bool, seed: int
+) -> tuple[DFlashDraftModel, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """A drafter with random weights and (block embeds, context, q positions, ctx positions)."""
+    model = DFlashDraftModel(tiny_plan(tmp_path, attention_sink=sink).resolved_draft())
+    randomize(model)
+    gen = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(2, 3 * _BLOCK, 64, generator=gen)
+    context = torch.randn(2, _CTX, 64, generator=gen)
+    q_pos = block_positions(_ANCHORS, _BLOCK)
+    c_pos = torch.arange(_CTX).expand(2, _CTX)
+    return model, (embeds, context, q_pos, c_pos)
+
+
 def test_flex_attention_output_equals_dense_on_cpu(tmp_path: Path) -> None:
-    anchors = torch.tensor([[3, 7, 10], [0, 5, 0]])
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    block, ctx = 4, 14
+    anchors, valid, block, ctx = _ANCHORS, _VALID, _BLOCK, _CTX
     for sink in (False, True):
-        model = DFlashDraftModel(tiny_plan(tmp_path, attention_sink=sink).resolved_draft())
-        randomize(model)
-        gen = torch.Generator().manual_seed(3)
-        embeds = torch.randn(2, 3 * block, 64, generator=gen)
-        context = torch.randn(2, ctx, 64, generator=gen)
-        q_pos = block_positions(anchors, block)
-        c_pos = torch.arange(ctx).expand(2, ctx)
+        model, (embeds, context, q_pos, c_pos) = _random_drafter_and_inputs(
+            tmp_path, sink=sink, seed=3
+        )
         dense_mask = build_dense_block_mask(anchors, block, ctx, valid)
         flex_mask = build_flex_block_mask(anchors, block, ctx, valid, tile_size=(4, 8))
         with torch.no_grad(), warnings.catch_warnings():
@@ -124,18 +139,12 @@ def test_mask_inputs_are_checked() -> None:
 
 
 def test_split_attention_output_and_gradients_equal_dense(tmp_path: Path) -> None:
-    """The CPU training path (context part + own-block part) equals the dense mask."""
-    anchors = torch.tensor([[3, 7, 10], [0, 5, 0]])
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    block, ctx = 4, 14
+    """The CPU training path (per chunk: visible context + the chunk's blocks) equals dense."""
+    anchors, valid, block, ctx = _ANCHORS, _VALID, _BLOCK, _CTX
     for sink in (False, True):
-        model = DFlashDraftModel(tiny_plan(tmp_path, attention_sink=sink).resolved_draft())
-        randomize(model)
-        gen = torch.Generator().manual_seed(5)
-        embeds = torch.randn(2, 3 * block, 64, generator=gen)
-        context = torch.randn(2, ctx, 64, generator=gen)
-        q_pos = block_positions(anchors, block)
-        c_pos = torch.arange(ctx).expand(2, ctx)
+        model, (embeds, context, q_pos, c_pos) = _random_drafter_and_inputs(
+            tmp_path, sink=sink, seed=5
+        )
         outputs = []
         grads = []
         for mask in (
