@@ -11,7 +11,8 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── CheckpointError          a checkpoint directory is missing, incomplete or inconsistent
      │    └── WarmStartError      checkpoint tensors do not match the drafter being loaded
      ├── DataError                training data is unusable
-     └── LaunchError              a distributed launch or environment is misconfigured
+     ├── LaunchError              a distributed launch or environment is misconfigured
+     └── DirectoryLockedError     another process is writing the same output directory
 """
 
 from __future__ import annotations
@@ -75,11 +76,16 @@ class LaunchError(DFlashRecipeError):
     """A distributed launch or its environment is misconfigured."""
 
 
+class DirectoryLockedError(DFlashRecipeError):
+    """Another process holds the lock of an output directory (one writer per directory)."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
     "DFlashRecipeError",
     "DataError",
+    "DirectoryLockedError",
     "LaunchError",
     "PlanError",
     "RecipeError",

@@ -1,0 +1,98 @@
+"""One writer per output directory: an OS-level lock held for the whole of a run.
+
+`run`, `capture` and `regenerate` write into a directory they own for hours. Two of them on the
+same directory would overwrite each other's files, so each takes an exclusive `flock` on a lock
+file inside it for as long as it writes. The lock belongs to the open file description: the
+kernel drops it when the process exits in any way (a crash, `kill -9`, a lost node), so a stale
+lock can never block the next run. The lock file also records who holds it (pid, host, start
+time, command) so that the refused run can say whom it waited for.
+
+Pure standard library (no torch): the compile path may import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from dflash_recipes.errors import DirectoryLockedError
+
+#: Name of the lock file inside a locked directory (hidden: never a checkpoint or an export).
+LOCK_FILE = ".dflash-lock"
+
+#: At most this much of a lock file is read back to describe its holder.
+_MAX_HOLDER_BYTES = 4096
+
+
+def _holder_record(purpose: str) -> str:
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "purpose": purpose,
+        "command": " ".join(sys.argv)[:400],
+    }
+    return json.dumps(record, sort_keys=True) + "\n"
+
+
+def describe_holder(lock_path: Path) -> str:
+    """A one-line description of whoever wrote `lock_path` (best effort, never raises)."""
+    try:
+        with lock_path.open("rb") as handle:
+            raw = handle.read(_MAX_HOLDER_BYTES)
+        record = json.loads(raw.decode("utf-8", errors="replace"))
+    except (OSError, ValueError, RecursionError):
+        return "a process whose details could not be read"
+    if not isinstance(record, dict):
+        return "a process whose details could not be read"
+    pid = record.get("pid", "?")
+    host = record.get("host", "?")
+    started = record.get("started", "?")
+    purpose = record.get("purpose", "?")
+    return f"{purpose} (pid {pid} on host {host}, started {started})"
+
+
+@contextlib.contextmanager
+def hold_directory_lock(directory: Path, *, purpose: str) -> Iterator[Path]:
+    """Hold the exclusive lock of `directory` (created if missing) for the `with` body.
+
+    `purpose` names the holder in the message a refused process prints ("run", "capture",
+    "regenerate"). Raises :class:`DirectoryLockedError` at once, without waiting, when another
+    process holds the lock; the message names that process and the fix. Yields the lock file.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock_path = directory / LOCK_FILE
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(lock_path, flags, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = describe_holder(lock_path)
+            msg = (
+                f"{directory} is in use by another {holder}; wait for it to finish (or stop "
+                f"it), or choose another directory: two writers would overwrite each other's "
+                f"files"
+            )
+            raise DirectoryLockedError(msg) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _holder_record(purpose).encode("utf-8"), 0)
+        yield lock_path
+    finally:
+        # Closing the descriptor releases the flock; the file stays (removing it would race
+        # with a process that has just opened it and is about to lock it).
+        os.close(fd)
+
+
+__all__ = ["LOCK_FILE", "describe_holder", "hold_directory_lock"]
