@@ -91,21 +91,38 @@ def test_resume_gives_identical_weights(tmp_path: Path) -> None:
 def test_chunked_loss_trains_like_the_whole_batch_loss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A vocabulary too large for one chunk of logits: same training, within float noise."""
+    """A vocabulary too large for one chunk of logits: same losses and same training.
+
+    AdamW's first steps move each weight by about +-lr whatever the gradient's size, so a
+    float-noise difference in a near-zero gradient can show in single weights. The weights are
+    therefore compared against how far training moved them, and the losses (which see every
+    gradient) directly.
+    """
     whole = _plan(tmp_path, "whole", "training.max_steps=2")
     run_plan(whole, progress=False)
     # One block per chunk (2 rows x 4 positions x 392 vocab > 3000 logits).
     monkeypatch.setattr("dflash_recipes.executor.train.MAX_CHUNK_LOGITS", 3000)
     chunked = _plan(tmp_path, "chunked", "training.max_steps=2")
     run_plan(chunked, progress=False)
+
+    def losses(run: str) -> list[float]:
+        rows = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, rows) if r["kind"] == "train"]
+
+    assert len(losses("whole")) == 2
+    assert losses("chunked") == pytest.approx(losses("whole"), rel=1e-5)
+
     a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "chunked")
     assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
-    # Training moved the weights well beyond that tolerance, so the comparison means something.
     seed = torch.Generator().manual_seed(whole.training.seed)
     start = DFlashDraftModel(whole.resolved_draft(), generator=seed).state_dict()
-    assert any(not torch.allclose(a[n], start[n].to(a[n].dtype), rtol=1e-4, atol=1e-5) for n in a)
+    for name in a:
+        moved = (a[name] - start[name].to(a[name].dtype)).abs().max().item()
+        apart = (b[name] - a[name]).abs().max().item()
+        # Training moved every tensor (two AdamW steps of lr 3e-3 are about 6e-3) ...
+        assert moved > 1e-3, name
+        # ... and the chunked run lands within 1% of that movement of the whole-batch run.
+        assert apart < 0.01 * moved, (name, apart, moved)
 
 
 def test_a_plan_continues_its_own_checkpoints_but_not_others(tmp_path: Path) -> None:
