@@ -585,7 +585,7 @@ class _Checker:
                 "state the windows as layer_types (one sliding_attention per layer) and "
                 "sliding_window in config.json, or in the recipe's dflash_architecture_config",
             )
-        head = _dflash_field(config, "markov_head_type")
+        head = _at(_nested(config), "markov_head_type")
         if head is not None and head[0] != "vanilla":
             self.refuse(
                 head[1],
@@ -621,7 +621,7 @@ class _Checker:
             )
         if projector_type == "dflash":
             return
-        shift = _dflash_field(config, "shift_label")
+        shift = _at(_nested(config), "shift_label")
         if shift is not None and shift[0] is not False:
             self.add(
                 CHECKPOINT_FIELD_DIFFERS,
@@ -633,7 +633,7 @@ class _Checker:
                 "warm-start the head from a checkpoint with shift_label false, or let it train "
                 "from scratch from a plain DFlash checkpoint",
             )
-        prefix = _dflash_field(config, "pure_draft_prefix_len")
+        prefix = _at(_nested(config), "pure_draft_prefix_len")
         if projector_type == "domino" and prefix is not None and prefix[0] != 0:
             self.add(
                 CHECKPOINT_FIELD_DIFFERS,
