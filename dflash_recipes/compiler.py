@@ -36,6 +36,7 @@ from dflash_recipes.diagnostics import (
     sort_diagnostics,
 )
 from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.fields import CHECKPOINT_DFLASH2, check_checkpoint_fields
 from dflash_recipes.hfconfig import (
     ARCHITECTURE_FIELDS,
     CheckpointConfigFacts,
@@ -816,6 +817,22 @@ class _Compilation:
                 "or expect a weak warm start",
             )
 
+    def check_checkpoint_fields(self) -> bool:
+        """The field inventory's checks (dflash_recipes.fields); False for a DFlash 2 checkpoint."""
+        config = self.config
+        if config is None or not config.readable:
+            return True
+        findings = check_checkpoint_fields(
+            config.raw,
+            self.weights.shapes if self.weights is not None else None,
+            where=f"init checkpoint {config.path}",
+            training_seq_len=self.recipe.training.training_seq_len,
+            projector_type=self.arch.projector_type,
+        )
+        for item in findings:
+            self.emit_as(item.severity, item.code, item.path, item.message, item.hint)
+        return not any(item.code == CHECKPOINT_DFLASH2 for item in findings)
+
     # -- checks against the safetensors header --------------------------------------------------
 
     def check_layout(self, taps: tuple[int, ...] | None) -> None:
@@ -1112,7 +1129,8 @@ def compile_recipe(
         mask = work.resolve_mask()
         work.check_against_target(taps, mask)
         work.check_checkpoint_config()
-        work.check_layout(taps)
+        if work.check_checkpoint_fields():  # a DFlash 2 checkpoint gets one error, no layout diff
+            work.check_layout(taps)
     else:
         mask = recipe.dflash.dflash_mask_token_id
         if mask is None and recipe.dflash.dflash_init_checkpoint is None:

@@ -120,6 +120,9 @@ class CheckpointConfigFacts:
     #: False when the directory has no config.json (then every fact is None).
     present: bool
     problems: tuple[ConfigProblem, ...] = ()
+    #: The parsed config.json as read (empty when absent or unreadable), for the checks of
+    #: :mod:`dflash_recipes.fields`.
+    raw: Mapping[str, object] = attrs.field(factory=dict, eq=False, repr=False)
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
     num_attention_heads: int | None = None
@@ -527,7 +530,9 @@ def checkpoint_config_from_mapping(
             dflash.bad(code, severity, where, "one of dflash, domino, dspark", value)
 
     flags: dict[str, bool | None] = {}
-    for key in ("use_confidence_head", "attention_sink"):
+    # The sink flag is `attention_sink_bias` (what vLLM and SGLang read); exports written before
+    # that fix say `attention_sink`, which is still read when the new key is absent.
+    for key in ("use_confidence_head", "attention_sink_bias", "attention_sink"):
         raw_flag = dflash.raw(key)
         flags[key] = None
         if raw_flag is not None:
@@ -566,10 +571,14 @@ def checkpoint_config_from_mapping(
         gru_hidden_dim=dflash.integer("gru_hidden_dim", code, severity),
         markov_rank=dflash.integer("markov_rank", code, severity),
         use_confidence_head=flags["use_confidence_head"],
-        attention_sink=flags["attention_sink"],
+        attention_sink=(
+            flags["attention_sink_bias"]
+            if flags["attention_sink_bias"] is not None
+            else flags["attention_sink"]
+        ),
     )
     all_problems = tuple(problems + dims.problems + dflash.problems + list(rope.problems))
-    return attrs.evolve(facts, problems=all_problems)
+    return attrs.evolve(facts, problems=all_problems, raw=dict(config))
 
 
 def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:

@@ -159,13 +159,16 @@ def test_text_outside_the_markers_is_kept(tmp_path: Path) -> None:
     docs.write_text(
         "# Title\n\nprose before\n\n"
         "<!-- codes:start -->\nSTALE ROW\n<!-- codes:end -->\n\nbetween\n"
+        "<!-- checkpoint-fields:start -->\n<!-- checkpoint-fields:end -->\n"
         "<!-- fields:start -->\n<!-- fields:end -->\nprose after\n",
         encoding="utf-8",
     )
     assert gen_docs.main(["--docs", str(docs)]) == 0
     text = docs.read_text(encoding="utf-8")
+    assert "<!-- checkpoint-fields:start -->\n| config.json field | status |" in text
     assert text.startswith("# Title\n\nprose before\n\n<!-- codes:start -->\n| code |")
-    assert "\n<!-- codes:end -->\n\nbetween\n<!-- fields:start -->\n### `model`" in text
+    assert "\n<!-- codes:end -->\n\nbetween\n<!-- checkpoint-fields:start -->" in text
+    assert "<!-- checkpoint-fields:end -->\n<!-- fields:start -->\n### `model`" in text
     assert text.endswith("<!-- fields:end -->\nprose after\n")
     assert "STALE ROW" not in text
 

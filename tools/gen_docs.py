@@ -9,7 +9,10 @@ Two regions are generated, each between its markers:
   `dflash_recipes.diagnostics.registered_codes()` (code | severity | meaning);
 - `<!-- fields:start -->` .. `<!-- fields:end -->`: every recipe field, one table per section,
   with the `#:` comments of recipe.py (`dflash_recipes.schema.field_docs()`) and the types and
-  defaults of the JSON Schema.
+  defaults of the JSON Schema;
+- `<!-- checkpoint-fields:start -->` .. `<!-- checkpoint-fields:end -->`: every checkpoint
+  config.json field of the inventory `dflash_recipes.fields.CHECKPOINT_FIELDS`
+  (field | status | what dflash-recipes does and why).
 
 Text outside the markers is never touched.
 """
@@ -30,6 +33,8 @@ REGENERATE = "python tools/gen_docs.py"
 
 CODES_START, CODES_END = "<!-- codes:start -->", "<!-- codes:end -->"
 FIELDS_START, FIELDS_END = "<!-- fields:start -->", "<!-- fields:end -->"
+INVENTORY_START = "<!-- checkpoint-fields:start -->"
+INVENTORY_END = "<!-- checkpoint-fields:end -->"
 
 JsonObject = Mapping[str, object]
 
@@ -165,6 +170,22 @@ def render_fields_tables() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# checkpoint config.json fields
+# ---------------------------------------------------------------------------------------------
+
+
+def render_checkpoint_fields_table() -> str:
+    """The markdown table of the checkpoint field inventory, in the inventory's order."""
+    from dflash_recipes.fields import CHECKPOINT_FIELDS
+
+    lines = ["| config.json field | status | what dflash-recipes does, and why |", "|---|---|---|"]
+    lines += [
+        f"| `{field.key}` | {field.status} | {_cell(field.reason)} |" for field in CHECKPOINT_FIELDS
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # the docs file
 # ---------------------------------------------------------------------------------------------
 
@@ -193,6 +214,7 @@ def replace_region(text: str, start: str, end: str, content: str) -> str:
 def render_docs(text: str) -> str:
     """`text` (the docs file) with every generated region brought up to date."""
     text = replace_region(text, CODES_START, CODES_END, render_codes_table())
+    text = replace_region(text, INVENTORY_START, INVENTORY_END, render_checkpoint_fields_table())
     return replace_region(text, FIELDS_START, FIELDS_END, render_fields_tables())
 
 
@@ -212,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.check:
         print(
-            f"{args.docs} is out of date with the code (diagnostic codes or recipe fields "
-            f"changed); regenerate it with: {REGENERATE}",
+            f"{args.docs} is out of date with the code (diagnostic codes, recipe fields "
+            f"or checkpoint fields changed); regenerate it with: {REGENERATE}",
             file=sys.stderr,
         )
         return 1

@@ -1,7 +1,9 @@
 """Measured acceptance of a drafter on held-out prompts (library side of ``dflash-recipe eval``).
 
 :func:`evaluate_acceptance` runs :func:`~dflash_recipes.executor.speculative.speculative_generate`
-on each prompt, reports the mean acceptance length tau and the per-position acceptance rate,
+on each prompt, reports the acceptance length tau two ways (pooled: the mean over every
+verification step of every prompt; per-prompt mean: the mean of each prompt's own tau, the figure
+z-lab's benchmark publishes), the per-position acceptance rate,
 and checks that every output equals the target's plain greedy decoding (``lossless``).
 :func:`run_eval` loads the target, the drafter weights and the prompts from a plan and a
 checkpoint directory.
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 class AcceptanceReport:
     """Measured acceptance of a drafter over a set of prompts."""
 
-    #: Mean acceptance length over all verification steps (accepted drafts + 1), in [1, B].
+    #: Pooled tau: mean acceptance length over all verification steps of all prompts together
+    #: (accepted drafts + 1), in [1, B]. Long generations weigh more.
     tau: float
     #: For draft position k = 1 .. B-1 (index k - 1): accepted / reached, where a position is
     #: reached when every position before it was accepted. 0.0 where it was never reached.
@@ -61,11 +64,29 @@ class AcceptanceReport:
     num_prompts: int
     #: Indices of prompts whose speculative output differed from greedy (empty when lossless).
     mismatched_prompts: list[int] = attrs.field(factory=list)
+    #: Each prompt's own tau (mean over its verification steps), in prompt order; prompts whose
+    #: generation ended at the prefill (no verification step) have none and are left out.
+    tau_per_prompt: list[float] = attrs.field(factory=list)
+
+    @property
+    def tau_pooled(self) -> float:
+        """The pooled tau (same as ``tau``): all verification steps together."""
+        return self.tau
+
+    @property
+    def tau_per_prompt_mean(self) -> float:
+        """Mean of the per-prompt taus: every prompt weighs the same (z-lab's benchmark figure)."""
+        if not self.tau_per_prompt:
+            return 0.0
+        return sum(self.tau_per_prompt) / len(self.tau_per_prompt)
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-compatible dict of every field."""
+        """JSON-compatible dict of every field (``tau`` is the pooled tau, as before)."""
         return {
             "tau": self.tau,
+            "tau_pooled": self.tau_pooled,
+            "tau_per_prompt_mean": self.tau_per_prompt_mean,
+            "tau_per_prompt": list(self.tau_per_prompt),
             "per_position_acceptance": list(self.per_position_acceptance),
             "reached_per_position": list(self.reached_per_position),
             "steps": self.steps,
@@ -122,6 +143,7 @@ def evaluate_acceptance(
     for module in modes:
         module.eval()
     taus: list[int] = []
+    per_prompt: list[float] = []
     tokens = 0
     mismatched: list[int] = []
     try:
@@ -138,6 +160,9 @@ def evaluate_acceptance(
             if not is_greedy_decoding(target, prompt, result.tokens, max_new_tokens, eos_token_id):
                 mismatched.append(index)
             taus.extend(result.accepted_per_step)
+            steps = result.accepted_per_step
+            if steps:  # a generation that ended at the prefill has no tau
+                per_prompt.append(sum(steps) / len(steps))
             tokens += len(result.tokens)
     finally:
         for module, mode in modes.items():
@@ -153,6 +178,7 @@ def evaluate_acceptance(
         block_size=spec.block_size,
         num_prompts=len(prompts),
         mismatched_prompts=mismatched,
+        tau_per_prompt=per_prompt,
     )
 
 

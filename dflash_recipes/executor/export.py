@@ -13,6 +13,7 @@ leaves either the old export or the new one, never a half-written directory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -32,6 +33,8 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 ARCHITECTURE_NAME = "DFlashDraftModel"
 
+logger = logging.getLogger(__name__)
+
 JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
 
 
@@ -47,14 +50,23 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         "mask_token_id": spec.mask_token_id,
         "target_layer_ids": list(spec.target_layer_ids),
         "projector_type": spec.projector_type,
-        "attention_sink": spec.attention_sink,
+        # The key vLLM and SGLang read (exports before it said `attention_sink`).
+        "attention_sink_bias": spec.attention_sink,
     }
     if spec.projector_type == "domino":
         dflash["emb_dim"] = spec.emb_dim
         dflash["gru_hidden_dim"] = spec.gru_hidden_dim
+        # What the Domino head computes (executor/heads.py): block position k predicts the
+        # token at anchor + k (no label shift), and every proposal is corrected (no pure-draft
+        # prefix). SGLang serves shift_label true/false but only pure_draft_prefix_len 1.
+        dflash["shift_label"] = False
+        dflash["pure_draft_prefix_len"] = 0
     elif spec.projector_type == "dspark":
         dflash["markov_rank"] = spec.markov_rank
         dflash["use_confidence_head"] = spec.use_confidence_head
+        dflash["markov_head_type"] = "vanilla"
+        dflash["shift_label"] = False
+    top: dict[str, JsonValue] = {"emb_dim": spec.emb_dim} if spec.projector_type == "domino" else {}
     return {
         "architectures": [ARCHITECTURE_NAME],
         "model_type": "qwen3",
@@ -77,10 +89,34 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         "max_position_embeddings": spec.max_position_embeddings,
         "num_target_layers": spec.num_target_layers,
         "block_size": spec.block_size,
+        **top,
         "dflash_config": dflash,
         "dtype": dtype,
         "torch_dtype": dtype,
     }
+
+
+def serving_warnings(spec: ResolvedDraft) -> list[str]:
+    """Why no serving engine computes what this drafter's head computes (empty for plain DFlash).
+
+    An export of a head no engine serves must not look servable: `export_drafter` logs these.
+    """
+    if spec.projector_type == "domino":
+        return [
+            "warning: this Domino export is not served as trained by any engine: its head "
+            "corrects every proposal (dflash_config.pure_draft_prefix_len 0, shift_label false), "
+            "SGLang's Domino runtime accepts only pure_draft_prefix_len 1 and refuses it, and "
+            "vLLM has no Domino head; use `dflash-recipe eval` to measure it (see 'Serving the "
+            "export' in docs/dflash.md)"
+        ]
+    if spec.projector_type == "dspark":
+        return [
+            "warning: no serving engine has a DSpark head: vLLM and SGLang would serve the "
+            "DFlash backbone of this export without the markov_w1/markov_w2 correction (or "
+            "refuse its extra tensors), so served acceptance differs from `dflash-recipe eval`; "
+            "see 'Serving the export' in docs/dflash.md"
+        ]
+    return []
 
 
 def _fsync(path: Path) -> None:
@@ -160,6 +196,8 @@ def export_drafter(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    for warning in serving_warnings(spec):
+        logger.warning("%s", warning)
     return out_dir
 
 
@@ -171,6 +209,7 @@ __all__ = [
     "export_checkpoint",
     "export_drafter",
     "publish_directory",
+    "serving_warnings",
 ]
 
 

@@ -50,27 +50,35 @@ def test_run_then_export_and_eval(tmp_path: Path) -> None:
     assert config["dflash_config"]["target_layer_ids"] == [1, 3]
 
     prompts = REPO / "dflash_recipes" / "demo_data" / "data" / "eval.jsonl"
-    result = runner.invoke(
-        main,
-        [
-            "eval",
-            str(out / "plan.json"),
-            "--checkpoint",
-            str(out / "export"),
-            "--prompts",
-            str(prompts),
-            "--num-prompts",
-            "2",
-            "--max-new-tokens",
-            "12",
-            "--json",
-        ],
-    )
+    result_args = [
+        "eval",
+        str(out / "plan.json"),
+        "--checkpoint",
+        str(out / "export"),
+        "--prompts",
+        str(prompts),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
+    result = runner.invoke(main, result_args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{") :])
     assert report["lossless"] is True
     assert 1.0 <= report["tau"] <= 4.0
     assert report["num_prompts"] == 2
+    per_prompt = report["tau_per_prompt"]
+    assert report["tau_pooled"] == report["tau"]
+    assert report["tau_per_prompt_mean"] == pytest.approx(sum(per_prompt) / len(per_prompt))
+
+    text_args = [a for a in result_args if a != "--json"]
+    result = runner.invoke(main, text_args)
+    assert result.exit_code == 0, result.output
+    assert f"tau, pooled over all verification steps: {report['tau']:.3f}" in result.output
+    mean = f"{report['tau_per_prompt_mean']:.3f}"
+    assert f"tau, mean of per-prompt means (z-lab's benchmark figure): {mean}" in result.output
 
 
 def test_export_without_plan_says_how(tmp_path: Path) -> None:

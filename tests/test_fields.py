@@ -1,0 +1,342 @@
+"""The checkpoint field inventory (dflash_recipes/fields.py) and the checks it drives (issue 11).
+
+One test per row of the issue's table of config.json edits that compiled silently before, the
+refusals and warnings of the inventory, and an enumeration proving every field the code reads
+has an inventory entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from st_fixtures import drafter_config, write_drafter_checkpoint
+
+from dflash_recipes.compiler import CompileResult, compile_recipe
+from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
+from dflash_recipes.fields import (
+    CHECKPOINT_FIELDS,
+    check_checkpoint_fields,
+    field_entry,
+    unknown_fields,
+)
+from dflash_recipes.hfconfig import checkpoint_config_from_mapping
+from dflash_recipes.recipe import Recipe
+
+RecipeFactory = Callable[..., Recipe]
+REGISTERED = {info.code: info.severity for info in registered_codes()}
+
+
+def compile_with_config(
+    tmp_path: Path,
+    make_recipe: RecipeFactory,
+    edit: Callable[[dict[str, Any]], None],
+    **recipe: Any,
+) -> CompileResult:
+    """Compile the tiny warm start after `edit` changed the drafter's config.json."""
+    config = drafter_config()
+    edit(config)
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_recipe(make_recipe(**recipe), base_dir=tmp_path)
+    for d in result.diagnostics:
+        assert REGISTERED.get(d.code) is d.severity, d
+        assert d.path and d.message and d.hint, d
+    return result
+
+
+def only(result: CompileResult, code: str) -> Diagnostic:
+    found = [d for d in result.diagnostics if d.code == code]
+    assert len(found) == 1, (code, [(d.code, d.message) for d in result.diagnostics])
+    return found[0]
+
+
+def not_info(result: CompileResult) -> list[str]:
+    return [d.code for d in result.diagnostics if d.severity is not Severity.INFO]
+
+
+def nested(config: dict[str, Any]) -> dict[str, Any]:
+    section: dict[str, Any] = config["dflash_config"]
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
+# the issue's table, one row each (each compiled with 0 errors and 0 warnings before)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_untouched_tiny_checkpoint_compiles_without_findings(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    result = compile_with_config(tmp_path, make_recipe, lambda c: None)
+    assert result.ok and not_info(result) == []
+    assert "checkpoint-field-unknown" not in {d.code for d in result.diagnostics}
+
+
+def test_hidden_act_gelu_is_refused(tmp_path: Path, make_recipe: RecipeFactory) -> None:
+    result = compile_with_config(tmp_path, make_recipe, lambda c: c.update(hidden_act="gelu"))
+    assert not result.ok
+    d = only(result, "checkpoint-field-refused")
+    assert d.severity is Severity.ERROR and d.path == "dflash.dflash_init_checkpoint"
+    assert "`hidden_act: gelu`" in d.message and "SwiGLU (SiLU)" in d.message
+    assert "config.json" in d.message
+    assert "hidden_act silu" in (d.hint or "")
+
+
+def test_is_causal_true_is_refused(tmp_path: Path, make_recipe: RecipeFactory) -> None:
+    result = compile_with_config(tmp_path, make_recipe, lambda c: nested(c).update(is_causal=True))
+    assert not result.ok
+    d = only(result, "checkpoint-field-refused")
+    assert "`dflash_config.is_causal: true`" in d.message
+    assert "DFlash 1" in d.message and "bidirectional" in d.message
+    assert "non-causal" in (d.hint or "")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c.update(is_causal=True),
+        lambda c: nested(c).update(causal=True),
+    ],
+    ids=["top-level is_causal", "dflash_config.causal"],
+)
+def test_the_other_causal_spellings_are_refused_too(
+    tmp_path: Path, make_recipe: RecipeFactory, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    result = compile_with_config(tmp_path, make_recipe, edit)
+    assert only(result, "checkpoint-field-refused").severity is Severity.ERROR
+
+
+def test_causal_false_is_accepted(tmp_path: Path, make_recipe: RecipeFactory) -> None:
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: nested(c).update(causal=False, is_causal=False)
+    )
+    assert result.ok and not_info(result) == []
+
+
+def test_max_position_embeddings_below_the_training_length_warns(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    result = compile_with_config(
+        tmp_path,
+        make_recipe,
+        lambda c: c.update(max_position_embeddings=2048),
+        training={"training_seq_len": 4096},
+    )
+    assert result.ok
+    d = only(result, "checkpoint-positions-short")
+    assert d.severity is Severity.WARNING and d.path == "training.training_seq_len"
+    assert "`max_position_embeddings: 2048`" in d.message and "4096" in d.message
+    assert "training.training_seq_len: 2048" in (d.hint or "")
+
+
+def test_max_position_embeddings_at_the_training_length_is_quiet(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    result = compile_with_config(
+        tmp_path,
+        make_recipe,
+        lambda c: c.update(max_position_embeddings=2048),
+        training={"training_seq_len": 2048},
+    )
+    assert "checkpoint-positions-short" not in {d.code for d in result.diagnostics}
+
+
+def test_target_hidden_size_contradicting_the_fc_width_warns(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    # the tiny fc.weight is [32, 64]: 2 taps of a 32-wide target; the config claims 16
+    result = compile_with_config(tmp_path, make_recipe, lambda c: c.update(target_hidden_size=16))
+    assert result.ok
+    d = only(result, "checkpoint-config-contradicts-header")
+    assert d.severity is Severity.WARNING
+    assert "`target_hidden_size: 16` but fc.weight takes 64 inputs (32 per tap for 2 taps)" in (
+        d.message
+    )
+    assert "re-export" in (d.hint or "")
+
+
+def test_target_hidden_size_that_matches_is_quiet(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: nested(c).update(target_hidden_size=32)
+    )
+    assert result.ok and not_info(result) == []
+
+
+def test_hidden_size_and_vocab_contradicting_the_header_warn(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config(variant={"projector_type": "dspark", "markov_rank": 4})
+    config["hidden_size"] = 64
+    config["vocab_size"] = 300
+    write_drafter_checkpoint(
+        tmp_path / "drafter", projector_type="dspark", markov_rank=4, config=config
+    )
+    recipe = make_recipe(arch={"projector_type": "dspark", "markov_rank": 4})
+    result = compile_recipe(recipe, base_dir=tmp_path)
+    d = only(result, "checkpoint-config-contradicts-header")
+    assert "`hidden_size: 64` but the tensors show 32" in d.message
+    assert "`vocab_size: 300` but the tensors show 256" in d.message
+
+
+# ---------------------------------------------------------------------------------------------
+# the other refusals
+# ---------------------------------------------------------------------------------------------
+
+
+def test_attention_bias_true_is_refused(tmp_path: Path, make_recipe: RecipeFactory) -> None:
+    result = compile_with_config(tmp_path, make_recipe, lambda c: c.update(attention_bias=True))
+    d = only(result, "checkpoint-field-refused")
+    assert "`attention_bias: true`" in d.message and "biases" in d.message
+    assert "attention_bias false" in (d.hint or "")
+
+
+@pytest.mark.parametrize(
+    ("tensor", "config_edit"),
+    [
+        ("layers.0.attention_conv.weight", None),
+        ("layers.1.mlp_conv.weight", None),
+        ("candidate_selector.weight", None),
+        (None, {"conv_kernel_size": 2, "selector_rank": 4}),
+    ],
+    ids=["attention_conv", "mlp_conv", "candidate_selector", "config fields"],
+)
+def test_a_dflash2_checkpoint_gets_one_error(
+    tmp_path: Path,
+    make_recipe: RecipeFactory,
+    tensor: str | None,
+    config_edit: Mapping[str, int] | None,
+) -> None:
+    config = drafter_config()
+    nested(config).update(config_edit or {})
+    nested(config)["is_causal"] = True  # DFlash 2 carries the flag: still one error only
+    write_drafter_checkpoint(
+        tmp_path / "drafter", config=config, extra={tensor: (32, 2)} if tensor else None
+    )
+    result = compile_recipe(make_recipe(), base_dir=tmp_path)
+    assert not result.ok
+    assert [d.code for d in result.errors] == ["checkpoint-dflash2"]
+    d = result.errors[0]
+    assert "this is a DFlash 2 checkpoint" in d.message
+    assert "dflash-recipes trains DFlash 1 drafters" in d.message
+    assert (tensor or "dflash_config.conv_kernel_size") in d.message
+    assert "DFlash 1 drafter" in (d.hint or "")
+
+
+def test_use_swa_true_is_refused_with_the_layer_types_fix(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: nested(c).update(use_swa=True, swa_window_size=2048)
+    )
+    d = only(result, "checkpoint-field-refused")
+    assert "`dflash_config.use_swa: true`" in d.message
+    assert "layer_types" in (d.hint or "") and "sliding_window" in (d.hint or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# unknown fields and the inventory itself
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_field_in_no_entry_gets_one_info_naming_it(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        config["draft_temperature"] = 0.7
+        nested(config)["fancy_new_head"] = True
+
+    result = compile_with_config(tmp_path, make_recipe, edit)
+    assert result.ok
+    d = only(result, "checkpoint-field-unknown")
+    assert d.severity is Severity.INFO
+    assert "2 field(s)" in d.message
+    assert "dflash_config.fancy_new_head, draft_temperature" in d.message
+
+
+def test_every_entry_has_one_status_a_reason_and_a_unique_key() -> None:
+    keys = [field.key for field in CHECKPOINT_FIELDS]
+    assert len(keys) == len(set(keys))
+    for field in CHECKPOINT_FIELDS:
+        assert field.status in ("honored", "refused", "compared", "irrelevant")
+        assert len(field.reason) > 10, field
+
+
+class _Recording(dict[str, Any]):
+    """A config section that records every key the code looks up (get, [], in)."""
+
+    def __init__(self, data: Mapping[str, Any], prefix: str, seen: set[str]) -> None:
+        super().__init__(
+            {
+                k: _Recording(v, "dflash_config.", seen) if k == "dflash_config" else v
+                for k, v in data.items()
+            }
+        )
+        self.prefix = prefix
+        self.seen = seen
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.seen.add(self.prefix + key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.seen.add(self.prefix + key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.seen.add(self.prefix + key)
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return super().__iter__()
+
+
+def _keys_the_code_reads(config: Mapping[str, Any]) -> set[str]:
+    seen: set[str] = set()
+    recording = _Recording(config, "", seen)
+    checkpoint_config_from_mapping(recording, "config.json")
+    for projector in ("dflash", "domino", "dspark"):
+        check_checkpoint_fields(
+            recording, {}, where="config.json", training_seq_len=4096, projector_type=projector
+        )
+    return seen
+
+
+def _every_known_field() -> dict[str, Any]:
+    """A config.json with every inventory field set (benign values)."""
+    config: dict[str, Any] = drafter_config()
+    section = nested(config)
+    for field in CHECKPOINT_FIELDS:
+        top, _, inner = field.key.partition(".")
+        if inner:
+            section.setdefault(inner, 1)
+        else:
+            config.setdefault(top, 1)
+    return config
+
+
+def test_every_field_the_code_reads_has_an_inventory_entry() -> None:
+    # An empty config makes every reader probe each place it looks (nested, then flat);
+    # a full one makes them read every value.
+    read = _keys_the_code_reads({"dflash_config": {}}) | _keys_the_code_reads(_every_known_field())
+    assert "hidden_act" in read and "dflash_config.is_causal" in read  # the recorder works
+    missing = sorted(key for key in read if field_entry(key) is None)
+    assert missing == [], f"fields read by the code without an inventory entry: {missing}"
+
+
+def test_a_config_with_every_known_field_has_no_unknown_field() -> None:
+    config = _every_known_field()
+    assert unknown_fields(config) == []
+    config["brand_new"] = 1
+    assert unknown_fields(config) == ["brand_new"]
+
+
+def test_the_old_sink_key_still_loads_and_the_new_one_wins() -> None:
+    old = drafter_config(variant={"attention_sink": True})
+    assert checkpoint_config_from_mapping(old, "c").attention_sink is True
+    both = drafter_config(variant={"attention_sink": True, "attention_sink_bias": False})
+    assert checkpoint_config_from_mapping(both, "c").attention_sink is False
