@@ -31,7 +31,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, TypeVar
 
 import attrs
@@ -39,8 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from transformers import PreTrainedModel
 
 from dflash_recipes.errors import LaunchError
+from dflash_recipes.executor.draft import DFlashDraftModel
 
 DevicePreference = Literal["auto", "cpu", "cuda"]
 Backend = Literal["nccl", "gloo"]
@@ -382,6 +384,7 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
         msg = "shard_target_fsdp2 needs the process group: call init_distributed(env) first"
         raise LaunchError(msg)
     parent, layers = _find_decoder_layers(model)
+    restore_recording = _keep_output_recording(model)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     for layer in layers:
         # reshard_after_forward=True explicitly: FSDP2 would otherwise keep the root's
@@ -390,6 +393,7 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
     layer_params = {id(p) for p in layers.parameters()}
     kept_whole = {p for p in parent.parameters() if id(p) not in layer_params}
     fully_shard(parent, mesh=mesh, reshard_after_forward=True, ignored_params=kept_whole)
+    restore_recording()
     # FSDP moves what it shards; everything left whole (ignored params, modules outside the
     # parent such as lm_head) is moved here.
     for sub in model.modules():
@@ -402,9 +406,41 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
     return model
 
 
+def _keep_output_recording(model: nn.Module) -> Callable[[], None]:
+    """Keep transformers' hidden-state recording working across ``fully_shard``.
+
+    transformers >= 5 records ``output_hidden_states`` through hooks chosen by a registry keyed
+    on the model's class name; ``fully_shard`` swaps each sharded module's class
+    (``Qwen3Model`` -> ``FSDPQwen3Model``), after which the lookup finds nothing and
+    ``hidden_states`` is None. Returns the function that registers the new class names.
+    """
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers < 5 returns hidden states without this registry
+        return lambda: None
+    modules = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    saved = [(m, _CAN_RECORD_REGISTRY.get(m)) for m in modules]
+
+    def restore() -> None:
+        for module, records in saved:
+            if records and not _CAN_RECORD_REGISTRY.get(module):
+                _CAN_RECORD_REGISTRY[module] = records
+
+    return restore
+
+
 def _find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     found: list[tuple[str, nn.Module, nn.ModuleList]] = []
+    # A converted target carries its drafter (`dflash_module.layers`): that is not the target's.
+    drafter_parts = {
+        id(part)
+        for sub in model.modules()
+        if isinstance(sub, DFlashDraftModel)
+        for part in sub.modules()
+    }
     for name, module in model.named_modules():
+        if id(module) in drafter_parts:
+            continue
         for child_name, child in module.named_children():
             if child_name == "layers" and isinstance(child, nn.ModuleList) and len(child) > 0:
                 found.append((f"{name}.{child_name}" if name else child_name, module, child))

@@ -1,0 +1,923 @@
+"""GPU check: the CUDA paths against CPU/eager float32 references, then a timed 8B-sized step.
+
+    python benchmarks/gpu_check.py [--peak-tflops 989] [--steps 3] [--only CHECK ...]
+    python benchmarks/gpu_check.py --dry-run      # every check on the CPU at tiny dims (< 30 s)
+
+Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
+
+- ``flex``: the drafter's forward and backward under the flex-attention block mask
+  (:func:`build_flex_block_mask`, the compiled ``flex_attention`` kernel the CUDA path uses),
+  with and without attention sinks, against the dense-mask eager forward on the CPU in float32;
+- ``bf16``: one training micro-step (``step_inputs`` + ``DraftStep``: fuse, drafter, lm_head,
+  loss, backward) under bf16 autocast on the device, against the same step in float32 on the
+  CPU;
+- ``chunked``: ``DraftStep`` with a small ``max_chunk_logits`` (lm_head + loss per chunk of
+  blocks under activation checkpointing) under autocast, against the unchunked step;
+- ``nccl``: a process group (NCCL on CUDA, 2 processes when there are 2 GPUs, else 1; gloo in a
+  dry run): an all_reduce, and a DDP step (``wrap_ddp``) whose gradients equal the
+  single-process step on the whole batch;
+- ``fsdp``: FSDP2 (``fully_shard``): the sharded frozen target (``shard_target_fsdp2``, what
+  ``training.fsdp`` does) gives the plain target's taps, and one AdamW step of a sharded
+  drafter (not something the trainer does; checked for use) equals the plain one;
+- ``step``: a timed training step at real proportions (CUDA; tiny dims in a dry run): the
+  drafter of Qwen3-8B (hidden 4096, 5 layers, 32 heads / 8 kv heads x 128, intermediate 12288,
+  vocab 151936, block 16, 5 taps) on a Qwen3-8B-wide target truncated to 6 layers (built from a
+  config, random weights, no download), 4096 tokens, 512 anchors, bf16 target, float32 master
+  weights under bf16 autocast, AdamW. Prints tokens/s, peak memory and model FLOPs
+  utilisation (formula printed; the peak is ``--peak-tflops``, default H200 bf16 dense).
+
+Exits 1 when any check fails, 0 otherwise (SKIPs included), 2 when there is no CUDA device and
+no ``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_recipes.compiler import compile_file
+from dflash_recipes.executor.anchors import sample_anchors
+from dflash_recipes.executor.convert import (
+    convert,
+    dflash_module,
+    embed_tokens,
+    lm_head,
+    target_forward,
+)
+from dflash_recipes.executor.distributed import (
+    DistEnv,
+    init_distributed,
+    shard_target_fsdp2,
+    shutdown_distributed,
+    wrap_ddp,
+)
+from dflash_recipes.executor.draft import (
+    DFlashDraftModel,
+    build_dense_block_mask,
+    build_flex_block_mask,
+    rope_parameters,
+    taps_from_hidden_states,
+)
+from dflash_recipes.executor.loss import LossOutput
+from dflash_recipes.executor.train import DraftStep, StepInputs, step_inputs
+from dflash_recipes.plan import RunPlan
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step")
+#: H200 (and H100 SXM) dense bf16 tensor-core peak, TFLOP/s.
+DEFAULT_PEAK_TFLOPS = 989.0
+
+
+# ---------------------------------------------------------------------------------------------
+# dimensions and models
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Drafter, target and batch dimensions of one check."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    target_layers: int
+    taps: tuple[int, ...]
+    block: int
+    batch: int
+    seq: int
+    anchors: int
+
+
+#: The checks' dims on the GPU: big enough for several flex tiles and chunks, fast on the CPU.
+CHECK_DIMS = Dims(256, 2, 4, 2, 64, 512, 4096, 4, (1, 2, 3), 16, 2, 640, 24)
+#: The checks' dims in a dry run.
+TINY_DIMS = Dims(64, 2, 4, 2, 16, 128, 256, 4, (1, 2), 4, 2, 48, 6)
+#: The timed step: Qwen3-8B's drafter on a truncated Qwen3-8B-wide target.
+QWEN3_8B_DIMS = Dims(4096, 5, 32, 8, 128, 12288, 151936, 6, (1, 2, 3, 4, 5), 16, 1, 4096, 512)
+#: The timed step in a dry run.
+TINY_STEP_DIMS = Dims(64, 2, 4, 2, 16, 128, 256, 4, (1, 2), 4, 1, 128, 16)
+
+
+def make_plan(dims: Dims, workdir: Path) -> RunPlan:
+    """The tiny demo recipe's plan, resized to `dims` (target facts, drafter, block, anchors)."""
+    result = compile_file(
+        REPO / "recipes" / "tiny" / "tiny_scratch.yaml",
+        overrides=(f"training.output_dir={workdir / 'unused'}",),
+    )
+    if result.plan is None:
+        msg = f"cannot compile recipes/tiny/tiny_scratch.yaml: {result.diagnostics}"
+        raise RuntimeError(msg)
+    plan = result.plan
+    assert plan.base_model.facts is not None
+    facts = attrs.evolve(
+        plan.base_model.facts,
+        hidden_size=dims.hidden,
+        num_hidden_layers=dims.target_layers,
+        vocab_size=dims.vocab,
+        max_position_embeddings=max(dims.seq + dims.block, 128),
+    )
+    arch = attrs.evolve(
+        plan.draft.architecture,
+        num_hidden_layers=dims.layers,
+        num_attention_heads=dims.heads,
+        num_key_value_heads=dims.kv_heads,
+        head_dim=dims.head_dim,
+        intermediate_size=dims.intermediate,
+    )
+    draft = attrs.evolve(
+        plan.draft,
+        block_size=dims.block,
+        mask_token_id=dims.vocab - 1,
+        target_layer_ids=dims.taps,
+        architecture=arch,
+        objective=attrs.evolve(plan.draft.objective, num_anchors=dims.anchors),
+    )
+    base = attrs.evolve(plan.base_model, facts=facts, dtype="float32")
+    return attrs.evolve(plan, base_model=base, draft=draft)
+
+
+def target_config(dims: Dims, plan: RunPlan) -> Qwen3Config:
+    """A Qwen3 config of the target's dims (RoPE from the plan), for random weights."""
+    facts = plan.base_model.facts
+    assert facts is not None
+    return Qwen3Config(
+        hidden_size=dims.hidden,
+        intermediate_size=dims.intermediate,
+        num_hidden_layers=dims.target_layers,
+        num_attention_heads=dims.heads,
+        num_key_value_heads=dims.kv_heads,
+        head_dim=dims.head_dim,
+        vocab_size=dims.vocab,
+        max_position_embeddings=facts.max_position_embeddings,
+        rope_parameters=rope_parameters(facts.rope),
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(dims: Dims, plan: RunPlan, seed: int) -> PreTrainedModel:
+    """A random float32 target on the CPU, converted (drafter attached), with random norms."""
+    torch.manual_seed(seed)
+    base = Qwen3ForCausalLM(target_config(dims, plan))
+    model = convert(base, plan)
+    drafter = dflash_module(model)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def _moved(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    nn.Module.to(model, device)
+    return model
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Token ids, masks and anchors of one batch (on the CPU)."""
+
+    ids: Tensor
+    attention: Tensor
+    loss_mask: Tensor
+    anchors: Tensor
+    valid: Tensor
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.ids.to(device),
+            self.attention.to(device),
+            self.loss_mask.to(device),
+            self.anchors.to(device),
+            self.valid.to(device),
+        )
+
+    def rows(self, start: int, end: int) -> Batch:
+        rows = slice(start, end)
+        return Batch(
+            self.ids[rows],
+            self.attention[rows],
+            self.loss_mask[rows],
+            self.anchors[rows],
+            self.valid[rows],
+        )
+
+
+def make_batch(dims: Dims, seed: int) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, dims.vocab - 1, (dims.batch, dims.seq), generator=gen)
+    attention = torch.ones_like(ids)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[:, : dims.seq // 8] = 0  # a prompt: no anchors there
+    drawn = sample_anchors(
+        loss_mask, attention, block_size=dims.block, num_anchors=dims.anchors, generator=gen
+    )
+    return Batch(ids, attention, loss_mask, drawn.anchors, drawn.valid)
+
+
+def inputs_for(model: PreTrainedModel, plan: RunPlan, batch: Batch) -> StepInputs:
+    """The trainer's micro-step inputs (target forward included) on the model's device."""
+    return step_inputs(
+        model,
+        embed_tokens(model),
+        plan.resolved_draft(),
+        plan.draft.objective,
+        batch.ids,
+        batch.attention,
+        batch.loss_mask,
+        batch.anchors,
+        batch.valid,
+        step=0,
+        total_steps=1,
+    )
+
+
+def run_step(step: nn.Module, inputs: StepInputs, autocast: bool) -> LossOutput:
+    """One micro-step's forward and backward, as the trainer runs it."""
+    device = inputs.tapped.device
+    context: AbstractContextManager[object] = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    )
+    with context:
+        out: LossOutput = step(*inputs.args())
+    out.loss.backward()  # type: ignore[no-untyped-call]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# comparisons
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """The lines and verdict of one check."""
+
+    name: str
+    lines: list[str] = field(default_factory=list)
+    failed: bool = False
+    skipped: str | None = None
+    inject: bool = False
+
+    def note(self, text: str) -> None:
+        self.lines.append(f"  {text}")
+
+    def _reference(self, ref: Tensor) -> Tensor:
+        if not self.inject:
+            return ref
+        self.inject = False  # only the first comparison gets the wrong reference
+        return ref * 1.5 + 0.1
+
+    def close(self, what: str, got: Tensor, ref: Tensor, *, atol: float, rtol: float) -> None:
+        """Elementwise: |got - ref| <= atol + rtol * |ref| everywhere."""
+        ref = self._reference(ref.detach().float().cpu())
+        got = got.detach().float().cpu()
+        if got.shape != ref.shape:
+            self._line(what, False, f"shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+            return
+        err = (got - ref).abs()
+        ok = bool((err <= atol + rtol * ref.abs()).all()) and bool(torch.isfinite(got).all())
+        worst = float(err.max()) if err.numel() else 0.0
+        self._line(what, ok, f"max abs err {worst:.3g} (tolerance atol {atol:g} + rtol {rtol:g})")
+
+    def rel(self, what: str, got: Tensor, ref: Tensor, *, tol: float) -> None:
+        """Relative norm: ||got - ref|| <= tol * ||ref||."""
+        ref = self._reference(ref.detach().float().cpu())
+        got = got.detach().float().cpu()
+        if got.shape != ref.shape:
+            self._line(what, False, f"shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+            return
+        value = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        ok = math.isfinite(value) and value <= tol
+        self._line(what, ok, f"relative error {value:.3g} (tolerance {tol:g}, norm-wise)")
+
+    def grads(
+        self, what: str, got: nn.Module, ref: nn.Module, *, tol: float, full: bool = False
+    ) -> None:
+        """Every parameter's gradient (or value, `full`=False means gradients), norm-wise."""
+        worst, worst_name = -1.0, ""
+        ref_params = dict(ref.named_parameters())
+        pairs = [(n, p, ref_params[n]) for n, p in got.named_parameters() if n in ref_params]
+        if not pairs:
+            self._line(what, False, "no parameters in common")
+            return
+        inject = self.inject
+        self.inject = False
+        for name, p, r in pairs:
+            a = _full(p) if full else _full(p.grad)
+            b = _full(r) if full else _full(r.grad)
+            if a is None or b is None:
+                self._line(what, False, f"{name} has no gradient")
+                return
+            if inject:
+                b, inject = b * 1.5 + 0.1, False
+            value = float((a - b).norm() / b.norm().clamp_min(1e-30))
+            if not math.isfinite(value):
+                value = math.inf
+            if value > worst:
+                worst, worst_name = value, name
+        ok = worst <= tol
+        kind = "values" if full else "gradients"
+        self._line(
+            what,
+            ok,
+            f"{len(pairs)} {kind}, worst relative error {worst:.3g} ({worst_name}; tolerance "
+            f"{tol:g}, norm-wise per tensor)",
+        )
+
+    def _line(self, what: str, ok: bool, detail: str) -> None:
+        self.failed |= not ok
+        self.note(f"{'ok  ' if ok else 'BAD '} {what}: {detail}")
+
+
+def _full(t: Tensor | None) -> Tensor | None:
+    if t is None:
+        return None
+    full_tensor = getattr(t, "full_tensor", None)  # a DTensor (FSDP2) -> the whole tensor
+    value = full_tensor() if callable(full_tensor) else t
+    assert isinstance(value, Tensor)
+    return value.detach().float().cpu()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every check needs to know."""
+
+    device: torch.device
+    dry_run: bool
+    inject: frozenset[str]
+    workdir: Path
+    check_dims: Dims
+    steps: int
+    peak_tflops: float
+    ddp_world: int
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks
+# ---------------------------------------------------------------------------------------------
+
+
+def check_flex(setup: Setup, report: Report) -> None:
+    dims = setup.check_dims
+    device = setup.device
+    if device.type == "cuda":
+        report.note("flex_attention compiled with torch.compile (the CUDA path), 128x128 tiles")
+        tile = (128, 128)
+    else:
+        report.note("dry run: eager flex_attention on the CPU (torch.compile is the CUDA path)")
+        tile = (16, 16)
+    for sink in (False, True):
+        plan = make_plan(dims, setup.workdir)
+        plan = attrs.evolve(
+            plan,
+            draft=attrs.evolve(
+                plan.draft,
+                architecture=attrs.evolve(plan.draft.architecture, attention_sink=sink),
+            ),
+        )
+        drafter = DFlashDraftModel(
+            plan.resolved_draft(), generator=torch.Generator().manual_seed(7)
+        )
+        if sink:
+            with torch.no_grad():
+                for layer in drafter.layers:
+                    bias = layer.get_submodule("self_attn").attention_sink_bias
+                    assert isinstance(bias, Tensor)
+                    bias.copy_(torch.linspace(-2.0, 2.0, bias.numel()))
+        batch = make_batch(dims, seed=11)
+        gen = torch.Generator().manual_seed(12)
+        q_len = batch.anchors.shape[1] * dims.block
+        embeds = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
+        context = torch.randn(dims.batch, dims.seq, dims.hidden, generator=gen)
+        offsets = torch.arange(dims.block)
+        q_pos = (batch.anchors.unsqueeze(-1) + offsets).flatten(1)
+        c_pos = torch.arange(dims.seq).expand(dims.batch, dims.seq)
+        probe = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
+
+        reference = copy.deepcopy(drafter)
+        dense = build_dense_block_mask(batch.anchors, dims.block, dims.seq, batch.valid)
+        ref_out = reference(embeds, context, q_pos, c_pos, dense)
+        (ref_out * probe).sum().backward()
+
+        tested = copy.deepcopy(drafter).to(device)
+        mask = build_flex_block_mask(
+            batch.anchors.to(device), dims.block, dims.seq, batch.valid.to(device), tile_size=tile
+        )
+        with warnings.catch_warnings(), torch.set_grad_enabled(device.type == "cuda"):
+            warnings.simplefilter("ignore")  # eager flex_attention warns on the CPU
+            out = tested(
+                embeds.to(device), context.to(device), q_pos.to(device), c_pos.to(device), mask
+            )
+        label = "with attention sinks" if sink else "no sinks"
+        report.close(f"draft states, {label}", out, ref_out, atol=1e-4, rtol=1e-3)
+        if device.type == "cuda":
+            (out * probe.to(device)).sum().backward()
+            report.grads(f"drafter gradients, {label}", tested, reference, tol=1e-3)
+        else:
+            report.note(f"gradients, {label}: not checked (flex_attention has no CPU backward)")
+
+
+def _step_pair(
+    setup: Setup, *, seed: int
+) -> tuple[PreTrainedModel, PreTrainedModel, RunPlan, Batch]:
+    """(CPU float32 model, the same on the device), the plan and a batch."""
+    plan = make_plan(setup.check_dims, setup.workdir)
+    model = build_model(setup.check_dims, plan, seed)
+    on_device = _moved(copy.deepcopy(model), setup.device)
+    return model, on_device, plan, make_batch(setup.check_dims, seed + 2)
+
+
+def check_bf16(setup: Setup, report: Report) -> None:
+    ref_model, model, plan, batch = _step_pair(setup, seed=21)
+    report.note(
+        f"micro-step under torch.autocast({setup.device.type}, bfloat16) vs float32 on the CPU "
+        "(target float32 on both sides)"
+    )
+    ref_step = DraftStep(dflash_module(ref_model), lm_head(ref_model), plan.draft.objective)
+    ref_out = run_step(ref_step, inputs_for(ref_model, plan, batch), autocast=False)
+    step = DraftStep(dflash_module(model), lm_head(model), plan.draft.objective)
+    out = run_step(step, inputs_for(model, plan, batch.to(setup.device)), autocast=True)
+    report.rel("loss", out.loss, ref_out.loss, tol=2e-2)
+    report.grads("drafter gradients", dflash_module(model), dflash_module(ref_model), tol=1e-1)
+
+
+def check_chunked(setup: Setup, report: Report) -> None:
+    _, model, plan, batch = _step_pair(setup, seed=31)
+    spec = plan.resolved_draft()
+    inputs = inputs_for(model, plan, batch.to(setup.device))
+    n_blocks = int(batch.anchors.shape[1])
+    budget = 3 * dims_logits_per_block(setup.check_dims, spec.vocab_size)
+    whole_model = copy.deepcopy(model)
+    whole = DraftStep(dflash_module(whole_model), lm_head(whole_model), plan.draft.objective)
+    chunked = DraftStep(
+        dflash_module(model), lm_head(model), plan.draft.objective, max_chunk_logits=budget
+    )
+    per_chunk = chunked.blocks_per_chunk(setup.check_dims.batch, n_blocks)
+    chunks = -(-n_blocks // per_chunk)
+    report.note(
+        f"max_chunk_logits {budget}: {chunks} chunks of {per_chunk} blocks vs one, both under "
+        "bf16 autocast"
+    )
+    if chunks < 2:
+        report.note("BAD  the budget does not split the blocks into chunks")
+        report.failed = True
+        return
+    ref_out = run_step(whole, inputs, autocast=True)
+    out = run_step(chunked, inputs, autocast=True)
+    report.rel("loss", out.loss, ref_out.loss, tol=1e-3)
+    report.close(
+        "per-position correct counts",
+        out.per_position_correct,
+        ref_out.per_position_correct,
+        atol=1,
+        rtol=0,
+    )
+    report.grads("drafter gradients", dflash_module(model), dflash_module(whole_model), tol=1e-2)
+
+
+def dims_logits_per_block(dims: Dims, vocab: int) -> int:
+    return dims.batch * dims.block * vocab
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _dist_worker(
+    rank: int, world: int, port: int, setup: Setup, which: str, queue: mp.Queue[object]
+) -> None:
+    """One rank of the ``nccl`` or ``fsdp`` check; puts (rank, lines, failed) on `queue`."""
+    report = Report(which, inject=which in setup.inject and rank == 0)
+    try:
+        if setup.device.type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        env = DistEnv(
+            rank=rank,
+            world_size=world,
+            local_rank=rank,
+            is_distributed=True,
+            backend="nccl" if device.type == "cuda" else "gloo",
+            device=device,
+        )
+        variables = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+        }
+        with _env(variables):
+            init_distributed(env)
+        try:
+            if which == "nccl":
+                _ddp_rank(setup, env, report)
+            else:
+                _fsdp_rank(setup, env, report)
+        finally:
+            shutdown_distributed()
+    except Exception as exc:  # a rank's failure is the check's FAIL, with its traceback
+        report.failed = True
+        report.note(f"BAD  rank {rank}: {type(exc).__name__}: {exc}")
+        report.lines.extend("    " + line for line in traceback.format_exc().splitlines()[-8:])
+    queue.put((rank, report.lines, report.failed))
+
+
+def _ddp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
+    world, rank, device = env.world_size, env.rank, env.device
+    summed = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(summed)
+    expected = torch.full((4,), world * (world + 1) / 2)
+    report.close(
+        f"all_reduce over {world} rank(s) ({env.backend})", summed, expected, atol=0, rtol=0
+    )
+
+    dims = dataclasses.replace(setup.check_dims, batch=2 * world) if world > 1 else setup.check_dims
+    plan = make_plan(dims, setup.workdir)
+    model = _moved(build_model(dims, plan, seed=41), device)
+    batch = make_batch(dims, seed=43)
+    reference = copy.deepcopy(model)
+    ref_step = DraftStep(dflash_module(reference), lm_head(reference), plan.draft.objective)
+    ref_out = run_step(ref_step, inputs_for(reference, plan, batch.to(device)), autocast=False)
+
+    share = dims.batch // world
+    mine = batch.rows(rank * share, (rank + 1) * share).to(device)
+    step = DraftStep(dflash_module(model), lm_head(model), plan.draft.objective)
+    wrapped = wrap_ddp(step, env)
+    out: LossOutput = wrapped(*inputs_for(model, plan, mine).args())
+    # The trainer's normalisation: DDP's average of these equals the whole batch's gradient.
+    total = out.weight_sum.detach().clone()
+    dist.all_reduce(total)
+    (out.loss * out.weight_sum * world / total).backward()  # type: ignore[no-untyped-call]
+    report.grads(
+        f"DDP gradients ({world} rank(s), {share} row(s) each) vs one process, whole batch",
+        dflash_module(model),
+        dflash_module(reference),
+        tol=1e-4,
+    )
+    del ref_out
+
+
+def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
+    try:
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    except ImportError as exc:
+        report.note(f"BAD  FSDP2 is not available in torch {torch.__version__}: {exc}")
+        report.failed = True
+        return
+    device, world = env.device, env.world_size
+    dims = setup.check_dims
+    plan = make_plan(dims, setup.workdir)
+    model = build_model(dims, plan, seed=51)
+    batch = make_batch(dims, seed=53).to(device)
+    spec = plan.resolved_draft()
+
+    plain = _moved(copy.deepcopy(model), device)
+    sharded = shard_target_fsdp2(copy.deepcopy(model), env)
+    with torch.no_grad():
+        taps = []
+        for target in (sharded, plain):
+            states = target_forward(target, batch.ids, batch.attention, with_logits=False)
+            taps.append(taps_from_hidden_states(states.hidden_states, spec.target_layer_ids))
+    report.close(
+        f"target taps, shard_target_fsdp2 over {world} rank(s) vs plain",
+        taps[0],
+        taps[1],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+    # The drafter: not sharded by the trainer (DDP); this checks FSDP2 can take it.
+    inputs = inputs_for(plain, plan, batch)
+    drafter = dflash_module(plain)
+    shard_copy = copy.deepcopy(drafter)
+    for layer in shard_copy.layers:
+        fully_shard(layer)
+    fully_shard(shard_copy)
+    # fuse_context runs outside forward: FSDP2 must gather fc/hidden_norm for it too.
+    register_fsdp_forward_method(shard_copy, "fuse_context")
+    results = []
+    for module in (shard_copy, drafter):
+        step = DraftStep(module, lm_head(plain), plan.draft.objective)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        out = run_step(step, inputs, autocast=False)
+        optimizer.step()
+        results.append(out.loss.detach())
+    report.close("drafter loss, fully_shard vs plain", results[0], results[1], atol=1e-5, rtol=1e-5)
+    report.grads(
+        "drafter after one AdamW step, fully_shard vs plain",
+        shard_copy,
+        drafter,
+        tol=1e-5,
+        full=True,
+    )
+    report.note(
+        "FSDP2 takes the drafter when fuse_context is registered "
+        "(register_fsdp_forward_method); the trainer uses DDP for it"
+    )
+
+
+def _distributed_check(setup: Setup, report: Report, which: str) -> None:
+    world = setup.ddp_world
+    if setup.device.type == "cuda":
+        world = min(world, torch.cuda.device_count())
+        if world < 2:
+            report.note(
+                f"{torch.cuda.device_count()} GPU: a 1-rank NCCL group (2 ranks need 2 GPUs)"
+            )
+    else:
+        report.note(f"dry run: gloo on the CPU, {world} process(es) (NCCL needs CUDA)")
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue[object] = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_dist_worker, args=(rank, world, port, setup, which, queue))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, tuple[list[str], bool]] = {}
+    deadline = time.monotonic() + 240
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            item = queue.get(timeout=1.0)
+        except Exception:  # queue.Empty: poll for dead workers
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            continue
+        assert isinstance(item, tuple)
+        results[int(item[0])] = (list(item[1]), bool(item[2]))
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    for rank in range(world):
+        if rank not in results:
+            report.failed = True
+            code = procs[rank].exitcode
+            report.note(f"BAD  rank {rank} gave no result (exit code {code}, or timed out)")
+            continue
+        lines, failed = results[rank]
+        report.failed |= failed
+        if rank == 0 or failed:
+            report.lines.extend(lines if rank == 0 else [f"  rank {rank}:", *lines])
+
+
+def check_nccl(setup: Setup, report: Report) -> None:
+    _distributed_check(setup, report, "nccl")
+
+
+def check_fsdp(setup: Setup, report: Report) -> None:
+    _distributed_check(setup, report, "fsdp")
+
+
+def model_flops(dims: Dims, anchors: Tensor, valid: Tensor) -> tuple[float, str]:
+    """Model FLOPs of one training step (frozen target forward + drafter forward/backward)."""
+    h, t, b = dims.hidden, dims.seq, dims.batch
+    attn = dims.heads * dims.head_dim
+    kv = dims.kv_heads * dims.head_dim
+    n_valid = int(valid.sum())
+    q = n_valid * dims.block  # drafted positions in the batch
+    layer_params_per_token = h * (attn + 2 * kv) + attn * h + 3 * h * dims.intermediate
+    target = 2 * b * t * dims.target_layers * layer_params_per_token
+    target += 2 * b * dims.target_layers * t * t * attn  # causal QK^T + AV: 4*T^2*d / 2
+    # Keys a drafted query attends to: its anchor's visible context plus its own block.
+    pairs = float((anchors.clamp(max=t) * valid).sum()) * dims.block + q * dims.block
+    draft_fwd = (
+        2 * b * t * len(dims.taps) * h * h  # fc over the context
+        + 2 * dims.layers * (q * h * 2 * attn + (b * t + q) * h * 2 * kv)  # q, o / k, v
+        + 2 * dims.layers * q * 3 * h * dims.intermediate  # MLP
+        + 4 * dims.layers * pairs * attn  # QK^T + AV over visible keys
+    )
+    head = 2 * q * h * dims.vocab  # the frozen lm_head
+    total = target + 3 * draft_fwd + 2 * head
+    formula = (
+        "target forward 2*B*T*L_t*P_layer + 2*B*L_t*T^2*d_attn (causal) + drafter 3x forward "
+        "(fc 2*B*T*taps*H^2, projections, MLP 6*Q*H*I per layer, attention 4*d_attn per visible "
+        "query-key pair) + frozen lm_head 2x forward (2*Q*H*V: input gradient only); "
+        "checkpoint recomputation not counted"
+    )
+    return float(total), formula
+
+
+def check_step(setup: Setup, report: Report) -> None:
+    device = setup.device
+    dims = TINY_STEP_DIMS if setup.dry_run else QWEN3_8B_DIMS
+    dtype = torch.bfloat16
+    plan = make_plan(dims, setup.workdir)
+    plan = attrs.evolve(plan, base_model=attrs.evolve(plan.base_model, dtype="bfloat16"))
+    torch.manual_seed(61)
+    with torch.device(device):
+        base = Qwen3ForCausalLM(target_config(dims, plan))
+    nn.Module.to(base, dtype)
+    model = convert(base, plan)
+    drafter = dflash_module(model)
+    drafter.to(device).float()
+    report.note(
+        f"drafter {dims.layers} layers x {dims.hidden} ({dims.heads} heads / {dims.kv_heads} kv x "
+        f"{dims.head_dim}, intermediate {dims.intermediate}, {len(dims.taps)} taps), vocab "
+        f"{dims.vocab}, block {dims.block}; target {dims.target_layers} layers x {dims.hidden} "
+        f"in bf16; {dims.batch} x {dims.seq} tokens, {dims.anchors} anchors; drafter float32 "
+        "master weights under bf16 autocast, AdamW"
+    )
+    step = DraftStep(drafter, lm_head(model), plan.draft.objective)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    batch = make_batch(dims, seed=63).to(device)
+
+    def one_step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        out = run_step(step, inputs_for(model, plan, batch), autocast=True)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        return float(out.loss.detach())
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    started = time.perf_counter()
+    first = one_step()  # compiles the flex kernels on CUDA
+    sync()
+    report.note(
+        f"first step (compiles on CUDA): {time.perf_counter() - started:.1f} s, loss {first:.4f}"
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    loss = first
+    for _ in range(setup.steps):
+        started = time.perf_counter()
+        loss = one_step()
+        sync()
+        times.append(time.perf_counter() - started)
+    if not math.isfinite(loss):
+        report.note(f"BAD  loss is {loss}")
+        report.failed = True
+    seconds = sorted(times)[len(times) // 2]
+    tokens = dims.batch * dims.seq
+    drafted = int(batch.valid.sum()) * dims.block
+    flops, formula = model_flops(dims, batch.anchors, batch.valid)
+    report.note(
+        f"median step {seconds * 1000:.1f} ms over {setup.steps} steps: {tokens / seconds:,.0f} "
+        f"target tokens/s, {drafted / seconds:,.0f} drafted tokens/s, loss {loss:.4f}"
+    )
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        report.note(f"peak memory (torch.cuda.max_memory_allocated): {peak:.2f} GiB")
+        mfu = flops / seconds / (setup.peak_tflops * 1e12)
+        report.note(
+            f"model FLOPs {flops / 1e12:.2f} TFLOP/step, {flops / seconds / 1e12:.1f} TFLOP/s: "
+            f"MFU {100 * mfu:.1f}% of {setup.peak_tflops:g} TFLOP/s (--peak-tflops)"
+        )
+    else:
+        report.note(
+            f"model FLOPs {flops / 1e9:.3f} GFLOP/step (dry run: no peak memory or MFU on the CPU)"
+        )
+    report.note(f"FLOPs formula: {formula}")
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {
+    "flex": check_flex,
+    "bf16": check_bf16,
+    "chunked": check_chunked,
+    "nccl": check_nccl,
+    "fsdp": check_fsdp,
+    "step": check_step,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="every check on the CPU, tiny")
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
+    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
+    parser.add_argument(
+        "--ddp-world", type=int, default=2, help="ranks of the nccl/fsdp checks (at most the GPUs)"
+    )
+    # For the test suite: make the named checks compare against a wrong reference.
+    parser.add_argument(
+        "--inject-mismatch", nargs="+", choices=CHECKS, default=[], help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.ddp_world < 1 or args.peak_tflops <= 0:
+        parser.error("--steps and --ddp-world must be >= 1 and --peak-tflops > 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); run it "
+            "on a GPU machine, or with --dry-run to exercise every check on the CPU",
+            file=sys.stderr,
+        )
+        return 2
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    if device.type == "cuda":
+        # Float32 references mean float32: no TF32 in the checks' matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    print(
+        f"gpu_check: torch {torch.__version__}, device "
+        + (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)")
+    )
+    started = time.perf_counter()
+    verdicts: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        setup = Setup(
+            device=device,
+            dry_run=args.dry_run,
+            inject=frozenset(args.inject_mismatch),
+            workdir=Path(tmp),
+            check_dims=TINY_DIMS if args.dry_run else CHECK_DIMS,
+            steps=args.steps,
+            peak_tflops=args.peak_tflops,
+            ddp_world=args.ddp_world if not args.dry_run else 1,
+        )
+        for name in CHECKS:
+            if name not in args.only:
+                continue
+            report = Report(name, inject=name in setup.inject)
+            print(f"== {name}", flush=True)
+            check_started = time.perf_counter()
+            try:
+                CHECK_FUNCTIONS[name](setup, report)
+            except Exception as exc:  # a crashing check is a FAIL; the others still run
+                report.failed = True
+                report.note(f"BAD  {type(exc).__name__}: {exc}")
+                report.lines.extend(
+                    "    " + line for line in traceback.format_exc().splitlines()[-8:]
+                )
+            verdict = "SKIP" if report.skipped else ("FAIL" if report.failed else "PASS")
+            for line in report.lines:
+                print(line)
+            reason = f": {report.skipped}" if report.skipped else ""
+            print(
+                f"{verdict} {name} ({time.perf_counter() - check_started:.1f} s){reason}",
+                flush=True,
+            )
+            verdicts.append((name, verdict))
+    failed = [name for name, verdict in verdicts if verdict == "FAIL"]
+    summary = ", ".join(f"{name} {verdict}" for name, verdict in verdicts)
+    print(f"== summary ({time.perf_counter() - started:.0f} s): {summary}")
+    if failed:
+        print(f"gpu_check: {len(failed)} check(s) failed: {', '.join(failed)}")
+        return 1
+    print("gpu_check: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
