@@ -788,7 +788,8 @@ class _Compilation:
                 )
             origin = " (from the resumed run's plan)"
         else:
-            if types is None and stated_types is not None:
+            if types is None and stated_types and "sliding_attention" in stated_types:
+                # only a checkpoint with sliding layers says more than the default
                 types, origin = stated_types, " (from the init checkpoint)"
                 taken.append(f"layer_types [{', '.join(stated_types)}]")
             if window is None and stated_window is not None:

@@ -136,3 +136,14 @@ def test_resume_keeps_the_windows_of_the_run_after_the_checkpoint_is_gone(
     arch = result.plan.draft.architecture
     assert (arch.layer_types, arch.sliding_window) == (SLIDING, 64)
     assert "sliding_window 64" in only(result, "layer-types-from-previous-run").message
+
+
+def test_checkpoint_with_sliding_layers_but_no_window_is_an_error_not_full_attention(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config(target_layer_ids=[1, 5])
+    config["layer_types"] = list(SLIDING)
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_in(tmp_path, make_recipe())
+    error = only(result, "sliding-window-missing")
+    assert "from the init checkpoint" in error.message
