@@ -4,15 +4,19 @@ project's drafter computes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
 
+from dflash_recipes.executor import export
 from dflash_recipes.executor.draft import DFlashDraftModel, build_dense_block_mask
 from dflash_recipes.executor.export import export_drafter
 
@@ -126,3 +130,43 @@ def test_automodel_with_remote_code_loads_the_drafter_and_computes_the_same(
             )
         theirs = outputs[str(path)]
         assert (theirs - ours).abs().max().item() < 1e-6, name
+
+
+def test_remote_code_refuses_a_head_it_does_not_implement() -> None:
+    path = Path(export.__file__).parent / "remote_code" / "dflash.py"
+    spec = importlib.util.spec_from_file_location("dflash_remote_code_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = Qwen3Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    config.dflash_config = {"target_layer_ids": [0], "projector_type": "domino"}
+    with pytest.raises(ValueError, match=r"domino head, which dflash\.py does not implement"):
+        module.DFlashDraftModel(config)
+    config.dflash_config = {"target_layer_ids": [0]}
+    assert sorted(module.DFlashDraftModel(config).state_dict()) == sorted(
+        ["fc.weight", "hidden_norm.weight", "norm.weight"]
+        + [f"layers.0.{name}.weight" for name in _LAYER_TENSORS]
+    )
+
+
+_LAYER_TENSORS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
