@@ -16,6 +16,12 @@ sees only its own block, so no attention row is ever empty and no NaN appears. T
 representations with the same semantics: a dense boolean tensor ``[B, 1, Q, T + Q]`` (CPU and
 tests, via SDPA) and a flex-attention :class:`BlockMask` built from tile arithmetic, without
 materialising the dense mask (the CUDA path).
+
+``sliding_attention`` layers (``spec.layer_types``) narrow whichever mask they are given to a
+causal window of positions (:func:`sliding_window_mask`): a query at position ``t`` keeps the
+keys at positions ``p`` with ``0 <= t - p < sliding_window``, as the reference implementations
+serve them (docs/dflash.md, "Sliding-window layers"). The forward builds that mask once per
+distinct window, so callers keep passing the full-attention mask.
 """
 
 from __future__ import annotations
