@@ -147,3 +147,24 @@ def test_checkpoint_with_sliding_layers_but_no_window_is_an_error_not_full_atten
     result = compile_in(tmp_path, make_recipe())
     error = only(result, "sliding-window-missing")
     assert "from the init checkpoint" in error.message
+
+
+def test_a_window_without_sliding_layers_is_a_warning(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    result = compile_in(tmp_path, make_recipe(arch={"sliding_window": 128}))
+    assert result.plan is not None
+    assert result.plan.draft.architecture.sliding_window is None
+    warning = only(result, "sliding-window-unused")
+    assert warning.path == f"{ARCH}.sliding_window" and "changes nothing" in warning.message
+
+
+def test_unreadable_layer_types_in_the_checkpoint_are_named(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config(target_layer_ids=[1, 5])
+    config["layer_types"] = ["sliding_attention", "chunked_attention"]
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_in(tmp_path, make_recipe())
+    warning = only(result, "checkpoint-config-field")
+    assert "`layer_types`" in warning.message and "chunked_attention" in warning.message
