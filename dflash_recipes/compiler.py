@@ -224,6 +224,31 @@ CHECKPOINT_BLOCK_SIZE_DIFFERS = _code(
     "dflash_block_size differs from the checkpoint's (allowed: weights are block-size agnostic)",
 )
 
+LAYER_TYPES_LENGTH = _code(
+    "layer-types-length", _E, "layer_types does not name one attention kind per draft layer"
+)
+SLIDING_WINDOW_MISSING = _code(
+    "sliding-window-missing", _E, "layer_types has sliding_attention layers but no sliding_window"
+)
+SLIDING_WINDOW_UNUSED = _code(
+    "sliding-window-unused", _W, "sliding_window is set but no layer is sliding_attention"
+)
+LAYER_TYPES_FROM_CHECKPOINT = _code(
+    "layer-types-from-checkpoint",
+    _I,
+    "layer_types / sliding_window taken from the init checkpoint's config.json",
+)
+LAYER_TYPES_FROM_PREVIOUS_RUN = _code(
+    "layer-types-from-previous-run",
+    _I,
+    "layer_types / sliding_window taken from the plan of the run being resumed",
+)
+CHECKPOINT_LAYER_TYPES_DIFFER = _code(
+    "checkpoint-layer-types-differ",
+    _W,
+    "layer_types or sliding_window differ from the checkpoint's: degraded warm start",
+)
+
 _ARCH = "dflash.dflash_architecture_config"
 _TAPS = f"{_ARCH}.target_layer_ids"
 _MASK = "dflash.dflash_mask_token_id"
@@ -373,6 +398,7 @@ class _Compilation:
         self.check_attention()
         self.check_head_fields()
         self.check_taps_unique()
+        self.check_layer_types_length(self.arch.layer_types, "")
         training, data = self.recipe.training, self.recipe.data
         if training.eval_steps is not None and data.eval_data_path is None:
             self.emit(
@@ -719,6 +745,126 @@ class _Compilation:
         )
         return None
 
+    # -- attention kinds per layer: taken from the checkpoint like the taps ----------------------
+
+    def check_layer_types_length(self, types: tuple[str, ...] | None, origin: str) -> bool:
+        layers = self.arch.num_hidden_layers
+        if types is None or layers is None or len(types) == layers:
+            return True
+        if len(types) < layers:
+            example = list(types) + [types[-1]] * (layers - len(types))
+        else:
+            example = list(types[:layers])
+        self.emit(
+            LAYER_TYPES_LENGTH,
+            f"{_ARCH}.layer_types",
+            f"layer_types{origin} lists {len(types)} attention kinds, but the drafter has "
+            f"num_hidden_layers {layers}; layer_types needs exactly one entry per draft layer",
+            f"set dflash_architecture_config.layer_types to {layers} entries, e.g. "
+            f"[{', '.join(example)}]",
+        )
+        return False
+
+    def resolve_layer_types(self) -> tuple[tuple[str, ...] | None, int | None]:
+        """The plan's (layer_types, sliding_window): recipe, else resumed run, else checkpoint."""
+        types, window = self.arch.layer_types, self.arch.sliding_window
+        config = self.config if self.config is not None and self.config.readable else None
+        stated_types = config.layer_types if config is not None else None
+        stated_window = config.sliding_window if config is not None else None
+        if stated_types is None or "sliding_attention" not in stated_types:
+            stated_window = None  # a window without sliding layers means nothing
+        previous = self.previous_plan.draft.architecture if self.previous_plan else None
+        taken: list[str] = []
+        origin = ""
+        if types is None and window is None and self.resume is not None and previous:
+            types, window = previous.layer_types, previous.sliding_window
+            if types is not None:
+                self.emit(
+                    LAYER_TYPES_FROM_PREVIOUS_RUN,
+                    f"{_ARCH}.layer_types",
+                    f"layer_types not set: using [{', '.join(types)}]"
+                    + (f" with sliding_window {window}" if window is not None else "")
+                    + ", the attention kinds of the run being resumed (its plan.json)",
+                    "set layer_types (and sliding_window) to pin them in the recipe",
+                )
+            origin = " (from the resumed run's plan)"
+        else:
+            if types is None and stated_types and "sliding_attention" in stated_types:
+                # only a checkpoint with sliding layers says more than the default
+                types, origin = stated_types, " (from the init checkpoint)"
+                taken.append(f"layer_types [{', '.join(stated_types)}]")
+            if window is None and stated_window is not None:
+                window = stated_window
+                taken.append(f"sliding_window {stated_window}")
+            if taken:
+                self.emit(
+                    LAYER_TYPES_FROM_CHECKPOINT,
+                    f"{_ARCH}.layer_types",
+                    f"{' and '.join(taken)} not set in the recipe: using the init checkpoint's "
+                    "(its config.json)",
+                    "set "
+                    + " and ".join(t.replace(" ", ": ", 1) for t in taken)
+                    + " to pin them in the recipe",
+                )
+            self.compare_layer_types(types, window, stated_types, stated_window)
+        layers = self.arch.num_hidden_layers
+        if origin and not self.check_layer_types_length(types, origin):
+            return None, None
+        if types is not None and layers is not None and len(types) != layers:
+            return None, None  # reported by check_schema
+        sliding = types is not None and "sliding_attention" in types
+        if sliding and window is None:
+            self.emit(
+                SLIDING_WINDOW_MISSING,
+                f"{_ARCH}.sliding_window",
+                f"layer_types{origin} has sliding_attention layers, but no sliding_window says "
+                "how many keys they see",
+                "set dflash_architecture_config.sliding_window (a positive number of keys, the "
+                "query itself included, e.g. 2048), or make every layer full_attention",
+            )
+            return None, None
+        if not sliding and window is not None:
+            if self.arch.sliding_window is not None:
+                self.emit(
+                    SLIDING_WINDOW_UNUSED,
+                    f"{_ARCH}.sliding_window",
+                    f"sliding_window {window} is set, but no layer is sliding_attention, so it "
+                    "changes nothing",
+                    "delete sliding_window, or set some layer_types entries to sliding_attention",
+                )
+            window = None
+        return types, window
+
+    def compare_layer_types(
+        self,
+        types: tuple[str, ...] | None,
+        window: int | None,
+        stated_types: tuple[str, ...] | None,
+        stated_window: int | None,
+    ) -> None:
+        if self.config is None or not self.config.readable:
+            return
+        full = ("full_attention",) * (self.arch.num_hidden_layers or 0)
+        mine = types if types is not None else full
+        theirs = stated_types if stated_types is not None else full
+        if mine == theirs and (stated_window is None or window == stated_window):
+            return
+        said = f"[{', '.join(theirs)}]" + (
+            f" with sliding_window {stated_window}" if stated_window is not None else ""
+        )
+        got = f"[{', '.join(mine)}]" + (f" with sliding_window {window}" if window else "")
+        fix = f"set layer_types: [{', '.join(theirs)}]" + (
+            f" and sliding_window: {stated_window}" if stated_window is not None else ""
+        )
+        self.emit(
+            CHECKPOINT_LAYER_TYPES_DIFFER,
+            f"{_ARCH}.layer_types",
+            f"the recipe's attention kinds {got} differ from the init checkpoint's {said}; the "
+            "warm start loads, but its layers learned to attend over other keys, so it starts "
+            "degraded",
+            f"{fix} (or delete the fields to take the checkpoint's), unless the change is intended",
+        )
+
     # -- checks against the base model ----------------------------------------------------------
 
     def check_against_target(self, taps: tuple[int, ...] | None, mask: int | None) -> None:
@@ -974,6 +1120,7 @@ class _Compilation:
         *,
         taps: tuple[int, ...] | None,
         mask: int | None,
+        layer_types: tuple[tuple[str, ...] | None, int | None] = (None, None),
         recipe_file: str | None,
         overrides: Sequence[str],
         resolved: bool,
@@ -1054,6 +1201,8 @@ class _Compilation:
                     markov_rank=arch.markov_rank,
                     use_confidence_head=arch.use_confidence_head,
                     attention_sink=arch.attention_sink,
+                    layer_types=layer_types[0],
+                    sliding_window=layer_types[1],
                 ),
                 objective=ObjectivePlan(
                     num_anchors=dflash.dflash_num_anchors,
@@ -1117,6 +1266,8 @@ def compile_recipe(
         base_dir = resolve_local_path(str(base_dir), base_dir=None)
     work = _Compilation(recipe, source or SourceMap(file=recipe_file), base_dir)
     taps, mask = recipe.dflash.dflash_architecture_config.target_layer_ids, None
+    arch = recipe.dflash.dflash_architecture_config
+    layer_types = (arch.layer_types, arch.sliding_window)
     if resolve:
         work.resolve_base_model()
         work.resolve_data()
@@ -1127,6 +1278,7 @@ def compile_recipe(
     if resolve:
         taps = work.resolve_taps()
         mask = work.resolve_mask()
+        layer_types = work.resolve_layer_types()
         work.check_against_target(taps, mask)
         work.check_checkpoint_config()
         if work.check_checkpoint_fields():  # a DFlash 2 checkpoint gets one error, no layout diff
@@ -1139,7 +1291,12 @@ def compile_recipe(
     if has_errors(diagnostics):
         return CompileResult(plan=None, diagnostics=diagnostics)
     plan = work.build_plan(
-        taps=taps, mask=mask, recipe_file=recipe_file, overrides=overrides, resolved=resolve
+        taps=taps,
+        mask=mask,
+        layer_types=layer_types,
+        recipe_file=recipe_file,
+        overrides=overrides,
+        resolved=resolve,
     )
     return CompileResult(plan=plan, diagnostics=diagnostics)
 

@@ -144,6 +144,10 @@ class CheckpointConfigFacts:
     markov_rank: int | None = None
     use_confidence_head: bool | None = None
     attention_sink: bool | None = None
+    #: `layer_types` (full_attention | sliding_attention per layer), when stated and valid.
+    layer_types: tuple[str, ...] | None = None
+    #: `sliding_window`, when stated.
+    sliding_window: int | None = None
 
     @property
     def readable(self) -> bool:
@@ -542,6 +546,8 @@ def checkpoint_config_from_mapping(
             else:
                 dflash.bad(code, severity, where, "true or false", value)
 
+    layer_types, sliding_window = _read_layer_types(dims, code, severity)
+
     rope = _read_rope(
         sections[0], prefix, conflict_code=None, field_code=code, field_severity=severity
     )
@@ -576,9 +582,27 @@ def checkpoint_config_from_mapping(
             if flags["attention_sink_bias"] is not None
             else flags["attention_sink"]
         ),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
     )
     all_problems = tuple(problems + dims.problems + dflash.problems + list(rope.problems))
     return attrs.evolve(facts, problems=all_problems, raw=dict(config))
+
+
+def _read_layer_types(
+    dims: _Fields, code: str, severity: Severity
+) -> tuple[tuple[str, ...] | None, int | None]:
+    """`layer_types` and `sliding_window` of a drafter config (None when not stated or bad)."""
+    layer_types: tuple[str, ...] | None = None
+    raw = dims.raw("layer_types")
+    if raw is not None:
+        value, where = raw
+        kinds = ("full_attention", "sliding_attention")
+        if isinstance(value, list) and value and all(item in kinds for item in value):
+            layer_types = tuple(str(item) for item in value)
+        else:
+            dims.bad(code, severity, where, "a non-empty list of " + " | ".join(kinds), value)
+    return layer_types, dims.integer("sliding_window", code, severity)
 
 
 def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:

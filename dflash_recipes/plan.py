@@ -110,6 +110,10 @@ class ArchitecturePlan:
     markov_rank: int | None
     use_confidence_head: bool
     attention_sink: bool
+    #: One of full_attention | sliding_attention per draft layer; None: full attention in all.
+    layer_types: tuple[str, ...] | None = None
+    #: Keys a sliding_attention query sees (itself included); None without sliding layers.
+    sliding_window: int | None = None
 
 
 @attrs.frozen
@@ -276,6 +280,18 @@ class ResolvedDraft:
     markov_rank: int | None
     use_confidence_head: bool
     attention_sink: bool
+    #: One of full_attention | sliding_attention per draft layer; None: full attention in all.
+    layer_types: tuple[str, ...] | None = None
+    #: Keys a sliding_attention query sees, itself included (None without sliding layers).
+    sliding_window: int | None = None
+
+    def layer_type(self, index: int) -> str:
+        """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
+        return self.layer_types[index] if self.layer_types is not None else "full_attention"
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of draft layer `index`, or None for a full-attention layer."""
+        return self.sliding_window if self.layer_type(index) == "sliding_attention" else None
 
 
 def resolve_draft(plan: RunPlan) -> ResolvedDraft:
@@ -312,6 +328,7 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
     assert arch.intermediate_size is not None
     assert plan.draft.mask_token_id is not None
     assert plan.draft.target_layer_ids is not None
+    _check_layer_types(arch)
     return ResolvedDraft(
         hidden_size=facts.hidden_size,
         num_hidden_layers=arch.num_hidden_layers,
@@ -333,7 +350,29 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
         markov_rank=arch.markov_rank,
         use_confidence_head=arch.use_confidence_head,
         attention_sink=arch.attention_sink,
+        layer_types=arch.layer_types,
+        sliding_window=arch.sliding_window,
     )
+
+
+def _check_layer_types(arch: ArchitecturePlan) -> None:
+    """PlanError unless the layer types name one kind per layer and sliding layers have a window."""
+    types = arch.layer_types
+    if types is None:
+        return
+    problem = None
+    if len(types) != arch.num_hidden_layers:
+        problem = f"has {len(types)} layer_types for {arch.num_hidden_layers} draft layers"
+    elif "sliding_attention" in types and arch.sliding_window is None:
+        problem = "has sliding_attention layers but no sliding_window"
+    elif any(t not in ("full_attention", "sliding_attention") for t in types):
+        problem = f"names an unknown layer type in {list(types)}"
+    if problem is not None:
+        msg = (
+            f"the run plan {problem}; recompile the recipe with `dflash-recipe compile` "
+            "instead of editing the plan"
+        )
+        raise PlanError(msg)
 
 
 # ---------------------------------------------------------------------------------------------

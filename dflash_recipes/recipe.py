@@ -26,6 +26,8 @@ SCHEDULERS: tuple[str, ...] = ("cosine", "linear", "constant")
 LOSS_OBJECTIVES: tuple[str, ...] = ("decay", "dpace")
 PROJECTOR_TYPES: tuple[str, ...] = ("dflash", "domino", "dspark")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+#: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -128,6 +130,25 @@ def layer_id_list(instance: object, attribute: attrs.Attribute[Any], value: Any)
     for item in value:
         if not isinstance(item, int) or isinstance(item, bool) or item < 0:
             msg = f"{_name(attribute)} entries must be integers >= 0, got {item!r}"
+            raise ValueError(msg)
+
+
+def layer_type_list(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A non-empty tuple of LAYER_TYPES names (None passes: resolved by the compiler)."""
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        msg = (
+            f"{_name(attribute)} must be a non-empty list with one of "
+            f"{' | '.join(LAYER_TYPES)} per draft layer, got {value!r}"
+        )
+        raise ValueError(msg)
+    for index, item in enumerate(value):
+        if item not in LAYER_TYPES:
+            msg = (
+                f"{_name(attribute)}[{index}] is {item!r}; each entry must be one of "
+                f"{', '.join(LAYER_TYPES)}"
+            )
             raise ValueError(msg)
 
 
@@ -251,6 +272,12 @@ class DFlashArchitectureConfig:
     use_confidence_head: bool = False
     #: Add a learnable attention sink per head (layers.{i}.self_attn.attention_sink_bias).
     attention_sink: bool = False
+    #: Attention kind per draft layer: full_attention | sliding_attention (causal, windowed).
+    #: null: the init checkpoint's layer_types, else full attention in every layer.
+    layer_types: tuple[str, ...] | None = attrs.field(default=None, validator=layer_type_list)
+    #: Keys a sliding_attention query sees, itself included (Hugging Face's sliding_window).
+    #: null: the init checkpoint's.
+    sliding_window: int | None = attrs.field(default=None, validator=positive_int)
 
 
 @attrs.frozen

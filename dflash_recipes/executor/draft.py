@@ -16,6 +16,12 @@ sees only its own block, so no attention row is ever empty and no NaN appears. T
 representations with the same semantics: a dense boolean tensor ``[B, 1, Q, T + Q]`` (CPU and
 tests, via SDPA) and a flex-attention :class:`BlockMask` built from tile arithmetic, without
 materialising the dense mask (the CUDA path).
+
+``sliding_attention`` layers (``spec.layer_types``) narrow whichever mask they are given to a
+causal window of positions (:func:`sliding_window_mask`): a query at position ``t`` keeps the
+keys at positions ``p`` with ``0 <= t - p < sliding_window``, as the reference implementations
+serve them (docs/dflash.md, "Sliding-window layers"). The forward builds that mask once per
+distinct window, so callers keep passing the full-attention mask.
 """
 
 from __future__ import annotations
@@ -258,6 +264,86 @@ def build_flex_block_mask(
         mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding-window layers: the block mask narrowed to a causal window of positions
+# ---------------------------------------------------------------------------------------------
+
+
+def _window_keep(q_pos: Tensor, kv_pos: Tensor, window: int) -> Tensor:
+    """``[B, Q, K]``: key position ``p`` may be seen from query position ``t`` iff
+    ``p <= t`` and ``t - p < window`` (the query itself included, as Hugging Face counts)."""
+    diff = q_pos.unsqueeze(-1) - kv_pos.unsqueeze(-2)
+    return (diff >= 0) & (diff < window)
+
+
+def _tile_matrix(num: Tensor, idx: Tensor, kv_tiles: int) -> Tensor:
+    """(counts ``[B, H, QT]``, indices ``[B, H, QT, KT]``) -> tile booleans ``[B, H, QT, KT]``."""
+    used = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    cols = torch.where(used, idx.long(), kv_tiles)
+    tiles = torch.zeros(*num.shape, kv_tiles + 1, dtype=torch.bool, device=num.device)
+    tiles.scatter_(-1, cols, True)
+    return tiles[..., :kv_tiles]
+
+
+def _windowed_flex_mask(
+    mask: BlockMask, q_positions: Tensor, kv_positions: Tensor, window: int
+) -> BlockMask:
+    q_len, kv_len = mask.seq_lengths
+    q_tile, kv_tile = mask.BLOCK_SIZE
+    kv_tiles = _cdiv(kv_len, kv_tile)
+    batch = q_positions.shape[0]
+    device = q_positions.device
+    q_pos = torch.zeros(batch, _cdiv(q_len, q_tile) * q_tile, dtype=torch.long, device=device)
+    q_pos[:, :q_len] = q_positions
+    kv_pos = torch.zeros(batch, kv_tiles * kv_tile, dtype=torch.long, device=device)
+    kv_pos[:, :kv_len] = kv_positions
+    base = mask.mask_mod
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        diff = q_pos[b, q_idx] - kv_pos[b, kv_idx]
+        return base(b, h, q_idx, kv_idx) & (diff >= 0) & (diff < window)
+
+    # A tile the full-attention mask fills completely may be cut by the window: every visited
+    # tile becomes partial, so the mask_mod decides inside it.
+    tiles = _tile_matrix(mask.kv_num_blocks, mask.kv_indices, kv_tiles)
+    if mask.full_kv_num_blocks is not None and mask.full_kv_indices is not None:
+        tiles |= _tile_matrix(mask.full_kv_num_blocks, mask.full_kv_indices, kv_tiles)
+    kv_num, kv_idx = _ordered(tiles)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )
+
+
+def sliding_window_mask(
+    mask: DraftMask, q_positions: Tensor, ctx_positions: Tensor, window: int
+) -> DraftMask:
+    """The mask of a ``sliding_attention`` layer: `mask` (any of the three forms) narrowed to
+    keys whose position ``p`` satisfies ``p <= t`` and ``t - p < window`` for a query at
+    position ``t``.
+
+    Positions are the RoPE positions the drafter gets (context ``j`` at ``j``, block position
+    ``k`` of a block anchored at ``a`` at ``a + k``), which are the key indices of the
+    reference's ``[context ; block]`` sequence at inference. So a sliding layer is causal inside
+    the block, and a block sees at most the last ``window - 1 - k`` context positions from block
+    position ``k``. See docs/dflash.md, "Sliding-window layers".
+    """
+    if window < 1:
+        msg = f"sliding window must be a positive number of keys, got {window}"
+        raise ValueError(msg)
+    kv_positions = torch.cat([ctx_positions, q_positions], dim=1)
+    if isinstance(mask, BlockMask):
+        return _windowed_flex_mask(mask, q_positions, kv_positions, window)
+    if isinstance(mask, SplitBlockMask):
+        bs = mask.block_size
+        masks = []
+        for (first, end, visible), chunk_mask in zip(mask.chunks, mask.masks, strict=True):
+            q_pos = q_positions[:, first * bs : end * bs]
+            kv_pos = torch.cat([ctx_positions[:, :visible], q_pos], dim=1)
+            masks.append(chunk_mask & _window_keep(q_pos, kv_pos, window).unsqueeze(1))
+        return SplitBlockMask(tuple(masks), bs, mask.chunks)
+    return mask & _window_keep(q_positions, kv_positions, window).unsqueeze(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,7 +644,9 @@ class DFlashDraftModel(nn.Module):
 
         ``block_embeds [B, Q, H]``: embedded packed blocks; ``context [B, T, H]``: the fused
         context (:meth:`fuse_context`); ``q_positions [B, Q]`` and ``ctx_positions [B, T]``:
-        RoPE positions; ``mask``: :func:`build_dense_block_mask` or :func:`build_flex_block_mask`.
+        RoPE positions; ``mask``: :func:`build_dense_block_mask`, :func:`build_split_block_mask`
+        or :func:`build_flex_block_mask` (full attention; ``sliding_attention`` layers narrow it
+        with :func:`sliding_window_mask`).
         """
         # Inputs follow the weights (float32 master weights under a bf16 target); autocast,
         # when on, still runs the matmuls in low precision.
@@ -567,8 +655,14 @@ class DFlashDraftModel(nn.Module):
         context = context.to(dtype)
         positions = torch.cat([ctx_positions, q_positions], dim=1)
         cos, sin = self.rotary_emb(x, positions)
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, mask)
+        # Sliding-window layers get the mask narrowed to their window, built once per forward.
+        masks: dict[int | None, DraftMask] = {None: mask}
+        for index, layer in enumerate(self.layers):
+            window = self.spec.layer_window(index)
+            if window not in masks:
+                assert window is not None
+                masks[window] = sliding_window_mask(mask, q_positions, ctx_positions, window)
+            x = layer(x, context, cos, sin, masks[window])
         result: Tensor = self.norm(x)
         return result
 
@@ -592,5 +686,6 @@ __all__ = [
     "build_split_block_mask",
     "rope_config",
     "rope_parameters",
+    "sliding_window_mask",
     "taps_from_hidden_states",
 ]

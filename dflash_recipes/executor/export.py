@@ -3,7 +3,10 @@
 ``model.safetensors`` holds the drafter's own tensors under their unprefixed keys (58 for a
 5-layer plain drafter; no embeddings, no ``lm_head``, no rotary buffers) and ``config.json``
 describes it, with RoPE settings and vocabulary taken from the target (the plan), never from
-class defaults.
+class defaults, and the attention kind of every layer (``layer_types``, ``sliding_window``).
+``dflash.py`` (the package's ``remote_code/dflash.py``) is copied next to them and named by the
+config's ``auto_map``, so ``AutoModel.from_pretrained(export, trust_remote_code=True)`` builds
+the drafter itself rather than a plain ``Qwen3Model``.
 
 The export is atomic: everything is written into a temporary sibling directory, flushed, and
 renamed into place; an existing export is replaced only once the new one is complete. A crash
@@ -17,6 +20,7 @@ import logging
 import os
 import shutil
 import uuid
+from importlib import resources
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -32,6 +36,9 @@ from dflash_recipes.plan import ResolvedDraft, RunPlan
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 ARCHITECTURE_NAME = "DFlashDraftModel"
+#: The remote-code module of `AutoModel.from_pretrained(export, trust_remote_code=True)`.
+REMOTE_CODE_FILE = "dflash.py"
+REMOTE_CODE_CLASS = "dflash.DFlashDraftModel"
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +87,8 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         "rms_norm_eps": spec.rms_norm_eps,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "layer_types": ["full_attention"] * spec.num_hidden_layers,
+        "layer_types": [spec.layer_type(i) for i in range(spec.num_hidden_layers)],
+        **_sliding_window_fields(spec),
         "tie_word_embeddings": False,
         "vocab_size": spec.vocab_size,
         "rope_theta": rope.rope_theta,
@@ -93,6 +101,7 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         "dflash_config": dflash,
         "dtype": dtype,
         "torch_dtype": dtype,
+        "auto_map": {"AutoModel": REMOTE_CODE_CLASS},
     }
 
 
@@ -117,6 +126,22 @@ def serving_warnings(spec: ResolvedDraft) -> list[str]:
             "see 'Serving the export' in docs/dflash.md"
         ]
     return []
+
+
+def _sliding_window_fields(spec: ResolvedDraft) -> dict[str, JsonValue]:
+    """`sliding_window` with `use_sliding_window` (transformers' Qwen3Config drops the window
+    unless it is true, and engines read the window from that config object)."""
+    sliding = spec.layer_types is not None and "sliding_attention" in spec.layer_types
+    return {
+        "use_sliding_window": sliding,
+        "sliding_window": spec.sliding_window if sliding else None,
+    }
+
+
+def remote_code_source() -> bytes:
+    """The bytes of the remote-code module written next to every export (`dflash.py`)."""
+    package = resources.files("dflash_recipes.executor")
+    return (package / "remote_code" / REMOTE_CODE_FILE).read_bytes()
 
 
 def _fsync(path: Path) -> None:
@@ -192,6 +217,7 @@ def export_drafter(
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
         (staging / CONFIG_FILE).write_text(text, encoding="utf-8")
+        (staging / REMOTE_CODE_FILE).write_bytes(remote_code_source())
         publish_directory(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -204,11 +230,14 @@ def export_drafter(
 __all__ = [
     "ARCHITECTURE_NAME",
     "CONFIG_FILE",
+    "REMOTE_CODE_CLASS",
+    "REMOTE_CODE_FILE",
     "WEIGHTS_FILE",
     "drafter_config",
     "export_checkpoint",
     "export_drafter",
     "publish_directory",
+    "remote_code_source",
     "serving_warnings",
 ]
 

@@ -77,6 +77,8 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "markov_rank": None,
             "use_confidence_head": False,
             "attention_sink": False,
+            "layer_types": None,
+            "sliding_window": None,
         },
         "objective": {
             "num_anchors": 4,

@@ -1,0 +1,170 @@
+"""Sliding-window drafter layers at compile time: taken from the checkpoint like the taps,
+compared when the recipe states them, and bad input rejected with one diagnostic each."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from st_fixtures import drafter_config, write_drafter_checkpoint
+from test_crosschecks import compile_in, make_training_checkpoint, only, text
+
+from dflash_recipes.compiler import compile_file
+from dflash_recipes.diagnostics import Severity
+from dflash_recipes.recipe import Recipe
+from dflash_recipes.run_layout import PLAN_FILE
+
+RecipeFactory = Callable[..., Recipe]
+ARCH = "dflash.dflash_architecture_config"
+SLIDING = ("sliding_attention", "full_attention")
+
+
+def sliding_drafter(tmp_path: Path, window: int = 2048) -> Path:
+    """`tmp_path/drafter` whose config.json says layer 0 is sliding with `window`."""
+    config = drafter_config(target_layer_ids=[1, 5])
+    config["layer_types"] = list(SLIDING)
+    config["sliding_window"] = window
+    config["use_sliding_window"] = True
+    return write_drafter_checkpoint(tmp_path / "drafter", config=config)
+
+
+def test_unset_layer_types_are_taken_from_the_checkpoint(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    sliding_drafter(tmp_path)
+    result = compile_in(tmp_path, make_recipe())
+    assert result.plan is not None, result.diagnostics
+    arch = result.plan.draft.architecture
+    assert (arch.layer_types, arch.sliding_window) == (SLIDING, 2048)
+    spec = result.plan.resolved_draft()
+    assert [spec.layer_window(i) for i in range(2)] == [2048, None]
+    info = only(result, "layer-types-from-checkpoint")
+    assert info.severity is Severity.INFO and info.path == f"{ARCH}.layer_types"
+    assert "sliding_attention, full_attention" in info.message and "2048" in info.message
+    assert "sliding_window: 2048" in info.hint
+
+
+def test_recipe_layer_types_differing_from_the_checkpoint_warn_of_a_degraded_warm_start(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    sliding_drafter(tmp_path)
+    recipe = make_recipe(arch={"layer_types": SLIDING, "sliding_window": 512})
+    result = compile_in(tmp_path, recipe)
+    assert result.plan is not None
+    assert result.plan.draft.architecture.sliding_window == 512
+    warning = only(result, "checkpoint-layer-types-differ")
+    assert warning.severity is Severity.WARNING
+    assert "degraded" in warning.message and "sliding_window 512" in warning.message
+    assert "sliding_window: 2048" in warning.hint
+    # full attention everywhere against a sliding checkpoint warns too
+    full = make_recipe(arch={"layer_types": ("full_attention", "full_attention")})
+    assert "sliding_attention" in text(
+        only(compile_in(tmp_path, full), "checkpoint-layer-types-differ")
+    )
+    # the checkpoint's own values are quiet
+    same = make_recipe(arch={"layer_types": SLIDING, "sliding_window": 2048})
+    assert not [d for d in compile_in(tmp_path, same).diagnostics if "layer" in d.code]
+
+
+def test_full_attention_checkpoint_keeps_full_attention(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    result = compile_in(tmp_path, make_recipe())
+    assert result.plan is not None
+    arch = result.plan.draft.architecture
+    assert arch.sliding_window is None
+    assert arch.layer_types in (None, ("full_attention", "full_attention"))
+
+
+def test_layer_types_of_the_wrong_length_is_one_error_with_the_fix(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    recipe = make_recipe(arch={"layer_types": ("sliding_attention",), "sliding_window": 4})
+    result = compile_in(tmp_path, recipe)
+    assert result.plan is None
+    error = only(result, "layer-types-length")
+    assert error.path == f"{ARCH}.layer_types"
+    assert "1 attention kinds" in error.message and "num_hidden_layers 2" in error.message
+    assert "[sliding_attention, sliding_attention]" in error.hint
+
+
+def test_sliding_layers_without_a_window_are_an_error(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    result = compile_in(tmp_path, make_recipe(arch={"layer_types": SLIDING}))
+    error = only(result, "sliding-window-missing")
+    assert error.path == f"{ARCH}.sliding_window"
+    assert "set dflash_architecture_config.sliding_window" in error.hint
+
+
+def test_unknown_layer_type_and_non_positive_window_are_reported_at_their_keys(
+    tmp_path: Path,
+    recipe_text: Callable[..., str],
+    write_recipe: Callable[..., Path],
+    drafter: Path,
+) -> None:
+    for arch, key, words in (
+        ({"layer_types": ["full_attention", "local"]}, "layer_types", "layer_types[1] is 'local'"),
+        ({"sliding_window": 0}, "sliding_window", "positive integer"),
+        ({"sliding_window": -5}, "sliding_window", "positive integer"),
+    ):
+        result = compile_file(write_recipe(recipe_text(arch=arch)))
+        assert result.plan is None
+        (error,) = result.errors
+        assert error.code == "invalid-value"
+        assert error.path == f"{ARCH}.{key}"
+        assert words in error.message
+        assert error.hint and error.line is not None
+        if key == "layer_types":
+            assert "full_attention, sliding_attention" in error.message
+
+
+def test_resume_keeps_the_windows_of_the_run_after_the_checkpoint_is_gone(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    drafter = sliding_drafter(tmp_path, window=64)
+    recipe = make_recipe()
+    first = compile_in(tmp_path, recipe)
+    assert first.plan is not None
+    output_dir = tmp_path / "outputs" / "dflash"
+    make_training_checkpoint(output_dir, 10)
+    (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
+    shutil.rmtree(drafter)
+    result = compile_in(tmp_path, recipe)
+    assert result.plan is not None, result.diagnostics
+    arch = result.plan.draft.architecture
+    assert (arch.layer_types, arch.sliding_window) == (SLIDING, 64)
+    assert "sliding_window 64" in only(result, "layer-types-from-previous-run").message
+
+
+def test_checkpoint_with_sliding_layers_but_no_window_is_an_error_not_full_attention(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config(target_layer_ids=[1, 5])
+    config["layer_types"] = list(SLIDING)
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_in(tmp_path, make_recipe())
+    error = only(result, "sliding-window-missing")
+    assert "from the init checkpoint" in error.message
+
+
+def test_a_window_without_sliding_layers_is_a_warning(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    result = compile_in(tmp_path, make_recipe(arch={"sliding_window": 128}))
+    assert result.plan is not None
+    assert result.plan.draft.architecture.sliding_window is None
+    warning = only(result, "sliding-window-unused")
+    assert warning.path == f"{ARCH}.sliding_window" and "changes nothing" in warning.message
+
+
+def test_unreadable_layer_types_in_the_checkpoint_are_named(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config(target_layer_ids=[1, 5])
+    config["layer_types"] = ["sliding_attention", "chunked_attention"]
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    result = compile_in(tmp_path, make_recipe())
+    warning = only(result, "checkpoint-config-field")
+    assert "`layer_types`" in warning.message and "chunked_attention" in warning.message
