@@ -43,6 +43,9 @@ OUTPUT_UNWRITABLE = register_code(
     "The -o file cannot be written (missing permission, or a file where a folder should be).",
 )
 
+#: A plan.json is a few kilobytes; anything far larger is not one.
+PLAN_MAX_BYTES = 16 * 2**20
+
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
@@ -439,14 +442,18 @@ def load_plan_or_recipe(path: str, overrides: Sequence[str]) -> RunPlan:
                 "instead, or recompile the plan with the overrides",
                 EXIT_USAGE,
             )
+        from dflash_recipes.jsonio import FileReadProblem, read_regular_file
+
         try:
-            text = candidate.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            _fail(f"cannot read plan {path}: {exc}", EXIT_USAGE)
+            raw = read_regular_file(candidate, max_bytes=PLAN_MAX_BYTES)
+        except FileReadProblem as exc:
+            _fail(f"cannot read plan {path}: {exc.reason}", EXIT_USAGE)
         try:
-            return RunPlan.from_json(text)
+            plan = RunPlan.from_json(raw)
         except DFlashRecipeError as exc:
             _fail(f"{path}: {exc}")
+        _warn_remote_code(path, plan)
+        return plan
     result = _compile(path, overrides)
     _print_diagnostics(result.diagnostics)
     if result.plan is None:
@@ -454,7 +461,18 @@ def load_plan_or_recipe(path: str, overrides: Sequence[str]) -> RunPlan:
             f"{path} did not compile ({summary_line(result.diagnostics)})",
             _exit_code_for(result.diagnostics) or EXIT_FINDINGS,
         )
+    _warn_remote_code(path, result.plan)
     return result.plan
+
+
+def _warn_remote_code(path: str, plan: RunPlan) -> None:
+    if plan.base_model.trust_remote_code:
+        click.echo(
+            f"warning: {path} has base_model.trust_remote_code on: Python code from "
+            f"{plan.base_model.path} will run (a plan's fingerprint shows it is unchanged since "
+            "it was compiled, not who compiled it)",
+            err=True,
+        )
 
 
 def _setup_logging(verbose: bool) -> None:
