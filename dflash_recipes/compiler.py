@@ -43,6 +43,7 @@ from dflash_recipes.hfconfig import (
     read_checkpoint_config,
     read_target_facts,
 )
+from dflash_recipes.jsonio import FileReadProblem, read_regular_file
 from dflash_recipes.layout import (
     LayoutSpec,
     compare_layout,
@@ -1066,10 +1067,8 @@ class _Compilation:
 def _read_previous_plan(path: Path) -> RunPlan | None:
     """The plan a resumed run was started with, or None when absent or unreadable."""
     try:
-        if not path.is_file() or path.stat().st_size > 16 * 2**20:
-            return None
-        return RunPlan.from_json(path.read_bytes())
-    except (OSError, DFlashRecipeError):
+        return RunPlan.from_json(read_regular_file(path, max_bytes=16 * 2**20))
+    except (FileReadProblem, DFlashRecipeError):
         return None
 
 
