@@ -50,6 +50,13 @@ def shorten(value: object, limit: int = ECHO_LIMIT) -> str:
     return text
 
 
+def clip(text: str, limit: int = 300) -> str:
+    """`text` itself when short (paths read best unquoted), else cut with the count left out."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"... ({len(text) - limit} more characters)"
+
+
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     result: dict[str, object] = {}
     for key, value in pairs:
@@ -126,7 +133,9 @@ def parse_json(
 
 
 def file_kind(mode: int) -> str:
-    """What a non-regular file is, in words ('a FIFO', 'a socket', 'a folder', ...)."""
+    """What a file is, in words ('a regular file', 'a FIFO (named pipe)', 'a folder', ...)."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
     if stat.S_ISDIR(mode):
         return "a folder"
     if stat.S_ISFIFO(mode):
@@ -227,6 +236,7 @@ __all__ = [
     "MAX_INT_DIGITS",
     "FileReadProblem",
     "JsonProblem",
+    "clip",
     "file_kind",
     "parse_json",
     "read_json_file",
