@@ -9,6 +9,7 @@ tests/executor/test_readers_property.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import struct
@@ -69,10 +70,8 @@ file_bytes = st.one_of(
 
 
 def only_our_errors(call: Any, *args: Any) -> None:
-    try:
+    with contextlib.suppress(DFlashRecipeError):
         call(*args)
-    except DFlashRecipeError:
-        pass
 
 
 @FUZZ
