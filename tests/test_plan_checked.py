@@ -133,6 +133,7 @@ def test_run_export_eval_refuse_a_plan_without_fingerprint(
         ('{"format_version": ' + "1" * 5000 + "}", "an integer of 5000 digits"),
         ('{"format_version": 1e999}', "too large for a float"),
     ],
+    ids=["deep", "nan", "huge-int", "overflow"],
 )
 def test_a_plan_that_is_not_plain_json_is_a_clean_error(
     tmp_path: Path, text: str, reason: str
