@@ -28,6 +28,7 @@ from typing import Literal, Protocol
 import attrs
 
 from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
+from dflash_recipes.jsonio import FileReadProblem, read_regular_file
 
 #: The single-file weights of an exported drafter.
 WEIGHTS_NAME = "model.safetensors"
@@ -593,18 +594,16 @@ def _read_strict_json_file(
 ) -> dict[str, object]:
     where = str(path)
     try:
-        with open(path, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                msg = f"{where}: not a regular file (a JSON {what} was expected)"
-                raise error(msg)
-            # Read one byte past the limit so a file that grew after a stat is still caught.
-            raw = handle.read(max_bytes + 1)
-    except OSError as exc:
-        msg = f"{where}: cannot read the {what}: {exc.strerror or exc}"
-        raise error(msg) from exc
-    if len(raw) > max_bytes:
-        msg = f"{where}: the {what} is larger than the limit of {max_bytes} bytes"
-        raise error(msg)
+        # Stat before open: a FIFO or device is refused without ever blocking on it.
+        raw = read_regular_file(path, max_bytes=max_bytes)
+    except FileReadProblem as problem:
+        if "not a regular file" in problem.reason:
+            msg = f"{where}: not a regular file (a JSON {what} was expected): {problem.reason}"
+        elif "larger than the limit" in problem.reason:
+            msg = f"{where}: the {what} is larger than the limit of {max_bytes} bytes"
+        else:
+            msg = f"{where}: cannot read the {what}: {problem.reason}"
+        raise error(msg) from None
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     return _json_object(raw, where=where, what=what, error=error)

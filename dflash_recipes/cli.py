@@ -29,19 +29,31 @@ from dflash_recipes.diagnostics import (
     summary_line,
 )
 from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.jsonio import clip, regular_file_problem
 
 if TYPE_CHECKING:
     from dflash_recipes.compiler import CompileResult
     from dflash_recipes.plan import RunPlan
 
 #: Loader codes that mean "the recipe file itself could not be read": a usage problem (exit 2).
-UNREADABLE_CODES = frozenset({"recipe-not-found", "recipe-is-directory", "recipe-unreadable"})
+UNREADABLE_CODES = frozenset(
+    {
+        "recipe-not-found",
+        "recipe-is-directory",
+        "recipe-unreadable",
+        "recipe-not-a-file",
+        "recipe-too-large",
+    }
+)
 
 OUTPUT_UNWRITABLE = register_code(
     "output-unwritable",
     Severity.ERROR,
     "The -o file cannot be written (missing permission, or a file where a folder should be).",
 )
+
+#: A plan.json is a few kilobytes; anything far larger is not one.
+PLAN_MAX_BYTES = 16 * 2**20
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -239,14 +251,18 @@ def _collect_recipe_files(paths: Sequence[str]) -> tuple[list[Path], list[str]]:
     seen: set[str] = set()
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        unreadable = regular_file_problem(path)
+        if unreadable is None:
+            found = [path]
+        elif os.path.isdir(path):
             found = _recipes_under(path)
             if not found:
                 problems.append(f"{raw}: no recipe files (*.yaml, *.yml) in this folder")
-        elif path.is_file():
-            found = [path]
-        else:
+        elif unreadable.missing:
             problems.append(f"{raw}: no such file or directory")
+            continue
+        else:
+            problems.append(f"{clip(raw)}: {unreadable.reason}")
             continue
         for file in found:
             key = os.path.realpath(file)
@@ -397,7 +413,11 @@ def init_command(
     """
     from dflash_recipes.init_recipe import render_init_recipe
 
-    if output is not None and output.exists():
+    try:
+        taken = output is not None and os.path.lexists(output)
+    except (OSError, ValueError) as exc:  # lexists swallows most; keep any other out too
+        _fail(f"cannot use -o {clip(str(output))}: {exc}", EXIT_USAGE)
+    if taken:
         _fail(f"{output} already exists; choose another -o path or delete it first", EXIT_USAGE)
     try:
         text = render_init_recipe(
@@ -439,14 +459,18 @@ def load_plan_or_recipe(path: str, overrides: Sequence[str]) -> RunPlan:
                 "instead, or recompile the plan with the overrides",
                 EXIT_USAGE,
             )
+        from dflash_recipes.jsonio import FileReadProblem, read_regular_file
+
         try:
-            text = candidate.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            _fail(f"cannot read plan {path}: {exc}", EXIT_USAGE)
+            raw = read_regular_file(candidate, max_bytes=PLAN_MAX_BYTES)
+        except FileReadProblem as exc:
+            _fail(f"cannot read plan {path}: {exc.reason}", EXIT_USAGE)
         try:
-            return RunPlan.from_json(text)
+            plan = RunPlan.from_json(raw)
         except DFlashRecipeError as exc:
             _fail(f"{path}: {exc}")
+        _warn_remote_code(path, plan)
+        return plan
     result = _compile(path, overrides)
     _print_diagnostics(result.diagnostics)
     if result.plan is None:
@@ -454,7 +478,18 @@ def load_plan_or_recipe(path: str, overrides: Sequence[str]) -> RunPlan:
             f"{path} did not compile ({summary_line(result.diagnostics)})",
             _exit_code_for(result.diagnostics) or EXIT_FINDINGS,
         )
+    _warn_remote_code(path, result.plan)
     return result.plan
+
+
+def _warn_remote_code(path: str, plan: RunPlan) -> None:
+    if plan.base_model.trust_remote_code:
+        click.echo(
+            f"warning: {path} has base_model.trust_remote_code on: Python code from "
+            f"{plan.base_model.path} will run (a plan's fingerprint shows it is unchanged since "
+            "it was compiled, not who compiled it)",
+            err=True,
+        )
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -618,6 +653,7 @@ def export_command(
     """
     from dflash_recipes.run_layout import PLAN_FILE
 
+    out_dir = _export_target(out_dir)
     if plan_path is None:
         candidate = checkpoint_dir.parent / PLAN_FILE
         if not candidate.is_file():
@@ -632,6 +668,26 @@ def export_command(
 
     written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype)
     click.echo(f"exported {checkpoint_dir} -> {written}")
+
+
+def _export_target(out_dir: Path) -> Path:
+    """OUT_DIR as an absolute, normalised path; exits 2 for the working folder or a parent.
+
+    An export is a directory of its own, published by renaming it into place: `.` or `..`
+    would name a folder that holds other things (and has no name to rename to).
+    """
+    try:
+        target = Path(os.path.normpath(os.path.abspath(out_dir)))
+        here = Path.cwd()
+    except (OSError, ValueError) as exc:
+        _fail(f"cannot use OUT_DIR {clip(str(out_dir))}: {exc}", EXIT_USAGE)
+    if target == here or target in here.parents:
+        _fail(
+            f"OUT_DIR {out_dir} is the current folder or one of its parents; an export is a "
+            "folder of its own: pass a new one, for example drafter-export",
+            EXIT_USAGE,
+        )
+    return target
 
 
 @main.command("report")

@@ -15,6 +15,8 @@ and nothing reads tensor data: a 2 GB drafter costs a few kilobytes of header.
 from __future__ import annotations
 
 import math
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -44,6 +46,7 @@ from dflash_recipes.hfconfig import (
     read_checkpoint_config,
     read_target_facts,
 )
+from dflash_recipes.jsonio import FileReadProblem, clip, file_kind, read_regular_file
 from dflash_recipes.layout import (
     LayoutSpec,
     compare_layout,
@@ -540,6 +543,16 @@ class _Compilation:
 
     def resolve_output(self) -> None:
         output_dir = self.absolute(self.recipe.training.output_dir)
+        unusable = output_dir_problem(output_dir)
+        if unusable is not None:
+            self.emit(
+                OUTPUT_DIR_UNUSABLE,
+                "training.output_dir",
+                f"training.output_dir {clip(str(output_dir))} {unusable}; checkpoints, "
+                "metrics and the export are written into a directory",
+                "point training.output_dir at a new or existing directory",
+            )
+            return
         try:
             if output_dir.exists() and not output_dir.is_dir():
                 self.emit(
@@ -1229,13 +1242,41 @@ class _Compilation:
         )
 
 
+def output_dir_problem(path: Path) -> str | None:
+    """Why `run` could not create or use `path` as its output directory, or None.
+
+    Checked without creating anything: a NUL byte, a folder (or the path itself) that is a
+    file or another non-directory, or a path the file system refuses (e.g. a name too long).
+    """
+    text = os.fspath(path)
+    if "\0" in text:
+        return "contains a NUL byte, which no file system accepts"
+    probe = path
+    while True:
+        try:
+            info = os.stat(probe)
+        except FileNotFoundError:
+            if probe.parent == probe:
+                return None
+            probe = probe.parent
+            continue
+        except NotADirectoryError:
+            probe = probe.parent
+            continue
+        except OSError as exc:
+            return f"cannot be used: {exc.strerror or exc}"
+        if stat.S_ISDIR(info.st_mode):
+            return None
+        if probe == path:
+            return f"exists and is {file_kind(info.st_mode)}, not a directory"
+        return f"lies below {probe}, which is {file_kind(info.st_mode)}, not a directory"
+
+
 def _read_previous_plan(path: Path) -> RunPlan | None:
     """The plan a resumed run was started with, or None when absent or unreadable."""
     try:
-        if not path.is_file() or path.stat().st_size > 16 * 2**20:
-            return None
-        return RunPlan.from_json(path.read_bytes())
-    except (OSError, DFlashRecipeError):
+        return RunPlan.from_json(read_regular_file(path, max_bytes=16 * 2**20))
+    except (FileReadProblem, DFlashRecipeError):
         return None
 
 

@@ -25,6 +25,7 @@ import attrs
 from dflash_recipes.checkpoint import read_json_config
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.jsonio import shorten
 from dflash_recipes.plan import RopePlan, RopeValue, TargetFacts
 
 CONFIG_FILE = "config.json"
@@ -268,7 +269,8 @@ def _rope_dict(
         params = _as_mapping(section.get(key))
         if params is None:
             continue
-        labels = set(layer_types) if isinstance(layer_types, list) else set()
+        listed = layer_types if isinstance(layer_types, list) else []
+        labels = {label for label in listed if isinstance(label, str)}
         labels |= {"full_attention", "sliding_attention"}
         nested = [k for k, v in params.items() if k in labels and isinstance(v, dict)]
         if nested and not (_ROPE_NAMING_KEYS & params.keys()):
@@ -288,7 +290,23 @@ def _read_rope(
     field_severity: Severity,
 ) -> _RopeRead:
     problems: list[ConfigProblem] = []
-    params, where = _rope_dict(section, section.get("layer_types"), prefix)
+    layer_types = section.get("layer_types")
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+    ):
+        key = f"{prefix}layer_types"
+        odd = (
+            layer_types
+            if not isinstance(layer_types, list)
+            else next(t for t in layer_types if not isinstance(t, str))
+        )
+        message = (
+            f'`{key}` must be a list of attention kinds (strings such as "full_attention"), '
+            f"got {shorten(odd)}"
+        )
+        hint = f"correct `{key}` in config.json (or remove it: every layer is then full attention)"
+        problems.append(ConfigProblem(field_code, field_severity, key, message, hint))
+    params, where = _rope_dict(section, layer_types, prefix)
     flat = section.get("rope_theta")
     nested = params.get("rope_theta") if params is not None else None
 

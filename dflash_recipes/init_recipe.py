@@ -260,7 +260,7 @@ def _token_ids(document: Mapping[str, object]) -> list[int]:
             ids.append(entry["id"])
     decoder = document.get("added_tokens_decoder")
     if isinstance(decoder, dict):
-        ids += [int(k) for k in decoder if k.isdigit()]
+        ids += [i for i in map(_token_key, decoder) if i is not None]
     if model is None and "added_tokens_decoder" not in document:  # vocab.json: token -> id
         ids += [v for v in document.values() if type(v) is int]
     return ids
@@ -279,8 +279,20 @@ def _named_mask_token(directory: Path) -> int | None:
     if not isinstance(mask, str) or not isinstance(decoder, dict):
         return None
     for key, entry in decoder.items():
-        if isinstance(entry, dict) and entry.get("content") == mask and key.isdigit():
-            return int(key)
+        token = _token_key(key)
+        if isinstance(entry, dict) and entry.get("content") == mask and token is not None:
+            return token
+    return None
+
+
+def _token_key(key: str) -> int | None:
+    """A token id written as a JSON object key ("151669"), or None for anything else.
+
+    str.isdigit() also accepts digits int() refuses ("²") and keys of any length, so only
+    short ASCII decimals count.
+    """
+    if key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
     return None
 
 

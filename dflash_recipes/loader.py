@@ -28,6 +28,7 @@ from dflash_recipes.diagnostics import (
     register_code,
 )
 from dflash_recipes.errors import RecipeError
+from dflash_recipes.jsonio import FileReadProblem, clip, read_regular_file
 from dflash_recipes.recipe import Recipe
 from dflash_recipes.yamlio import load_yaml
 
@@ -43,6 +44,18 @@ RECIPE_IS_DIRECTORY = register_code(
 RECIPE_UNREADABLE = register_code(
     "recipe-unreadable", Severity.ERROR, "The recipe file exists but cannot be read (permissions)."
 )
+RECIPE_NOT_A_FILE = register_code(
+    "recipe-not-a-file",
+    Severity.ERROR,
+    "The recipe path is a FIFO, socket or device, not a regular file (it is never opened).",
+)
+RECIPE_TOO_LARGE = register_code(
+    "recipe-too-large",
+    Severity.ERROR,
+    "The recipe file is larger than 1 MiB; recipes are a few hundred bytes of YAML.",
+)
+#: Recipe files larger than this are refused before they are read.
+RECIPE_MAX_BYTES = 2**20
 INVALID_UTF8 = register_code("invalid-utf8", Severity.ERROR, "The recipe file is not UTF-8 text.")
 BAD_OVERRIDE = register_code(
     "bad-override",
@@ -285,6 +298,36 @@ def _directory_hint(path: Path, display: str) -> str:
     return "pass the path of a recipe .yaml file"
 
 
+def _read_problem(problem: FileReadProblem, path: Path, display: str) -> Diagnostic:
+    if problem.missing:
+        return _file_problem(
+            RECIPE_NOT_FOUND,
+            display,
+            f"recipe file {display} does not exist",
+            _not_found_hint(path, display),
+        )
+    if "not a regular file" in problem.reason:
+        return _file_problem(
+            RECIPE_NOT_A_FILE,
+            display,
+            f"recipe path {display}: {problem.reason}",
+            "pass the path of a recipe .yaml file (nothing was read from this one)",
+        )
+    if "larger than the limit" in problem.reason:
+        return _file_problem(
+            RECIPE_TOO_LARGE,
+            display,
+            f"recipe file {display}: {problem.reason}",
+            "a recipe is a short YAML file; check that this is the file you meant",
+        )
+    return _file_problem(
+        RECIPE_UNREADABLE,
+        display,
+        f"cannot read recipe file {display}: {problem.reason}",
+        "check the file's permissions",
+    )
+
+
 def _invalid_utf8(raw: bytes, error: UnicodeDecodeError, display: str) -> Diagnostic:
     start = error.start
     line_start = raw.rfind(b"\n", 0, start) + 1
@@ -325,7 +368,18 @@ def load_recipe_with_diagnostics(
             overrides=overrides,
         )
 
-    if recipe_path.is_dir():
+    try:
+        is_folder = recipe_path.is_dir()
+    except OSError as exc:  # e.g. a file name too long for the file system
+        return failed(
+            _file_problem(
+                RECIPE_UNREADABLE,
+                display,
+                f"cannot read recipe file {clip(display)}: {exc.strerror or exc}",
+                "check the path",
+            )
+        )
+    if is_folder:
         return failed(
             _file_problem(
                 RECIPE_IS_DIRECTORY,
@@ -335,25 +389,9 @@ def load_recipe_with_diagnostics(
             )
         )
     try:
-        raw = recipe_path.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        return failed(
-            _file_problem(
-                RECIPE_NOT_FOUND,
-                display,
-                f"recipe file {display} does not exist",
-                _not_found_hint(recipe_path, display),
-            )
-        )
-    except OSError as exc:
-        return failed(
-            _file_problem(
-                RECIPE_UNREADABLE,
-                display,
-                f"cannot read recipe file {display}: {exc.strerror or exc}",
-                "check the file's permissions",
-            )
-        )
+        raw = read_regular_file(recipe_path, max_bytes=RECIPE_MAX_BYTES)
+    except FileReadProblem as problem:
+        return failed(_read_problem(problem, recipe_path, display))
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -17,8 +17,14 @@ import attrs
 import cattrs
 
 from dflash_recipes.errors import PlanError
+from dflash_recipes.jsonio import JsonProblem, parse_json, shorten
 
 PLAN_FORMAT_VERSION = 1
+#: What to do about a plan that is refused.
+RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
+#: Integers in a plan file are read up to this many digits, so an absurd value reaches the
+#: validators (which name its dotted path) instead of failing Python's int conversion.
+_PLAN_INT_DIGITS = 4000
 
 #: Scalars allowed inside free-form RoPE scaling mappings (flat, as in HF configs).
 RopeValue = Union[float, int, str, bool, None]  # noqa: UP007 (cattrs needs a runtime Union)
@@ -213,39 +219,56 @@ class RunPlan:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RunPlan:
-        """Parse a plan written by :meth:`to_json`; checks the format version and fingerprint."""
+        """Parse a plan written by :meth:`to_json`; see :meth:`from_dict` for what is checked."""
         try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            msg = f"run plan is not valid JSON: {exc}"
-            raise PlanError(msg) from exc
+            data = parse_json(text, max_int_digits=_PLAN_INT_DIGITS)
+        except JsonProblem as exc:
+            msg = f"run plan is not valid JSON ({exc.reason}); {RECOMPILE_HINT}"
+            raise PlanError(msg) from None
         if not isinstance(data, dict):
-            msg = "run plan must be a JSON object"
+            msg = f"run plan must be a JSON object; {RECOMPILE_HINT}"
             raise PlanError(msg)
         return cls.from_dict(data)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> RunPlan:
-        """Structure a plan dict; a stated fingerprint must match the content."""
+        """Structure a plan dict, checked rather than trusted.
+
+        Refused with PlanError: another format version, a missing fingerprint, a fingerprint
+        that does not match the content (the file was edited), values of the wrong type, and
+        values the recipe's validators reject (bounds included), each by its dotted path.
+        The fingerprint proves integrity, not authorship: whoever can write the file can
+        recompute it.
+        """
         payload = dict(data)
         stated = payload.pop("fingerprint", None)
         version = payload.get("format_version")
         if version != PLAN_FORMAT_VERSION:
             msg = (
-                f"run plan format_version is {version!r}, this dflash-recipes reads "
-                f"{PLAN_FORMAT_VERSION}; recompile the recipe with `dflash-recipe compile`"
+                f"run plan format_version is {shorten(version)}, this dflash-recipes reads "
+                f"{PLAN_FORMAT_VERSION}; {RECOMPILE_HINT}"
             )
+            raise PlanError(msg)
+        if stated is None:
+            msg = f"run plan has no fingerprint, so it cannot be checked; {RECOMPILE_HINT}"
             raise PlanError(msg)
         try:
             plan = _CONVERTER.structure(payload, cls)
         except Exception as exc:  # cattrs raises ExceptionGroups of many kinds
-            msg = f"run plan does not match the plan schema: {_flatten(exc)}"
+            msg = f"run plan does not match the plan schema: {_flatten(exc)}; {RECOMPILE_HINT}"
             raise PlanError(msg) from exc
-        if stated is not None and stated != plan.fingerprint:
+        if stated != plan.fingerprint:
             msg = (
                 "run plan fingerprint does not match its content (the file was edited by hand); "
-                "recompile the recipe with `dflash-recipe compile` instead of editing the plan"
+                f"{RECOMPILE_HINT} instead of editing the plan"
             )
+            raise PlanError(msg)
+        from dflash_recipes.plan_checks import plan_value_problems
+
+        problems = plan_value_problems(plan)
+        if problems:
+            listed = "\n".join(f"  {problem}" for problem in problems)
+            msg = f"run plan has values no recipe can produce; {RECOMPILE_HINT}:\n{listed}"
             raise PlanError(msg)
         return plan
 
@@ -396,7 +419,7 @@ def _make_converter() -> cattrs.Converter:
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 return float(value)
             if type(value) is not kind:
-                msg = f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
+                msg = f"expected {kind.__name__}, got {type(value).__name__} {shorten(value)}"
                 raise TypeError(msg)
             return value
 
@@ -418,9 +441,12 @@ def _flatten(exc: BaseException) -> str:
 
 
 def _canonical(data: object) -> bytes:
+    # Encoding policy (docs/dflash.md, "Text that is not Unicode"): paths are str as os.fsdecode
+    # gives them, so an undecodable byte is a lone surrogate; surrogatepass hashes any str
+    # deterministically, and text without lone surrogates hashes exactly as plain UTF-8.
     return json.dumps(
         data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    ).encode("utf-8", errors="surrogatepass")
 
 
 _CONVERTER = _make_converter()
@@ -428,6 +454,7 @@ _CONVERTER = _make_converter()
 
 __all__ = [
     "PLAN_FORMAT_VERSION",
+    "RECOMPILE_HINT",
     "ArchitecturePlan",
     "BaseModelPlan",
     "DataPlan",

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import attrs
 
+from dflash_recipes.jsonio import shorten
+
 Dtype = Literal["bfloat16", "float16", "float32"]
 SchedulerType = Literal["cosine", "linear", "constant"]
 LossObjective = Literal["decay", "dpace"]
@@ -31,6 +33,11 @@ LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
+#: No integer field accepts more than this (int64: what tensors, seeds and counters hold).
+INT_FIELD_MAX = 2**63 - 1
+#: The largest target layer index a tap may name.
+MAX_LAYER_ID = 4095
+
 
 # ---------------------------------------------------------------------------------------------
 # single-field validators: each raises ValueError with a message that names the rule
@@ -45,8 +52,8 @@ def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) 
     """Value must be an int > 0 (None passes; use on Optional fields too)."""
     if value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        msg = f"{_name(attribute)} must be a positive integer, got {value!r}"
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT_FIELD_MAX:
+        msg = f"{_name(attribute)} must be a positive integer, got {shorten(value)}"
         raise ValueError(msg)
 
 
@@ -54,8 +61,8 @@ def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: A
     """Value must be an int >= 0 (None passes)."""
     if value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        msg = f"{_name(attribute)} must be an integer >= 0, got {value!r}"
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT_FIELD_MAX:
+        msg = f"{_name(attribute)} must be an integer >= 0, got {shorten(value)}"
         raise ValueError(msg)
 
 
@@ -69,7 +76,7 @@ def positive_float(instance: object, attribute: attrs.Attribute[Any], value: Any
         or not math.isfinite(value)
         or value <= 0
     ):
-        msg = f"{_name(attribute)} must be a finite number > 0, got {value!r}"
+        msg = f"{_name(attribute)} must be a finite number > 0, got {shorten(value)}"
         raise ValueError(msg)
 
 
@@ -81,21 +88,21 @@ def non_negative_float(instance: object, attribute: attrs.Attribute[Any], value:
         or not math.isfinite(value)
         or value < 0
     ):
-        msg = f"{_name(attribute)} must be a finite number >= 0, got {value!r}"
+        msg = f"{_name(attribute)} must be a finite number >= 0, got {shorten(value)}"
         raise ValueError(msg)
 
 
 def fraction_half_open(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """Value must lie in [0, 1)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
-        msg = f"{_name(attribute)} must be in [0, 1), got {value!r}"
+        msg = f"{_name(attribute)} must be in [0, 1), got {shorten(value)}"
         raise ValueError(msg)
 
 
 def fraction_open_closed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """Value must lie in (0, 1]."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        msg = f"{_name(attribute)} must be in (0, 1], got {value!r}"
+        msg = f"{_name(attribute)} must be in (0, 1], got {shorten(value)}"
         raise ValueError(msg)
 
 
@@ -106,7 +113,7 @@ def one_of(choices: tuple[str, ...]) -> Validator:
         if value is None:
             return
         if value not in choices:
-            msg = f"{_name(attribute)} must be one of {', '.join(choices)}; got {value!r}"
+            msg = f"{_name(attribute)} must be one of {', '.join(choices)}; got {shorten(value)}"
             raise ValueError(msg)
 
     return check
@@ -116,7 +123,10 @@ def even_positive_int(instance: object, attribute: attrs.Attribute[Any], value: 
     """Value must be a positive even int (RoPE rotates pairs of dimensions)."""
     positive_int(instance, attribute, value)
     if value is not None and isinstance(value, int) and value % 2 != 0:
-        msg = f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), got {value!r}"
+        msg = (
+            f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), "
+            f"got {shorten(value)}"
+        )
         raise ValueError(msg)
 
 
@@ -125,11 +135,14 @@ def layer_id_list(instance: object, attribute: attrs.Attribute[Any], value: Any)
     if value is None:
         return
     if not isinstance(value, tuple) or not value:
-        msg = f"{_name(attribute)} must be a non-empty list of layer indices, got {value!r}"
+        msg = f"{_name(attribute)} must be a non-empty list of layer indices, got {shorten(value)}"
         raise ValueError(msg)
     for item in value:
-        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
-            msg = f"{_name(attribute)} entries must be integers >= 0, got {item!r}"
+        if not isinstance(item, int) or isinstance(item, bool) or not 0 <= item <= MAX_LAYER_ID:
+            msg = (
+                f"{_name(attribute)} entries must be integers in [0, {MAX_LAYER_ID}], "
+                f"got {shorten(item)}"
+            )
             raise ValueError(msg)
 
 
@@ -155,7 +168,7 @@ def layer_type_list(instance: object, attribute: attrs.Attribute[Any], value: An
 def block_size_range(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """A DFlash block needs the anchor plus at least one masked position."""
     if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 128:
-        msg = f"{_name(attribute)} must be an integer in [2, 128], got {value!r}"
+        msg = f"{_name(attribute)} must be an integer in [2, 128], got {shorten(value)}"
         raise ValueError(msg)
 
 
@@ -164,8 +177,49 @@ def non_empty_str(instance: object, attribute: attrs.Attribute[Any], value: Any)
     if value is None:
         return
     if not isinstance(value, str) or not value.strip():
-        msg = f"{_name(attribute)} must be a non-empty string, got {value!r}"
+        msg = f"{_name(attribute)} must be a non-empty string, got {shorten(value)}"
         raise ValueError(msg)
+
+
+@attrs.frozen
+class IntRange:
+    """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.
+
+    The JSON Schema takes its bounds from the attributes, so schema and loader agree.
+    """
+
+    minimum: int
+    maximum: int
+    even: bool = False
+
+    def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or not self.minimum <= value <= self.maximum
+        ):
+            lower = "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
+            msg = (
+                f"{_name(attribute)} must be {lower} no larger than {self.maximum}, "
+                f"got {shorten(value)}"
+            )
+            raise ValueError(msg)
+        if self.even and value % 2:
+            msg = (
+                f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), "
+                f"got {shorten(value)}"
+            )
+            raise ValueError(msg)
+
+
+#: Optimiser steps, and step intervals (a billion steps is far beyond any run).
+_STEPS = IntRange(1, 10**9)
+#: Widths of the drafter (hidden widths, heads, ranks).
+_WIDTH = IntRange(1, 2**20)
+#: Counts of heads and layers.
+_COUNT = IntRange(1, 4096)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,15 +262,15 @@ class TrainingSection:
     #: Peak AdamW learning rate (about 6e-4 from scratch, 1e-4 to fine-tune a released drafter).
     learning_rate: float = attrs.field(default=1.0e-4, validator=positive_float)
     #: Passes over the data (ignored when max_steps is set).
-    num_train_epochs: int = attrs.field(default=1, validator=positive_int)
+    num_train_epochs: int = attrs.field(default=1, validator=IntRange(1, 10**6))
     #: Stop after this many optimiser steps; null: run num_train_epochs.
-    max_steps: int | None = attrs.field(default=None, validator=positive_int)
+    max_steps: int | None = attrs.field(default=None, validator=_STEPS)
     #: Sequences per device per micro-batch.
-    per_device_train_batch_size: int = attrs.field(default=1, validator=positive_int)
+    per_device_train_batch_size: int = attrs.field(default=1, validator=IntRange(1, 2**16))
     #: Micro-batches accumulated into one optimiser step.
-    gradient_accumulation_steps: int = attrs.field(default=1, validator=positive_int)
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=IntRange(1, 2**16))
     #: Tokens per training sequence (longer conversations are truncated).
-    training_seq_len: int = attrs.field(default=4096, validator=positive_int)
+    training_seq_len: int = attrs.field(default=4096, validator=IntRange(1, 2**24))
     #: Fraction of the steps spent in linear warmup, in [0, 1).
     warmup_ratio: float = attrs.field(default=0.04, validator=fraction_half_open)
     #: Learning-rate schedule after warmup: cosine | linear | constant.
@@ -226,15 +280,15 @@ class TrainingSection:
     #: AdamW weight decay.
     weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
     #: Seed for initialisation, anchor sampling and data order.
-    seed: int = attrs.field(default=0, validator=non_negative_int)
+    seed: int = attrs.field(default=0, validator=IntRange(0, 2**32 - 1))
     #: Save a training checkpoint every this many optimiser steps (and at the end).
-    save_steps: int = attrs.field(default=500, validator=positive_int)
+    save_steps: int = attrs.field(default=500, validator=_STEPS)
     #: Keep at most this many training checkpoints (oldest deleted first); null: keep all.
-    save_total_limit: int | None = attrs.field(default=2, validator=positive_int)
+    save_total_limit: int | None = attrs.field(default=2, validator=IntRange(1, 10**6))
     #: Log metrics every this many optimiser steps.
-    logging_steps: int = attrs.field(default=10, validator=positive_int)
+    logging_steps: int = attrs.field(default=10, validator=_STEPS)
     #: Measure real acceptance on held-out conversations every this many steps; null: never.
-    eval_steps: int | None = attrs.field(default=None, validator=positive_int)
+    eval_steps: int | None = attrs.field(default=None, validator=_STEPS)
     #: Compute device: auto (CUDA when available) | cpu | cuda.
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
     #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
@@ -246,15 +300,15 @@ class DFlashArchitectureConfig:
     """The drafter's own dimensions. They never inherit from the base model."""
 
     #: Draft decoder layers (must match the init checkpoint).
-    num_hidden_layers: int | None = attrs.field(default=None, validator=positive_int)
+    num_hidden_layers: int | None = attrs.field(default=None, validator=_COUNT)
     #: Query heads per draft layer.
-    num_attention_heads: int | None = attrs.field(default=None, validator=positive_int)
+    num_attention_heads: int | None = attrs.field(default=None, validator=_COUNT)
     #: Key/value heads per draft layer (GQA); must divide num_attention_heads.
-    num_key_value_heads: int | None = attrs.field(default=None, validator=positive_int)
+    num_key_value_heads: int | None = attrs.field(default=None, validator=_COUNT)
     #: Width of one attention head (even).
-    head_dim: int | None = attrs.field(default=None, validator=even_positive_int)
+    head_dim: int | None = attrs.field(default=None, validator=IntRange(1, 4096, even=True))
     #: SwiGLU MLP width.
-    intermediate_size: int | None = attrs.field(default=None, validator=positive_int)
+    intermediate_size: int | None = attrs.field(default=None, validator=_WIDTH)
     #: RMSNorm epsilon.
     rms_norm_eps: float = attrs.field(default=1.0e-6, validator=positive_float)
     #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]).
@@ -263,11 +317,11 @@ class DFlashArchitectureConfig:
     #: Head variant: dflash (plain) | domino (GRU correction head) | dspark (Markov bias head).
     projector_type: ProjectorType = attrs.field(default="dflash", validator=one_of(PROJECTOR_TYPES))
     #: Domino: width of the correction embedding.
-    emb_dim: int | None = attrs.field(default=None, validator=positive_int)
+    emb_dim: int | None = attrs.field(default=None, validator=_WIDTH)
     #: Domino: hidden width of the prefix GRU.
-    gru_hidden_dim: int | None = attrs.field(default=None, validator=positive_int)
+    gru_hidden_dim: int | None = attrs.field(default=None, validator=_WIDTH)
     #: DSpark: rank of the low-rank Markov transition bias.
-    markov_rank: int | None = attrs.field(default=None, validator=positive_int)
+    markov_rank: int | None = attrs.field(default=None, validator=_WIDTH)
     #: DSpark: add the confidence head (confidence_proj).
     use_confidence_head: bool = False
     #: Add a learnable attention sink per head (layers.{i}.self_attn.attention_sink_bias).
@@ -290,9 +344,9 @@ class DFlashSection:
     #: Tokens drafted per block (the anchor plus block_size - 1 masked positions).
     dflash_block_size: int = attrs.field(default=16, validator=block_size_range)
     #: Token id used for masked block positions (Qwen3: 151669). null: the checkpoint's.
-    dflash_mask_token_id: int | None = attrs.field(default=None, validator=non_negative_int)
+    dflash_mask_token_id: int | None = attrs.field(default=None, validator=IntRange(0, 2**31 - 1))
     #: Blocks (anchors) sampled per training sequence each step.
-    dflash_num_anchors: int = attrs.field(default=512, validator=positive_int)
+    dflash_num_anchors: int = attrs.field(default=512, validator=IntRange(1, 2**20))
     #: Position weighting of the loss: decay (exp(-(k-1)/gamma)) | dpace (confidence-based).
     dflash_loss_objective: LossObjective = attrs.field(
         default="decay", validator=one_of(LOSS_OBJECTIVES)
@@ -333,9 +387,12 @@ class Recipe:
 
 
 __all__ = [
+    "INT_FIELD_MAX",
+    "MAX_LAYER_ID",
     "DFlashArchitectureConfig",
     "DFlashSection",
     "DataSection",
+    "IntRange",
     "ModelSection",
     "Recipe",
     "TrainingSection",

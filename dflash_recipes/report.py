@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 import attrs
 
 from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.run_layout import METRICS_FILE
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ TRAIN_KEYS: tuple[str, ...] = (
 EVAL_KEYS: tuple[str, ...] = (KEY_STEP, KEY_TAU)
 
 PLOT_EXTRA_HINT = "pip install 'dflash-recipes[plot]'"
+
+#: A metrics file of a very long run is a few tens of megabytes.
+METRICS_MAX_BYTES = 1 << 30
 
 
 class MetricsRow(TypedDict):
@@ -199,19 +203,23 @@ def read_metrics(run: Path) -> RunMetrics:
         )
         raise DFlashRecipeError(msg)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        msg = f"{path}: cannot read the metrics file: {exc}"
-        raise DFlashRecipeError(msg) from exc
+        text = read_regular_file(path, max_bytes=METRICS_MAX_BYTES).decode("utf-8")
+    except (FileReadProblem, UnicodeDecodeError) as exc:
+        reason = exc.reason if isinstance(exc, FileReadProblem) else f"not UTF-8 ({exc.reason})"
+        msg = f"{path}: cannot read the metrics file: {reason}"
+        raise DFlashRecipeError(msg) from None
     train: list[TrainPoint] = []
     evals: list[EvalPoint] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            msg = f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})"
+            data = parse_json(line)
+        except JsonProblem as exc:
+            msg = (
+                f"{path}:{lineno}: not a JSON object ({exc.reason}); the metrics file is "
+                f"damaged: remove line {lineno} or the file"
+            )
             raise DFlashRecipeError(msg) from None
         try:
             point = _parse_row(data)

@@ -89,8 +89,8 @@ def field_docs() -> dict[str, str]:
 def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
     # Each single-field validator of recipe.py, as the JSON Schema keywords that say the same.
     return {
-        recipe_module.positive_int: {"minimum": 1},
-        recipe_module.non_negative_int: {"minimum": 0},
+        recipe_module.positive_int: {"minimum": 1, "maximum": recipe_module.INT_FIELD_MAX},
+        recipe_module.non_negative_int: {"minimum": 0, "maximum": recipe_module.INT_FIELD_MAX},
         recipe_module.positive_float: {"exclusiveMinimum": 0},
         recipe_module.non_negative_float: {"minimum": 0},
         recipe_module.fraction_half_open: {"minimum": 0, "exclusiveMaximum": 1},
@@ -98,8 +98,18 @@ def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
         recipe_module.even_positive_int: {"minimum": 2, "multipleOf": 2},
         recipe_module.block_size_range: {"minimum": 2, "maximum": 128},
         recipe_module.non_empty_str: {"minLength": 1, "pattern": r"\S"},
-        recipe_module.layer_id_list: {"minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        recipe_module.layer_id_list: {
+            "minItems": 1,
+            "items": {"type": "integer", "minimum": 0, "maximum": recipe_module.MAX_LAYER_ID},
+        },
     }
+
+
+def _int_range_bounds(rule: recipe_module.IntRange) -> JsonObject:
+    bounds: JsonObject = {"minimum": rule.minimum, "maximum": rule.maximum}
+    if rule.even:
+        bounds["multipleOf"] = 2
+    return bounds
 
 
 def _type_schema(tp: object) -> JsonObject:
@@ -160,7 +170,9 @@ def _class_schema(cls: type) -> JsonObject:
     for field in attrs.fields(cls):
         schema = _type_schema(hints[field.name])
         validator = field.validator
-        if validator is not None and validator in bounds:
+        if isinstance(validator, recipe_module.IntRange):
+            _merge_bounds(schema, _int_range_bounds(validator))
+        elif validator is not None and validator in bounds:
             _merge_bounds(schema, bounds[validator])
         doc = docs.get((cls.__name__, field.name))
         if doc:

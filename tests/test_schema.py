@@ -101,7 +101,8 @@ def test_types_enums_nullability_required_and_defaults() -> None:
     assert prop("dflash", "dflash_block_size")["minimum"] == 2
     ids = prop("dflash", "dflash_architecture_config", "target_layer_ids")
     assert ids["type"] == ["array", "null"]
-    assert ids["items"] == {"type": "integer", "minimum": 0}
+    assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": 4095}
+    assert prop("training", "max_steps")["maximum"] == 10**9
     assert "default" not in prop("dflash", "dflash_architecture_config")  # a factory default
 
 

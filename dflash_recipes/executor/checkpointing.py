@@ -29,6 +29,7 @@ from dflash_recipes.errors import CheckpointError
 from dflash_recipes.executor.convert import dflash_module
 from dflash_recipes.executor.export import publish_directory
 from dflash_recipes.executor.warmstart import load_exact_weights
+from dflash_recipes.jsonio import read_json_file, shorten
 from dflash_recipes.run_layout import (
     CHECKPOINT_FILES,
     CHECKPOINT_PREFIX,
@@ -142,18 +143,20 @@ def restore_training_checkpoint(
     drafter = dflash_module(module)
     weights = read_checkpoint_weights(path)
 
-    try:
-        trainer_state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        msg = f"{path / TRAINER_STATE} is unreadable: {exc}"
-        raise CheckpointError(msg) from exc
+    trainer_state = read_json_file(
+        path / TRAINER_STATE,
+        what="trainer state",
+        fix="the checkpoint is damaged: delete it to resume from the previous one",
+        error=CheckpointError,
+        max_bytes=2**20,
+    )
     if not isinstance(trainer_state, dict):
         msg = f"{path / TRAINER_STATE} must hold a JSON object"
         raise CheckpointError(msg)
     if trainer_state.get("step") != checkpoint_step(path):
         msg = (
-            f"{path / TRAINER_STATE} records step {trainer_state.get('step')!r}, the directory "
-            f"name says {checkpoint_step(path)}"
+            f"{path / TRAINER_STATE} records step {shorten(trainer_state.get('step'))}, "
+            f"the directory name says {checkpoint_step(path)}"
         )
         raise CheckpointError(msg)
 

@@ -17,7 +17,6 @@ are supervised.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.anchors import eligible_anchor_mask
+from dflash_recipes.jsonio import JsonProblem, parse_json, regular_file_problem, shorten
 from dflash_recipes.plan import RunPlan
 
 Role = Literal["system", "user", "assistant"]
@@ -48,6 +48,11 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _REASONS_SHOWN = 5
 #: How many line numbers a summary lists per kind before "...".
 _LINES_SHOWN = 10
+#: A generous bound on the characters of one token (tokenizers' longest pieces are runs of
+#: whitespace or punctuation well below this): content beyond max_len * this is never tokenized.
+MAX_CHARS_PER_TOKEN = 64
+#: Integers in a data line are not used; any Python can convert (4300 digits) is accepted.
+_DATA_INT_DIGITS = 4000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,10 +133,16 @@ def read_conversations(path: Path, *, answer_only_loss: bool = True) -> Conversa
     assistant turn has nothing to supervise and is skipped. Raises DataError when the file is
     missing, empty, or has no usable conversation (quoting the first reasons).
     """
-    if not path.is_file():
-        msg = f"data file {path} does not exist; set data.data_path to a JSONL file"
+    unreadable = regular_file_problem(path)
+    if unreadable is not None:
+        what = "does not exist" if unreadable.missing else f"cannot be read: {unreadable.reason}"
+        msg = f"data file {path} {what}; set data.data_path to a JSONL file"
         raise DataError(msg)
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        msg = f"data file {path} cannot be read: {exc.strerror or exc}"
+        raise DataError(msg) from None
     conversations: list[Conversation] = []
     skipped: list[SkippedLine] = []
     for number, line_bytes in enumerate(raw.splitlines(), start=1):
@@ -172,11 +183,9 @@ class _LineProblem(Exception):
 def _parse_line(line: str, *, answer_only_loss: bool) -> tuple[Message, ...]:
     """The messages of one line; _LineProblem says why it is unusable."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise _LineProblem(
-            "invalid JSON", f"invalid JSON: {exc.msg} at column {exc.colno}"
-        ) from None
+        record = parse_json(line, max_int_digits=_DATA_INT_DIGITS, allow_duplicate_keys=True)
+    except JsonProblem as exc:
+        raise _LineProblem("invalid JSON", exc.reason) from None
     if not isinstance(record, dict):
         raise _LineProblem("not an object", f"expected a JSON object, got {_json_type(record)}")
     if "messages" in record:
@@ -204,7 +213,9 @@ def _parse_line(line: str, *, answer_only_loss: bool) -> tuple[Message, ...]:
         raw_role = turn[role_key]
         role = roles.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
-            reason = f"{where} has {role_key} {raw_role!r}; expected one of {', '.join(roles)}"
+            reason = (
+                f"{where} has {role_key} {shorten(raw_role)}; expected one of {', '.join(roles)}"
+            )
             raise _LineProblem("bad role", reason)
         content = turn.get(content_key)
         if not isinstance(content, str):
@@ -265,6 +276,7 @@ def tokenize_conversation(
         msg = f"max_len must be >= 1, got {max_len}"
         raise ValueError(msg)
     template = _resolve_template(tokenizer, chat_template)
+    messages, cut = _bounded_messages(messages, max_len)
     dicts = [{"role": m.role, "content": m.content} for m in messages]
     if not answer_only_loss:
         ids = _token_ids(_render_tokens(tokenizer, dicts, template))
@@ -275,8 +287,30 @@ def tokenize_conversation(
         mask = [int(bool(v)) for v in _field(encoded, "assistant_masks")]
     else:
         ids, mask = _mask_by_rendering(tokenizer, messages, template)
-    truncated = len(ids) > max_len
+    truncated = cut or len(ids) > max_len
     return TokenizedExample(ids[:max_len], mask[:max_len], truncated)
+
+
+def _bounded_messages(messages: Sequence[Message], max_len: int) -> tuple[Sequence[Message], bool]:
+    """The turns that can matter for `max_len` tokens, cut to a character budget.
+
+    No token is longer than MAX_CHARS_PER_TOKEN characters, so the first `max_len` tokens
+    come from at most `max_len * MAX_CHARS_PER_TOKEN` characters of content: a 50 MB line is
+    cut before the template renders it or the tokenizer sees it. True when anything was cut.
+    """
+    budget = max_len * MAX_CHARS_PER_TOKEN
+    if sum(len(m.content) for m in messages) <= budget:
+        return messages, False
+    kept: list[Message] = []
+    for message in messages:
+        if budget <= 0:
+            break
+        if len(message.content) > budget:
+            kept.append(Message(message.role, message.content[:budget]))
+            break
+        kept.append(message)
+        budget -= len(message.content)
+    return kept, True
 
 
 def _resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:

@@ -88,6 +88,7 @@ from dflash_recipes.executor.loss import (
     per_position_accuracy,
 )
 from dflash_recipes.executor.warmstart import WarmStartReport
+from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.plan import ObjectivePlan, ResolvedDraft, RunPlan
 from dflash_recipes.report import eval_row, metrics_json_line, train_row
 from dflash_recipes.run_layout import (
@@ -963,8 +964,8 @@ def all_reduce_sum(tensor: Tensor, env: DistEnv) -> Tensor:
 def _saved_by(checkpoint: Path) -> str | None:
     """The plan fingerprint a training checkpoint records (None if unreadable)."""
     try:
-        state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        state = parse_json(read_regular_file(checkpoint / TRAINER_STATE, max_bytes=2**20))
+    except (FileReadProblem, JsonProblem):
         return None
     value = state.get("plan_fingerprint") if isinstance(state, dict) else None
     return value if isinstance(value, str) else None

@@ -1,0 +1,145 @@
+"""A run plan is checked, not trusted: fingerprint required and verified, values re-validated.
+
+`run`, `export` and `eval` read plan.json files; each refusal here is what a user who edited,
+truncated or forged a plan sees (one `error:` line, exit 1, no traceback, no model loaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import RecipeFactory
+
+from dflash_recipes.cli import main
+from dflash_recipes.compiler import compile_recipe
+from dflash_recipes.errors import PlanError
+from dflash_recipes.plan import RunPlan, _canonical
+
+
+@pytest.fixture
+def plan_dict(make_recipe: RecipeFactory, drafter: Path, tmp_path: Path) -> dict[str, Any]:
+    result = compile_recipe(make_recipe(), base_dir=tmp_path)
+    assert result.plan is not None
+    return result.plan.to_dict()
+
+
+def refingerprint(data: dict[str, Any]) -> dict[str, Any]:
+    """What a forger does: recompute the fingerprint after editing the content."""
+    payload = {k: v for k, v in data.items() if k != "fingerprint"}
+    return {**payload, "fingerprint": hashlib.sha256(_canonical(payload)).hexdigest()}
+
+
+def write_plan(path: Path, data: dict[str, Any] | str) -> Path:
+    path.write_text(data if isinstance(data, str) else json.dumps(data), encoding="utf-8")
+    return path
+
+
+def cli(*args: str) -> Result:
+    result = CliRunner().invoke(main, list(args))
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_a_plan_without_a_fingerprint_is_refused(plan_dict: dict[str, Any]) -> None:
+    del plan_dict["fingerprint"]
+    with pytest.raises(PlanError, match="has no fingerprint") as info:
+        RunPlan.from_dict(plan_dict)
+    assert "dflash-recipe compile RECIPE" in str(info.value)
+
+
+def test_an_edited_plan_is_refused_with_the_hint_to_recompile(plan_dict: dict[str, Any]) -> None:
+    plan_dict["training"]["learning_rate"] = 0.5
+    with pytest.raises(PlanError, match="does not match its content") as info:
+        RunPlan.from_dict(plan_dict)
+    assert "dflash-recipe compile RECIPE" in str(info.value)
+
+
+def test_block_size_one_with_a_forged_fingerprint_fails_validation(
+    plan_dict: dict[str, Any],
+) -> None:
+    plan_dict["draft"]["block_size"] = 1
+    with pytest.raises(PlanError) as info:
+        RunPlan.from_dict(refingerprint(plan_dict))
+    assert "draft.block_size: block_size must be an integer in [2, 128], got 1" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("training", "max_steps", int("9" * 4000), "training.max_steps: max_steps must be"),
+        ("training", "seed", -1, "training.seed: seed must be an integer >= 0"),
+        ("draft.architecture", "head_dim", 7, "draft.architecture.head_dim: head_dim must be even"),
+        ("draft.objective", "dpace_alpha", 3.0, "draft.objective.dpace_alpha:"),
+        ("base_model.facts", "vocab_size", 0, "base_model.facts.vocab_size:"),
+    ],
+)
+def test_every_value_goes_through_the_recipe_validators(
+    plan_dict: dict[str, Any], section: str, key: str, value: object, expected: str
+) -> None:
+    node = plan_dict
+    for part in section.split("."):
+        node = node[part]
+    node[key] = value
+    with pytest.raises(PlanError) as info:
+        RunPlan.from_dict(refingerprint(plan_dict))
+    message = str(info.value)
+    assert expected in message
+    assert len(message) < 2000  # a 4000-digit value is not echoed whole
+
+
+def test_trust_remote_code_with_a_matching_fingerprint_is_valid_and_run_warns(
+    plan_dict: dict[str, Any], tmp_path: Path
+) -> None:
+    plan_dict["base_model"]["trust_remote_code"] = True
+    with pytest.raises(PlanError, match="does not match its content"):
+        RunPlan.from_dict(plan_dict)  # edited, fingerprint left alone: refused
+    forged = refingerprint(plan_dict)
+    assert RunPlan.from_dict(forged).base_model.trust_remote_code  # integrity, not authorship
+    # `run` says so before anything loads (the plan's data path is gone, so it stops there).
+    Path(plan_dict["data"]["data_path"]).unlink()
+    result = cli("run", str(write_plan(tmp_path / "p.json", forged)), "--no-progress")
+    assert "warning:" in result.stderr
+    assert "base_model.trust_remote_code on" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "export", "eval"])
+def test_run_export_eval_refuse_a_plan_without_fingerprint(
+    plan_dict: dict[str, Any], tmp_path: Path, command: str
+) -> None:
+    del plan_dict["fingerprint"]
+    plan = str(write_plan(tmp_path / "p.json", plan_dict))
+    args = {
+        "run": ["run", plan],
+        "export": ["export", str(tmp_path / "drafter"), str(tmp_path / "out"), "--plan", plan],
+        "eval": ["eval", plan, "--checkpoint", str(tmp_path / "drafter")],
+    }[command]
+    result = cli(*args)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: {plan}: run plan has no fingerprint")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"format_version": 1, "x": NaN}', "NaN is not valid JSON"),
+        ('{"format_version": ' + "1" * 5000 + "}", "an integer of 5000 digits"),
+        ('{"format_version": 1e999}', "too large for a float"),
+    ],
+    ids=["deep", "nan", "huge-int", "overflow"],
+)
+def test_a_plan_that_is_not_plain_json_is_a_clean_error(
+    tmp_path: Path, text: str, reason: str
+) -> None:
+    plan = str(write_plan(tmp_path / "p.json", text))
+    result = cli("export", str(tmp_path), str(tmp_path / "out"), "--plan", plan)
+    assert result.exit_code == 1
+    assert reason in result.stderr
+    assert "dflash-recipe compile RECIPE" in result.stderr
