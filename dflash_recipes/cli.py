@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from dflash_recipes import __version__
-from dflash_recipes.atomic import temporary_sibling, write_text_atomic
+from dflash_recipes.atomic import temporary_sibling, write_output
 from dflash_recipes.diagnostics import (
     Diagnostic,
     Severity,
@@ -139,7 +139,7 @@ def compile_command(recipe: str, overrides: tuple[str, ...], output: Path | None
         code = EXIT_FINDINGS
     if output is not None and plan is not None:
         try:
-            write_text_atomic(output, plan.to_json())
+            write_output(output, plan.to_json())
         except OSError as exc:
             diagnostics.append(_unwritable(output, exc))
             plan, code = None, EXIT_USAGE
@@ -345,7 +345,7 @@ def schema_command(output: Path | None) -> None:
         click.echo(text, nl=False)
         return
     try:
-        write_text_atomic(output, text)
+        write_output(output, text)
     except OSError as exc:
         _fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
     click.echo(f"wrote {output}", err=True)
