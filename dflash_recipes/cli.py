@@ -599,17 +599,31 @@ def eval_command(
     type=click.Choice(["bfloat16", "float16", "float32"]),
     help="Export dtype (default: the plan's model dtype).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace OUT_DIR even if it is not an earlier export (never a run directory).",
+)
 def export_command(
-    checkpoint_dir: Path, out_dir: Path, plan_path: str | None, dtype: str | None
+    checkpoint_dir: Path, out_dir: Path, plan_path: str | None, dtype: str | None, force: bool
 ) -> None:
     """Export a training checkpoint in the z-lab layout serving engines load.
+
+    OUT_DIR is created, or replaced if it holds an earlier export; anything else there is
+    refused unless --force (a run directory is refused even then).
 
     \b
     Example:
       dflash-recipe export outputs/run/checkpoint-00005000 drafter-step5000/
     """
+    from dflash_recipes.errors import ReplaceRefusedError
+    from dflash_recipes.export_target import check_export_target
     from dflash_recipes.run_layout import PLAN_FILE
 
+    try:  # before the plan and the model: a refused target costs nothing
+        check_export_target(out_dir, force=force, sources=(checkpoint_dir,))
+    except ReplaceRefusedError as exc:
+        _fail(str(exc), EXIT_USAGE)
     if plan_path is None:
         candidate = checkpoint_dir.parent / PLAN_FILE
         if not candidate.is_file():
@@ -622,7 +636,12 @@ def export_command(
     _setup_logging(False)
     from dflash_recipes.executor.export import export_checkpoint
 
-    written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype)
+    try:
+        written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype, force=force)
+    except ReplaceRefusedError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except DFlashRecipeError as exc:
+        _fail(str(exc))
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
