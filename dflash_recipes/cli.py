@@ -678,7 +678,11 @@ def report_command(runs: tuple[Path, ...], output: Path, labels: tuple[str, ...]
     show_default=True,
     help="Where the tiny target, data and runs go (reused on a rerun).",
 )
-@click.option("--fresh", is_flag=True, help="Delete previous demo runs first.")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Delete the demo's previous runs first (only directories the demo created).",
+)
 def demo_command(workdir: Path, fresh: bool) -> None:
     """The embedded tiny warm-start demo: offline, about two minutes on 2 CPU cores.
 
@@ -693,7 +697,10 @@ def demo_command(workdir: Path, fresh: bool) -> None:
     _setup_logging(False)
     from dflash_recipes.executor.demo import run_demo
 
-    run_demo(workdir, fresh=fresh, echo=click.echo)
+    try:
+        run_demo(workdir, fresh=fresh, echo=click.echo)
+    except DFlashRecipeError as exc:
+        _fail(str(exc))
 
 
 def run_cli() -> None:
