@@ -42,6 +42,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     _replace_atomic(path, text.encode("utf-8"))
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Like :func:`write_text_atomic`, for bytes."""
+    _replace_atomic(path, data)
+
+
 def write_output(path: Path, data: bytes | str) -> Path:
     """Write `data` (str: UTF-8) to a user-named output path; returns the file written.
 
@@ -72,4 +77,4 @@ def write_output(path: Path, data: bytes | str) -> Path:
     return target
 
 
-__all__ = ["temporary_sibling", "write_output", "write_text_atomic"]
+__all__ = ["temporary_sibling", "write_bytes_atomic", "write_output", "write_text_atomic"]

@@ -520,14 +520,14 @@ def run_command(
     _setup_logging(verbose)
     from dflash_recipes.executor.train import run_plan
 
-    summary = run_plan(plan, progress=not no_progress)
+    try:
+        summary = run_plan(plan, progress=not no_progress)
+    except DFlashRecipeError as exc:
+        _fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
-        click.echo(
-            f"done: {summary.steps} steps, loss {summary.final_loss:.4f}, "
-            f"estimated acceptance length {summary.acceptance_length_estimate:.2f}, "
-            f"export {summary.export_dir}",
-            err=True,
-        )
+        from dflash_recipes.executor.run_guard import summary_line as run_summary_line
+
+        click.echo(run_summary_line(summary), err=True)
 
 
 @main.command("eval")
