@@ -115,8 +115,11 @@ def check_export_target(
         msg = f"export directory {out_dir} exists and is not a directory; choose another path"
         raise ReplaceRefusedError(msg)
     resolved = out_dir.resolve()
-    cwd = Path.cwd().resolve()
-    if _is_within(cwd, resolved) or resolved == Path.home().resolve():
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the current directory was deleted: nothing to protect there
+        cwd = None
+    if (cwd is not None and _is_within(cwd, resolved)) or resolved == Path.home().resolve():
         what = "the home directory" if resolved == Path.home().resolve() else "the current one"
         msg = (
             f"refusing to export into {out_dir}: replacing it would delete {what} and "

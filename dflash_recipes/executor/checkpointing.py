@@ -214,7 +214,7 @@ def _read_optimizer_state(path: Path, *, scheduler: bool) -> dict[str, object]:
             "written by dflash-recipe and is refused (loaded with weights_only=True)"
         )
         raise CheckpointError(msg) from exc
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # a corrupt stream fails anywhere in the unpickler (IndexError...)
         first = (str(exc).splitlines() or [""])[0][:160]
         msg = f"{path} is unreadable ({type(exc).__name__}: {first}); it is truncated or corrupt"
         raise CheckpointError(msg) from exc
