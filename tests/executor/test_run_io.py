@@ -135,3 +135,24 @@ def test_a_run_stopped_early_reports_the_steps_done(tmp_path: Path) -> None:
     assert summary_line(summary).startswith("stopped after 1 of 3 steps, loss ")
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["kind"] == "summary" and row["steps"] == 1
+
+
+def test_any_other_os_error_during_a_run_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_recipes.executor import train
+
+    def full(path: Path, row: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(train, "_append_jsonl", full)  # the final summary row
+    out = tmp_path / "run"
+    result = _run(out, 1)
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: run stopped: cannot read or write {out / 'metrics.jsonl'}: No space left on "
+        "device; the checkpoints already saved are intact: fix the cause (free space, "
+        "permissions) and rerun to resume"
+    ]
+    assert (out / "checkpoint-00000001" / "optimizer.pt").is_file()
