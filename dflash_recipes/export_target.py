@@ -12,7 +12,7 @@ by renaming it over ``DIR``. That deletes whatever ``DIR`` held, so the rule is 
 An export is recognised by the marker file it writes (:data:`EXPORT_MARKER`), which lists the
 files the export wrote: a directory is an earlier export only if it holds nothing else. An
 export written before the marker existed is recognised by holding exactly ``config.json`` and
-``model.safetensors`` with ``architectures: ["DFlashDraftModel"]``.
+``model.safetensors`` (and possibly ``dflash.py``) with ``architectures: ["DFlashDraftModel"]``.
 
 Pure standard library (no torch): the CLI checks before any model is built.
 """
@@ -40,8 +40,10 @@ from dflash_recipes.run_layout import (
 #: Written into every export; lists the files the export wrote (JSON).
 EXPORT_MARKER = ".dflash-export.json"
 
-#: The files of an export written before the marker existed.
+#: The files of an export written before the marker existed (``dflash.py``: remote code,
+#: which some of those exports carry).
 _LEGACY_EXPORT_FILES = frozenset({"config.json", "model.safetensors"})
+_LEGACY_OPTIONAL_FILES = frozenset({"dflash.py"})
 _ARCHITECTURE = "DFlashDraftModel"
 _MAX_MARKER_BYTES = 64 * 1024
 _MAX_CONFIG_BYTES = 1024 * 1024
@@ -71,7 +73,7 @@ def is_earlier_export(directory: Path) -> bool:
     if isinstance(marker, dict) and isinstance(marker.get("files"), list):
         listed = {name for name in marker["files"] if isinstance(name, str)}
         return names <= listed | {EXPORT_MARKER}
-    if names != _LEGACY_EXPORT_FILES:
+    if names - _LEGACY_OPTIONAL_FILES != _LEGACY_EXPORT_FILES:
         return False
     config = _read_json(directory / "config.json", _MAX_CONFIG_BYTES)
     return isinstance(config, dict) and config.get("architectures") == [_ARCHITECTURE]

@@ -135,6 +135,8 @@ def test_an_export_from_before_the_marker_is_recognised(trained: Path, tmp_path:
     shutil.copytree(trained / "export", out)
     (out / EXPORT_MARKER).unlink()
     assert is_earlier_export(out)
+    (out / "dflash.py").write_text("# remote code\n", encoding="utf-8")
+    assert is_earlier_export(out)  # exports with remote code but no marker
     result = _export(trained / "checkpoint-00000001", out)
     assert result.exit_code == 0, result.output
     (out / "README.md").write_text("user notes", encoding="utf-8")
