@@ -87,19 +87,20 @@ def test_a_failed_checkpoint_save_is_one_line_and_keeps_earlier_checkpoints(
     assert (out / "checkpoint-00000001" / "optimizer.pt").stat().st_size > 0
 
 
+@pytest.mark.parametrize("broken", ["optimizer.pt", "model.safetensors"])
 def test_a_corrupt_newest_checkpoint_falls_back_and_metrics_hold_each_step_once(
-    tmp_path: Path,
+    tmp_path: Path, broken: str
 ) -> None:
     out = tmp_path / "run"
     assert _run(out, 2).exit_code == 0
     assert _train_steps(out) == [1, 2]
-    newest = out / "checkpoint-00000002" / "optimizer.pt"
-    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    newest = out / "checkpoint-00000002" / broken
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
 
     result = _run(out, 3)
     assert result.exit_code == 0, result.output
     assert f"warning: checkpoint {out / 'checkpoint-00000002'} cannot be read" in result.output
-    assert "optimizer.pt is unreadable" in result.output
+    assert broken in result.output.split("cannot be read", 1)[1].splitlines()[0]
     assert f"warning: resuming from {out / 'checkpoint-00000001'}" in result.output
     assert "done: 3 steps" in result.output
     assert _train_steps(out) == [1, 2, 3]  # step 2 was redone: its old row replaced
