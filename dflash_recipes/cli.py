@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from dflash_recipes import __version__
-from dflash_recipes.atomic import temporary_sibling, write_text_atomic
+from dflash_recipes.atomic import temporary_sibling, write_output
 from dflash_recipes.diagnostics import (
     Diagnostic,
     Severity,
@@ -151,7 +151,7 @@ def compile_command(recipe: str, overrides: tuple[str, ...], output: Path | None
         code = EXIT_FINDINGS
     if output is not None and plan is not None:
         try:
-            write_text_atomic(output, plan.to_json())
+            write_output(output, plan.to_json())
         except OSError as exc:
             diagnostics.append(_unwritable(output, exc))
             plan, code = None, EXIT_USAGE
@@ -361,7 +361,7 @@ def schema_command(output: Path | None) -> None:
         click.echo(text, nl=False)
         return
     try:
-        write_text_atomic(output, text)
+        write_output(output, text)
     except OSError as exc:
         _fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
     click.echo(f"wrote {output}", err=True)
@@ -555,14 +555,14 @@ def run_command(
     _setup_logging(verbose)
     from dflash_recipes.executor.train import run_plan
 
-    summary = run_plan(plan, progress=not no_progress)
+    try:
+        summary = run_plan(plan, progress=not no_progress)
+    except DFlashRecipeError as exc:
+        _fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
-        click.echo(
-            f"done: {summary.steps} steps, loss {summary.final_loss:.4f}, "
-            f"estimated acceptance length {summary.acceptance_length_estimate:.2f}, "
-            f"export {summary.export_dir}",
-            err=True,
-        )
+        from dflash_recipes.executor.run_guard import summary_line as run_summary_line
+
+        click.echo(run_summary_line(summary), err=True)
 
 
 @main.command("eval")
@@ -642,17 +642,34 @@ def eval_command(
     type=click.Choice(["bfloat16", "float16", "float32"]),
     help="Export dtype (default: the plan's model dtype).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace OUT_DIR even if it is not an earlier export (never a run directory).",
+)
 def export_command(
-    checkpoint_dir: Path, out_dir: Path, plan_path: str | None, dtype: str | None
+    checkpoint_dir: Path, out_dir: Path, plan_path: str | None, dtype: str | None, force: bool
 ) -> None:
     """Export a training checkpoint in the z-lab layout serving engines load.
+
+    OUT_DIR is created, or replaced if it holds an earlier export; anything else there is
+    refused unless --force (a run directory is refused even then).
 
     \b
     Example:
       dflash-recipe export outputs/run/checkpoint-00005000 drafter-step5000/
     """
+    from dflash_recipes.errors import ReplaceRefusedError
+    from dflash_recipes.export_target import check_export_target
     from dflash_recipes.run_layout import PLAN_FILE
 
+    try:  # before the plan and the model: a refused target costs nothing
+        check_export_target(out_dir, force=force, sources=(checkpoint_dir,))
+    except ReplaceRefusedError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte: before any work
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        _fail(f"cannot use OUT_DIR {clip(str(out_dir))}: {reason}; pass another path", EXIT_USAGE)
     out_dir = _export_target(out_dir)
     if plan_path is None:
         candidate = checkpoint_dir.parent / PLAN_FILE
@@ -666,28 +683,25 @@ def export_command(
     _setup_logging(False)
     from dflash_recipes.executor.export import export_checkpoint
 
-    written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype)
+    try:
+        written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype, force=force)
+    except ReplaceRefusedError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except DFlashRecipeError as exc:
+        _fail(str(exc))
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
 def _export_target(out_dir: Path) -> Path:
-    """OUT_DIR as an absolute, normalised path; exits 2 for the working folder or a parent.
+    """OUT_DIR as an absolute, normalised path (exit 2 when it cannot be one).
 
-    An export is a directory of its own, published by renaming it into place: `.` or `..`
-    would name a folder that holds other things (and has no name to rename to).
+    Which directories an export may replace is decided by
+    :func:`dflash_recipes.export_target.check_export_target`.
     """
     try:
-        target = Path(os.path.normpath(os.path.abspath(out_dir)))
-        here = Path.cwd()
+        return Path(os.path.normpath(os.path.abspath(out_dir)))
     except (OSError, ValueError) as exc:
         _fail(f"cannot use OUT_DIR {clip(str(out_dir))}: {exc}", EXIT_USAGE)
-    if target == here or target in here.parents:
-        _fail(
-            f"OUT_DIR {out_dir} is the current folder or one of its parents; an export is a "
-            "folder of its own: pass a new one, for example drafter-export",
-            EXIT_USAGE,
-        )
-    return target
 
 
 @main.command("report")
@@ -723,7 +737,11 @@ def report_command(runs: tuple[Path, ...], output: Path, labels: tuple[str, ...]
     show_default=True,
     help="Where the tiny target, data and runs go (reused on a rerun).",
 )
-@click.option("--fresh", is_flag=True, help="Delete previous demo runs first.")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Delete the demo's previous runs first (only directories the demo created).",
+)
 def demo_command(workdir: Path, fresh: bool) -> None:
     """The embedded tiny warm-start demo: offline, about two minutes on 2 CPU cores.
 
@@ -738,7 +756,10 @@ def demo_command(workdir: Path, fresh: bool) -> None:
     _setup_logging(False)
     from dflash_recipes.executor.demo import run_demo
 
-    run_demo(workdir, fresh=fresh, echo=click.echo)
+    try:
+        run_demo(workdir, fresh=fresh, echo=click.echo)
+    except DFlashRecipeError as exc:
+        _fail(str(exc))
 
 
 def run_cli() -> None:

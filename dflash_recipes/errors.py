@@ -12,7 +12,9 @@ CLI) can catch one type and print a clean message instead of a traceback::
      │    └── WarmStartError      checkpoint tensors do not match the drafter being loaded
      ├── DataError                training data is unusable
      ├── LaunchError              a distributed launch or environment is misconfigured
-     └── DirectoryLockedError     another process is writing the same output directory
+     ├── DirectoryLockedError     another process is writing the same output directory
+ ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
+ └── RunIOError               reading or writing a run's files failed (disk full, permissions)
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ class DirectoryLockedError(DFlashRecipeError):
     """Another process holds the lock of an output directory (one writer per directory)."""
 
 
+class ReplaceRefusedError(DFlashRecipeError):
+    """An output path holds data the tool will not replace or delete (a run, a user's files)."""
+
+
+class RunIOError(DFlashRecipeError):
+    """Reading or writing a run's files failed at run time (full disk, permissions, I/O)."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -89,6 +99,8 @@ __all__ = [
     "LaunchError",
     "PlanError",
     "RecipeError",
+    "ReplaceRefusedError",
+    "RunIOError",
     "SafetensorsHeaderError",
     "WarmStartError",
 ]

@@ -22,9 +22,9 @@ imported only when a report is drawn, without touching pyplot's global backend. 
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
@@ -337,7 +337,8 @@ def render_report(runs: Sequence[Path], out: Path, *, labels: Sequence[str] | No
     Panels: loss over steps; estimated (lines) and measured (markers) acceptance length over
     steps; accuracy by block position at each run's last logged step. With several runs they
     are overlaid with their labels (default: the directory names). The PNG is written to a
-    temporary sibling and renamed, so `out` is never a partial image. Returns `out`.
+    temporary sibling and renamed, so `out` is never a partial image (a symlink's target gets
+    it; a device or FIFO is written through). Returns `out`.
     """
     if not runs:
         msg = "render_report needs at least one run directory"
@@ -406,14 +407,16 @@ def _nan(values: Iterable[float | None]) -> list[float]:
 
 
 def _save_atomic(fig: Figure, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    """PNG bytes to `out` as -o promises: atomic for files, through symlinks and devices."""
+    from dflash_recipes.atomic import write_output
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        write_output(out, buffer.getvalue())
+    except OSError as exc:
+        msg = f"cannot write {out}: {exc.strerror or exc}; choose an -o path you can write to"
+        raise DFlashRecipeError(msg) from exc
 
 
 __all__ = [

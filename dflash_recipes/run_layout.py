@@ -12,7 +12,8 @@ output_dir/
   .tmp-checkpoint-*/          being written; never read, removed on the next save
   metrics.jsonl               one JSON object per logging step
   plan.json                   the plan the run used
-  export/                     the final drafter in the z-lab layout
+  .dflash-lock                the run lock (dflash_recipes.locking), held while a run writes
+  export/                     the final drafter in the z-lab layout (+ .dflash-export.json)
 ```
 """
 

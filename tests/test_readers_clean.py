@@ -173,8 +173,15 @@ def test_export_into_the_current_folder_is_refused(tmp_path: Path) -> None:
     for out in (".", "..", str(tmp_path)):
         result = cli("export", "ckpt", out, "--plan", "plan.json")
         assert result.exit_code == 2
-        assert "is the current folder or one of its parents" in result.stderr
+        assert f"refusing to export into {out}: " in result.stderr, result.stderr
     assert (tmp_path / "keep.txt").read_text(encoding="utf-8") == "mine"
+
+
+def test_export_into_a_name_too_long_is_a_clean_usage_error(tmp_path: Path) -> None:
+    result = cli("export", "ckpt", "a" * 5000, "--plan", "plan.json")
+    assert result.exit_code == 2
+    assert "cannot use OUT_DIR aaa" in result.stderr and "File name too long" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 # -- output_dir --------------------------------------------------------------------------------

@@ -6,6 +6,12 @@ into ``output_dir/.tmp-checkpoint-XXXXXXXX-*``, flushed and renamed to
 removes and that no reader looks at. Old checkpoints beyond ``save_total_limit`` are pruned
 after the new one is in place.
 
+Saving fails as one :class:`RunIOError` (full disk, permissions, I/O) that says which step and
+where, after removing the staging directory: earlier checkpoints are never touched by a failed
+save. Restoring reads every file before it changes the model or the optimizer, and a file that
+cannot be read (a truncated ``optimizer.pt``, a corrupt header) is a :class:`CheckpointError`
+naming it, so the trainer can fall back to an older checkpoint.
+
 Restoring never looks at the plan, so it never reads ``dflash_init_checkpoint``: a resume
 works after the init directory is gone. Weights are safetensors; the optimizer and scheduler
 state is ``torch.save``'d and read back with ``weights_only=True`` (no arbitrary pickle).
@@ -14,6 +20,7 @@ state is ``torch.save``'d and read back with ``weights_only=True`` (no arbitrary
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -21,11 +28,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
 from dflash_recipes.checkpoint import read_checkpoint_weights
-from dflash_recipes.errors import CheckpointError
+from dflash_recipes.errors import CheckpointError, RunIOError
 from dflash_recipes.executor.convert import dflash_module
 from dflash_recipes.executor.export import publish_directory
 from dflash_recipes.executor.warmstart import load_exact_weights
@@ -100,6 +108,29 @@ def save_training_checkpoint(
 
     final = output_dir / checkpoint_dir_name(step)
     staging = output_dir / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        _write_checkpoint(staging, final, drafter, optimizer, scheduler, state_text)
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        msg = (
+            f"cannot save the checkpoint of step {step} to {final}: {reason}; no partial "
+            f"checkpoint was left and the earlier checkpoints in {output_dir} are intact: "
+            "free space or fix the permissions, then rerun to resume from the newest one"
+        )
+        raise RunIOError(msg) from exc
+    if save_total_limit is not None:
+        prune_checkpoints(output_dir, save_total_limit, keep=final)
+    return final
+
+
+def _write_checkpoint(
+    staging: Path,
+    final: Path,
+    drafter: nn.Module,
+    optimizer: Stateful,
+    scheduler: Stateful | None,
+    state_text: str,
+) -> None:
     staging.mkdir()
     try:
         tensors = {
@@ -119,9 +150,6 @@ def save_training_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if save_total_limit is not None:
-        prune_checkpoints(output_dir, save_total_limit, keep=final)
-    return final
 
 
 def restore_training_checkpoint(
@@ -160,6 +188,9 @@ def restore_training_checkpoint(
         )
         raise CheckpointError(msg)
 
+    blob: dict[str, object] = {}
+    if optimizer is not None or scheduler is not None:
+        blob = _read_optimizer_state(path / OPTIMIZER_STATE, scheduler=scheduler is not None)
     load_exact_weights(
         drafter,
         weights,
@@ -168,19 +199,35 @@ def restore_training_checkpoint(
             "architecture changed since it was saved?)"
         ),
     )
-    if optimizer is not None or scheduler is not None:
-        blob = torch.load(path / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
-        if not isinstance(blob, dict):
-            msg = f"{path / OPTIMIZER_STATE} does not hold optimizer and scheduler state"
-            raise CheckpointError(msg)
+    if blob:
         if optimizer is not None:
-            optimizer.load_state_dict(blob["optimizer"])
+            optimizer.load_state_dict(blob["optimizer"])  # type: ignore[arg-type]
         if scheduler is not None:
-            if blob.get("scheduler") is None:
-                msg = f"{path / OPTIMIZER_STATE} holds no scheduler state"
-                raise CheckpointError(msg)
-            scheduler.load_state_dict(blob["scheduler"])
+            scheduler.load_state_dict(blob["scheduler"])  # type: ignore[arg-type]
     return trainer_state
+
+
+def _read_optimizer_state(path: Path, *, scheduler: bool) -> dict[str, object]:
+    """The optimizer and scheduler state of ``optimizer.pt``; CheckpointError if unreadable."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        msg = (
+            f"{path} holds objects other than tensors and plain containers; it was not "
+            "written by dflash-recipe and is refused (loaded with weights_only=True)"
+        )
+        raise CheckpointError(msg) from exc
+    except Exception as exc:  # a corrupt stream fails anywhere in the unpickler (IndexError...)
+        first = (str(exc).splitlines() or [""])[0][:160]
+        msg = f"{path} is unreadable ({type(exc).__name__}: {first}); it is truncated or corrupt"
+        raise CheckpointError(msg) from exc
+    if not isinstance(blob, dict) or not isinstance(blob.get("optimizer"), dict):
+        msg = f"{path} does not hold optimizer and scheduler state"
+        raise CheckpointError(msg)
+    if scheduler and not isinstance(blob.get("scheduler"), dict):
+        msg = f"{path} holds no scheduler state"
+        raise CheckpointError(msg)
+    return blob
 
 
 __all__ = [

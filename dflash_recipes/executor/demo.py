@@ -11,6 +11,10 @@
    (lossless greedy verification) and print accuracy and acceptance side by side.
 
 Everything goes through the public path a user takes: recipe -> compile -> plan -> run.
+
+The demo marks each run directory it creates (:data:`DEMO_MARKER`); ``--fresh`` deletes only
+marked directories, and a directory of the same name that the demo did not create is refused,
+never reused or deleted (``W/runs`` may hold the user's own runs).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_line
-from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.errors import DFlashRecipeError, ReplaceRefusedError
 from dflash_recipes.plan import RunPlan
 from dflash_recipes.run_layout import EXPORT_DIR
 
@@ -34,6 +38,51 @@ Echo = Callable[[str], None]
 #: The repository's tiny demo recipes (the demo runs from a checkout of the repository).
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes" / "tiny"
 DEMO_DATA = Path(__file__).resolve().parents[1] / "demo_data"
+
+#: The run directories the demo creates under ``WORKDIR/runs``.
+DEMO_RUNS = ("released", "finetune", "scratch")
+#: Written into each run directory the demo creates: only those may be deleted by --fresh.
+DEMO_MARKER = ".dflash-demo-run"
+
+
+def _check_demo_runs(runs: Path) -> None:
+    """Refuse a demo run directory that exists but was not created (marked) by the demo."""
+    for name in DEMO_RUNS:
+        path = runs / name
+        if (path.exists() or path.is_symlink()) and not (
+            path.is_dir() and not path.is_symlink() and (path / DEMO_MARKER).is_file()
+        ):
+            msg = (
+                f"{path} exists but was not created by the demo (it has no {DEMO_MARKER} "
+                "marker), so the demo will neither reuse nor delete it; move it away or pass "
+                "another --workdir"
+            )
+            raise ReplaceRefusedError(msg)
+
+
+def clear_demo_runs(runs: Path) -> list[Path]:
+    """``--fresh``: delete the run directories the demo created (marked); returns them.
+
+    Everything else under ``runs`` (the user's own runs) is left alone; an unmarked directory
+    with a demo run's name is refused before anything is deleted.
+    """
+    _check_demo_runs(runs)
+    removed = []
+    for name in DEMO_RUNS:
+        path = runs / name
+        if path.is_dir():
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def _mark_new_run(path: Path) -> None:
+    if not path.exists():
+        path.mkdir(parents=True)
+        (path / DEMO_MARKER).write_text(
+            "created by `dflash-recipe demo`; `demo --fresh` may delete this directory\n",
+            encoding="utf-8",
+        )
 
 
 @attrs.frozen
@@ -114,8 +163,11 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
     started = time.perf_counter()
     workdir = Path(workdir).resolve()
     runs = workdir / "runs"
-    if fresh and runs.exists():
-        shutil.rmtree(runs)
+    if fresh:
+        clear_demo_runs(runs)
+    _check_demo_runs(runs)
+    for name in DEMO_RUNS:
+        _mark_new_run(runs / name)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     eval_prompts = DEMO_DATA / "data" / "eval.jsonl"
 

@@ -10,7 +10,12 @@ the drafter itself rather than a plain ``Qwen3Model``.
 
 The export is atomic: everything is written into a temporary sibling directory, flushed, and
 renamed into place; an existing export is replaced only once the new one is complete. A crash
-leaves either the old export or the new one, never a half-written directory.
+leaves either the old export or the new one, never a half-written directory; the staging
+directory a killed export leaves is removed by the next export to the same place.
+
+What an export may replace is :mod:`dflash_recipes.export_target`'s rule: nothing but an
+earlier export (recognised by the marker file each export writes) unless ``force``, and
+never a run directory.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import json
 import logging
 import os
 import shutil
+import stat
 import uuid
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -30,6 +37,13 @@ from dflash_recipes.errors import PlanError
 from dflash_recipes.executor.convert import dflash_module, torch_dtype
 from dflash_recipes.executor.draft import rope_parameters
 from dflash_recipes.executor.warmstart import layout_spec
+from dflash_recipes.export_target import (
+    EXPORT_MARKER,
+    check_export_target,
+    export_marker_text,
+    remove_stale_staging,
+    staging_name,
+)
 from dflash_recipes.layout import compare_layout, expected_layout, format_layout_diff
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
@@ -152,10 +166,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _default_file_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+def _default_file_mode(directory: Path) -> int:
+    """0666 minus the umask, read from a probe file (``os.umask`` would change process state)."""
+    probe = directory / f".mode-probe-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def publish_directory(staging: Path, out_dir: Path) -> None:
@@ -164,7 +183,7 @@ def publish_directory(staging: Path, out_dir: Path) -> None:
     Files get the usual permissions (0666 minus the umask): some writers create private
     (0600) files, which a serving process running as another user could not read.
     """
-    mode = _default_file_mode()
+    mode = _default_file_mode(staging)
     for child in staging.iterdir():
         if child.is_file():
             os.chmod(child, mode)
@@ -174,7 +193,7 @@ def publish_directory(staging: Path, out_dir: Path) -> None:
         if not out_dir.is_dir():
             msg = f"{out_dir} exists and is not a directory; choose another export directory"
             raise FileExistsError(msg)
-        retired = out_dir.with_name(f".old-{out_dir.name}-{uuid.uuid4().hex[:8]}")
+        retired = staging_name(out_dir, uuid.uuid4().hex[:8], kind="old")
         os.rename(out_dir, retired)
         os.rename(staging, out_dir)
         shutil.rmtree(retired, ignore_errors=True)
@@ -184,13 +203,23 @@ def publish_directory(staging: Path, out_dir: Path) -> None:
 
 
 def export_drafter(
-    module_or_model: nn.Module, plan: RunPlan, out_dir: Path, *, dtype: str | None = None
+    module_or_model: nn.Module,
+    plan: RunPlan,
+    out_dir: Path,
+    *,
+    dtype: str | None = None,
+    force: bool = False,
+    sources: Sequence[Path] = (),
 ) -> Path:
     """Write ``out_dir/model.safetensors`` and ``out_dir/config.json``; returns ``out_dir``.
 
     ``dtype`` (``bfloat16``, ``float16``, ``float32``) defaults to the plan's base-model dtype.
-    Accepts a converted model or the drafter itself.
+    Accepts a converted model or the drafter itself. Raises ReplaceRefusedError, before
+    writing anything, when ``out_dir`` holds something other than an earlier export (with
+    ``force``: anything but a run directory or one of ``sources``).
     """
+    out_dir = Path(out_dir)
+    check_export_target(out_dir, force=force, sources=sources)
     module = dflash_module(module_or_model)
     spec = plan.resolved_draft()
     dtype_name = dtype or plan.base_model.dtype
@@ -209,15 +238,17 @@ def export_drafter(
     }
     config = drafter_config(spec, dtype_name)
 
-    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}")
+    remove_stale_staging(out_dir)
+    staging = staging_name(out_dir, uuid.uuid4().hex[:8])
     staging.mkdir()
     try:
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
         (staging / CONFIG_FILE).write_text(text, encoding="utf-8")
         (staging / REMOTE_CODE_FILE).write_bytes(remote_code_source())
+        files = [child.name for child in staging.iterdir()]
+        (staging / EXPORT_MARKER).write_text(export_marker_text(files), encoding="utf-8")
         publish_directory(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -243,16 +274,25 @@ __all__ = [
 
 
 def export_checkpoint(
-    checkpoint_dir: Path, plan: RunPlan, out_dir: Path, *, dtype: str | None = None
+    checkpoint_dir: Path,
+    plan: RunPlan,
+    out_dir: Path,
+    *,
+    dtype: str | None = None,
+    force: bool = False,
 ) -> Path:
     """Export the drafter weights of a training checkpoint (or another export) to `out_dir`.
 
     Builds the plan's drafter, loads the checkpoint's weights exactly (names, shapes and dtypes
     checked), then writes the z-lab layout atomically. Never reads ``dflash_init_checkpoint``.
+    The target is checked (see :func:`export_drafter`) before the checkpoint is read.
     """
+    check_export_target(Path(out_dir), force=force, sources=(Path(checkpoint_dir),))
     from dflash_recipes.executor.draft import DFlashDraftModel
     from dflash_recipes.executor.evaluate import load_drafter_weights
 
     drafter = DFlashDraftModel(plan.resolved_draft())
     load_drafter_weights(drafter, Path(checkpoint_dir))
-    return export_drafter(drafter, plan, out_dir, dtype=dtype)
+    return export_drafter(
+        drafter, plan, out_dir, dtype=dtype, force=force, sources=(Path(checkpoint_dir),)
+    )

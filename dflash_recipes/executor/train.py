@@ -38,17 +38,14 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.atomic import write_text_atomic
-from dflash_recipes.errors import CheckpointError, DataError, PlanError
+from dflash_recipes.errors import CheckpointError, DataError, PlanError, RunIOError
 from dflash_recipes.executor.anchors import (
     block_inputs,
     block_labels,
     gather_teacher_logits,
     sample_anchors,
 )
-from dflash_recipes.executor.checkpointing import (
-    restore_training_checkpoint,
-    save_training_checkpoint,
-)
+from dflash_recipes.executor.checkpointing import save_training_checkpoint
 from dflash_recipes.executor.convert import (
     DFlashModel,
     convert,
@@ -87,7 +84,14 @@ from dflash_recipes.executor.loss import (
     objective_weights,
     per_position_accuracy,
 )
+from dflash_recipes.executor.run_guard import (
+    drop_metrics_after,
+    last_train_row,
+    locked_run_directory,
+    restore_newest_readable,
+)
 from dflash_recipes.executor.warmstart import WarmStartReport
+from dflash_recipes.export_target import check_export_target
 from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.plan import ObjectivePlan, ResolvedDraft, RunPlan
 from dflash_recipes.report import eval_row, metrics_json_line, train_row
@@ -462,7 +466,11 @@ def batch_positions(batch: Batch, env: DistEnv) -> list[int]:
 
 @attrs.frozen
 class TrainSummary:
-    """What a finished run reports (also written as the last line of metrics.jsonl)."""
+    """What a finished run reports (also written as the last line of metrics.jsonl).
+
+    ``steps`` is the optimiser step the run reached (fewer than ``planned_steps`` when it
+    stopped early); ``steps_this_run`` is 0 when a finished run was resumed.
+    """
 
     steps: int
     resumed_from_step: int | None
@@ -474,6 +482,8 @@ class TrainSummary:
     warm_start: str | None
     data_summary: str
     last_eval_tau: float | None = None
+    planned_steps: int = 0
+    steps_this_run: int = 0
 
 
 class _MetricWindow:
@@ -593,17 +603,30 @@ class Trainer:
     # -- main entry -------------------------------------------------------------------------
 
     def run(self) -> TrainSummary:
+        """Train under the run directory's lock (rank 0); OSError becomes one RunIOError."""
         env = self.env
-        init_distributed(env)
         try:
-            return self._run()
-        finally:
-            shutdown_distributed()
+            with locked_run_directory(self.output_dir, main=is_main(env)):
+                init_distributed(env)
+                try:
+                    return self._run()
+                finally:
+                    shutdown_distributed()
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else f" in {self.output_dir}"
+            msg = (
+                f"run stopped: cannot read or write{where}: {exc.strerror or exc}; the "
+                "checkpoints already saved are intact: fix the cause (free space, "
+                "permissions) and rerun to resume"
+            )
+            raise RunIOError(msg) from exc
 
     def _run(self) -> TrainSummary:
         plan, env, spec = self.plan, self.env, self.spec
         training = plan.training
         resume_from = self._check_resume_state()
+        if is_main(env):  # refuse now, not after hours of training
+            check_export_target(self.output_dir / EXPORT_DIR)
         tokenizer = self._load_tokenizer()
         # Data problems stop the run here, before anything is written to output_dir.
         dataset = self._build_dataset(tokenizer)
@@ -638,8 +661,11 @@ class Trainer:
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         start_step, epoch, next_index = 0, 0, 0
+        metrics_path = self.output_dir / METRICS_FILE
         if resume_from is not None:
-            state = restore_training_checkpoint(resume_from, drafter, optimizer, scheduler)
+            resume_from, state = restore_newest_readable(
+                resume_from, self.output_dir, drafter, optimizer, scheduler
+            )
             start_step = _int(state, "step")
             epoch = _int(state, "epoch")
             next_index = _int(state, "next_index")
@@ -649,6 +675,8 @@ class Trainer:
                     resume_from,
                     start_step,
                 )
+                # The steps after the checkpoint are redone: their old rows go.
+                drop_metrics_after(metrics_path, start_step)
         wrapped = wrap_ddp(step_module, env)
 
         if is_main(env):
@@ -659,11 +687,10 @@ class Trainer:
 
         data = self._data_stream(dataset, epoch, next_index)
         window = _MetricWindow(spec.block_size)
-        metrics_path = self.output_dir / METRICS_FILE
         last_row: dict[str, object] = {}
         bar = self._progress_bar(total_steps, start_step)
         position = (epoch, next_index)
-        step = start_step
+        done = start_step
         target = model
         embeddings = embed_tokens(model)
         total_tokens_time = (0, 0.0)
@@ -717,25 +744,29 @@ class Trainer:
             bar.close()
 
         export_dir: Path | None = None
-        if self.stop_after is not None and step + 1 < total_steps:
-            logger.info("stopped after step %d as asked (no export)", step + 1)
+        if done < total_steps:
+            logger.info("stopped after step %d of %d as asked (no export)", done, total_steps)
         elif is_main(env):
             export_dir = export_drafter(drafter, plan, self.output_dir / EXPORT_DIR)
             logger.info("exported the drafter to %s", export_dir)
         barrier(env)
         tokens, seconds = total_tokens_time
-        acc = last_row.get("accuracy_by_position", [])
+        if not last_row:  # nothing logged in this run (a finished run resumed): the last row
+            last_row = last_train_row(metrics_path, done) or {}
+        acc = _accuracies(last_row.get("accuracy_by_position"))
         summary = TrainSummary(
-            steps=total_steps,
+            steps=done,
             resumed_from_step=start_step if resume_from is not None else None,
             final_loss=float(last_row.get("loss", float("nan"))),  # type: ignore[arg-type]
-            accuracy_by_position=tuple(acc),  # type: ignore[arg-type]
+            accuracy_by_position=tuple(acc),
             acceptance_length_estimate=float(last_row.get("acceptance_length_estimate", 1.0)),  # type: ignore[arg-type]
             tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
             export_dir=str(export_dir) if export_dir is not None else None,
             warm_start=warm.describe() if warm is not None else None,
             data_summary=dataset.summary,
             last_eval_tau=last_eval_tau,
+            planned_steps=total_steps,
+            steps_this_run=done - start_step,
         )
         if is_main(env):
             _append_jsonl(metrics_path, {"kind": "summary", **attrs.asdict(summary)})
@@ -977,6 +1008,13 @@ def _int(state: dict[str, object], key: str) -> int:
         msg = f"trainer_state.json has no integer {key!r}; the checkpoint is from another tool"
         raise CheckpointError(msg)
     return value
+
+
+def _accuracies(value: object) -> list[float]:
+    """Accuracy by position from a metrics row (read back, position 0 is null)."""
+    if not isinstance(value, (list, tuple)):
+        return []
+    return [float(a) if isinstance(a, (int, float)) else 0.0 for a in value]
 
 
 def _strict(value: object) -> object:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_recipes.errors import CheckpointError
+from dflash_recipes.errors import CheckpointError, RunIOError
 from dflash_recipes.executor import checkpointing
 from dflash_recipes.executor.checkpointing import (
     restore_training_checkpoint,
@@ -80,7 +80,7 @@ def test_a_crash_while_saving_leaves_no_checkpoint(
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpointing.torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(RunIOError, match=r"checkpoint of step 2 .*: disk full"):
         save_training_checkpoint(out, 2, module, optimizer, scheduler, {})
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-00000001"]
 
@@ -122,8 +122,9 @@ def test_optimizer_file_is_never_unpickled_freely(
     with open(path / "optimizer.pt", "wb") as handle:
         pickle.dump({"optimizer": _Payload()}, handle, protocol=2)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match="not written by dflash-recipe") as info:
         restore_training_checkpoint(path, module, optimizer)
+    assert isinstance(info.value.__cause__, pickle.UnpicklingError)
     assert not (tmp_path / "PWNED").exists()
 
 
