@@ -312,7 +312,7 @@ class _Capture:
         path = self.output / entry.file
         tmp = temporary_sibling(path)
         try:
-            save_file(tensors, str(tmp), metadata={"format": "pt", "dflash_capture": entry.file})
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
