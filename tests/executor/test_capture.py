@@ -1,4 +1,4 @@
-"""Capture and offline training on the shipped tiny target: offline equals online, resume, format."""
+"""Capture and offline training on the shipped tiny target: offline equals online, resume."""
 
 from __future__ import annotations
 
