@@ -203,3 +203,50 @@ def test_cli_capture_then_compile_offline(tmp_path: Path) -> None:
     missing = runner.invoke(main, ["capture", str(SCRATCH), *common])
     assert missing.exit_code != 0
     assert "pass --output DIR, or set data.hidden_states_path" in missing.output
+
+
+def test_offline_run_resumes_exactly(tmp_path: Path) -> None:
+    capture = tmp_path / "capture"
+    capture_plan(_plan(tmp_path, "c"), capture, max_shard_bytes=SHARD_BYTES, progress=False)
+    offline = f"data.hidden_states_path={capture}"
+    run_plan(
+        _plan(tmp_path, "straight", offline, "training.max_steps=4", "training.save_steps=2"),
+        progress=False,
+    )
+    half = _plan(tmp_path, "halves", offline, "training.max_steps=4", "training.save_steps=2")
+    run_plan(half, progress=False, stop_after=2)
+    resumed = _plan(tmp_path, "halves", offline, "training.max_steps=4", "training.save_steps=2")
+    assert resumed.resume is not None and resumed.resume.step == 2
+    assert run_plan(resumed, progress=False).resumed_from_step == 2
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "halves")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.slow
+def test_two_process_capture_is_byte_identical(tmp_path: Path) -> None:
+    """`capture --nproc-per-node 2`: the ranks split the shards; the files equal one process's."""
+    import os
+    import subprocess
+    import sys
+
+    plan = _plan(tmp_path, "run")
+    single = tmp_path / "single"
+    capture_plan(plan, single, max_shard_bytes=2**20, progress=False)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    two = tmp_path / "ddp"
+    argv = [sys.executable, "-m", "dflash_recipes", "capture", str(plan_file)]
+    argv += ["--output", str(two), "--shard-mib", "1", "--nproc-per-node", "2", "--no-progress"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in single.iterdir() if p.name != LOCK_FILE)
+    assert len(names) > 3
+    assert sorted(p.name for p in two.iterdir() if p.name != LOCK_FILE) == names
+    for name in names:
+        assert (single / name).read_bytes() == (two / name).read_bytes(), name
