@@ -92,6 +92,16 @@ CAPTURE_CHAT_TEMPLATE_CHANGED = _code(
     _W,
     "the capture was rendered with another chat template than the recipe's",
 )
+CAPTURE_DATA_CHANGED = _code(
+    "capture-data-changed",
+    _W,
+    "data.data_path is not the file the capture was made from (its sha256 differs)",
+)
+CAPTURE_BLOCK_SIZE_DIFFERS = _code(
+    "capture-block-size-differs",
+    _W,
+    "the capture kept the conversations that open a block of another dflash_block_size",
+)
 CAPTURE_SHARD_BAD = _code(
     "capture-shard-bad",
     _E,
@@ -423,6 +433,9 @@ class CaptureExpectation:
     base_config_sha256: str | None
     tokenizer_sha256: str | None
     chat_template_sha256: str | None
+    #: sha256 of data.data_path, or None when the recipe names no data file.
+    data_sha256: str | None = None
+    block_size: int | None = None
 
 
 @attrs.frozen
@@ -526,6 +539,26 @@ def check_manifest(manifest: CaptureManifest, expect: CaptureExpectation) -> lis
                 "the capture was rendered with another chat template than the one the recipe "
                 "names now; training follows the capture's rendering",
                 f"{_RECAPTURE} to train on the new rendering, or restore data.chat_template",
+            )
+        )
+    if expect.data_sha256 is not None and manifest.data_sha256 != expect.data_sha256:
+        found.append(
+            CaptureFinding(
+                CAPTURE_DATA_CHANGED,
+                f"data.data_path is not the file the capture was made from "
+                f"({manifest.data_path}): training reads the capture, not this file",
+                f"{_RECAPTURE} to train on the current data, or leave data.data_path unset "
+                "(it is not read offline)",
+            )
+        )
+    if expect.block_size is not None and manifest.block_size != expect.block_size:
+        found.append(
+            CaptureFinding(
+                CAPTURE_BLOCK_SIZE_DIFFERS,
+                f"the capture kept the conversations that open a block of "
+                f"{manifest.block_size} tokens, the plan trains blocks of {expect.block_size}: "
+                "the set of conversations differs from what online training would use",
+                f"{_RECAPTURE}, or set dflash.dflash_block_size: {manifest.block_size}",
             )
         )
     return found

@@ -28,6 +28,7 @@ from dflash_recipes.capture_manifest import (
     base_config_sha256,
     chat_template_sha256,
     check_capture,
+    file_sha256,
     needs_teacher,
     tokenizer_sha256,
 )
@@ -545,6 +546,8 @@ class _Compilation:
             base_config_sha256=base_config_sha256(base),
             tokenizer_sha256=tokenizer_sha256(base),
             chat_template_sha256=chat_template_sha256(str(template) if template else None, base),
+            data_sha256=_data_sha256(self.absolute(data.data_path)) if data.data_path else None,
+            block_size=objective.dflash_block_size,
         )
         directory = self.absolute(data.hidden_states_path)
         for finding in check_capture(directory, expect):
@@ -1101,6 +1104,13 @@ class _Compilation:
             overrides=tuple(overrides),
             resolved=resolved,
         )
+
+
+def _data_sha256(path: Path) -> str | None:
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None  # data-file-missing reports it
 
 
 def _read_previous_plan(path: Path) -> RunPlan | None:

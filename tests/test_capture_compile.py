@@ -176,3 +176,16 @@ def test_not_a_capture_directory(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     found = _only(_compile(tmp_path / "empty"), "capture-unreadable")
     assert "has no manifest.json" in found.message
+
+
+def test_changed_data_file_and_block_size_are_warnings(capture: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    source = REPO / "dflash_recipes" / "demo_data" / "data" / "domain.jsonl"
+    data.write_text(source.read_text() + "\n")
+    result = _compile(capture, f"data.data_path={data}", "dflash.dflash_block_size=8")
+    assert result.plan is not None
+    changed = _only(result, "capture-data-changed")
+    assert changed.severity == Severity.WARNING and str(source.resolve()) in changed.message
+    block = _only(result, "capture-block-size-differs")
+    assert block.severity == Severity.WARNING
+    assert "dflash.dflash_block_size: 4" in (block.hint or "")

@@ -24,7 +24,7 @@ import attrs
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.capture_manifest import (
     CaptureManifest,
@@ -88,13 +88,19 @@ def load_target_without_decoder(plan: RunPlan) -> PreTrainedModel:
     # The loader reports every skipped layer tensor as "unexpected": that is the point here.
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
+        config = AutoConfig.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=base.trust_remote_code
+        )
+        text = config.get_text_config()
+        text.num_hidden_layers = 0
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = []
         model = AutoModelForCausalLM.from_pretrained(
             str(path),
+            config=config,
             local_files_only=True,
             trust_remote_code=base.trust_remote_code,
             dtype=torch_dtype(base.dtype),
-            num_hidden_layers=0,
-            layer_types=[],
         )
     except (OSError, ValueError, TypeError) as exc:
         msg = f"cannot load the base model's embeddings and lm_head from {path}: {exc}"
@@ -102,8 +108,7 @@ def load_target_without_decoder(plan: RunPlan) -> PreTrainedModel:
     finally:
         transformers.logging.set_verbosity(verbosity)
     assert isinstance(model, PreTrainedModel)
-    config = model.config.get_text_config()
-    config.num_hidden_layers = facts.num_hidden_layers
+    model.config.get_text_config().num_hidden_layers = facts.num_hidden_layers
     nn.Module.eval(model)
     return model
 

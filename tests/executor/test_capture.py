@@ -23,6 +23,8 @@ from dflash_recipes.executor.train import run_plan
 from dflash_recipes.locking import LOCK_FILE
 from dflash_recipes.plan import RunPlan
 
+from .tiny import tiny_plan, tiny_target
+
 REPO = Path(__file__).resolve().parents[2]
 SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 #: Small shards: the 60 demo conversations fill several.
@@ -100,14 +102,27 @@ def test_offline_training_equals_online(
         assert all(float((b[n] - source[n]).abs().max()) < 0.05 for n in source)
 
 
-def test_offline_run_loads_no_decoder_layers(tmp_path: Path) -> None:
-    from dflash_recipes.executor.offline import load_target_without_decoder
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_offline_loads_no_decoder_layers_and_recomputes_the_teacher(
+    tmp_path: Path, model_type: str
+) -> None:
+    from dflash_recipes.executor.convert import lm_head
+    from dflash_recipes.executor.offline import load_target_without_decoder, teacher_logits
 
-    plan = _plan(tmp_path, "any")
+    plan = tiny_plan(tmp_path, target_model_type=model_type)
+    full = tiny_target(plan, save=True)
     model = load_target_without_decoder(plan)
-    names = [name for name, _ in model.named_parameters()]
-    assert names and not any(".layers." in name for name in names), names
-    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} == set(names)
+    names = {name for name, _ in model.named_parameters()}
+    assert names == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert model.config.num_hidden_layers == full.config.num_hidden_layers
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        out = full(input_ids=ids, output_hidden_states=True)
+        seen: list[torch.Tensor] = []
+        hook = full.model.norm.register_forward_hook(lambda _m, a, _o: seen.append(a[0]))
+        full(input_ids=ids)
+        hook.remove()
+        assert torch.equal(teacher_logits(model, lm_head(model), seen[0]), out.logits)
 
 
 def test_killed_capture_resumes_and_equals_an_uninterrupted_one(tmp_path: Path) -> None:
