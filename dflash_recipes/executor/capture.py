@@ -169,6 +169,12 @@ class _Capture:
                 if is_main(env):
                     stack.enter_context(hold_directory_lock(self.output, purpose="capture"))
                 return self._run(started)
+        except OSError as exc:
+            msg = (
+                f"capture into {self.output} failed: {exc}; fix the directory (a writable folder "
+                "with free space) and rerun the same command: whole shards are kept"
+            )
+            raise DataError(msg) from exc
         finally:
             shutdown_distributed()
 

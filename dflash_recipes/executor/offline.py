@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -151,7 +151,7 @@ class CaptureReader:
                 self._handles[entry.file] = handle
             name = sample_tensor_names(index, last_hidden=self.manifest.last_hidden_state)[part]
             tensor: Tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
-        except (OSError, RuntimeError, KeyError) as exc:
+        except (OSError, RuntimeError, KeyError, SafetensorError) as exc:
             msg = (
                 f"cannot read sample {index} from capture shard {path}: {exc}; the shard changed "
                 "after compile: rerun `dflash-recipe capture` for this recipe"

@@ -265,3 +265,16 @@ def test_two_process_capture_is_byte_identical(tmp_path: Path) -> None:
     assert sorted(p.name for p in two.iterdir() if p.name != LOCK_FILE) == names
     for name in names:
         assert (single / name).read_bytes() == (two / name).read_bytes(), name
+
+
+def test_capture_into_a_file_is_a_clean_error(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    result = CliRunner().invoke(
+        main, ["capture", str(SCRATCH), "--output", str(not_a_dir), "--no-progress"]
+    )
+    assert result.exit_code == 2  # a usage error, from the option's type
+    assert "is a file" in result.output and "Traceback" not in result.output
+    with pytest.raises(DataError, match=rf"capture into {not_a_dir} failed: .*rerun the same"):
+        capture_plan(_plan(tmp_path, "run"), not_a_dir, progress=False)
+    assert not_a_dir.read_text() == "x"
