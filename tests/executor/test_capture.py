@@ -278,3 +278,36 @@ def test_capture_into_a_file_is_a_clean_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=rf"capture into {not_a_dir} failed: .*rerun the same"):
         capture_plan(_plan(tmp_path, "run"), not_a_dir, progress=False)
     assert not_a_dir.read_text() == "x"
+
+
+@pytest.mark.slow
+def test_two_process_offline_run_matches_one_process(tmp_path: Path) -> None:
+    """Offline under DDP: 2 ranks x 1 sequence read their own rows of the same global batch."""
+    import os
+    import subprocess
+    import sys
+
+    capture = tmp_path / "capture"
+    capture_plan(_plan(tmp_path, "c"), capture, max_shard_bytes=SHARD_BYTES, progress=False)
+    offline = f"data.hidden_states_path={capture}"
+    run_plan(_plan(tmp_path, "single", offline), progress=False)
+    ddp = _plan(tmp_path, "ddp", offline, "training.per_device_train_batch_size=1")
+    plan_file = tmp_path / "ddp_plan.json"
+    plan_file.write_text(ddp.to_json(), encoding="utf-8")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, "-m", "dflash_recipes", "run", str(plan_file)]
+    argv += ["--nproc-per-node", "2", "--no-progress"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _weights(tmp_path / "single"), _weights(tmp_path / "ddp")
+    assert a.keys() == b.keys()
+    # As the online DDP test: reduction order differs; a wrong row would move weights by ~lr.
+    for name in a:
+        diff = (a[name] - b[name]).abs()
+        assert float(diff.max()) < 1e-4, name
+        assert float(diff.mean()) < 1e-7, name
