@@ -565,6 +565,101 @@ def run_command(
         click.echo(run_summary_line(summary), err=True)
 
 
+@main.command("capture")
+@click.argument("recipe_or_plan", type=click.Path(path_type=str))
+@click.argument("overrides", nargs=-1)
+@click.option(
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Capture directory (default: the recipe's data.hidden_states_path).",
+)
+@click.option(
+    "--shard-mib",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Most tensor data one shard holds, in MiB.",
+)
+@click.option("--nproc-per-node", type=click.IntRange(min=1), help="Launch N processes (torchrun).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def capture_command(
+    recipe_or_plan: str,
+    overrides: tuple[str, ...],
+    output: Path | None,
+    shard_mib: int,
+    nproc_per_node: int | None,
+    no_progress: bool,
+    verbose: bool,
+) -> None:
+    """Run the target over the training data once; write its taps for offline training.
+
+    Writes safetensors shards and a manifest.json into --output (or data.hidden_states_path),
+    with the plan's tokenization, chat template, truncation, loss masks and taps. A rerun
+    resumes shard by shard. Then train with data.hidden_states_path set to the directory.
+
+    \b
+    Examples:
+      dflash-recipe capture recipe.yaml --output /data/capture
+      dflash-recipe capture recipe.yaml --output /data/capture --nproc-per-node 8
+      dflash-recipe run recipe.yaml data.hidden_states_path=/data/capture
+    """
+    from dflash_recipes.executor.distributed import is_launched_process
+
+    # The capture is what data.hidden_states_path will name: compile without it (a capture
+    # that does not exist yet must not fail the compile), but take it as the default output.
+    target = output
+    if Path(recipe_or_plan).suffix == ".json":
+        plan = load_plan_or_recipe(recipe_or_plan, overrides)
+        if target is None and plan.data.hidden_states_path is not None:
+            target = Path(plan.data.hidden_states_path)
+    else:
+        plan = load_plan_or_recipe(recipe_or_plan, (*overrides, "data.hidden_states_path=null"))
+        if target is None:
+            named = load_plan_or_recipe_capture_path(recipe_or_plan, overrides)
+            target = Path(named) if named is not None else None
+    if target is None:
+        _fail(
+            "no capture directory: pass --output DIR, or set data.hidden_states_path in the recipe",
+            EXIT_USAGE,
+        )
+    if nproc_per_node is not None and not is_launched_process():
+        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+
+        argv = build_torchrun_argv(
+            [recipe_or_plan, *overrides, "--output", str(target), "--shard-mib", str(shard_mib)]
+            + (["--no-progress"] if no_progress else []),
+            nproc_per_node=nproc_per_node,
+            command="capture",
+        )
+        sys.exit(launch_torchrun(argv))
+    _setup_logging(verbose)
+    from dflash_recipes.executor.capture import capture_plan
+
+    summary = capture_plan(
+        plan, target, max_shard_bytes=shard_mib * 2**20, progress=not no_progress
+    )
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(
+            f"captured {summary.num_samples} samples, {summary.num_tokens} tokens in "
+            f"{summary.shards} shards ({summary.bytes_on_disk} bytes, estimated "
+            f"{summary.estimated_bytes}) into {summary.directory}",
+            err=True,
+        )
+
+
+def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:
+    """The recipe's data.hidden_states_path (absolute, against the recipe's folder), or None."""
+    from dflash_recipes.checkpoint import resolve_local_path
+    from dflash_recipes.loader import load_recipe_with_diagnostics
+
+    loaded = load_recipe_with_diagnostics(Path(recipe), overrides=tuple(overrides))
+    if loaded.recipe is None or loaded.recipe.data.hidden_states_path is None:
+        return None
+    base = resolve_local_path(recipe, base_dir=None).parent
+    return str(resolve_local_path(loaded.recipe.data.hidden_states_path, base_dir=base))
+
+
 @main.command("eval")
 @click.argument("plan_or_recipe", type=click.Path(path_type=str))
 @click.argument("overrides", nargs=-1)

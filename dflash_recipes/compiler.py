@@ -22,6 +22,18 @@ from pathlib import Path
 
 import attrs
 
+from dflash_recipes.capture_manifest import (
+    SEVERITIES as _CAPTURE_SEVERITIES,
+)
+from dflash_recipes.capture_manifest import (
+    CaptureExpectation,
+    base_config_sha256,
+    chat_template_sha256,
+    check_capture,
+    file_sha256,
+    needs_teacher,
+    tokenizer_sha256,
+)
 from dflash_recipes.checkpoint import (
     CheckpointWeights,
     inspect_checkpoint_dir,
@@ -87,6 +99,7 @@ def _code(code: str, severity: Severity, summary: str) -> str:
 
 
 _E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
+_SEVERITY.update(_CAPTURE_SEVERITIES)
 
 ARCH_DIM_MISSING = _code(
     "arch-dim-missing", _E, "a draft dimension is unset; dims never inherit from the base model"
@@ -509,7 +522,7 @@ class _Compilation:
 
     def resolve_data(self) -> None:
         data = self.recipe.data
-        if data.data_path is None:
+        if data.data_path is None and data.hidden_states_path is None:
             self.emit(
                 DATA_PATH_UNSET,
                 "data.data_path",
@@ -540,6 +553,35 @@ class _Compilation:
                 f"data.{name} {path} {problem} ({what} expected)",
                 f"point data.{name} at {what} (a relative path is resolved against {base})",
             )
+
+    def check_capture(self, taps: Sequence[int] | None) -> None:
+        """data.hidden_states_path against the plan: manifest and shard headers only."""
+        data, facts = self.recipe.data, self.facts
+        if data.hidden_states_path is None or taps is None or facts is None:
+            return
+        objective = self.recipe.dflash
+        base = self.absolute(self.recipe.model.model_name_or_path)
+        template = self.absolute(data.chat_template) if data.chat_template else None
+        expect = CaptureExpectation(
+            target_layer_ids=tuple(taps),
+            hidden_size=facts.hidden_size,
+            dtype=self.recipe.model.dtype,
+            training_seq_len=self.recipe.training.training_seq_len,
+            answer_only_loss=data.answer_only_loss,
+            needs_last_hidden=needs_teacher(
+                self_logit_distillation=objective.dflash_self_logit_distillation,
+                projector_type=self.arch.projector_type,
+                dspark_tv_weight=float(objective.dflash_dspark_tv_weight),
+            ),
+            base_config_sha256=base_config_sha256(base),
+            tokenizer_sha256=tokenizer_sha256(base),
+            chat_template_sha256=chat_template_sha256(str(template) if template else None, base),
+            data_sha256=_data_sha256(self.absolute(data.data_path)) if data.data_path else None,
+            block_size=objective.dflash_block_size,
+        )
+        directory = self.absolute(data.hidden_states_path)
+        for finding in check_capture(directory, expect):
+            self.emit(finding.code, "data.hidden_states_path", finding.message, finding.hint)
 
     def resolve_output(self) -> None:
         output_dir = self.absolute(self.recipe.training.output_dir)
@@ -1176,6 +1218,7 @@ class _Compilation:
                 chat_template=optional(data.chat_template),
                 answer_only_loss=data.answer_only_loss,
                 eval_data_path=optional(data.eval_data_path),
+                hidden_states_path=optional(data.hidden_states_path),
             ),
             training=TrainingPlan(
                 output_dir=str(self.absolute(training.output_dir)),
@@ -1272,6 +1315,13 @@ def output_dir_problem(path: Path) -> str | None:
         return f"lies below {probe}, which is {file_kind(info.st_mode)}, not a directory"
 
 
+def _data_sha256(path: Path) -> str | None:
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None  # data-file-missing reports it
+
+
 def _read_previous_plan(path: Path) -> RunPlan | None:
     """The plan a resumed run was started with, or None when absent or unreadable."""
     try:
@@ -1324,6 +1374,7 @@ def compile_recipe(
         work.check_checkpoint_config()
         if work.check_checkpoint_fields():  # a DFlash 2 checkpoint gets one error, no layout diff
             work.check_layout(taps)
+        work.check_capture(taps)
     else:
         mask = recipe.dflash.dflash_mask_token_id
         if mask is None and recipe.dflash.dflash_init_checkpoint is None:

@@ -74,6 +74,8 @@ class DataPlan:
     chat_template: str | None
     answer_only_loss: bool
     eval_data_path: str | None = None
+    #: A `dflash-recipe capture` directory to train from offline (None: run the target).
+    hidden_states_path: str | None = None
 
 
 @attrs.frozen

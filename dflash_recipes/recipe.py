@@ -251,6 +251,9 @@ class DataSection:
     answer_only_loss: bool = True
     #: Optional JSONL of held-out conversations for `eval` and `training.eval_steps`.
     eval_data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Directory written by `dflash-recipe capture`: train offline from its safetensors shards
+    #: (the target's decoder is not run); compile checks it against the plan.
+    hidden_states_path: str | None = attrs.field(default=None, validator=non_empty_str)
 
 
 @attrs.frozen

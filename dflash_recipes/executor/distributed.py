@@ -472,8 +472,9 @@ def build_torchrun_argv(
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
+    command: str = "run",
 ) -> list[str]:
-    """The command that runs `dflash-recipe run TARGET_ARGV...` in N processes per node.
+    """The command that runs `dflash-recipe COMMAND TARGET_ARGV...` in N processes per node.
 
     Single node without an endpoint: `--standalone` (a local rendezvous on a free port).
     Multi-node (or any given endpoint): c10d rendezvous at HOST:PORT, the same command on every
@@ -532,7 +533,7 @@ def build_torchrun_argv(
             "--rdzv-id",
             rdzv_id if rdzv_id is not None else DEFAULT_RDZV_ID,
         ]
-    argv += ["-m", "dflash_recipes.cli", "run", *target_argv]
+    argv += ["-m", "dflash_recipes.cli", command, *target_argv]
     return argv
 
 

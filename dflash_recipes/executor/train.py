@@ -55,7 +55,13 @@ from dflash_recipes.executor.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.data import Batch, TrainDataset, batches, batches_per_epoch
+from dflash_recipes.executor.data import (
+    Batch,
+    TrainDataset,
+    batches,
+    batches_per_epoch,
+    epoch_order,
+)
 from dflash_recipes.executor.distributed import (
     DistEnv,
     barrier,
@@ -83,6 +89,14 @@ from dflash_recipes.executor.loss import (
     estimated_acceptance_length,
     objective_weights,
     per_position_accuracy,
+)
+from dflash_recipes.executor.offline import (
+    CapturedStates,
+    CaptureReader,
+    capture_dataset,
+    load_target_without_decoder,
+    open_capture,
+    teacher_logits,
 )
 from dflash_recipes.executor.run_guard import (
     drop_metrics_after,
@@ -351,23 +365,34 @@ def step_inputs(
     *,
     step: int,
     total_steps: int,
+    captured: CapturedStates | None = None,
 ) -> StepInputs:
     """Everything a micro-step feeds the drafter, from a batch and its anchors (on one device).
 
     Runs the frozen target (its logits only when the objective needs a teacher) and builds
     the packed blocks, their positions, the block mask (flex on CUDA, the split form on CPU)
-    and the labels. Fusing the taps is left to the step, which trains ``fc``.
+    and the labels. Fusing the taps is left to the step, which trains ``fc``. With `captured`
+    (offline training) the taps come from the capture and the target's decoder does not run;
+    teacher logits are recomputed from the captured last hidden state.
     """
     device = ids.device
     needs_teacher = objective.self_logit_distillation or (
         spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
     )
     with torch.no_grad():
-        out = target_forward(target, ids, attention, with_logits=needs_teacher)
-        tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
-        # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
-        target_logits = out.logits
-        del out
+        if captured is None:
+            out = target_forward(target, ids, attention, with_logits=needs_teacher)
+            tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+            # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
+            target_logits = out.logits
+            del out
+        else:
+            tapped, target_logits = captured.tapped, None
+            if needs_teacher:
+                if captured.last_hidden is None:
+                    msg = "the objective needs teacher logits; the capture has no last hidden state"
+                    raise DataError(msg)
+                target_logits = teacher_logits(target, lm_head(target), captured.last_hidden)
         block_ids, q_positions = block_inputs(
             ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
         )
@@ -527,6 +552,10 @@ class Trainer:
         self.progress = progress
         self.env = detect_dist_env(plan.training.device)
         self.output_dir = Path(plan.training.output_dir)
+        #: The capture offline training reads (data.hidden_states_path), else None.
+        self.capture: CaptureReader | None = None
+        self._order: list[int] = []
+        self._order_key: tuple[int, int] | None = None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -595,6 +624,9 @@ class Trainer:
     def _build_dataset(self, tokenizer: PreTrainedTokenizerBase) -> TrainDataset:
         from dflash_recipes.executor.data import build_dataset
 
+        if self.plan.data.hidden_states_path is not None:
+            self.capture, manifest = open_capture(self.plan)
+            return capture_dataset(self.capture, manifest, tokenizer)
         if self.plan.data.data_path is None:
             msg = "the plan has no data.data_path; set it in the recipe and recompile"
             raise DataError(msg)
@@ -633,7 +665,11 @@ class Trainer:
         if is_main(env):
             logger.info("data: %s", dataset.summary)
 
-        base = load_base_model(plan)
+        # Offline, the decoder runs only for measured evaluation (speculative decoding needs it).
+        needs_decoder = self.capture is None or (
+            training.eval_steps is not None and plan.data.eval_data_path is not None
+        )
+        base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
         model = convert(base, plan, init=resume_from is None)
         drafter = dflash_module(model)
         warm: WarmStartReport | None = getattr(drafter, "warm_start_report", None)
@@ -822,6 +858,9 @@ class Trainer:
             num_anchors=objective.num_anchors,
         )
         anchors, valid = anchors_cpu.to(device), valid_cpu.to(device)
+        captured = None
+        if self.capture is not None:
+            captured = self.capture.states(self._sample_indices(batch), int(ids.shape[1]), device)
         inputs = step_inputs(
             target,
             embeddings,
@@ -834,6 +873,7 @@ class Trainer:
             valid,
             step=step,
             total_steps=total_steps,
+            captured=captured,
         )
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -851,6 +891,15 @@ class Trainer:
         loss.backward()  # type: ignore[no-untyped-call]
         tokens = int(attention.sum())
         return result, tokens
+
+    def _sample_indices(self, batch: Batch) -> list[int]:
+        """Dataset indices of this rank's rows of `batch` (offline: which captured samples)."""
+        assert self.capture is not None
+        key = (batch.epoch, self.capture.manifest.num_samples)
+        if self._order_key != key:
+            self._order = epoch_order(key[1], seed=self.plan.training.seed, epoch=batch.epoch)
+            self._order_key = key
+        return [self._order[p] for p in batch_positions(batch, self.env)]
 
     def _log_metrics(
         self, window: _MetricWindow, step: int, lr: float, path: Path
