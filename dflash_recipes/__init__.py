@@ -1,36 +1,97 @@
 """dflash-recipes: typed, compiled recipes for training DFlash speculative-decoding drafters.
 
-The public surface is `__all__`. Importing the package loads only the pure-data compile path
-(attrs, cattrs, yaml, json): never torch, transformers or safetensors, which only the executor
+The public surface is `__all__`; it is the only stable API (module paths below the package are
+internal and may move). Importing the package loads only the pure-data compile path (attrs,
+cattrs, yaml, json): never torch, transformers or safetensors, which only the executor
 (`dflash_recipes.executor`, used by `dflash-recipe run`) imports.
+
+The names are resolved on first use (PEP 562 module `__getattr__`), so `dflash-recipe --version`
+or `lint`, which need a part of the package, do not pay for importing the rest.
 """
 
-from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
-from dflash_recipes.diagnostics import Diagnostic, Severity
-from dflash_recipes.errors import (
-    CheckpointError,
-    CompileError,
-    DataError,
-    DFlashRecipeError,
-    LaunchError,
-    PlanError,
-    RecipeError,
-    SafetensorsHeaderError,
-    WarmStartError,
-)
-from dflash_recipes.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
-from dflash_recipes.plan import ResolvedDraft, RunPlan
-from dflash_recipes.recipe import (
-    DataSection,
-    DFlashArchitectureConfig,
-    DFlashSection,
-    ModelSection,
-    Recipe,
-    TrainingSection,
-)
-from dflash_recipes.schema import recipe_json_schema
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
+    from dflash_recipes.diagnostics import Diagnostic, Severity
+    from dflash_recipes.errors import (
+        CheckpointError,
+        CompileError,
+        DataError,
+        DFlashRecipeError,
+        DirectoryLockedError,
+        LaunchError,
+        PlanError,
+        RecipeError,
+        ReplaceRefusedError,
+        RunIOError,
+        SafetensorsHeaderError,
+        WarmStartError,
+    )
+    from dflash_recipes.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
+    from dflash_recipes.plan import ResolvedDraft, RunPlan
+    from dflash_recipes.recipe import (
+        DataSection,
+        DFlashArchitectureConfig,
+        DFlashSection,
+        ModelSection,
+        Recipe,
+        TrainingSection,
+    )
+    from dflash_recipes.schema import recipe_json_schema
 
 __version__ = "0.1.0"
+
+#: Where each public name lives (the module is imported when the name is first read).
+_HOMES = {
+    "CompileResult": "compiler",
+    "compile_file": "compiler",
+    "compile_recipe": "compiler",
+    "Diagnostic": "diagnostics",
+    "Severity": "diagnostics",
+    "CheckpointError": "errors",
+    "CompileError": "errors",
+    "DataError": "errors",
+    "DFlashRecipeError": "errors",
+    "DirectoryLockedError": "errors",
+    "LaunchError": "errors",
+    "PlanError": "errors",
+    "RecipeError": "errors",
+    "ReplaceRefusedError": "errors",
+    "RunIOError": "errors",
+    "SafetensorsHeaderError": "errors",
+    "WarmStartError": "errors",
+    "LoadResult": "loader",
+    "load_recipe": "loader",
+    "load_recipe_with_diagnostics": "loader",
+    "ResolvedDraft": "plan",
+    "RunPlan": "plan",
+    "DataSection": "recipe",
+    "DFlashArchitectureConfig": "recipe",
+    "DFlashSection": "recipe",
+    "ModelSection": "recipe",
+    "Recipe": "recipe",
+    "TrainingSection": "recipe",
+    "recipe_json_schema": "schema",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        msg = f"module 'dflash_recipes' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(f"dflash_recipes.{home}"), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
 
 __all__ = [
     "CheckpointError",
@@ -42,13 +103,16 @@ __all__ = [
     "DataError",
     "DataSection",
     "Diagnostic",
+    "DirectoryLockedError",
     "LaunchError",
     "LoadResult",
     "ModelSection",
     "PlanError",
     "Recipe",
     "RecipeError",
+    "ReplaceRefusedError",
     "ResolvedDraft",
+    "RunIOError",
     "RunPlan",
     "SafetensorsHeaderError",
     "Severity",

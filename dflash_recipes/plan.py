@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Literal, Union
 
+import attr
 import attrs
 import cattrs
 
@@ -201,14 +202,19 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-compatible dict including `fingerprint`."""
-        data = _CONVERTER.unstructure(self)
-        assert isinstance(data, dict)
-        data["fingerprint"] = self.fingerprint
+        data = self._plain()
+        data["fingerprint"] = hashlib.sha256(_canonical(data)).hexdigest()
         return data
+
+    def _plain(self) -> dict[str, object]:
+        # attrs' reflective asdict, not a cattrs unstructure hook: the plan holds only attrs
+        # classes, tuples and JSON scalars, and cattrs would generate (compile) one function
+        # per plan class in every process, a third of `compile`'s own time.
+        return attr.asdict(self, retain_collection_types=False)
 
     def canonical_json(self) -> bytes:
         """Canonical bytes (sorted keys, no whitespace) of the plan without the fingerprint."""
-        return _canonical(_CONVERTER.unstructure(self))
+        return _canonical(self._plain())
 
     @property
     def fingerprint(self) -> str:
