@@ -15,6 +15,7 @@ from dflash_recipes.errors import (
     LaunchError,
     PlanError,
     RecipeError,
+    RegenerateError,
     SafetensorsHeaderError,
     WarmStartError,
 )
@@ -26,6 +27,7 @@ from dflash_recipes.recipe import (
     DFlashSection,
     ModelSection,
     Recipe,
+    RegenerateSection,
     TrainingSection,
 )
 from dflash_recipes.schema import recipe_json_schema
@@ -48,6 +50,8 @@ __all__ = [
     "PlanError",
     "Recipe",
     "RecipeError",
+    "RegenerateError",
+    "RegenerateSection",
     "ResolvedDraft",
     "RunPlan",
     "SafetensorsHeaderError",

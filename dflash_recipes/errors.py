@@ -12,6 +12,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      │    └── WarmStartError      checkpoint tensors do not match the drafter being loaded
      ├── DataError                training data is unusable
      ├── LaunchError              a distributed launch or environment is misconfigured
+ ├── RegenerateError          `regenerate` cannot start: unusable server, settings or output
      └── DirectoryLockedError     another process is writing the same output directory
 """
 
@@ -76,6 +77,10 @@ class LaunchError(DFlashRecipeError):
     """A distributed launch or its environment is misconfigured."""
 
 
+class RegenerateError(DFlashRecipeError):
+    """`dflash-recipe regenerate` cannot start or go on: the server, its settings or the output."""
+
+
 class DirectoryLockedError(DFlashRecipeError):
     """Another process holds the lock of an output directory (one writer per directory)."""
 
@@ -89,6 +94,7 @@ __all__ = [
     "LaunchError",
     "PlanError",
     "RecipeError",
+    "RegenerateError",
     "SafetensorsHeaderError",
     "WarmStartError",
 ]

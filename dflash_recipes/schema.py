@@ -99,6 +99,7 @@ def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
         recipe_module.block_size_range: {"minimum": 2, "maximum": 128},
         recipe_module.non_empty_str: {"minLength": 1, "pattern": r"\S"},
         recipe_module.layer_id_list: {"minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        recipe_module.env_var_name: {"pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"},
     }
 
 
