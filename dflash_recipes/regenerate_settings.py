@@ -33,7 +33,14 @@ REGENERATE_BAD_URL = register_code(
     "regenerate.base_url is not the http(s) base URL of an OpenAI-compatible server",
 )
 REGENERATE_OUTPUT_IS_INPUT = register_code(
-    "regenerate-output-is-input", _E, "regenerate.output_path is the file the prompts are read from"
+    "regenerate-output-is-input",
+    _E,
+    "the regenerate output is the file the prompts are read from (--input / data.data_path)",
+)
+REGENERATE_OUTPUT_IS_DATA = register_code(
+    "regenerate-output-is-data",
+    _W,
+    "regenerate.output_path is data.data_path: fine to train on, but `regenerate` needs --input",
 )
 REGENERATE_OUTPUT_UNUSABLE = register_code(
     "regenerate-output-unusable",
@@ -235,7 +242,21 @@ def check_regenerate(
         )
     if resolve and output is not None:
         problem = output_problem(output, source)
-        if problem is not None:
+        if problem is not None and problem[0] == REGENERATE_OUTPUT_IS_INPUT:
+            # Training on the regenerated file is the point; only `regenerate` itself, which
+            # reads data.data_path unless --input is given, must not write over its input.
+            findings.append(
+                Finding(
+                    REGENERATE_OUTPUT_IS_DATA,
+                    _W,
+                    "regenerate.output_path",
+                    f"regenerate.output_path {output} is data.data_path: `run` trains on the "
+                    "regenerated file, but `dflash-recipe regenerate` would refuse to write "
+                    "over the prompts it reads",
+                    "to regenerate again, pass the prompts with --input FILE",
+                )
+            )
+        elif problem is not None:
             code, message, hint = problem
             findings.append(Finding(code, _E, "regenerate.output_path", message, hint))
     return findings
@@ -285,6 +306,7 @@ __all__ = [
     "PARTS_SUFFIX",
     "REGENERATE_API_KEY_UNSET",
     "REGENERATE_BAD_URL",
+    "REGENERATE_OUTPUT_IS_DATA",
     "REGENERATE_OUTPUT_IS_INPUT",
     "REGENERATE_OUTPUT_UNUSABLE",
     "REGENERATE_SERVER_FIELD_UNUSED",
