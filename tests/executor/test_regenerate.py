@@ -420,3 +420,25 @@ def test_regenerated_data_trains_with_run(tmp_path: Path) -> None:
     plan = _plan(recipe, f"data.data_path={tmp_path / 'regen.jsonl'}")
     summary = run_plan(plan, progress=False)
     assert summary.steps == 1
+
+
+def test_the_cli_command_reads_input_and_output_from_options(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dflash_recipes.cli import main
+
+    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(2))
+    prompts = _write_jsonl(tmp_path / "prompts.jsonl", _conversations(3)[2:])
+    recipe = _recipe(tmp_path, data)
+    runner = CliRunner()
+    missing = runner.invoke(main, ["regenerate", str(recipe), "--no-progress"])
+    assert missing.exit_code == 1
+    assert "error: no output: set regenerate.output_path in the recipe, or pass --output" in (
+        missing.output
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", str(recipe), "--input", str(prompts), "--output", str(out)]
+    done = runner.invoke(main, [*args, "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert f"wrote 1 conversation(s) to {out}" in done.output
+    assert len(_read(out)) == 1
