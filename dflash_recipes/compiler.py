@@ -1080,6 +1080,7 @@ class _Compilation:
                     self.absolute(recipe.regenerate.output_path)
                     if recipe.regenerate.output_path
                     else None,
+                    training_seq_len=training.training_seq_len,
                 )
                 if recipe.regenerate != RegenerateSection()
                 else None

@@ -326,8 +326,8 @@ class RegenerateSection:
     temperature: float = attrs.field(default=0.0, validator=non_negative_float)
     #: Nucleus sampling threshold, in (0, 1].
     top_p: float = attrs.field(default=1.0, validator=fraction_open_closed)
-    #: Most tokens generated per answer (at most training.training_seq_len).
-    max_new_tokens: int = attrs.field(default=2048, validator=positive_int)
+    #: Most tokens generated per answer (at most training.training_seq_len); null: that length.
+    max_new_tokens: int | None = attrs.field(default=None, validator=positive_int)
     #: Seconds one request may take before it is retried.
     request_timeout_s: float = attrs.field(default=600.0, validator=positive_float)
     #: Retries of a request after 429/5xx/connection errors, with exponential backoff.

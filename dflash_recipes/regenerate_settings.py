@@ -227,7 +227,7 @@ def check_regenerate(
                         f"or delete regenerate.{name}",
                     )
                 )
-    if section.max_new_tokens > training_seq_len:
+    if section.max_new_tokens is not None and section.max_new_tokens > training_seq_len:
         findings.append(
             Finding(
                 REGENERATE_TOO_LONG,
@@ -262,8 +262,13 @@ def check_regenerate(
     return findings
 
 
-def regenerate_plan(section: RegenerateSection, output: Path | None) -> RegeneratePlan:
-    """The plan's regenerate settings; `output` is the absolute output path (or None)."""
+def regenerate_plan(
+    section: RegenerateSection, output: Path | None, *, training_seq_len: int
+) -> RegeneratePlan:
+    """The plan's regenerate settings; `output` is the absolute output path (or None).
+
+    An unset max_new_tokens becomes training_seq_len (longer answers could not be trained).
+    """
     return RegeneratePlan(
         base_url=section.base_url.strip() if section.base_url is not None else None,
         model=section.model,
@@ -271,7 +276,9 @@ def regenerate_plan(section: RegenerateSection, output: Path | None) -> Regenera
         max_concurrency=section.max_concurrency,
         temperature=float(section.temperature),
         top_p=float(section.top_p),
-        max_new_tokens=section.max_new_tokens,
+        max_new_tokens=(
+            section.max_new_tokens if section.max_new_tokens is not None else training_seq_len
+        ),
         request_timeout_s=float(section.request_timeout_s),
         max_retries=section.max_retries,
         reasoning=section.reasoning,
@@ -280,9 +287,9 @@ def regenerate_plan(section: RegenerateSection, output: Path | None) -> Regenera
     )
 
 
-def default_regenerate_plan() -> RegeneratePlan:
+def default_regenerate_plan(training_seq_len: int) -> RegeneratePlan:
     """The settings of a recipe without a `regenerate:` section."""
-    return regenerate_plan(RegenerateSection(), None)
+    return regenerate_plan(RegenerateSection(), None, training_seq_len=training_seq_len)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,9 +47,18 @@ def _only(result: CompileResult, code: str) -> Diagnostic:
 def test_a_recipe_without_the_section_compiles_to_a_plan_without_it(
     tmp_path: Path, make_recipe: RecipeFactory
 ) -> None:
-    result = _compile(tmp_path, make_recipe())
+    result = _compile(tmp_path, make_recipe(training={"training_seq_len": 128}))
     assert result.plan is not None and result.plan.regenerate is None
     assert "regenerate" not in [d.path.split(".")[0] for d in result.diagnostics]
+
+
+def test_an_unset_max_new_tokens_is_the_training_length(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    recipe = _with(make_recipe(training={"training_seq_len": 128}), reasoning="drop")
+    result = _compile(tmp_path, recipe)
+    assert result.plan is not None and result.plan.regenerate is not None
+    assert result.plan.regenerate.max_new_tokens == 128
 
 
 def test_the_plan_carries_the_settings_with_an_absolute_output(

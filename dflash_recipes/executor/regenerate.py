@@ -401,7 +401,7 @@ def resolve_paths(
     plan: RunPlan, input_path: Path | None, output_path: Path | None
 ) -> tuple[Path, Path]:
     """(input, output), absolute, from the command line or else the plan; RegenerateError."""
-    settings = plan.regenerate or default_regenerate_plan()
+    settings = plan.regenerate or default_regenerate_plan(plan.training.training_seq_len)
     if input_path is None:
         if plan.data.data_path is None:
             msg = (
@@ -443,7 +443,7 @@ def run_regenerate(
     server or the output cannot be used (before any conversation is sent), and
     DirectoryLockedError when another process writes the same output.
     """
-    settings = plan.regenerate or default_regenerate_plan()
+    settings = plan.regenerate or default_regenerate_plan(plan.training.training_seq_len)
     source, output = resolve_paths(plan, input_path, output_path)
     file = read_conversations(source, answer_only_loss=False)
     jobs, unusable = build_jobs(
@@ -467,7 +467,14 @@ def run_regenerate(
     )
     with hold_directory_lock(parts_dir(output), purpose="regenerate"):
         store = ShardStore(parts_dir(output))
-        store.open()
+        try:
+            store.open()
+        except OSError as exc:
+            msg = (
+                f"cannot use {store.folder} for the output's shards: {exc.strerror or exc}; "
+                "fix its permissions or choose another --output"
+            )
+            raise RegenerateError(msg) from exc
         todo = [job for job in jobs if job.key not in store.keys]
         summary.skipped = len(jobs) - len(todo)
         if summary.skipped:
@@ -510,7 +517,14 @@ def _generate(
 
     def done(outcome: Outcome) -> None:
         if outcome.failure is None:
-            store.add(outcome.job.key, _record_for(outcome))
+            try:
+                store.add(outcome.job.key, _record_for(outcome))
+            except OSError as exc:
+                msg = (
+                    f"cannot write to {store.folder}: {exc.strerror or exc}; free space or fix "
+                    "the permissions and rerun the same command (what is answered is kept)"
+                )
+                raise RegenerateError(msg) from exc
         else:
             logger.warning("line %d failed: %s", outcome.job.line, outcome.failure)
         summary.record(outcome)
@@ -585,6 +599,8 @@ def regenerate_locally(
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(plan.training.seed)  # sampling (temperature > 0) is reproducible
 
     def generate(histories: list[list[dict[str, str]]]) -> list[Answer]:
