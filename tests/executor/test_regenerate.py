@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "dflash_recipes" / "demo_data" / "target"
 DOMAIN = ROOT / "dflash_recipes" / "demo_data" / "data" / "domain.jsonl"
 SERVER = ROOT / "tools" / "openai_test_server.py"
+_CLI = (sys.executable, "-m", "dflash_recipes.cli")
 
 _DEFAULT_KNOBS = {
     "latency_ms": 0,
@@ -442,3 +443,35 @@ def test_the_cli_command_reads_input_and_output_from_options(tmp_path: Path) -> 
     assert done.exit_code == 0, done.output
     assert f"wrote 1 conversation(s) to {out}" in done.output
     assert len(_read(out)) == 1
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_every_answer(tmp_path: Path, server: Server) -> None:
+    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(12))
+    out = tmp_path / "out.jsonl"
+    recipe = _recipe(tmp_path, data, base_url=server.url, max_concurrency=2, model="tiny-target")
+    server.control(latency_ms=200)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [*_CLI, "regenerate", str(recipe), "--output", str(out), "--no-progress"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    journal = tmp_path / "out.jsonl.parts" / "journal.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if journal.is_file() and journal.read_bytes().count(b"\n") >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "error: interrupted; every answered conversation is kept: rerun the same command" in err
+    assert "Traceback" not in err
+    sidecar = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert sidecar["interrupted"] is True and sidecar["answered"] >= 2
+    # the journal was sealed into a part on the way out: a rerun finds every answer
+    parts = sorted((tmp_path / "out.jsonl.parts").glob("part-*.jsonl"))
+    assert sum(p.read_text().count("\n") for p in parts) == sidecar["answered"]
+    assert not out.exists()
