@@ -11,9 +11,9 @@ but about another city, as if another model had written it). Then, through the p
 3. `eval` measures real acceptance (speculative decoding, greedy verification) of both on the
    held-out prompts of demo_data/data/eval.jsonl.
 
-Prints both tau figures and their ratio. About 3 minutes on 2 CPU cores.
+Prints both tau figures and their ratio. About a minute on 2 CPU cores.
 
-Usage: python benchmarks/bench_regenerate_tau.py [--workdir DIR] [--steps 60]
+Usage: python benchmarks/bench_regenerate_tau.py [--workdir DIR] [--steps 120]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def mismatched_answers(source: Path, out: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--num-prompts", type=int, default=24)
     args = parser.parse_args()
 
