@@ -7,7 +7,8 @@ assembly) at max_concurrency 1, 8 and 32, each on its own fresh output. Throughp
 conversations per second; the ratio to max_concurrency 1 is what concurrency buys (ideal: the
 concurrency itself; target >= 6x at 8). The client's own overhead per request is measured at
 latency 0 and concurrency 1 (an upper bound: it includes the local server's handling and the
-loopback round trip), and as (time per request at concurrency 1) - latency.
+loopback round trip), as this process's CPU time per request (the client alone: the server
+is another process), and as (time per request at concurrency 1) - latency.
 
 Usage: python benchmarks/bench_regenerate.py [--latency-ms 50] [--requests 64]
 """
@@ -58,8 +59,8 @@ def _write_prompts(path: Path, count: int) -> None:
             handle.write(json.dumps(row) + "\n")
 
 
-def _run(work: Path, url: str, concurrency: int, count: int, tag: str) -> float:
-    """Seconds for one whole regenerate of `count` fresh prompts."""
+def _run(work: Path, url: str, concurrency: int, count: int, tag: str) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one whole regenerate of `count` prompts."""
     from dflash_recipes.compiler import compile_file
     from dflash_recipes.executor.regenerate import run_regenerate
 
@@ -79,13 +80,13 @@ def _run(work: Path, url: str, concurrency: int, count: int, tag: str) -> float:
     )
     result = compile_file(recipe)
     assert result.plan is not None, result.diagnostics
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     summary = run_regenerate(
         result.plan, output_path=work / f"{tag}.out.jsonl", progress=False, echo=lambda _: None
     )
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     assert summary.answered == count and summary.failed == 0, summary.text()
-    return seconds
+    return seconds, cpu
 
 
 def main() -> int:
@@ -102,25 +103,32 @@ def main() -> int:
             rows = []
             for concurrency in (1, 8, 32):
                 count = args.requests * min(concurrency, 8)  # enough to keep 32 in flight
-                seconds = _run(work, url, concurrency, count, f"c{concurrency}")
-                rows.append((concurrency, count, seconds, count / seconds))
+                seconds, cpu = _run(work, url, concurrency, count, f"c{concurrency}")
+                rows.append((concurrency, count, seconds, count / seconds, cpu / count))
             httpx.post(f"{url}/control", json={"latency_ms": 0}).raise_for_status()
             zero_count = args.requests * 4
-            zero = _run(work, url, 1, zero_count, "zero")
+            zero, zero_cpu = _run(work, url, 1, zero_count, "zero")
             httpx.post(f"{url}/control", json={"latency_ms": args.latency_ms})
     finally:
         proc.kill()
         proc.wait()
     base = rows[0][3]
     print(f"regenerate against a server with {args.latency_ms:g} ms per request (canned answers)")
-    print(f"{'max_concurrency':>16s} {'requests':>9s} {'seconds':>8s} {'req/s':>8s} {'x c=1':>7s}")
-    for concurrency, count, seconds, rate in rows:
-        print(f"{concurrency:16d} {count:9d} {seconds:8.2f} {rate:8.1f} {rate / base:7.2f}")
+    print(
+        f"{'max_concurrency':>16s} {'requests':>9s} {'seconds':>8s} {'req/s':>8s} {'x c=1':>7s} "
+        f"{'client CPU ms/req':>18s}"
+    )
+    for concurrency, count, seconds, rate, cpu in rows:
+        print(
+            f"{concurrency:16d} {count:9d} {seconds:8.2f} {rate:8.1f} {rate / base:7.2f} "
+            f"{cpu * 1000:18.2f}"
+        )
     per_request = rows[0][2] / rows[0][1]
     print(
-        f"client overhead per request: {zero / zero_count * 1000:.2f} ms at latency 0 "
-        f"(c=1, includes the local server), {per_request * 1000 - args.latency_ms:.2f} ms over "
-        f"the {args.latency_ms:g} ms latency at c=1"
+        f"client overhead per request: {zero_cpu / zero_count * 1000:.2f} ms of client CPU and "
+        f"{zero / zero_count * 1000:.2f} ms wall (client + local server) at latency 0, c=1; "
+        f"{per_request * 1000 - args.latency_ms:.2f} ms wall over the {args.latency_ms:g} ms "
+        "latency at c=1"
     )
     ratio8 = rows[1][3] / base
     verdict = "meets" if ratio8 >= 6 else "MISSES"
