@@ -603,28 +603,39 @@ def regenerate_locally(
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(plan.training.seed)  # sampling (temperature > 0) is reproducible
 
-    def generate(histories: list[list[dict[str, str]]]) -> list[Answer]:
-        try:
-            texts = [
-                tokenizer.apply_chat_template(
-                    h, chat_template=template, tokenize=False, add_generation_prompt=True
+    def generate(histories: list[list[dict[str, str]]]) -> list[Answer | str]:
+        """One answer per history, or why that one could not be generated."""
+        results: list[Answer | str] = ["" for _ in histories]
+        texts: dict[int, str] = {}
+        for i, history in enumerate(histories):
+            try:
+                text = str(
+                    tokenizer.apply_chat_template(
+                        history, chat_template=template, tokenize=False, add_generation_prompt=True
+                    )
                 )
-                for h in histories
-            ]
-        except Exception as exc:  # jinja raises many kinds, templates raise their own
-            raise TurnFailed(f"chat template error: {exc}") from exc
+            except Exception as exc:  # jinja raises many kinds, templates raise their own
+                results[i] = f"chat template error: {exc}"
+                continue
+            length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if limit is not None and length >= limit:
+                results[i] = (
+                    f"prompt too long: {length} tokens leave no room under the target's "
+                    f"max_position_embeddings={limit}"
+                )
+                continue
+            texts[i] = text
+        if not texts:
+            return results
         batch = tokenizer(
-            [str(t) for t in texts], add_special_tokens=False, padding=True, return_tensors="pt"
+            list(texts.values()), add_special_tokens=False, padding=True, return_tensors="pt"
         )
         width = int(batch["input_ids"].shape[1])
-        budget = settings.max_new_tokens
-        if limit is not None:
-            budget = min(budget, limit - width)
-        if budget < 1:
-            raise TurnFailed(
-                f"prompt too long: {width} tokens leave no room under the target's "
-                f"max_position_embeddings={limit}"
-            )
+        budget = (
+            settings.max_new_tokens
+            if limit is None
+            else min(settings.max_new_tokens, limit - width)
+        )
         sampling = settings.temperature > 0
         with torch.no_grad():
             out = model.generate(  # type: ignore[operator]
@@ -637,15 +648,14 @@ def regenerate_locally(
                 pad_token_id=pad,
                 eos_token_id=eos,
             )
-        answers = []
-        for row in out[:, width:].tolist():
+        for i, row in zip(texts, out[:, width:].tolist(), strict=True):
             ids = [int(t) for t in row]
             stopped = eos is not None and eos in ids
             ids = ids[: ids.index(eos)] if stopped else ids
             text = str(tokenizer.decode(ids, skip_special_tokens=True))
             content = apply_reasoning(text, None, settings.reasoning)
-            answers.append(Answer(content, len(ids) + int(stopped), not stopped))
-        return answers
+            results[i] = Answer(content, len(ids) + int(stopped), not stopped)
+        return results
 
     size = settings.max_concurrency
     for start in range(0, len(todo), size):
@@ -669,13 +679,11 @@ def regenerate_locally(
                     waiting.append(i)
             if not waiting:
                 break
-            try:
-                generated = generate([histories[i] for i in waiting])
-            except TurnFailed as exc:
-                for i in waiting:
-                    failures[i] = str(exc)
-                continue
+            generated = generate([histories[i] for i in waiting])
             for i, answer in zip(waiting, generated, strict=True):
+                if isinstance(answer, str):
+                    failures[i] = answer
+                    continue
                 answers[i].append(answer)
                 histories[i].append({"role": "assistant", "content": answer.content})
                 cursors[i] += 1

@@ -475,3 +475,18 @@ def test_ctrl_c_stops_cleanly_and_keeps_every_answer(tmp_path: Path, server: Ser
     parts = sorted((tmp_path / "out.jsonl.parts").glob("part-*.jsonl"))
     assert sum(p.read_text().count("\n") for p in parts) == sidecar["answered"]
     assert not out.exists()
+
+
+def test_local_backend_fails_only_the_conversation_too_long_for_the_target(
+    tmp_path: Path,
+) -> None:
+    rows = _conversations(2)
+    rows.insert(1, {"messages": [{"role": "user", "content": "give me " * 400}]})
+    data = _write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = _run(_plan(_recipe(tmp_path, data)), tmp_path / "out.jsonl")
+    assert (summary.answered, summary.failed) == (2, 1)
+    assert summary.failures[0]["line"] == 2
+    assert "prompt too long" in str(summary.failures[0]["reason"])
+    assert "max_position_embeddings=512" in str(summary.failures[0]["reason"])
+    assert summary.failure_reasons == {"prompt too long": 1}
+    assert len(_read(tmp_path / "out.jsonl")) == 2
