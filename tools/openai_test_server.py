@@ -10,6 +10,7 @@ transformers) or with a fixed text (``--canned``), and lists its one model at
     fail_503_on  answer every chat request whose last message contains this text with 503
     drop         close the connection of the next N chat requests without answering
     status_4xx   answer every chat request with this HTTP status (0: off)
+    api_key      require `Authorization: Bearer <api_key>` (401 otherwise; "": no key)
     reasoning    return a `reasoning_content` field and a <think> block in the content
     not_json     answer every chat request with a 200 whose body is not JSON
 
@@ -46,6 +47,7 @@ class State:
             "fail_503_on": "",
             "drop": 0,
             "status_4xx": 0,
+            "api_key": "",
             "reasoning": False,
             "not_json": False,
         }
@@ -179,6 +181,11 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 return
             if knobs["latency_ms"]:
                 time.sleep(knobs["latency_ms"] / 1000)
+            if knobs["api_key"] and self.headers.get("Authorization") != (
+                f"Bearer {knobs['api_key']}"
+            ):
+                self._json(401, {"error": {"message": "Invalid API key"}})
+                return
             if knobs["status_4xx"]:
                 self._json(knobs["status_4xx"], {"error": {"message": "injected client error"}})
                 return

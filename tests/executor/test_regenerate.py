@@ -42,6 +42,7 @@ _DEFAULT_KNOBS = {
     "fail_503_on": "",
     "drop": 0,
     "status_4xx": 0,
+    "api_key": "",
     "reasoning": False,
     "not_json": False,
 }
@@ -280,13 +281,22 @@ def test_a_4xx_on_the_first_request_stops_with_one_clear_error(
     assert server.stats()["requests"] == 1  # nothing more was sent
     assert not out.exists() and not (tmp_path / "out.jsonl.summary.json").exists()
 
-    server.control(status_4xx=401)
+    monkeypatch.delenv("MY_KEY", raising=False)
+    unset = _plan(_recipe(tmp_path, data, base_url=server.url, api_key_env="MY_KEY"))
+    with pytest.raises(RegenerateError, match="names the environment variable MY_KEY, which is"):
+        _run(unset, out)
+    assert server.stats()["requests"] == 1  # refused before any request
+
+    server.control(api_key="right")
     monkeypatch.setenv("MY_KEY", "wrong")
     bad_key = _plan(_recipe(tmp_path, data, base_url=server.url, api_key_env="MY_KEY"))
     with pytest.raises(
         RegenerateError, match=r"HTTP 401.*wants an API key: check the key in \$MY_KEY"
     ):
         _run(bad_key, out)
+    monkeypatch.setenv("MY_KEY", "right")  # the key goes out as a bearer token
+    assert _run(bad_key, tmp_path / "keyed.jsonl").answered == 5
+    server.control(api_key="")
 
     server.control(status_4xx=0, not_json=True)
     with pytest.raises(RegenerateError, match=r"not with a chat completion \(the body is not JSON"):
