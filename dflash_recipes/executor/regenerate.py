@@ -372,7 +372,8 @@ def _reason_kind(reason: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _finish(job: Job, answers: Sequence[Answer]) -> Outcome:
+def finished_outcome(job: Job, answers: Sequence[Answer]) -> Outcome:
+    """The Outcome of `job` whose assistant turns got `answers`, in order."""
     messages: list[Message] = []
     index = 0
     for message in job.messages:
@@ -691,7 +692,7 @@ def regenerate_locally(
             if i in failures:
                 done(Outcome(job=job, failure=failures[i]))
             else:
-                done(_finish(job, answers[i]))
+                done(finished_outcome(job, answers[i]))
 
 
 __all__ = [
@@ -704,6 +705,7 @@ __all__ = [
     "TurnFailed",
     "apply_reasoning",
     "build_jobs",
+    "finished_outcome",
     "regenerate_locally",
     "resolve_paths",
     "run_regenerate",

@@ -28,8 +28,8 @@ from dflash_recipes.executor.regenerate import (
     Job,
     Outcome,
     TurnFailed,
-    _finish,
     apply_reasoning,
+    finished_outcome,
 )
 from dflash_recipes.plan import RegeneratePlan
 from dflash_recipes.regenerate_settings import chat_completions_url, models_url
@@ -227,7 +227,7 @@ class ServerClient:
                 return Outcome(job=job, failure=str(exc))
             answers.append(answer)
             history.append({"role": "assistant", "content": answer.content})
-        return _finish(job, answers)
+        return finished_outcome(job, answers)
 
 
 def api_key(settings: RegeneratePlan) -> str | None:
