@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         LaunchError,
         PlanError,
         RecipeError,
+        RegenerateError,
         ReplaceRefusedError,
         RunIOError,
         SafetensorsHeaderError,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
         DFlashSection,
         ModelSection,
         Recipe,
+        RegenerateSection,
         TrainingSection,
     )
     from dflash_recipes.schema import recipe_json_schema
@@ -60,6 +62,7 @@ _HOMES = {
     "LaunchError": "errors",
     "PlanError": "errors",
     "RecipeError": "errors",
+    "RegenerateError": "errors",
     "ReplaceRefusedError": "errors",
     "RunIOError": "errors",
     "SafetensorsHeaderError": "errors",
@@ -74,6 +77,7 @@ _HOMES = {
     "DFlashSection": "recipe",
     "ModelSection": "recipe",
     "Recipe": "recipe",
+    "RegenerateSection": "recipe",
     "TrainingSection": "recipe",
     "recipe_json_schema": "schema",
 }
@@ -110,6 +114,8 @@ __all__ = [
     "PlanError",
     "Recipe",
     "RecipeError",
+    "RegenerateError",
+    "RegenerateSection",
     "ReplaceRefusedError",
     "ResolvedDraft",
     "RunIOError",

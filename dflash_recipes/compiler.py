@@ -83,7 +83,8 @@ from dflash_recipes.plan import (
     TargetFacts,
     TrainingPlan,
 )
-from dflash_recipes.recipe import DFlashArchitectureConfig, Recipe
+from dflash_recipes.recipe import DFlashArchitectureConfig, Recipe, RegenerateSection
+from dflash_recipes.regenerate_settings import check_regenerate, regenerate_plan
 from dflash_recipes.run_layout import PLAN_FILE, latest_complete_checkpoint
 
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +507,19 @@ class _Compilation:
             "once; each tap must be a different target layer",
             f"list each layer once, e.g. target_layer_ids: {_format_ids(unique)}",
         )
+
+    def check_regenerate(self, *, resolve: bool) -> None:
+        section, data = self.recipe.regenerate, self.recipe.data
+        output = self.absolute(section.output_path) if section.output_path else None
+        source = self.absolute(data.data_path) if data.data_path else None
+        for item in check_regenerate(
+            section,
+            training_seq_len=self.recipe.training.training_seq_len,
+            output=output,
+            source=source,
+            resolve=resolve,
+        ):
+            self.emit_as(item.severity, item.code, item.path, item.message, item.hint)
 
     # -- resolving paths ----------------------------------------------------------------------
 
@@ -1282,6 +1296,17 @@ class _Compilation:
             else None,
             overrides=tuple(overrides),
             resolved=resolved,
+            regenerate=(
+                regenerate_plan(
+                    recipe.regenerate,
+                    self.absolute(recipe.regenerate.output_path)
+                    if recipe.regenerate.output_path
+                    else None,
+                    training_seq_len=training.training_seq_len,
+                )
+                if recipe.regenerate != RegenerateSection()
+                else None
+            ),
         )
 
 
@@ -1365,6 +1390,7 @@ def compile_recipe(
         work.resolve_output()
         work.resolve_init_checkpoint()
     work.check_schema()
+    work.check_regenerate(resolve=resolve)
     work.check_dims_set()
     if resolve:
         taps = work.resolve_taps()

@@ -13,8 +13,9 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── DataError                training data is unusable
      ├── LaunchError              a distributed launch or environment is misconfigured
      ├── DirectoryLockedError     another process is writing the same output directory
- ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
- └── RunIOError               reading or writing a run's files failed (disk full, permissions)
+     ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
+     ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
+     └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class LaunchError(DFlashRecipeError):
     """A distributed launch or its environment is misconfigured."""
 
 
+class RegenerateError(DFlashRecipeError):
+    """`dflash-recipe regenerate` cannot start or go on: the server, its settings or the output."""
+
+
 class DirectoryLockedError(DFlashRecipeError):
     """Another process holds the lock of an output directory (one writer per directory)."""
 
@@ -99,6 +104,7 @@ __all__ = [
     "LaunchError",
     "PlanError",
     "RecipeError",
+    "RegenerateError",
     "ReplaceRefusedError",
     "RunIOError",
     "SafetensorsHeaderError",

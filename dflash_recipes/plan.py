@@ -181,6 +181,27 @@ class ResumePlan:
 
 
 @attrs.frozen
+class RegeneratePlan:
+    """`dflash-recipe regenerate` settings (the recipe's `regenerate:` section, resolved)."""
+
+    #: OpenAI-compatible base URL (server backend), or None: local transformers generation.
+    base_url: str | None
+    model: str | None
+    #: Name of the environment variable holding the API key (the key is never in a plan).
+    api_key_env: str | None
+    max_concurrency: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    request_timeout_s: float
+    max_retries: int
+    reasoning: Literal["keep", "drop"]
+    first_turn_only: bool
+    #: Absolute path of the regenerated JSONL, or None (then `--output` is required).
+    output_path: str | None
+
+
+@attrs.frozen
 class RunPlan:
     """Everything the executor needs for one run, resolved and fingerprinted."""
 
@@ -194,6 +215,8 @@ class RunPlan:
     recipe_file: str | None = None
     #: Command-line overrides applied, in order.
     overrides: tuple[str, ...] = ()
+    #: The recipe's `regenerate:` section; None when the recipe left it at its defaults.
+    regenerate: RegeneratePlan | None = None
     #: True when the compiler read config.json/headers (not just the schema).
     resolved: bool = False
     format_version: int = PLAN_FORMAT_VERSION
@@ -469,6 +492,7 @@ __all__ = [
     "DraftPlan",
     "InitCheckpointPlan",
     "ObjectivePlan",
+    "RegeneratePlan",
     "ResolvedDraft",
     "ResumePlan",
     "RopePlan",

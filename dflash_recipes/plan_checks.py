@@ -23,6 +23,7 @@ from dflash_recipes.recipe import (
     DFlashSection,
     IntRange,
     ModelSection,
+    RegenerateSection,
     TrainingSection,
 )
 
@@ -124,6 +125,10 @@ def plan_value_problems(plan: RunPlan) -> list[str]:
         for name, rule in init_rules.items():
             value = getattr(init, name)
             problems += _run(f"init_checkpoint.{name}", rule, value, name, optional=True)
+    if plan.regenerate is not None:
+        problems += _check_section(
+            "regenerate", plan.regenerate, _section_rules(plan.regenerate, RegenerateSection)
+        )
     if plan.resume is not None:
         problems += _run("resume.step", _STEP, plan.resume.step, "step")
         problems += _run(

@@ -10,6 +10,7 @@ Field names follow the layout DFlash users already write (ModelOpt's recipes).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ SchedulerType = Literal["cosine", "linear", "constant"]
 LossObjective = Literal["decay", "dpace"]
 ProjectorType = Literal["dflash", "domino", "dspark"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
+ReasoningPolicy = Literal["keep", "drop"]
 
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 SCHEDULERS: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -30,6 +32,7 @@ PROJECTOR_TYPES: tuple[str, ...] = ("dflash", "domino", "dspark")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 #: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+REASONING_POLICIES: tuple[str, ...] = ("keep", "drop")
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -222,6 +225,21 @@ _WIDTH = IntRange(1, 2**20)
 _COUNT = IntRange(1, 4096)
 
 
+def env_var_name(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """The name of an environment variable (letters, digits, underscores; None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+        msg = (
+            f"{_name(attribute)} must be the NAME of an environment variable (letters, digits "
+            f"and underscores, e.g. OPENAI_API_KEY), never the key itself; got {value!r}"
+        )
+        raise ValueError(msg)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
 # ---------------------------------------------------------------------------------------------
 # sections
 # ---------------------------------------------------------------------------------------------
@@ -376,6 +394,38 @@ class DFlashSection:
 
 
 @attrs.frozen
+class RegenerateSection:
+    """`dflash-recipe regenerate`: answer the training prompts with the target itself."""
+
+    #: OpenAI-compatible server (vLLM, SGLang), e.g. http://localhost:8000/v1. null: generate
+    #: locally with transformers and model.model_name_or_path (small targets only).
+    base_url: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Model name sent to the server; null: the first model the server lists (GET /v1/models).
+    model: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: NAME of the environment variable holding the server's API key (never the key itself).
+    api_key_env: str | None = attrs.field(default=None, validator=env_var_name)
+    #: Requests in flight at once (server), or conversations per generate batch (local).
+    max_concurrency: int = attrs.field(default=32, validator=IntRange(1, 4096))
+    #: Sampling temperature; 0: greedy (the answers the target gives most often).
+    temperature: float = attrs.field(default=0.0, validator=non_negative_float)
+    #: Nucleus sampling threshold, in (0, 1].
+    top_p: float = attrs.field(default=1.0, validator=fraction_open_closed)
+    #: Most tokens generated per answer (at most training.training_seq_len); null: that length.
+    max_new_tokens: int | None = attrs.field(default=None, validator=IntRange(1, 2**24))
+    #: Seconds one request may take before it is retried.
+    request_timeout_s: float = attrs.field(default=600.0, validator=positive_float)
+    #: Retries of a request after 429/5xx/connection errors, with exponential backoff.
+    max_retries: int = attrs.field(default=5, validator=IntRange(0, 1000))
+    #: keep: the thinking stays in the answer as a <think>...</think> block (how Qwen3 chat
+    #: templates read it) | drop: reasoning_content and <think> blocks are removed.
+    reasoning: ReasoningPolicy = attrs.field(default="keep", validator=one_of(REASONING_POLICIES))
+    #: Regenerate only up to the first assistant turn (later turns are dropped).
+    first_turn_only: bool = False
+    #: Where the regenerated JSONL goes (shards in OUTPUT.parts/); `--output` overrides it.
+    output_path: str | None = attrs.field(default=None, validator=non_empty_str)
+
+
+@attrs.frozen
 class Recipe:
     """A whole recipe: target model, data, training and DFlash settings."""
 
@@ -387,6 +437,8 @@ class Recipe:
     data: DataSection = attrs.field(factory=DataSection)
     #: Optimiser, schedule, checkpoints.
     training: TrainingSection = attrs.field(factory=TrainingSection)
+    #: `dflash-recipe regenerate`: the target answers the training prompts itself.
+    regenerate: RegenerateSection = attrs.field(factory=RegenerateSection)
 
 
 __all__ = [
@@ -398,5 +450,6 @@ __all__ = [
     "IntRange",
     "ModelSection",
     "Recipe",
+    "RegenerateSection",
     "TrainingSection",
 ]

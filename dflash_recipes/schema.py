@@ -102,6 +102,7 @@ def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
             "minItems": 1,
             "items": {"type": "integer", "minimum": 0, "maximum": recipe_module.MAX_LAYER_ID},
         },
+        recipe_module.env_var_name: {"pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"},
     }
 
 

@@ -143,3 +143,25 @@ def test_a_plan_that_is_not_plain_json_is_a_clean_error(
     assert result.exit_code == 1
     assert reason in result.stderr
     assert "dflash-recipe compile RECIPE" in result.stderr
+
+
+def test_an_edited_regenerate_section_is_revalidated(plan_dict: dict[str, Any]) -> None:
+    """The regenerate settings are checked like every other section of a plan."""
+    regenerate = {
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "tiny",
+        "api_key_env": None,
+        "max_concurrency": 0,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_new_tokens": 16,
+        "request_timeout_s": 60.0,
+        "max_retries": 5,
+        "reasoning": "keep",
+        "first_turn_only": False,
+        "output_path": None,
+    }
+    with pytest.raises(PlanError, match=r"regenerate\.max_concurrency"):
+        RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate}))
+    regenerate["max_concurrency"] = 8
+    assert RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate})).regenerate
