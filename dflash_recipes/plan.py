@@ -20,7 +20,10 @@ import cattrs
 from dflash_recipes.errors import PlanError
 from dflash_recipes.jsonio import JsonProblem, parse_json, shorten
 
-PLAN_FORMAT_VERSION = 1
+#: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
+#: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
+#: hint to recompile, not as an edited file).
+PLAN_FORMAT_VERSION = 2
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the

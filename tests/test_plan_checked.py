@@ -18,7 +18,7 @@ from conftest import RecipeFactory
 from dflash_recipes.cli import main
 from dflash_recipes.compiler import compile_recipe
 from dflash_recipes.errors import PlanError
-from dflash_recipes.plan import RunPlan, _canonical
+from dflash_recipes.plan import PLAN_FORMAT_VERSION, RunPlan, _canonical
 
 
 @pytest.fixture
@@ -165,3 +165,11 @@ def test_an_edited_regenerate_section_is_revalidated(plan_dict: dict[str, Any]) 
         RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate}))
     regenerate["max_concurrency"] = 8
     assert RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate})).regenerate
+
+
+def test_a_plan_of_the_previous_format_is_told_to_recompile(plan_dict: dict[str, Any]) -> None:
+    """A plan written before the schema grew is refused as old, not as edited by hand."""
+    old = refingerprint({**plan_dict, "format_version": PLAN_FORMAT_VERSION - 1})
+    with pytest.raises(PlanError, match="format_version is 1, this dflash-recipes reads 2") as exc:
+        RunPlan.from_dict(old)
+    assert "edited" not in str(exc.value) and "dflash-recipe compile" in str(exc.value)
