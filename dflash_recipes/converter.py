@@ -356,7 +356,6 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
     hints = typing.get_type_hints(cls)
     fields: tuple[attrs.Attribute[Any], ...] = attrs.fields(cls)
     names = [field.name for field in fields]
-    docs = class_field_docs()
 
     def structure(value: object, _: object) -> object:
         if not isinstance(value, Mapping):
@@ -370,7 +369,8 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
             with _inside(field.name):
                 if field.name not in value:
                     if field.default is attrs.NOTHING:
-                        doc = docs.get((cls.__name__, field.name))
+                        # Parsed from recipe.py only for a missing key (an error path).
+                        doc = class_field_docs().get((cls.__name__, field.name))
                         problems.append(_missing(field, hints[field.name], doc))
                     continue
                 try:
