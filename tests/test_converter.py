@@ -221,7 +221,7 @@ def test_unrelated_unknown_key_lists_the_valid_keys() -> None:
         (
             "dflash:\n  dflash_architecture_config:\n    target_layer_ids: [1, -9]\n",
             "dflash.dflash_architecture_config.target_layer_ids",
-            ">= 0",
+            "integers in [0, 4095], got -9",
         ),
         ("model:\n  model_name_or_path: '  '\n", "model.model_name_or_path", "non-empty"),
     ],
