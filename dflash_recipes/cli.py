@@ -650,8 +650,8 @@ def capture_command(
 
 def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:
     """The recipe's data.hidden_states_path (absolute, against the recipe's folder), or None."""
-    from dflash_recipes.checkpoint import resolve_local_path
     from dflash_recipes.loader import load_recipe_with_diagnostics
+    from dflash_recipes.model_paths import resolve_local_path
 
     loaded = load_recipe_with_diagnostics(Path(recipe), overrides=tuple(overrides))
     if loaded.recipe is None or loaded.recipe.data.hidden_states_path is None:

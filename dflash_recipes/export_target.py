@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dflash_recipes.errors import ReplaceRefusedError
 from dflash_recipes.locking import LOCK_FILE
+from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.run_layout import (
     CHECKPOINT_PREFIX,
     METRICS_FILE,
@@ -42,7 +43,7 @@ EXPORT_MARKER = ".dflash-export.json"
 
 #: The files of an export written before the marker existed (``dflash.py``: remote code,
 #: which some of those exports carry).
-_LEGACY_EXPORT_FILES = frozenset({"config.json", "model.safetensors"})
+_LEGACY_EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
 _LEGACY_OPTIONAL_FILES = frozenset({"dflash.py"})
 _ARCHITECTURE = "DFlashDraftModel"
 _MAX_MARKER_BYTES = 64 * 1024
@@ -75,7 +76,7 @@ def is_earlier_export(directory: Path) -> bool:
         return names <= listed | {EXPORT_MARKER}
     if names - _LEGACY_OPTIONAL_FILES != _LEGACY_EXPORT_FILES:
         return False
-    config = _read_json(directory / "config.json", _MAX_CONFIG_BYTES)
+    config = _read_json(directory / CONFIG_FILE, _MAX_CONFIG_BYTES)
     return isinstance(config, dict) and config.get("architectures") == [_ARCHITECTURE]
 
 

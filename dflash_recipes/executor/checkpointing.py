@@ -32,16 +32,16 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from dflash_recipes.checkpoint import read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError, RunIOError
 from dflash_recipes.executor.convert import dflash_module
 from dflash_recipes.executor.export import publish_directory
 from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.jsonio import read_json_file, shorten
+from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.run_layout import (
     CHECKPOINT_FILES,
     CHECKPOINT_PREFIX,
-    CHECKPOINT_WEIGHTS,
     OPTIMIZER_STATE,
     TMP_PREFIX,
     TRAINER_STATE,
@@ -136,7 +136,7 @@ def _write_checkpoint(
         tensors = {
             name: t.detach().to("cpu").contiguous() for name, t in drafter.state_dict().items()
         }
-        save_file(tensors, str(staging / CHECKPOINT_WEIGHTS), metadata={"format": "pt"})
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         del tensors
         (staging / TRAINER_STATE).write_text(state_text, encoding="utf-8")
         torch.save(

@@ -45,10 +45,9 @@ from dflash_recipes.export_target import (
     staging_name,
 )
 from dflash_recipes.layout import compare_layout, expected_layout, format_layout_diff
+from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 ARCHITECTURE_NAME = "DFlashDraftModel"
 #: The remote-code module of `AutoModel.from_pretrained(export, trust_remote_code=True)`.
 REMOTE_CODE_FILE = "dflash.py"
@@ -260,10 +259,8 @@ def export_drafter(
 
 __all__ = [
     "ARCHITECTURE_NAME",
-    "CONFIG_FILE",
     "REMOTE_CODE_CLASS",
     "REMOTE_CODE_FILE",
-    "WEIGHTS_FILE",
     "drafter_config",
     "export_checkpoint",
     "export_drafter",
