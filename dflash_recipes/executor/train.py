@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_recipes.atomic import write_text_atomic
+from dflash_recipes.crashsafe import write_text_atomic
 from dflash_recipes.errors import CheckpointError, DataError, PlanError, RunIOError
 from dflash_recipes.executor.anchors import (
     block_inputs,
