@@ -6,8 +6,9 @@ sample, the token ids, the loss mask and the tapped hidden states into safetenso
 ``data.hidden_states_path`` then reads those shards instead of running the target's decoder.
 
 A capture made for another plan must never train: :func:`check_capture` compares the manifest
-and every shard's *header* (read with :func:`~dflash_recipes.checkpoint.read_safetensors_header`,
-never the tensor data) with what the plan needs: the taps, hidden size, dtype,
+and every shard's *header* (read with
+:func:`~dflash_recipes.safetensors_header.read_safetensors_header`, never the tensor data)
+with what the plan needs: the taps, hidden size, dtype,
 ``training_seq_len``, loss-mask policy, base model and tokenizer (by hash) and the chat template
 (by hash, a warning), every shard present with the size the manifest states, and the sample
 count. Each finding is a diagnostic with a registered code and a fix.
@@ -30,9 +31,10 @@ from typing import TypeGuard
 
 import attrs
 
-from dflash_recipes.checkpoint import TensorInfo, read_safetensors_header
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DataError, SafetensorsHeaderError
+from dflash_recipes.model_files import CONFIG_FILE
+from dflash_recipes.safetensors_header import TensorInfo, read_safetensors_header
 
 MANIFEST_FILE = "manifest.json"
 CAPTURE_FORMAT = "dflash-capture"
@@ -197,7 +199,7 @@ def _hash_files(paths: Sequence[Path]) -> str | None:
 def base_config_sha256(base_path: Path) -> str | None:
     """sha256 of the base model's config.json (None when it cannot be read)."""
     try:
-        return file_sha256(base_path / "config.json")
+        return file_sha256(base_path / CONFIG_FILE)
     except OSError:
         return None
 
@@ -517,7 +519,7 @@ def check_manifest(manifest: CaptureManifest, expect: CaptureExpectation) -> lis
     different = [
         name
         for name, have, want in (
-            ("config.json", manifest.base_config_sha256, expect.base_config_sha256),
+            (CONFIG_FILE, manifest.base_config_sha256, expect.base_config_sha256),
             ("tokenizer", manifest.tokenizer_sha256, expect.tokenizer_sha256),
         )
         if have != want

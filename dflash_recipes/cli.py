@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from dflash_recipes import __version__
-from dflash_recipes.atomic import temporary_sibling, write_output
+from dflash_recipes.crashsafe import write_new_file, write_output
 from dflash_recipes.diagnostics import (
     Diagnostic,
     Severity,
@@ -187,36 +187,6 @@ def _unwritable(path: Path, exc: OSError) -> Diagnostic:
         hint="choose an -o path in a folder you can write to (nothing was written)",
         file=str(path),
     )
-
-
-def _write_new(path: Path, text: str) -> bool:
-    """Write text to a new file at path, complete or not at all; False if path exists.
-
-    The content goes to a temporary sibling first, then is linked into place: creating the
-    link fails when the name exists, so an existing file is never replaced, even in a race.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(path)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links on this file system: exclusive create instead
-            try:
-                handle = path.open("x", encoding="utf-8")
-            except FileExistsError:
-                return False
-            try:
-                with handle:
-                    handle.write(text)
-            except OSError:
-                path.unlink(missing_ok=True)
-                raise
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +404,7 @@ def init_command(
         click.echo(text, nl=False)
         return
     try:
-        written = _write_new(output, text)
+        written = write_new_file(output, text)
     except OSError as exc:
         _fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
     if not written:
@@ -650,8 +620,8 @@ def capture_command(
 
 def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:
     """The recipe's data.hidden_states_path (absolute, against the recipe's folder), or None."""
-    from dflash_recipes.checkpoint import resolve_local_path
     from dflash_recipes.loader import load_recipe_with_diagnostics
+    from dflash_recipes.model_paths import resolve_local_path
 
     loaded = load_recipe_with_diagnostics(Path(recipe), overrides=tuple(overrides))
     if loaded.recipe is None or loaded.recipe.data.hidden_states_path is None:

@@ -34,13 +34,7 @@ from dflash_recipes.capture_manifest import (
     needs_teacher,
     tokenizer_sha256,
 )
-from dflash_recipes.checkpoint import (
-    CheckpointWeights,
-    inspect_checkpoint_dir,
-    inspect_model_dir,
-    read_checkpoint_weights,
-    resolve_local_path,
-)
+from dflash_recipes.checkpoint_weights import CheckpointWeights, read_checkpoint_weights
 from dflash_recipes.diagnostics import (
     Diagnostic,
     Severity,
@@ -71,6 +65,7 @@ from dflash_recipes.layout import (
     infer_architecture,
 )
 from dflash_recipes.loader import load_recipe_with_diagnostics
+from dflash_recipes.model_paths import inspect_checkpoint_dir, inspect_model_dir, resolve_local_path
 from dflash_recipes.plan import (
     ArchitecturePlan,
     BaseModelPlan,

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dflash_recipes.errors import ReplaceRefusedError
 from dflash_recipes.locking import LOCK_FILE
+from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.run_layout import (
     CHECKPOINT_PREFIX,
     METRICS_FILE,
@@ -42,7 +41,7 @@ EXPORT_MARKER = ".dflash-export.json"
 
 #: The files of an export written before the marker existed (``dflash.py``: remote code,
 #: which some of those exports carry).
-_LEGACY_EXPORT_FILES = frozenset({"config.json", "model.safetensors"})
+_LEGACY_EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
 _LEGACY_OPTIONAL_FILES = frozenset({"dflash.py"})
 _ARCHITECTURE = "DFlashDraftModel"
 _MAX_MARKER_BYTES = 64 * 1024
@@ -75,7 +74,7 @@ def is_earlier_export(directory: Path) -> bool:
         return names <= listed | {EXPORT_MARKER}
     if names - _LEGACY_OPTIONAL_FILES != _LEGACY_EXPORT_FILES:
         return False
-    config = _read_json(directory / "config.json", _MAX_CONFIG_BYTES)
+    config = _read_json(directory / CONFIG_FILE, _MAX_CONFIG_BYTES)
     return isinstance(config, dict) and config.get("architectures") == [_ARCHITECTURE]
 
 
@@ -162,55 +161,10 @@ def check_export_target(
     raise ReplaceRefusedError(msg)
 
 
-_STAGING_RE = r"^\.(?:tmp|old)-{name}-(?:(\d{{1,10}})-)?[0-9a-f]{{8}}$"
-
-
-def remove_stale_staging(out_dir: Path) -> list[Path]:
-    """Remove staging and retired siblings of `out_dir` left by a killed export; returns them.
-
-    Staging names carry the pid of their writer; a directory whose writer still runs on this
-    host is left alone (a concurrent export), as is anything whose name does not match.
-    """
-    out_dir = Path(out_dir)
-    pattern = re.compile(_STAGING_RE.format(name=re.escape(out_dir.name)))
-    removed: list[Path] = []
-    try:
-        siblings = list(out_dir.parent.iterdir())
-    except OSError:
-        return removed
-    for child in siblings:
-        match = pattern.match(child.name)
-        if match is None or child.is_symlink() or not child.is_dir():
-            continue
-        pid = match.group(1)
-        if pid is not None and int(pid) != os.getpid() and _alive(int(pid)):
-            continue
-        shutil.rmtree(child, ignore_errors=True)
-        removed.append(child)
-    return removed
-
-
-def staging_name(out_dir: Path, token: str, kind: str = "tmp") -> Path:
-    """`.tmp-NAME-PID-TOKEN` next to `out_dir` (`kind` "old" for a retired export)."""
-    return out_dir.with_name(f".{kind}-{out_dir.name}-{os.getpid()}-{token}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
 __all__ = [
     "EXPORT_MARKER",
     "check_export_target",
     "export_marker_text",
     "is_earlier_export",
-    "remove_stale_staging",
     "run_directory_evidence",
-    "staging_name",
 ]

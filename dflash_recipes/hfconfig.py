@@ -22,13 +22,12 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.checkpoint import read_json_config
+from dflash_recipes.config_json import read_json_config
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.jsonio import shorten
+from dflash_recipes.model_files import CONFIG_FILE
 from dflash_recipes.plan import RopePlan, RopeValue, TargetFacts
-
-CONFIG_FILE = "config.json"
 
 TARGET_CONFIG_UNREADABLE = register_code(
     "target-config-unreadable",
@@ -644,7 +643,6 @@ def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
-    "CONFIG_FILE",
     "CheckpointConfigFacts",
     "ConfigProblem",
     "TargetConfig",

@@ -18,14 +18,9 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.checkpoint import (
-    inspect_checkpoint_dir,
-    inspect_model_dir,
-    read_checkpoint_weights,
-    read_json_config,
-    resolve_local_path,
-)
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.compiler import checkpoint_dims, default_loss_decay_factor
+from dflash_recipes.config_json import read_json_config
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
 from dflash_recipes.hfconfig import (
@@ -35,6 +30,7 @@ from dflash_recipes.hfconfig import (
     read_target_facts,
 )
 from dflash_recipes.layout import default_target_layer_ids
+from dflash_recipes.model_paths import inspect_checkpoint_dir, inspect_model_dir, resolve_local_path
 
 #: Draft layers of a new drafter: the released Qwen3 DFlash drafters use 5.
 NEW_DRAFT_LAYERS = 5

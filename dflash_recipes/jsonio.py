@@ -74,8 +74,9 @@ def _no_constant(name: str) -> object:
 
 def _int_parser(max_digits: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        if len(text.lstrip("-")) > max_digits:
-            msg = f"an integer of {len(text.lstrip('-'))} digits (at most {max_digits} are read)"
+        digits = len(text.lstrip("-"))
+        if digits > max_digits:
+            msg = f"an integer of {digits} digits (more than {max_digits} digits are refused)"
             raise JsonProblem(msg)
         return int(text)
 
@@ -231,6 +232,66 @@ def read_json_file(
         raise error(msg) from None
 
 
+def parse_json_object(
+    raw: bytes,
+    *,
+    where: str,
+    what: str,
+    error: Callable[[str], Exception],
+    must_open_brace: bool = False,
+) -> dict[str, object]:
+    """Parse `raw` (UTF-8) with :func:`parse_json`'s rules; it must hold one JSON object.
+
+    Every problem is `error(message)`, the message naming `where` (the file) and `what` (e.g.
+    "config", "shard index"). `must_open_brace`: the text (after whitespace) must start with
+    ``{`` and no byte-order mark is skipped, as the safetensors format requires of its header.
+    """
+    if must_open_brace:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            msg = f"{where}: the {what} is not valid UTF-8 (byte {exc.start} of the {what})"
+            raise error(msg) from None
+        if not text.lstrip(" \t\r\n").startswith("{"):
+            msg = f"{where}: the {what} must be a JSON object (it starts with {text[:16]!r})"
+            raise error(msg)
+        source: str | bytes = text
+    else:
+        source = raw
+    try:
+        document = parse_json(source)
+    except JsonProblem as problem:
+        msg = f"{where}: the {what} is rejected: {problem.reason}"
+        raise error(msg) from None
+    if not isinstance(document, dict):
+        msg = f"{where}: the {what} must be a JSON object, got {type(document).__name__}"
+        raise error(msg)
+    return document
+
+
+def read_json_object_file(
+    path: Path, *, max_bytes: int, what: str, error: Callable[[str], Exception]
+) -> dict[str, object]:
+    """Read a regular file of at most `max_bytes` holding one strict JSON object.
+
+    Like :func:`parse_json_object` for the content; a file that cannot be read (missing, not a
+    regular file, too large) is `error(message)` too, naming the file and the reason.
+    """
+    where = str(path)
+    try:
+        # Stat before open: a FIFO or device is refused without ever blocking on it.
+        raw = read_regular_file(path, max_bytes=max_bytes)
+    except FileReadProblem as problem:
+        if "not a regular file" in problem.reason:
+            msg = f"{where}: not a regular file (a JSON {what} was expected): {problem.reason}"
+        elif "larger than the limit" in problem.reason:
+            msg = f"{where}: the {what} is larger than the limit of {max_bytes} bytes"
+        else:
+            msg = f"{where}: cannot read the {what}: {problem.reason}"
+        raise error(msg) from None
+    return parse_json_object(raw, where=where, what=what, error=error)
+
+
 __all__ = [
     "ECHO_LIMIT",
     "MAX_INT_DIGITS",
@@ -239,7 +300,9 @@ __all__ = [
     "clip",
     "file_kind",
     "parse_json",
+    "parse_json_object",
     "read_json_file",
+    "read_json_object_file",
     "read_regular_file",
     "regular_file_problem",
     "shorten",

@@ -408,7 +408,7 @@ def _nan(values: Iterable[float | None]) -> list[float]:
 
 def _save_atomic(fig: Figure, out: Path) -> None:
     """PNG bytes to `out` as -o promises: atomic for files, through symlinks and devices."""
-    from dflash_recipes.atomic import write_output
+    from dflash_recipes.crashsafe import write_output
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

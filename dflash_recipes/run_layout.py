@@ -22,12 +22,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from dflash_recipes.model_files import WEIGHTS_FILE
+
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-"
-CHECKPOINT_WEIGHTS = "model.safetensors"
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
-CHECKPOINT_FILES: tuple[str, ...] = (CHECKPOINT_WEIGHTS, TRAINER_STATE, OPTIMIZER_STATE)
+CHECKPOINT_FILES: tuple[str, ...] = (WEIGHTS_FILE, TRAINER_STATE, OPTIMIZER_STATE)
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
 EXPORT_DIR = "export"
@@ -75,7 +76,6 @@ def latest_complete_checkpoint(output_dir: Path) -> tuple[int, Path] | None:
 __all__ = [
     "CHECKPOINT_FILES",
     "CHECKPOINT_PREFIX",
-    "CHECKPOINT_WEIGHTS",
     "EXPORT_DIR",
     "METRICS_FILE",
     "OPTIMIZER_STATE",

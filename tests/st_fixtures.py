@@ -22,8 +22,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_recipes.checkpoint import DTYPE_BITS, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from dflash_recipes.layout import LayoutSpec, expected_layout
+from dflash_recipes.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from dflash_recipes.safetensors_header import DTYPE_BITS
 
 Fill = Literal["zeros", "random", "sparse"]
 TensorSpec = tuple[str, Sequence[int]]
@@ -171,7 +172,7 @@ def write_sharded_safetensors(
     size = sum(_nbytes(*tensors[n]) for n in weight_map)
     index: dict[str, object] = {"metadata": {"total_size": size}, "weight_map": weight_map}
     index.update(index_extra or {})
-    write_json(directory / WEIGHTS_INDEX_NAME, index)
+    write_json(directory / WEIGHTS_INDEX_FILE, index)
     return weight_map
 
 
@@ -415,7 +416,7 @@ def write_drafter_checkpoint(
     )
     directory.mkdir(parents=True, exist_ok=True)
     if shards is None:
-        write_safetensors(directory / WEIGHTS_NAME, tensors, fill=fill, seed=seed)
+        write_safetensors(directory / WEIGHTS_FILE, tensors, fill=fill, seed=seed)
     else:
         write_sharded_safetensors(directory, tensors, shards=shards, fill=fill)
     if write_config:

@@ -24,21 +24,20 @@ from st_fixtures import (
     write_sharded_safetensors,
 )
 
-from dflash_recipes import checkpoint
-from dflash_recipes.checkpoint import (
+from dflash_recipes import safetensors_header
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
+from dflash_recipes.config_json import read_json_config
+from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
+from dflash_recipes.model_paths import (
     CheckpointDirProblem,
-    TensorInfo,
     inspect_checkpoint_dir,
     inspect_model_dir,
-    read_checkpoint_weights,
-    read_json_config,
-    read_safetensors_header,
     resolve_checkpoint_dir,
     resolve_local_path,
 )
-from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
+from dflash_recipes.safetensors_header import TensorInfo, read_safetensors_header
 
-ALL_DTYPES = sorted(checkpoint.DTYPE_BITS)
+ALL_DTYPES = sorted(safetensors_header.DTYPE_BITS)
 
 
 def entry(dtype: object, shape: object, begin: object, end: object) -> dict[str, object]:
@@ -143,7 +142,7 @@ def test_reads_nothing_but_the_header(tmp_path: Path, monkeypatch: pytest.Monkey
         opened.append((*args, *kwargs.items()))
         return _CountingFile(open(*args, **kwargs), log)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(checkpoint, "open", spy_open, raising=False)
+    monkeypatch.setattr(safetensors_header, "open", spy_open, raising=False)
 
     header = read_safetensors_header(path)
 
@@ -846,7 +845,7 @@ def test_reading_checkpoints_imports_no_heavy_library(tmp_path: Path) -> None:
     write_drafter_checkpoint(tmp_path / "ck")
     code = (
         "import sys; from pathlib import Path\n"
-        "from dflash_recipes.checkpoint import read_checkpoint_weights\n"
+        "from dflash_recipes.checkpoint_weights import read_checkpoint_weights\n"
         "from dflash_recipes.layout import expected_layout\n"
         f"read_checkpoint_weights(Path({str(tmp_path / 'ck')!r}))\n"
         "heavy = ('torch', 'transformers', 'safetensors', 'numpy')\n"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from st_fixtures import write_drafter_checkpoint
 
-from dflash_recipes.checkpoint import read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.layout import (
     LayoutSpec,
     compare_layout,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_recipes.atomic import write_output
 from dflash_recipes.cli import main
+from dflash_recipes.crashsafe import write_output
 from dflash_recipes.plan import RunPlan
 
 DEV_NULL = Path("/dev/null")

@@ -21,17 +21,15 @@ from conftest import RecipeFactory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_recipes.checkpoint import (
-    read_checkpoint_weights,
-    read_json_config,
-    read_safetensors_header,
-)
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.compiler import compile_recipe
+from dflash_recipes.config_json import read_json_config
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.hfconfig import read_checkpoint_config, read_target_facts
 from dflash_recipes.loader import load_recipe, load_recipe_with_diagnostics
 from dflash_recipes.plan import RunPlan, _canonical
 from dflash_recipes.report import read_metrics
+from dflash_recipes.safetensors_header import read_safetensors_header
 
 FUZZ = settings(
     max_examples=100,

@@ -33,7 +33,7 @@ from st_fixtures import (
     write_safetensors,
 )
 
-from dflash_recipes.checkpoint import read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 
 # Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter), reference sections 2 and 5.
 # Any: splatted into keyword arguments of the fixture writers.

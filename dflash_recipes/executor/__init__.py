@@ -5,10 +5,6 @@ re-exports the model core; import submodules directly for the rest (``data``, ``
 ``train``). Importing ``dflash_recipes`` itself never imports this package.
 """
 
-from dflash_recipes.executor.checkpointing import (
-    restore_training_checkpoint,
-    save_training_checkpoint,
-)
 from dflash_recipes.executor.convert import (
     DFlashModel,
     convert,
@@ -27,6 +23,10 @@ from dflash_recipes.executor.draft import (
 )
 from dflash_recipes.executor.export import export_drafter
 from dflash_recipes.executor.heads import DominoHead, DSparkHead
+from dflash_recipes.executor.training_checkpoints import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
 from dflash_recipes.executor.warmstart import WarmStartReport, load_init_checkpoint
 
 __all__ = [

@@ -20,7 +20,6 @@ Only safetensors and JSON are written.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
@@ -31,7 +30,6 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from dflash_recipes.atomic import temporary_sibling, write_text_atomic
 from dflash_recipes.capture_manifest import (
     MANIFEST_FILE,
     CaptureManifest,
@@ -49,6 +47,7 @@ from dflash_recipes.capture_manifest import (
     shard_problem,
     tokenizer_sha256,
 )
+from dflash_recipes.crashsafe import atomic_replace, write_text_atomic
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.convert import load_base_model, target_forward
 from dflash_recipes.executor.data import TokenizedExample, TrainDataset, build_dataset
@@ -315,13 +314,8 @@ class _Capture:
                 names = sample_tensor_names(index, last_hidden=manifest.last_hidden_state)
                 for name, tensor in zip(names, parts, strict=True):
                     tensors[name] = tensor
-        path = self.output / entry.file
-        tmp = temporary_sibling(path)
-        try:
+        with atomic_replace(self.output / entry.file) as tmp:
             save_file(tensors, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def _states(
         self,

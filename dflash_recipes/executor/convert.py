@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.warmstart import load_init_checkpoint
+from dflash_recipes.model_files import CONFIG_FILE
 from dflash_recipes.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def load_base_model(plan: RunPlan) -> PreTrainedModel:
     """
     base = plan.base_model
     path = Path(base.path)
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG_FILE).is_file():
         msg = (
             f"base model directory {path} has no config.json; model.model_name_or_path must be "
             "a local Hugging Face model directory (stage it with "

@@ -30,6 +30,7 @@ import torch
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_line
 from dflash_recipes.errors import DFlashRecipeError, ReplaceRefusedError
+from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.plan import RunPlan
 from dflash_recipes.run_layout import EXPORT_DIR
 
@@ -142,7 +143,7 @@ def _bit_exact(plan: RunPlan) -> tuple[int, int]:
     assert plan.init_checkpoint is not None
     model = convert(load_base_model(plan), plan)
     own = dflash_module(model).state_dict()
-    source = load_file(str(Path(plan.init_checkpoint.path) / "model.safetensors"))
+    source = load_file(str(Path(plan.init_checkpoint.path) / WEIGHTS_FILE))
     equal = sum(
         1
         for name, tensor in source.items()

@@ -25,7 +25,7 @@ import attrs
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_recipes.checkpoint import read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError, DataError
 from dflash_recipes.executor.convert import load_base_model, torch_dtype
 from dflash_recipes.executor.data import Conversation, read_chat_template, read_conversations
@@ -36,8 +36,9 @@ from dflash_recipes.executor.speculative import (
     speculative_generate,
 )
 from dflash_recipes.executor.warmstart import load_exact_weights
+from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.plan import ResolvedDraft, RunPlan
-from dflash_recipes.run_layout import CHECKPOINT_WEIGHTS, EXPORT_DIR, complete_checkpoints
+from dflash_recipes.run_layout import EXPORT_DIR, complete_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -280,12 +281,12 @@ def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int
     if not checkpoint_dir.is_dir():
         msg = f"checkpoint directory {checkpoint_dir} does not exist"
         raise CheckpointError(msg)
-    if not (checkpoint_dir / CHECKPOINT_WEIGHTS).is_file():
+    if not (checkpoint_dir / WEIGHTS_FILE).is_file():
         candidates = [checkpoint_dir / EXPORT_DIR] if (checkpoint_dir / EXPORT_DIR).is_dir() else []
         candidates += [path for _, path in complete_checkpoints(checkpoint_dir)][-1:]
         if candidates:
             msg = (
-                f"{checkpoint_dir} holds no {CHECKPOINT_WEIGHTS}; it looks like a run's "
+                f"{checkpoint_dir} holds no {WEIGHTS_FILE}; it looks like a run's "
                 "output_dir: pass " + " or ".join(str(c) for c in candidates)
             )
             raise CheckpointError(msg)

@@ -22,10 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import stat
-import uuid
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -33,22 +29,16 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_recipes.crashsafe import remove_stale_staging, staged_directory
 from dflash_recipes.errors import PlanError
 from dflash_recipes.executor.convert import dflash_module, torch_dtype
 from dflash_recipes.executor.draft import rope_parameters
 from dflash_recipes.executor.warmstart import layout_spec
-from dflash_recipes.export_target import (
-    EXPORT_MARKER,
-    check_export_target,
-    export_marker_text,
-    remove_stale_staging,
-    staging_name,
-)
+from dflash_recipes.export_target import EXPORT_MARKER, check_export_target, export_marker_text
 from dflash_recipes.layout import compare_layout, expected_layout, format_layout_diff
+from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 ARCHITECTURE_NAME = "DFlashDraftModel"
 #: The remote-code module of `AutoModel.from_pretrained(export, trust_remote_code=True)`.
 REMOTE_CODE_FILE = "dflash.py"
@@ -158,50 +148,6 @@ def remote_code_source() -> bytes:
     return (package / "remote_code" / REMOTE_CODE_FILE).read_bytes()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _default_file_mode(directory: Path) -> int:
-    """0666 minus the umask, read from a probe file (``os.umask`` would change process state)."""
-    probe = directory / f".mode-probe-{uuid.uuid4().hex[:8]}"
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    try:
-        return stat.S_IMODE(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
-        probe.unlink()
-
-
-def publish_directory(staging: Path, out_dir: Path) -> None:
-    """Rename a complete ``staging`` directory to ``out_dir``, replacing an old one last.
-
-    Files get the usual permissions (0666 minus the umask): some writers create private
-    (0600) files, which a serving process running as another user could not read.
-    """
-    mode = _default_file_mode(staging)
-    for child in staging.iterdir():
-        if child.is_file():
-            os.chmod(child, mode)
-        _fsync(child)
-    _fsync(staging)
-    if out_dir.exists() or out_dir.is_symlink():
-        if not out_dir.is_dir():
-            msg = f"{out_dir} exists and is not a directory; choose another export directory"
-            raise FileExistsError(msg)
-        retired = staging_name(out_dir, uuid.uuid4().hex[:8], kind="old")
-        os.rename(out_dir, retired)
-        os.rename(staging, out_dir)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.rename(staging, out_dir)
-    _fsync(out_dir.parent)
-
-
 def export_drafter(
     module_or_model: nn.Module,
     plan: RunPlan,
@@ -240,19 +186,13 @@ def export_drafter(
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out_dir)
-    staging = staging_name(out_dir, uuid.uuid4().hex[:8])
-    staging.mkdir()
-    try:
+    with staged_directory(out_dir) as staging:
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
         (staging / CONFIG_FILE).write_text(text, encoding="utf-8")
         (staging / REMOTE_CODE_FILE).write_bytes(remote_code_source())
         files = [child.name for child in staging.iterdir()]
         (staging / EXPORT_MARKER).write_text(export_marker_text(files), encoding="utf-8")
-        publish_directory(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     for warning in serving_warnings(spec):
         logger.warning("%s", warning)
     return out_dir
@@ -260,14 +200,11 @@ def export_drafter(
 
 __all__ = [
     "ARCHITECTURE_NAME",
-    "CONFIG_FILE",
     "REMOTE_CODE_CLASS",
     "REMOTE_CODE_FILE",
-    "WEIGHTS_FILE",
     "drafter_config",
     "export_checkpoint",
     "export_drafter",
-    "publish_directory",
     "remote_code_source",
     "serving_warnings",
 ]

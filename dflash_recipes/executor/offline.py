@@ -36,6 +36,7 @@ from dflash_recipes.capture_manifest import (
 from dflash_recipes.errors import CheckpointError, DataError
 from dflash_recipes.executor.convert import torch_dtype
 from dflash_recipes.executor.data import DatasetStats, TokenizedExample, TrainDataset
+from dflash_recipes.model_files import CONFIG_FILE
 from dflash_recipes.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def load_target_without_decoder(plan: RunPlan) -> PreTrainedModel:
     base = plan.base_model
     path = Path(base.path)
     facts = base.facts
-    if facts is None or not (path / "config.json").is_file():
+    if facts is None or not (path / CONFIG_FILE).is_file():
         msg = f"base model directory {path} has no config.json (or the plan no target facts)"
         raise CheckpointError(msg)
     import transformers

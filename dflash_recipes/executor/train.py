@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_recipes.atomic import write_text_atomic
+from dflash_recipes.crashsafe import write_text_atomic
 from dflash_recipes.errors import CheckpointError, DataError, PlanError, RunIOError
 from dflash_recipes.executor.anchors import (
     block_inputs,
@@ -45,7 +45,6 @@ from dflash_recipes.executor.anchors import (
     gather_teacher_logits,
     sample_anchors,
 )
-from dflash_recipes.executor.checkpointing import save_training_checkpoint
 from dflash_recipes.executor.convert import (
     DFlashModel,
     convert,
@@ -104,6 +103,7 @@ from dflash_recipes.executor.run_guard import (
     locked_run_directory,
     restore_newest_readable,
 )
+from dflash_recipes.executor.training_checkpoints import save_training_checkpoint
 from dflash_recipes.executor.warmstart import WarmStartReport
 from dflash_recipes.export_target import check_export_target
 from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from dflash_recipes.checkpoint import CheckpointWeights, read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import CheckpointWeights, read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.layout import (
     LayoutSpec,

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dflash_recipes import crashsafe
 from dflash_recipes.executor import export as export_module
 from dflash_recipes.executor.convert import convert
 from dflash_recipes.executor.draft import DFlashDraftModel
@@ -148,7 +149,7 @@ def test_failed_export_keeps_the_previous_one(
         raise RuntimeError("killed before the rename")
 
     with monkeypatch.context() as patch:
-        patch.setattr(export_module, "publish_directory", crash)
+        patch.setattr(crashsafe, "publish_directory", crash)
         with pytest.raises(RuntimeError, match="killed"):
             export_drafter(second, plan, tmp_path / "export")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]

@@ -12,10 +12,6 @@ import pytest
 import torch
 
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
-from dflash_recipes.executor.checkpointing import (
-    restore_training_checkpoint,
-    save_training_checkpoint,
-)
 from dflash_recipes.executor.data import (
     MAX_CHARS_PER_TOKEN,
     Message,
@@ -24,6 +20,10 @@ from dflash_recipes.executor.data import (
 )
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer
+from dflash_recipes.executor.training_checkpoints import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
 from dflash_recipes.report import read_metrics
 
 from .tiny import tiny_plan

@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_recipes.errors import DataError, DFlashRecipeError
-from dflash_recipes.executor.checkpointing import (
+from dflash_recipes.executor.data import read_conversations
+from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.executor.training_checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.executor.data import read_conversations
-from dflash_recipes.executor.draft import DFlashDraftModel
 
 from .tiny import tiny_plan
 

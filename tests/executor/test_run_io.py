@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 
 from dflash_recipes.cli import main
 from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor import checkpointing
+from dflash_recipes.executor import training_checkpoints
 from dflash_recipes.executor.run_guard import summary_line
 from dflash_recipes.executor.train import run_plan
 
@@ -70,7 +70,7 @@ def test_a_failed_checkpoint_save_is_one_line_and_keeps_earlier_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, error: OSError, reason: str
 ) -> None:
     out = tmp_path / "run"
-    owner = checkpointing.torch if target == "torch.save" else checkpointing
+    owner = training_checkpoints.torch if target == "torch.save" else training_checkpoints
     name = target.rsplit(".", 1)[-1]
     monkeypatch.setattr(owner, name, _fail_on_call(2, error, getattr(owner, name)))
     result = _run(out, 3)

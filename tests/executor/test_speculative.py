@@ -13,7 +13,6 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.checkpointing import save_training_checkpoint
 from dflash_recipes.executor.convert import (
     convert,
     dflash_module,
@@ -45,6 +44,7 @@ from dflash_recipes.executor.speculative import (
     speculative_generate,
 )
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.executor.training_checkpoints import save_training_checkpoint
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
 from .tiny import tiny_plan, tiny_target

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_recipes.errors import CheckpointError, WarmStartError
-from dflash_recipes.executor.checkpointing import (
-    restore_training_checkpoint,
-    save_training_checkpoint,
-)
 from dflash_recipes.executor.convert import convert
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.export import export_drafter
+from dflash_recipes.executor.training_checkpoints import (
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
 from dflash_recipes.executor.warmstart import load_init_checkpoint
 from dflash_recipes.plan import ResumePlan, RunPlan
 

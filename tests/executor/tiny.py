@@ -31,7 +31,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash_recipes.checkpoint import read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.executor.draft import rope_parameters
 from dflash_recipes.hfconfig import read_checkpoint_config
 from dflash_recipes.plan import (

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -32,16 +31,16 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from dflash_recipes.checkpoint import read_checkpoint_weights
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
+from dflash_recipes.crashsafe import remove_staging_dirs, staged_directory
 from dflash_recipes.errors import CheckpointError, RunIOError
 from dflash_recipes.executor.convert import dflash_module
-from dflash_recipes.executor.export import publish_directory
 from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.jsonio import read_json_file, shorten
+from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.run_layout import (
     CHECKPOINT_FILES,
     CHECKPOINT_PREFIX,
-    CHECKPOINT_WEIGHTS,
     OPTIMIZER_STATE,
     TMP_PREFIX,
     TRAINER_STATE,
@@ -58,12 +57,6 @@ class Stateful(Protocol):
     def state_dict(self) -> Mapping[str, object]: ...
 
     def load_state_dict(self, state_dict: dict[str, object], /) -> None: ...
-
-
-def _remove_staging(output_dir: Path) -> None:
-    for child in output_dir.iterdir():
-        if child.name.startswith(TMP_PREFIX + CHECKPOINT_PREFIX) and child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
 
 
 def prune_checkpoints(output_dir: Path, save_total_limit: int, *, keep: Path | None = None) -> None:
@@ -96,7 +89,7 @@ def save_training_checkpoint(
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    _remove_staging(output_dir)
+    remove_staging_dirs(output_dir, TMP_PREFIX + CHECKPOINT_PREFIX)
     drafter = dflash_module(module)
     state = dict(trainer_state)
     state["step"] = step
@@ -107,9 +100,8 @@ def save_training_checkpoint(
         raise ValueError(msg) from exc
 
     final = output_dir / checkpoint_dir_name(step)
-    staging = output_dir / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
     try:
-        _write_checkpoint(staging, final, drafter, optimizer, scheduler, state_text)
+        _write_checkpoint(final, drafter, optimizer, scheduler, state_text)
     except (OSError, SafetensorError, RuntimeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         msg = (
@@ -124,19 +116,17 @@ def save_training_checkpoint(
 
 
 def _write_checkpoint(
-    staging: Path,
     final: Path,
     drafter: nn.Module,
     optimizer: Stateful,
     scheduler: Stateful | None,
     state_text: str,
 ) -> None:
-    staging.mkdir()
-    try:
+    with staged_directory(final) as staging:
         tensors = {
             name: t.detach().to("cpu").contiguous() for name, t in drafter.state_dict().items()
         }
-        save_file(tensors, str(staging / CHECKPOINT_WEIGHTS), metadata={"format": "pt"})
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         del tensors
         (staging / TRAINER_STATE).write_text(state_text, encoding="utf-8")
         torch.save(
@@ -146,10 +136,6 @@ def _write_checkpoint(
             },
             staging / OPTIMIZER_STATE,
         )
-        publish_directory(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def restore_training_checkpoint(

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from dflash_recipes.errors import CheckpointError, RunIOError
-from dflash_recipes.executor import checkpointing
-from dflash_recipes.executor.checkpointing import (
+from dflash_recipes.executor import training_checkpoints
+from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.executor.training_checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.run_layout import complete_checkpoints
 
 from .tiny import tiny_plan
@@ -79,7 +79,7 @@ def test_a_crash_while_saving_leaves_no_checkpoint(
     def crash(*_args: object, **_kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpointing.torch, "save", crash)
+    monkeypatch.setattr(training_checkpoints.torch, "save", crash)
     with pytest.raises(RunIOError, match=r"checkpoint of step 2 .*: disk full"):
         save_training_checkpoint(out, 2, module, optimizer, scheduler, {})
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-00000001"]

@@ -1,0 +1,101 @@
+"""Crash-safe files and directories: a failed write leaves the old state and no debris."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dflash_recipes import crashsafe
+from dflash_recipes.crashsafe import (
+    atomic_replace,
+    remove_staging_dirs,
+    remove_stale_staging,
+    staged_directory,
+    staging_name,
+    write_new_file,
+)
+
+
+def test_write_new_file_never_replaces_an_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "recipe.yaml"
+    assert write_new_file(path, "first\n") is True
+    assert write_new_file(path, "second\n") is False
+    assert path.read_text(encoding="utf-8") == "first\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["recipe.yaml"]
+
+
+def test_atomic_replace_keeps_the_old_file_when_the_writer_fails(tmp_path: Path) -> None:
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="killed"), atomic_replace(path) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("killed")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]
+    with atomic_replace(path) as tmp:
+        tmp.write_bytes(b"new")
+    assert path.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]
+
+
+def test_staged_directory_publishes_whole_or_not_at_all(tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    with staged_directory(out) as staging:
+        assert staging.parent == tmp_path and staging.name.startswith(".tmp-export-")
+        (staging / "a.txt").write_text("one", encoding="utf-8")
+    assert (out / "a.txt").read_text(encoding="utf-8") == "one"
+
+    with pytest.raises(OSError, match="disk full"), staged_directory(out) as staging:
+        (staging / "a.txt").write_text("two", encoding="utf-8")
+        raise OSError("disk full")
+    assert (out / "a.txt").read_text(encoding="utf-8") == "one"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_staged_directory_removes_staging_when_publishing_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(*_args: object) -> None:
+        raise RuntimeError("killed before the rename")
+
+    monkeypatch.setattr(crashsafe, "publish_directory", crash)
+    with pytest.raises(RuntimeError, match="killed"), staged_directory(tmp_path / "out") as s:
+        (s / "f").write_bytes(b"x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_published_files_get_the_default_permissions(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        with staged_directory(tmp_path / "out") as staging:
+            private = staging / "private.bin"
+            private.write_bytes(b"x")
+            private.chmod(0o600)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out" / "private.bin").stat().st_mode & 0o777 == 0o644
+
+
+def test_stale_staging_of_dead_writers_is_removed_live_ones_kept(tmp_path: Path) -> None:
+    out = tmp_path / "drafter"
+    dead = tmp_path / ".old-drafter-999999999-0123abcd"
+    mine = staging_name(out, "89abcdef")  # this process's own leftover
+    live = tmp_path / f".tmp-drafter-{os.getppid()}-fedcba98"
+    unrelated = tmp_path / ".tmp-other-999999999-0123abcd"
+    for directory in (dead, mine, live, unrelated):
+        directory.mkdir()
+    assert sorted(remove_stale_staging(out)) == sorted([dead, mine])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, unrelated.name])
+
+
+def test_remove_staging_dirs_takes_only_matching_directories(tmp_path: Path) -> None:
+    (tmp_path / ".tmp-checkpoint-00000001-dead").mkdir()
+    (tmp_path / ".tmp-checkpoint-note").write_text("a file, not staging", encoding="utf-8")
+    (tmp_path / "checkpoint-00000001").mkdir()
+    remove_staging_dirs(tmp_path, ".tmp-checkpoint-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-checkpoint-note",
+        "checkpoint-00000001",
+    ]
