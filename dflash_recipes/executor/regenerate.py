@@ -34,7 +34,7 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.atomic import temporary_sibling, write_text_atomic
+from dflash_recipes.crashsafe import atomic_replace, write_text_atomic
 from dflash_recipes.errors import DataError, RegenerateError
 from dflash_recipes.executor.data import (
     Message,
@@ -551,19 +551,14 @@ def _generate(
 
 def _assemble(store: ShardStore, wanted: set[str], output: Path) -> int:
     """Write the final JSONL (the conversations of this input, once each) atomically."""
-    tmp = temporary_sibling(output)
     count = 0
-    try:
-        with tmp.open("w", encoding="utf-8") as handle:
-            for record in store.records():
-                if record["key"] not in wanted:
-                    continue
-                handle.write(json.dumps({"messages": record["messages"]}, ensure_ascii=False))
-                handle.write("\n")
-                count += 1
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_replace(output) as tmp, tmp.open("w", encoding="utf-8") as handle:
+        for record in store.records():
+            if record["key"] not in wanted:
+                continue
+            handle.write(json.dumps({"messages": record["messages"]}, ensure_ascii=False))
+            handle.write("\n")
+            count += 1
     return count
 
 
