@@ -439,7 +439,7 @@ class CheckpointWeights:
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Tensor name -> shape, the form :func:`dflash_recipes.layout.compare_layout` takes."""
+        """Tensor name -> shape, as :func:`dflash_recipes.draft_layout.compare_layout` takes it."""
         return {name: info.shape for name, info in self.tensors.items()}
 
 

@@ -49,17 +49,7 @@ from dflash_recipes.diagnostics import (
     register_code,
     sort_diagnostics,
 )
-from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.fields import CHECKPOINT_DFLASH2, check_checkpoint_fields
-from dflash_recipes.hfconfig import (
-    ARCHITECTURE_FIELDS,
-    CheckpointConfigFacts,
-    ConfigProblem,
-    read_checkpoint_config,
-    read_target_facts,
-)
-from dflash_recipes.jsonio import FileReadProblem, clip, file_kind, read_regular_file
-from dflash_recipes.layout import (
+from dflash_recipes.draft_layout import (
     LayoutSpec,
     compare_layout,
     default_target_layer_ids,
@@ -70,6 +60,16 @@ from dflash_recipes.layout import (
     head_submodules,
     infer_architecture,
 )
+from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.fields import CHECKPOINT_DFLASH2, check_checkpoint_fields
+from dflash_recipes.hfconfig import (
+    ARCHITECTURE_FIELDS,
+    CheckpointConfigFacts,
+    ConfigProblem,
+    read_checkpoint_config,
+    read_target_config,
+)
+from dflash_recipes.jsonio import FileReadProblem, clip, file_kind, read_regular_file
 from dflash_recipes.loader import load_recipe_with_diagnostics
 from dflash_recipes.plan import (
     ArchitecturePlan,
@@ -84,7 +84,7 @@ from dflash_recipes.plan import (
     TrainingPlan,
 )
 from dflash_recipes.recipe import DFlashArchitectureConfig, Recipe
-from dflash_recipes.run_layout import PLAN_FILE, latest_complete_checkpoint
+from dflash_recipes.run_dir import PLAN_FILE, latest_complete_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # diagnostic codes (registered at import so the docs table is generated from them)
@@ -515,7 +515,7 @@ class _Compilation:
         if problem is not None:
             self.emit(f"base-model-{problem.kind}", _MODEL, problem.message, problem.hint)
             return
-        read = read_target_facts(self.absolute(value))
+        read = read_target_config(self.absolute(value))
         for item in read.problems:
             self.emit_problem(item, _MODEL, f"base model {read.path}")
         self.facts = read.facts

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dflash_recipes.errors import ReplaceRefusedError
 from dflash_recipes.locking import LOCK_FILE
-from dflash_recipes.run_layout import (
+from dflash_recipes.run_dir import (
     CHECKPOINT_PREFIX,
     METRICS_FILE,
     OPTIMIZER_STATE,

@@ -371,7 +371,7 @@ def _read_rope(
 
 
 def target_config_from_mapping(config: Mapping[str, object], path: str) -> TargetConfig:
-    """Interpret a base model's parsed config.json (see :func:`read_target_facts`)."""
+    """Interpret a base model's parsed config.json (see :func:`read_target_config`)."""
     sections, prefix = _language_sections(config)
     language = sections[0]
     fields = _Fields(sections, prefix)
@@ -475,7 +475,7 @@ def _reason(exc: BaseException, path: Path) -> str:
     return str(exc).removeprefix(f"{path}: ")
 
 
-def read_target_facts(model_dir: Path) -> TargetConfig:
+def read_target_config(model_dir: Path) -> TargetConfig:
     """Read `model_dir/config.json` into :class:`TargetFacts` plus problems (never raises).
 
     The caller checks that the directory and file exist first; a file that cannot be read or
@@ -650,6 +650,6 @@ __all__ = [
     "TargetConfig",
     "checkpoint_config_from_mapping",
     "read_checkpoint_config",
-    "read_target_facts",
+    "read_target_config",
     "target_config_from_mapping",
 ]

@@ -27,14 +27,14 @@ from dflash_recipes.checkpoint import (
 )
 from dflash_recipes.compiler import checkpoint_dims, default_loss_decay_factor
 from dflash_recipes.diagnostics import Severity
+from dflash_recipes.draft_layout import default_target_layer_ids
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
 from dflash_recipes.hfconfig import (
     ARCHITECTURE_FIELDS,
     TargetConfig,
     read_checkpoint_config,
-    read_target_facts,
+    read_target_config,
 )
-from dflash_recipes.layout import default_target_layer_ids
 
 #: Draft layers of a new drafter: the released Qwen3 DFlash drafters use 5.
 NEW_DRAFT_LAYERS = 5
@@ -74,7 +74,7 @@ def _target(base_model_dir: Path) -> TargetConfig:
     problem = inspect_model_dir(str(base_model_dir), base_dir=None)
     if problem is not None:
         raise _fail(problem.message, problem.hint)
-    read = read_target_facts(resolve_local_path(str(base_model_dir), base_dir=None))
+    read = read_target_config(resolve_local_path(str(base_model_dir), base_dir=None))
     errors = [p for p in read.problems if p.severity is Severity.ERROR]
     if errors or read.facts is None:
         lines = [f"{read.path}: {p.message}" for p in errors] or [f"{read.path} is incomplete"]

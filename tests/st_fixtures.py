@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_recipes.checkpoint import DTYPE_BITS, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
-from dflash_recipes.layout import LayoutSpec, expected_layout
+from dflash_recipes.draft_layout import LayoutSpec, expected_layout
 
 Fill = Literal["zeros", "random", "sparse"]
 TensorSpec = tuple[str, Sequence[int]]

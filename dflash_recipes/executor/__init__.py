@@ -10,7 +10,7 @@ from dflash_recipes.executor.checkpointing import (
     save_training_checkpoint,
 )
 from dflash_recipes.executor.convert import (
-    DFlashModel,
+    ConvertedModel,
     convert,
     dflash_module,
     embed_tokens,
@@ -29,7 +29,11 @@ from dflash_recipes.executor.export import export_drafter
 from dflash_recipes.executor.heads import DominoHead, DSparkHead
 from dflash_recipes.executor.warmstart import WarmStartReport, load_init_checkpoint
 
+#: The former name of :data:`ConvertedModel` (kept so existing imports keep working).
+DFlashModel = ConvertedModel
+
 __all__ = [
+    "ConvertedModel",
     "DFlashDraftModel",
     "DFlashModel",
     "DSparkHead",

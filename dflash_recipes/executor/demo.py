@@ -31,7 +31,7 @@ from dflash_recipes.compiler import compile_file
 from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_line
 from dflash_recipes.errors import DFlashRecipeError, ReplaceRefusedError
 from dflash_recipes.plan import RunPlan
-from dflash_recipes.run_layout import EXPORT_DIR
+from dflash_recipes.run_dir import EXPORT_DIR
 
 Echo = Callable[[str], None]
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_recipes.draft_layout import compare_layout, expected_layout, format_layout_diff
 from dflash_recipes.errors import PlanError
 from dflash_recipes.executor.convert import dflash_module, torch_dtype
 from dflash_recipes.executor.draft import rope_parameters
@@ -44,7 +45,6 @@ from dflash_recipes.export_target import (
     remove_stale_staging,
     staging_name,
 )
-from dflash_recipes.layout import compare_layout, expected_layout, format_layout_diff
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
 WEIGHTS_FILE = "model.safetensors"

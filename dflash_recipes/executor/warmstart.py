@@ -2,9 +2,10 @@
 
 The checkpoint is the plan's ``init_checkpoint`` (a local directory with ``model.safetensors``
 or shards). Before any tensor byte is read, its header is checked against the layout the plan
-describes with the same code and words as ``dflash-recipe compile`` (``dflash_recipes.layout``),
-so a mismatch that slipped past compile (the Python API called directly, or the directory
-changed since) raises :class:`~dflash_recipes.errors.WarmStartError` listing every tensor.
+describes with the same code and words as ``dflash-recipe compile``
+(``dflash_recipes.draft_layout``), so a mismatch that slipped past compile (the Python API
+called directly, or the directory changed since) raises
+:class:`~dflash_recipes.errors.WarmStartError` listing every tensor.
 
 Tensors are streamed one at a time (``safetensors.safe_open``) straight into the existing
 parameters: no state dict, no second full copy. A copy is exact by construction: the
@@ -28,8 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dflash_recipes.checkpoint import CheckpointWeights, read_checkpoint_weights
-from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
-from dflash_recipes.layout import (
+from dflash_recipes.draft_layout import (
     LayoutSpec,
     Shape,
     compare_layout,
@@ -39,6 +39,7 @@ from dflash_recipes.layout import (
     head_presence,
     infer_architecture,
 )
+from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
 logger = logging.getLogger(__name__)

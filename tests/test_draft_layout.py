@@ -10,7 +10,7 @@ import pytest
 from st_fixtures import write_drafter_checkpoint
 
 from dflash_recipes.checkpoint import read_checkpoint_weights
-from dflash_recipes.layout import (
+from dflash_recipes.draft_layout import (
     LayoutSpec,
     compare_layout,
     default_target_layer_ids,
