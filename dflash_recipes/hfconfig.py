@@ -24,6 +24,7 @@ import attrs
 
 from dflash_recipes.checkpoint import read_json_config
 from dflash_recipes.diagnostics import Severity, register_code
+from dflash_recipes.draft_layout import ARCHITECTURE_FIELDS, SHAPE_FIELDS
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.jsonio import shorten
 from dflash_recipes.plan import RopePlan, RopeValue, TargetFacts
@@ -103,16 +104,6 @@ class TargetConfig:
     from_text_config: bool = False
 
 
-#: Architecture fields a drafter's config.json states, named as in the recipe.
-ARCHITECTURE_FIELDS: tuple[str, ...] = (
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-)
-
-
 @attrs.frozen
 class CheckpointConfigFacts:
     """What a drafter checkpoint's config.json says (every field None when not stated)."""
@@ -161,6 +152,16 @@ class CheckpointConfigFacts:
         """The draft dims this config states, keyed by recipe field name."""
         stated: dict[str, int] = {}
         for name in ARCHITECTURE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                stated[name] = value
+        return stated
+
+    def stated_dims(self) -> dict[str, int]:
+        """Every dim stated here that tensor shapes can confirm: hidden_size, the draft dims and
+        the head sizes (what :func:`~dflash_recipes.draft_layout.checkpoint_dims` takes)."""
+        stated: dict[str, int] = {}
+        for name in ("hidden_size", *SHAPE_FIELDS):
             value = getattr(self, name)
             if value is not None:
                 stated[name] = value
@@ -643,7 +644,6 @@ def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:
 
 
 __all__ = [
-    "ARCHITECTURE_FIELDS",
     "CONFIG_FILE",
     "CheckpointConfigFacts",
     "ConfigProblem",

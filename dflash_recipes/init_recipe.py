@@ -25,12 +25,16 @@ from dflash_recipes.checkpoint import (
     read_json_config,
     resolve_local_path,
 )
-from dflash_recipes.compiler import checkpoint_dims, default_loss_decay_factor
+from dflash_recipes.compiler import default_loss_decay_factor
 from dflash_recipes.diagnostics import Severity
-from dflash_recipes.draft_layout import default_target_layer_ids
+from dflash_recipes.draft_layout import (
+    ARCHITECTURE_FIELDS,
+    HEAD_FIELDS,
+    checkpoint_dims,
+    default_target_layer_ids,
+)
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
 from dflash_recipes.hfconfig import (
-    ARCHITECTURE_FIELDS,
     TargetConfig,
     read_checkpoint_config,
     read_target_config,
@@ -98,7 +102,7 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     unreadable = [p for p in config.problems if p.severity is Severity.ERROR]
     if unreadable:
         raise _fail(unreadable[0].message, unreadable[0].hint or "restore config.json")
-    dims = checkpoint_dims(config if config.present else None, weights.shapes)
+    dims = checkpoint_dims(config.stated_dims(), weights.shapes)
     # the target's sizes never feed a warm-started drafter; only its width must agree
     assert target.facts is not None
     width = dims.values.get("hidden_size")
@@ -122,8 +126,7 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     projector = config.projector_type or _projector_from_tensors(weights.shapes)
     if projector != "dflash":
         arch["projector_type"] = _Choice(projector, "the checkpoint's head variant")
-        head_fields = ("emb_dim", "gru_hidden_dim") if projector == "domino" else ("markov_rank",)
-        for name in head_fields:
+        for name in HEAD_FIELDS[projector]:
             if name not in dims.values:
                 raise _fail(
                     f"{directory}: a {projector} checkpoint that states no {name}",
