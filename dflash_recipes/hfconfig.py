@@ -471,9 +471,14 @@ def target_config_from_mapping(config: Mapping[str, object], path: str) -> Targe
     )
 
 
-def _reason(exc: BaseException, path: Path) -> str:
-    """The error text without the leading `path: ` the reader puts in front of it."""
-    return str(exc).removeprefix(f"{path}: ")
+def _read_config(path: Path, code: str, hint: str) -> Mapping[str, object] | ConfigProblem:
+    """The parsed config.json at `path`, or the one `code` problem saying why it cannot be read."""
+    try:
+        return read_json_config(path)
+    except (DFlashRecipeError, OSError, ValueError) as exc:
+        # the reader's text starts with `path: `; the problem is shown next to the path already
+        message = f"cannot be read: {str(exc).removeprefix(f'{path}: ')}"
+        return ConfigProblem(code, Severity.ERROR, "", message, hint)
 
 
 def read_target_config(model_dir: Path) -> TargetConfig:
@@ -483,13 +488,10 @@ def read_target_config(model_dir: Path) -> TargetConfig:
     parsed comes back as a `target-config-unreadable` problem with `facts` None.
     """
     path = model_dir / CONFIG_FILE
-    try:
-        config = read_json_config(path)
-    except (DFlashRecipeError, OSError, ValueError) as exc:
-        message = f"cannot be read: {_reason(exc, path)}"
-        hint = "restore config.json from the model's original download"
-        problem = ConfigProblem(TARGET_CONFIG_UNREADABLE, Severity.ERROR, "", message, hint)
-        return TargetConfig(path=str(path), facts=None, problems=(problem,))
+    hint = "restore config.json from the model's original download"
+    config = _read_config(path, TARGET_CONFIG_UNREADABLE, hint)
+    if isinstance(config, ConfigProblem):
+        return TargetConfig(path=str(path), facts=None, problems=(config,))
     return target_config_from_mapping(config, str(path))
 
 
@@ -633,13 +635,10 @@ def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:
     path = directory / CONFIG_FILE
     if not path.exists() and not path.is_symlink():
         return CheckpointConfigFacts(path=str(path), present=False)
-    try:
-        config = read_json_config(path)
-    except (DFlashRecipeError, OSError, ValueError) as exc:
-        message = f"cannot be read: {_reason(exc, path)}"
-        hint = "restore config.json from the drafter's original download, or delete it"
-        problem = ConfigProblem(CHECKPOINT_CONFIG_UNREADABLE, Severity.ERROR, "", message, hint)
-        return CheckpointConfigFacts(path=str(path), present=True, problems=(problem,))
+    hint = "restore config.json from the drafter's original download, or delete it"
+    config = _read_config(path, CHECKPOINT_CONFIG_UNREADABLE, hint)
+    if isinstance(config, ConfigProblem):
+        return CheckpointConfigFacts(path=str(path), present=True, problems=(config,))
     return checkpoint_config_from_mapping(config, str(path))
 
 
