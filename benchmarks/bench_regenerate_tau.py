@@ -62,7 +62,7 @@ def main() -> int:
     from dflash_recipes.executor.regenerate import run_regenerate
     from dflash_recipes.executor.train import run_plan
     from dflash_recipes.plan import RunPlan
-    from dflash_recipes.run_layout import EXPORT_DIR
+    from dflash_recipes.run_dir import EXPORT_DIR
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     started = time.perf_counter()

@@ -50,13 +50,7 @@ SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 HEADER_BYTES_PER_TENSOR = 96
 
 _E, _W = Severity.ERROR, Severity.WARNING
-#: Severity of each code registered here (the compiler emits findings with it).
-SEVERITIES: dict[str, Severity] = {}
-
-
-def _code(code: str, severity: Severity, summary: str) -> str:
-    SEVERITIES[code] = severity
-    return register_code(code, severity, summary)
+_code = register_code
 
 
 CAPTURE_UNREADABLE = _code(
@@ -693,7 +687,6 @@ __all__ = [
     "CAPTURE_FORMAT",
     "CAPTURE_FORMAT_VERSION",
     "MANIFEST_FILE",
-    "SEVERITIES",
     "CaptureExpectation",
     "CaptureFinding",
     "CaptureManifest",

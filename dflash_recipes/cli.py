@@ -780,7 +780,7 @@ def export_command(
     """
     from dflash_recipes.errors import ReplaceRefusedError
     from dflash_recipes.export_target import check_export_target
-    from dflash_recipes.run_layout import PLAN_FILE
+    from dflash_recipes.run_dir import PLAN_FILE
 
     try:  # before the plan and the model: a refused target costs nothing
         check_export_target(out_dir, force=force, sources=(checkpoint_dir,))

@@ -8,6 +8,7 @@ Checks never print. They return :class:`Diagnostic` values; the CLI picks a rend
 from __future__ import annotations
 
 import enum
+import importlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -48,9 +49,35 @@ def register_code(code: str, severity: Severity, summary: str) -> str:
     return code
 
 
+#: Every module that registers codes (at import). :func:`registered_codes` imports them all,
+#: so the registry is complete after that one call; a test keeps this list whole.
+CODE_MODULES: tuple[str, ...] = (
+    "dflash_recipes.yamlio",
+    "dflash_recipes.converter",
+    "dflash_recipes.loader",
+    "dflash_recipes.hfconfig",
+    "dflash_recipes.fields",
+    "dflash_recipes.capture_manifest",
+    "dflash_recipes.regenerate_settings",
+    "dflash_recipes.compile_codes",
+    "dflash_recipes.cli",
+)
+
+
 def registered_codes() -> tuple[CodeInfo, ...]:
-    """All registered codes, sorted by code. Import the checking modules first."""
+    """Every diagnostic code of the package, sorted by code (imports :data:`CODE_MODULES`)."""
+    for module in CODE_MODULES:
+        importlib.import_module(module)
     return tuple(sorted(_CODES.values(), key=lambda c: c.code))
+
+
+def code_severity(code: str) -> Severity:
+    """The severity `code` was registered with (the one table of severities)."""
+    info = _CODES.get(code)
+    if info is None:
+        msg = f"diagnostic code {code!r} is not registered"
+        raise KeyError(msg)
+    return info.severity
 
 
 @attrs.frozen
@@ -229,11 +256,13 @@ def render_github(diagnostics: Sequence[Diagnostic]) -> str:
 
 
 __all__ = [
+    "CODE_MODULES",
     "CodeInfo",
     "Diagnostic",
     "Severity",
     "SourceMap",
     "SourceMark",
+    "code_severity",
     "has_errors",
     "register_code",
     "registered_codes",

@@ -27,7 +27,7 @@ from pathlib import Path
 from dflash_recipes.errors import ReplaceRefusedError
 from dflash_recipes.locking import LOCK_FILE
 from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE
-from dflash_recipes.run_layout import (
+from dflash_recipes.run_dir import (
     CHECKPOINT_PREFIX,
     METRICS_FILE,
     OPTIMIZER_STATE,

@@ -30,7 +30,7 @@ from typing import Literal
 import attrs
 
 from dflash_recipes.diagnostics import Severity, register_code
-from dflash_recipes.layout import infer_architecture
+from dflash_recipes.draft_layout import infer_architecture
 
 FieldStatus = Literal["honored", "refused", "compared", "irrelevant"]
 

@@ -24,6 +24,7 @@ import attrs
 
 from dflash_recipes.config_json import read_json_config
 from dflash_recipes.diagnostics import Severity, register_code
+from dflash_recipes.draft_layout import ARCHITECTURE_FIELDS, SHAPE_FIELDS
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.jsonio import shorten
 from dflash_recipes.model_files import CONFIG_FILE
@@ -102,16 +103,6 @@ class TargetConfig:
     from_text_config: bool = False
 
 
-#: Architecture fields a drafter's config.json states, named as in the recipe.
-ARCHITECTURE_FIELDS: tuple[str, ...] = (
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-)
-
-
 @attrs.frozen
 class CheckpointConfigFacts:
     """What a drafter checkpoint's config.json says (every field None when not stated)."""
@@ -160,6 +151,16 @@ class CheckpointConfigFacts:
         """The draft dims this config states, keyed by recipe field name."""
         stated: dict[str, int] = {}
         for name in ARCHITECTURE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                stated[name] = value
+        return stated
+
+    def stated_dims(self) -> dict[str, int]:
+        """Every dim stated here that tensor shapes can confirm: hidden_size, the draft dims and
+        the head sizes (what :func:`~dflash_recipes.draft_layout.checkpoint_dims` takes)."""
+        stated: dict[str, int] = {}
+        for name in ("hidden_size", *SHAPE_FIELDS):
             value = getattr(self, name)
             if value is not None:
                 stated[name] = value
@@ -370,7 +371,7 @@ def _read_rope(
 
 
 def target_config_from_mapping(config: Mapping[str, object], path: str) -> TargetConfig:
-    """Interpret a base model's parsed config.json (see :func:`read_target_facts`)."""
+    """Interpret a base model's parsed config.json (see :func:`read_target_config`)."""
     sections, prefix = _language_sections(config)
     language = sections[0]
     fields = _Fields(sections, prefix)
@@ -469,25 +470,27 @@ def target_config_from_mapping(config: Mapping[str, object], path: str) -> Targe
     )
 
 
-def _reason(exc: BaseException, path: Path) -> str:
-    """The error text without the leading `path: ` the reader puts in front of it."""
-    return str(exc).removeprefix(f"{path}: ")
+def _read_config(path: Path, code: str, hint: str) -> Mapping[str, object] | ConfigProblem:
+    """The parsed config.json at `path`, or the one `code` problem saying why it cannot be read."""
+    try:
+        return read_json_config(path)
+    except (DFlashRecipeError, OSError, ValueError) as exc:
+        # the reader's text starts with `path: `; the problem is shown next to the path already
+        message = f"cannot be read: {str(exc).removeprefix(f'{path}: ')}"
+        return ConfigProblem(code, Severity.ERROR, "", message, hint)
 
 
-def read_target_facts(model_dir: Path) -> TargetConfig:
+def read_target_config(model_dir: Path) -> TargetConfig:
     """Read `model_dir/config.json` into :class:`TargetFacts` plus problems (never raises).
 
     The caller checks that the directory and file exist first; a file that cannot be read or
     parsed comes back as a `target-config-unreadable` problem with `facts` None.
     """
     path = model_dir / CONFIG_FILE
-    try:
-        config = read_json_config(path)
-    except (DFlashRecipeError, OSError, ValueError) as exc:
-        message = f"cannot be read: {_reason(exc, path)}"
-        hint = "restore config.json from the model's original download"
-        problem = ConfigProblem(TARGET_CONFIG_UNREADABLE, Severity.ERROR, "", message, hint)
-        return TargetConfig(path=str(path), facts=None, problems=(problem,))
+    hint = "restore config.json from the model's original download"
+    config = _read_config(path, TARGET_CONFIG_UNREADABLE, hint)
+    if isinstance(config, ConfigProblem):
+        return TargetConfig(path=str(path), facts=None, problems=(config,))
     return target_config_from_mapping(config, str(path))
 
 
@@ -631,13 +634,10 @@ def read_checkpoint_config(directory: Path) -> CheckpointConfigFacts:
     path = directory / CONFIG_FILE
     if not path.exists() and not path.is_symlink():
         return CheckpointConfigFacts(path=str(path), present=False)
-    try:
-        config = read_json_config(path)
-    except (DFlashRecipeError, OSError, ValueError) as exc:
-        message = f"cannot be read: {_reason(exc, path)}"
-        hint = "restore config.json from the drafter's original download, or delete it"
-        problem = ConfigProblem(CHECKPOINT_CONFIG_UNREADABLE, Severity.ERROR, "", message, hint)
-        return CheckpointConfigFacts(path=str(path), present=True, problems=(problem,))
+    hint = "restore config.json from the drafter's original download, or delete it"
+    config = _read_config(path, CHECKPOINT_CONFIG_UNREADABLE, hint)
+    if isinstance(config, ConfigProblem):
+        return CheckpointConfigFacts(path=str(path), present=True, problems=(config,))
     return checkpoint_config_from_mapping(config, str(path))
 
 
@@ -648,6 +648,6 @@ __all__ = [
     "TargetConfig",
     "checkpoint_config_from_mapping",
     "read_checkpoint_config",
-    "read_target_facts",
+    "read_target_config",
     "target_config_from_mapping",
 ]

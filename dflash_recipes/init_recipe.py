@@ -19,17 +19,21 @@ from pathlib import Path
 import attrs
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.compiler import checkpoint_dims, default_loss_decay_factor
+from dflash_recipes.compiler import default_loss_decay_factor
 from dflash_recipes.config_json import read_json_config
 from dflash_recipes.diagnostics import Severity
+from dflash_recipes.draft_layout import (
+    ARCHITECTURE_FIELDS,
+    HEAD_FIELDS,
+    checkpoint_dims,
+    default_target_layer_ids,
+)
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
 from dflash_recipes.hfconfig import (
-    ARCHITECTURE_FIELDS,
     TargetConfig,
     read_checkpoint_config,
-    read_target_facts,
+    read_target_config,
 )
-from dflash_recipes.layout import default_target_layer_ids
 from dflash_recipes.model_paths import inspect_checkpoint_dir, inspect_model_dir, resolve_local_path
 
 #: Draft layers of a new drafter: the released Qwen3 DFlash drafters use 5.
@@ -70,7 +74,7 @@ def _target(base_model_dir: Path) -> TargetConfig:
     problem = inspect_model_dir(str(base_model_dir), base_dir=None)
     if problem is not None:
         raise _fail(problem.message, problem.hint)
-    read = read_target_facts(resolve_local_path(str(base_model_dir), base_dir=None))
+    read = read_target_config(resolve_local_path(str(base_model_dir), base_dir=None))
     errors = [p for p in read.problems if p.severity is Severity.ERROR]
     if errors or read.facts is None:
         lines = [f"{read.path}: {p.message}" for p in errors] or [f"{read.path} is incomplete"]
@@ -94,7 +98,7 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     unreadable = [p for p in config.problems if p.severity is Severity.ERROR]
     if unreadable:
         raise _fail(unreadable[0].message, unreadable[0].hint or "restore config.json")
-    dims = checkpoint_dims(config if config.present else None, weights.shapes)
+    dims = checkpoint_dims(config.stated_dims(), weights.shapes)
     # the target's sizes never feed a warm-started drafter; only its width must agree
     assert target.facts is not None
     width = dims.values.get("hidden_size")
@@ -118,8 +122,7 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     projector = config.projector_type or _projector_from_tensors(weights.shapes)
     if projector != "dflash":
         arch["projector_type"] = _Choice(projector, "the checkpoint's head variant")
-        head_fields = ("emb_dim", "gru_hidden_dim") if projector == "domino" else ("markov_rank",)
-        for name in head_fields:
+        for name in HEAD_FIELDS[projector]:
             if name not in dims.values:
                 raise _fail(
                     f"{directory}: a {projector} checkpoint that states no {name}",

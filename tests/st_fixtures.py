@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_recipes.layout import LayoutSpec, expected_layout
+from dflash_recipes.draft_layout import LayoutSpec, expected_layout
 from dflash_recipes.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from dflash_recipes.safetensors_header import DTYPE_BITS
 

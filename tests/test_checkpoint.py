@@ -846,7 +846,7 @@ def test_reading_checkpoints_imports_no_heavy_library(tmp_path: Path) -> None:
     code = (
         "import sys; from pathlib import Path\n"
         "from dflash_recipes.checkpoint_weights import read_checkpoint_weights\n"
-        "from dflash_recipes.layout import expected_layout\n"
+        "from dflash_recipes.draft_layout import expected_layout\n"
         f"read_checkpoint_weights(Path({str(tmp_path / 'ck')!r}))\n"
         "heavy = ('torch', 'transformers', 'safetensors', 'numpy')\n"
         "print(','.join(m for m in heavy if m in sys.modules))\n"

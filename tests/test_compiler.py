@@ -15,14 +15,20 @@ from pathlib import Path
 import pytest
 from st_fixtures import base_model_config, write_base_model
 
-from dflash_recipes import compiler, hfconfig
+from dflash_recipes import compile_codes, hfconfig
 from dflash_recipes.compiler import (
     CompileResult,
     compile_file,
     compile_recipe,
     default_loss_decay_factor,
 )
-from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, registered_codes
+from dflash_recipes.diagnostics import (
+    Diagnostic,
+    Severity,
+    SourceMap,
+    code_severity,
+    registered_codes,
+)
 from dflash_recipes.plan import RunPlan
 from dflash_recipes.recipe import Recipe
 
@@ -355,11 +361,14 @@ def test_plan_bytes_are_identical_across_processes_and_hash_seeds(
 
 def test_every_compiler_code_is_registered_kebab_case_with_its_severity() -> None:
     registered = {info.code: info for info in registered_codes()}
-    assert compiler._SEVERITY  # the table the compiler emits from
-    for code, severity in compiler._SEVERITY.items():
+    compiler_codes = [getattr(compile_codes, name) for name in compile_codes.__all__]
+    assert len(compiler_codes) > 30
+    for code in compiler_codes:
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", code), code
-        assert registered[code].severity is severity
+        assert code_severity(code) is registered[code].severity
         assert registered[code].summary
+    assert code_severity("heads-from-scratch") is Severity.WARNING
+    assert code_severity("checkpoint-layout-mismatch") is Severity.ERROR
     config_codes = [c for c in vars(hfconfig).values() if isinstance(c, str) and c in registered]
     assert len(config_codes) == 8
     assert all(re.fullmatch(r"(target|checkpoint)(-[a-z0-9]+)+", c) for c in config_codes)

@@ -24,7 +24,7 @@ from st_fixtures import (
 from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
 from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
 from dflash_recipes.recipe import Recipe
-from dflash_recipes.run_layout import CHECKPOINT_FILES, PLAN_FILE, checkpoint_dir_name
+from dflash_recipes.run_dir import CHECKPOINT_FILES, PLAN_FILE, checkpoint_dir_name
 
 RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"

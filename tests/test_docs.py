@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import dflash_recipes
-from dflash_recipes.diagnostics import registered_codes
+from dflash_recipes.diagnostics import CODE_MODULES, registered_codes
 from dflash_recipes.schema import field_docs, recipe_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,20 @@ def test_every_registered_code_is_documented_and_nothing_else() -> None:
     # the codes of every family are there (a registry that lost a module would shrink)
     for code in ("yaml-syntax", "unknown-key", "checkpoint-layout-mismatch", "output-unwritable"):
         assert code in documented
+
+
+def test_one_call_makes_the_code_registry_complete(tmp_path: Path) -> None:
+    # a fresh process that imports nothing but the registry sees every code the docs list
+    script = (
+        "from dflash_recipes.diagnostics import registered_codes\n"
+        "print('\\n'.join(info.code for info in registered_codes()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert done.stdout.split() == sorted(documented_codes())
+    # and every module that registers codes is one the registry imports
+    assert set(gen_docs.code_modules()) <= set(CODE_MODULES)
 
 
 def test_every_documented_code_has_its_registered_severity() -> None:

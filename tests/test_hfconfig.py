@@ -11,7 +11,7 @@ from dflash_recipes.diagnostics import Severity
 from dflash_recipes.hfconfig import (
     checkpoint_config_from_mapping,
     read_checkpoint_config,
-    read_target_facts,
+    read_target_config,
     target_config_from_mapping,
 )
 from dflash_recipes.plan import RopePlan
@@ -162,7 +162,7 @@ def test_head_dim_suggestion_follows_transformers_rule_when_absent() -> None:
 
 def test_unreadable_target_config_is_a_problem(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"hidden_size": 32,', encoding="utf-8")
-    read = read_target_facts(tmp_path)
+    read = read_target_config(tmp_path)
     assert read.facts is None
     assert codes(read.problems) == ["target-config-unreadable"]
     assert read.path == str(tmp_path / "config.json")  # the compiler names the file
@@ -173,7 +173,7 @@ def test_target_config_with_duplicate_keys_is_unreadable(tmp_path: Path) -> None
     (tmp_path / "config.json").write_text(
         '{"hidden_size": 32, "hidden_size": 64}', encoding="utf-8"
     )
-    assert codes(read_target_facts(tmp_path).problems) == ["target-config-unreadable"]
+    assert codes(read_target_config(tmp_path).problems) == ["target-config-unreadable"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from test_crosschecks import compile_in, make_training_checkpoint, only, text
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.recipe import Recipe
-from dflash_recipes.run_layout import PLAN_FILE
+from dflash_recipes.run_dir import PLAN_FILE
 
 RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"

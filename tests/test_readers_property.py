@@ -25,7 +25,7 @@ from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.compiler import compile_recipe
 from dflash_recipes.config_json import read_json_config
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.hfconfig import read_checkpoint_config, read_target_facts
+from dflash_recipes.hfconfig import read_checkpoint_config, read_target_config
 from dflash_recipes.loader import load_recipe, load_recipe_with_diagnostics
 from dflash_recipes.plan import RunPlan, _canonical
 from dflash_recipes.report import read_metrics
@@ -128,7 +128,7 @@ def test_plan_loader_values(plan_dict: dict[str, Any], data: st.DataObject, valu
 def test_config_json_readers(tmp_path: Path, raw: bytes) -> None:
     (tmp_path / "config.json").write_bytes(raw)
     only_our_errors(read_json_config, tmp_path / "config.json")
-    only_our_errors(read_target_facts, tmp_path)
+    only_our_errors(read_target_config, tmp_path)
     only_our_errors(read_checkpoint_config, tmp_path)
 
 
@@ -137,7 +137,7 @@ def test_config_json_readers(tmp_path: Path, raw: bytes) -> None:
 def test_config_json_values(tmp_path: Path, value: Any) -> None:
     document = value if isinstance(value, dict) else {"hidden_size": value, "layer_types": value}
     (tmp_path / "config.json").write_text(json.dumps(document), encoding="utf-8")
-    only_our_errors(read_target_facts, tmp_path)
+    only_our_errors(read_target_config, tmp_path)
     only_our_errors(read_checkpoint_config, tmp_path)
 
 

@@ -6,7 +6,7 @@ re-exports the model core; import submodules directly for the rest (``data``, ``
 """
 
 from dflash_recipes.executor.convert import (
-    DFlashModel,
+    ConvertedModel,
     convert,
     dflash_module,
     embed_tokens,
@@ -29,7 +29,11 @@ from dflash_recipes.executor.training_checkpoints import (
 )
 from dflash_recipes.executor.warmstart import WarmStartReport, load_init_checkpoint
 
+#: The former name of :data:`ConvertedModel` (kept so existing imports keep working).
+DFlashModel = ConvertedModel
+
 __all__ = [
+    "ConvertedModel",
     "DFlashDraftModel",
     "DFlashModel",
     "DSparkHead",

@@ -29,8 +29,9 @@ from dflash_recipes.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
-#: A Hugging Face causal LM with a ``dflash_module`` attached by :func:`convert`.
-DFlashModel: TypeAlias = PreTrainedModel
+#: The base model after :func:`convert`: a Hugging Face causal LM with the drafter attached as
+#: ``dflash_module`` (the drafter itself is :class:`DFlashDraftModel`).
+ConvertedModel: TypeAlias = PreTrainedModel
 
 DRAFT_ATTRIBUTE = "dflash_module"
 
@@ -119,7 +120,7 @@ def _check_base_matches_plan(base_model: PreTrainedModel, plan: RunPlan) -> None
         raise PlanError(msg)
 
 
-def convert(base_model: PreTrainedModel, plan: RunPlan, *, init: bool = True) -> DFlashModel:
+def convert(base_model: PreTrainedModel, plan: RunPlan, *, init: bool = True) -> ConvertedModel:
     """Attach the plan's drafter to ``base_model`` as ``dflash_module``, freeze the base.
 
     With ``init`` (the default), a plan with ``init_checkpoint`` and no ``resume`` warm-starts
@@ -227,7 +228,7 @@ def lm_head(model: PreTrainedModel) -> nn.Module:
 
 __all__ = [
     "DRAFT_ATTRIBUTE",
-    "DFlashModel",
+    "ConvertedModel",
     "TargetStates",
     "convert",
     "dflash_module",

@@ -32,7 +32,7 @@ from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_li
 from dflash_recipes.errors import DFlashRecipeError, ReplaceRefusedError
 from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.plan import RunPlan
-from dflash_recipes.run_layout import EXPORT_DIR
+from dflash_recipes.run_dir import EXPORT_DIR
 
 Echo = Callable[[str], None]
 

@@ -38,7 +38,7 @@ from dflash_recipes.executor.speculative import (
 from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.plan import ResolvedDraft, RunPlan
-from dflash_recipes.run_layout import EXPORT_DIR, complete_checkpoints
+from dflash_recipes.run_dir import EXPORT_DIR, complete_checkpoints
 
 logger = logging.getLogger(__name__)
 

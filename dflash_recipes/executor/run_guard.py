@@ -25,7 +25,7 @@ from dflash_recipes.crashsafe import write_bytes_atomic
 from dflash_recipes.errors import CheckpointError, WarmStartError
 from dflash_recipes.executor.training_checkpoints import Stateful, restore_training_checkpoint
 from dflash_recipes.locking import LOCK_FILE, hold_directory_lock
-from dflash_recipes.run_layout import checkpoint_step, complete_checkpoints
+from dflash_recipes.run_dir import checkpoint_step, complete_checkpoints
 
 if TYPE_CHECKING:
     from dflash_recipes.executor.train import TrainSummary

@@ -46,7 +46,7 @@ from dflash_recipes.executor.anchors import (
     sample_anchors,
 )
 from dflash_recipes.executor.convert import (
-    DFlashModel,
+    ConvertedModel,
     convert,
     dflash_module,
     embed_tokens,
@@ -109,7 +109,7 @@ from dflash_recipes.export_target import check_export_target
 from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.plan import ObjectivePlan, ResolvedDraft, RunPlan
 from dflash_recipes.report import eval_row, metrics_json_line, train_row
-from dflash_recipes.run_layout import (
+from dflash_recipes.run_dir import (
     EXPORT_DIR,
     METRICS_FILE,
     PLAN_FILE,
@@ -353,7 +353,7 @@ class StepInputs:
 
 
 def step_inputs(
-    target: DFlashModel,
+    target: ConvertedModel,
     embeddings: nn.Module,
     spec: ResolvedDraft,
     objective: ObjectivePlan,
@@ -837,7 +837,7 @@ class Trainer:
     def _micro_step(
         self,
         wrapped: nn.Module,
-        target: DFlashModel,
+        target: ConvertedModel,
         embeddings: nn.Module,
         batch: Batch,
         *,

@@ -1,6 +1,6 @@
 """Training checkpoints: save and restore draft weights plus the trainer's state, atomically.
 
-Layout and completeness rules are :mod:`dflash_recipes.run_layout`'s. A checkpoint is written
+Layout and completeness rules are :mod:`dflash_recipes.run_dir`'s. A checkpoint is written
 into ``output_dir/.tmp-checkpoint-XXXXXXXX-*``, flushed and renamed to
 ``checkpoint-XXXXXXXX``, so a crash leaves at most a staging directory that the next save
 removes and that no reader looks at. Old checkpoints beyond ``save_total_limit`` are pruned
@@ -38,7 +38,7 @@ from dflash_recipes.executor.convert import dflash_module
 from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.jsonio import read_json_file, shorten
 from dflash_recipes.model_files import WEIGHTS_FILE
-from dflash_recipes.run_layout import (
+from dflash_recipes.run_dir import (
     CHECKPOINT_FILES,
     CHECKPOINT_PREFIX,
     OPTIMIZER_STATE,

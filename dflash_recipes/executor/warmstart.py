@@ -2,9 +2,10 @@
 
 The checkpoint is the plan's ``init_checkpoint`` (a local directory with ``model.safetensors``
 or shards). Before any tensor byte is read, its header is checked against the layout the plan
-describes with the same code and words as ``dflash-recipe compile`` (``dflash_recipes.layout``),
-so a mismatch that slipped past compile (the Python API called directly, or the directory
-changed since) raises :class:`~dflash_recipes.errors.WarmStartError` listing every tensor.
+describes with the same code and words as ``dflash-recipe compile``
+(``dflash_recipes.draft_layout``), so a mismatch that slipped past compile (the Python API
+called directly, or the directory changed since) raises
+:class:`~dflash_recipes.errors.WarmStartError` listing every tensor.
 
 Tensors are streamed one at a time (``safetensors.safe_open``) straight into the existing
 parameters: no state dict, no second full copy. A copy is exact by construction: the
@@ -28,17 +29,19 @@ from safetensors import safe_open
 from torch import nn
 
 from dflash_recipes.checkpoint_weights import CheckpointWeights, read_checkpoint_weights
-from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
-from dflash_recipes.layout import (
+from dflash_recipes.draft_layout import (
     LayoutSpec,
     Shape,
+    checkpoint_dims,
     compare_layout,
     expected_layout,
     format_layout_diff,
     format_partial_heads,
     head_presence,
-    infer_architecture,
+    layout_fixes,
+    layout_spec_for,
 )
+from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
 logger = logging.getLogger(__name__)
@@ -68,17 +71,6 @@ _EXACT_WIDENING: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
     }
 )
 
-_ARCH_FIELDS: tuple[str, ...] = (
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "emb_dim",
-    "gru_hidden_dim",
-    "markov_rank",
-)
-
 
 @attrs.frozen
 class WarmStartReport:
@@ -105,55 +97,30 @@ class WarmStartReport:
 
 def layout_spec(spec: ResolvedDraft) -> LayoutSpec:
     """The layout description of a resolved drafter (what decides its tensor names/shapes)."""
-    return LayoutSpec(
+    return layout_spec_for(
+        spec,
         hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
         n_taps=len(spec.target_layer_ids),
         vocab_size=spec.vocab_size,
-        projector_type=spec.projector_type,
-        emb_dim=spec.emb_dim,
-        gru_hidden_dim=spec.gru_hidden_dim,
-        markov_rank=spec.markov_rank,
-        use_confidence_head=spec.use_confidence_head,
-        attention_sink=spec.attention_sink,
     )
 
 
-def _layout_fixes(spec: ResolvedDraft, found: Mapping[str, Shape]) -> list[str]:
-    """Recipe settings that would make the layouts agree, read from the checkpoint's shapes."""
-    inferred = infer_architecture(found)
-    fixes: list[str] = []
-    for name in _ARCH_FIELDS:
-        have = inferred.get(name)
-        if have is not None and have != getattr(spec, name):
-            fixes.append(
-                f"set dflash_architecture_config.{name}: {have}, as the checkpoint's tensors say"
-            )
-    n_taps = inferred.get("n_taps")
-    if n_taps is not None and n_taps != len(spec.target_layer_ids):
-        fixes.append(
-            f"the checkpoint fuses {n_taps} tapped target layers, the plan taps "
-            f"{len(spec.target_layer_ids)}: set dflash_architecture_config.target_layer_ids "
-            "to the checkpoint's (its config.json), or leave it null to use them"
-        )
-    has_sink = any(n.endswith(".self_attn.attention_sink_bias") for n in found)
-    if has_sink != spec.attention_sink:
-        fixes.append(
-            f"set dflash_architecture_config.attention_sink: {str(has_sink).lower()}, as the "
-            "checkpoint's tensors show"
-        )
-    for name in ("hidden_size", "vocab_size"):
-        have = inferred.get(name)
-        if have is not None and have != getattr(spec, name):
-            fixes.append(
-                f"the checkpoint was trained for a target with {name} {have}, the base model has "
-                f"{getattr(spec, name)}: use the target the drafter was trained for"
-            )
-    return fixes
+def _heads_from_scratch(
+    plan: RunPlan, lspec: LayoutSpec, found: Mapping[str, Shape]
+) -> tuple[str, ...]:
+    """The head submodules the compiler decided start from scratch (the plan says so).
+
+    A plan compiled without reading the checkpoint's header (``tensor_count`` unset) has no
+    decision to read; then the checkpoint's header decides, by the same rule as the compiler.
+    A partly present head is an error either way.
+    """
+    presence = head_presence(lspec, found)
+    if presence.partial:
+        raise WarmStartError(format_partial_heads(presence))
+    init = plan.init_checkpoint
+    if init is not None and init.tensor_count is not None:
+        return tuple(init.heads_from_scratch)
+    return presence.absent
 
 
 def _torch_dtype(name: str, tensor: str) -> torch.dtype:
@@ -289,15 +256,21 @@ def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
 
     weights = read_checkpoint_weights(directory)
     found = weights.shapes
-    presence = head_presence(lspec, found)
-    if presence.partial:
-        raise WarmStartError(format_partial_heads(presence))
-    from_scratch = presence.absent
+    from_scratch = _heads_from_scratch(plan, lspec, found)
     wanted = {n: s for n, s in expected.items() if n.split(".", 1)[0] not in from_scratch}
     diff = compare_layout(wanted, found)
     if not diff.is_empty:
         # The compiler's words (its CHECKPOINT_LAYOUT_MISMATCH message), then the fixes.
-        fixes = "".join(f"\nfix: {fix}" for fix in _layout_fixes(spec, found))
+        config = plan.init_checkpoint
+        fixes = "".join(
+            f"\nfix: {fix}"
+            for fix in layout_fixes(
+                lspec,
+                checkpoint_dims(None, found),
+                found,
+                stated_taps=config.target_layer_ids if config is not None else None,
+            )
+        )
         msg = f"{format_layout_diff(diff)}\n(checkpoint: {weights.directory}){fixes}"
         raise WarmStartError(msg)
 

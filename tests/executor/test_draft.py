@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from dflash_recipes.draft_layout import expected_layout
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
     block_positions,
@@ -16,7 +17,6 @@ from dflash_recipes.executor.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.warmstart import layout_spec
-from dflash_recipes.layout import expected_layout
 
 from .tiny import tiny_plan, tiny_target
 

@@ -20,7 +20,7 @@ from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.train import lr_factor, run_plan
 from dflash_recipes.plan import RunPlan
-from dflash_recipes.run_layout import complete_checkpoints
+from dflash_recipes.run_dir import complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"

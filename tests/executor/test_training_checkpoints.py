@@ -16,7 +16,7 @@ from dflash_recipes.executor.training_checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.run_layout import complete_checkpoints
+from dflash_recipes.run_dir import complete_checkpoints
 
 from .tiny import tiny_plan
 

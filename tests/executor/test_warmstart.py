@@ -190,6 +190,24 @@ def test_head_variant_warm_starts_its_backbone_from_plain_dflash(
     assert "heads trained from scratch: " + ", ".join(heads) in caplog.text
 
 
+def test_heads_from_scratch_are_the_plans_decision(tmp_path: Path) -> None:
+    # the plan was compiled when the checkpoint held the head: warm start does not quietly
+    # start the (now absent) head from scratch, it reports what differs from the plan
+    _, init = exported(tmp_path)
+    plan = with_init_checkpoint(tiny_plan(tmp_path, **DOMINO), init, heads_from_scratch=())
+    with pytest.raises(WarmStartError) as info:
+        load_init_checkpoint(fresh(plan), plan)
+    text = str(info.value)
+    assert "missing: prefix_gru.weight_hh_l0: recipe expects [24, 8], checkpoint has none" in text
+    # a plan compiled without reading the header (no tensor_count) leaves it to the header
+    unread = attrs.evolve(
+        plan,
+        init_checkpoint=attrs.evolve(plan.init_checkpoint, tensor_count=None, weight_files=()),
+    )
+    report = load_init_checkpoint(fresh(unread), unread)
+    assert report.heads_from_scratch == ("prefix_gru", "embed_proj")
+
+
 def test_partly_present_head_is_an_error(tmp_path: Path) -> None:
     plan = tiny_plan(tmp_path, **DOMINO)
     export_drafter(DFlashDraftModel(plan.resolved_draft()), plan, tmp_path / "init")

@@ -32,7 +32,9 @@ from transformers import (
 )
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
+from dflash_recipes.draft_layout import head_presence
 from dflash_recipes.executor.draft import rope_parameters
+from dflash_recipes.executor.warmstart import layout_spec
 from dflash_recipes.hfconfig import read_checkpoint_config
 from dflash_recipes.plan import (
     ArchitecturePlan,
@@ -216,6 +218,10 @@ def with_init_checkpoint(plan: RunPlan, directory: Path, **facts: object) -> Run
             weight_files=tuple(weights.weight_files),
             tensor_count=len(weights.tensors),
             dtypes=tuple(weights.dtypes),
+            # the compiler's decision: head submodules the checkpoint lacks train from scratch
+            heads_from_scratch=head_presence(
+                layout_spec(plan.resolved_draft()), weights.shapes
+            ).absent,
         )
     config = read_checkpoint_config(directory)
     if config.present:

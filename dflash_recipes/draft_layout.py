@@ -1,8 +1,12 @@
-"""The tensor layout of a DFlash drafter: names and shapes, and how to compare them.
+"""The tensor layout of a DFlash drafter: its fields, names and shapes, and how to compare them.
 
-One definition serves the compiler (checking a checkpoint's header before a GPU is touched)
-and the warm-start loader (checking the tensors it is about to copy), so both report a
-mismatch with the same words: :func:`format_layout_diff`.
+The one home of the layout facts: which recipe fields decide a drafter's tensors
+(:data:`ARCHITECTURE_FIELDS`, :data:`HEAD_FIELDS`, :data:`DRAFT_SPEC_FIELDS`), building the
+:class:`LayoutSpec` from a drafter's settings (:func:`layout_spec_for`), and turning a layout
+difference into recipe fixes (:func:`layout_fixes`). One definition serves the compiler
+(checking a checkpoint's header before a GPU is touched) and the warm-start loader (checking
+the tensors it is about to copy), so both report a mismatch with the same words
+(:func:`format_layout_diff`, :func:`layout_fixes`).
 
 The layout is the z-lab one that serving engines load: unprefixed keys, no embedding table,
 no output head, no rotary buffer (reference sections 2 and 6).
@@ -20,6 +24,48 @@ Shape = tuple[int, ...]
 ProjectorType = Literal["dflash", "domino", "dspark"]
 
 _PROJECTORS: tuple[str, ...] = ("dflash", "domino", "dspark")
+
+#: The draft dims every drafter sets (recipe names under dflash_architecture_config); never
+#: inherited from the base model.
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)
+
+#: The head sizes each projector type needs (recipe names under dflash_architecture_config).
+HEAD_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "dflash": (),
+    "domino": ("emb_dim", "gru_hidden_dim"),
+    "dspark": ("markov_rank",),
+}
+
+#: Head size -> the projector type that uses it.
+HEAD_FIELD_OWNERS: Mapping[str, str] = {
+    name: projector for projector, names in HEAD_FIELDS.items() for name in names
+}
+
+#: What each head size means, for messages.
+HEAD_FIELD_MEANING: Mapping[str, str] = {
+    "emb_dim": "the width of Domino's correction embedding",
+    "gru_hidden_dim": "the hidden width of Domino's prefix GRU",
+    "markov_rank": "the rank of DSpark's low-rank Markov transition bias",
+}
+
+#: Every dimension a checkpoint's tensor shapes can settle (dims, then head sizes).
+SHAPE_FIELDS: tuple[str, ...] = (*ARCHITECTURE_FIELDS, *HEAD_FIELD_OWNERS)
+
+#: The drafter settings (recipe / plan names) a :class:`LayoutSpec` takes as they are; the
+#: target gives hidden_size and vocab_size, the taps give n_taps. A new field that changes
+#: the tensors is added here and to :class:`LayoutSpec`.
+DRAFT_SPEC_FIELDS: tuple[str, ...] = (
+    *SHAPE_FIELDS,
+    "projector_type",
+    "use_confidence_head",
+    "attention_sink",
+)
 
 #: Per-layer tensor names, after `layers.{i}.`, in the order a drafter defines them.
 LAYER_TENSORS: tuple[str, ...] = (
@@ -476,48 +522,111 @@ def infer_architecture(found: Mapping[str, Shape]) -> dict[str, int]:
     return dims
 
 
-#: Recipe fields under dflash.dflash_architecture_config that tensor shapes determine.
-_SETTABLE_FIELDS: tuple[str, ...] = (
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "emb_dim",
-    "gru_hidden_dim",
-    "markov_rank",
-)
+# ---------------------------------------------------------------------------------------------
+# building the spec, and fixing a difference
+# ---------------------------------------------------------------------------------------------
 
 
-def suggest_layout_fixes(
+def layout_spec_for(
+    draft: object, *, hidden_size: int, n_taps: int, vocab_size: int | None
+) -> LayoutSpec:
+    """The :class:`LayoutSpec` of a drafter whose settings `draft` holds as attributes.
+
+    `draft` is a recipe's ``dflash_architecture_config`` or a plan's ``ResolvedDraft``: any
+    object with the :data:`DRAFT_SPEC_FIELDS` attributes. Raises ValueError when a head size
+    the projector type needs is unset (the compiler reports that as a diagnostic first).
+    """
+    values: dict[str, Any] = {name: getattr(draft, name) for name in DRAFT_SPEC_FIELDS}
+    return LayoutSpec(hidden_size=hidden_size, n_taps=n_taps, vocab_size=vocab_size, **values)
+
+
+@attrs.frozen
+class CheckpointDims:
+    """A checkpoint's draft dims (recipe field names, plus hidden_size and n_taps) and where
+    each came from, for messages and fixes."""
+
+    values: Mapping[str, int]
+    sources: Mapping[str, str]
+
+    def fix(self, name: str) -> str:
+        """`set dflash_architecture_config.NAME: VALUE, as the checkpoint's config.json says`."""
+        return f"set dflash_architecture_config.{name}: {self.values[name]}, {self.sources[name]}"
+
+
+def checkpoint_dims(
+    stated: Mapping[str, int] | None, found: Mapping[str, Shape] | None
+) -> CheckpointDims:
+    """Merge the dims a config.json states with those the tensor shapes show (tensors win)."""
+    inferred = infer_architecture(found) if found is not None else {}
+    said_dims = dict(stated or {})
+    values: dict[str, int] = {}
+    sources: dict[str, str] = {}
+    for name in sorted(set(inferred) | set(said_dims)):
+        said, shown = said_dims.get(name), inferred.get(name)
+        if shown is not None and said is not None and said != shown:
+            values[name] = shown
+            sources[name] = (
+                f"as the checkpoint's tensors show (its config.json says {said}, which is stale)"
+            )
+        elif said is not None:
+            values[name] = said
+            sources[name] = "as the checkpoint's config.json says"
+        elif shown is not None:
+            values[name] = shown
+            sources[name] = "as the checkpoint's tensor shapes show"
+    return CheckpointDims(values=values, sources=sources)
+
+
+def layout_fixes(
     spec: LayoutSpec,
+    dims: CheckpointDims,
     found: Mapping[str, Shape],
     *,
-    field_prefix: str = "dflash_architecture_config.",
+    stated_taps: Sequence[int] | None = None,
+    stated_projector: str | None = None,
 ) -> list[str]:
-    """Fix lines for :func:`format_layout_diff`, from the dims the checkpoint's shapes imply.
+    """The recipe settings that would make `spec` match a checkpoint: the one wording of fixes.
 
-    `set <field>: <value>` for each recipe field that disagrees; a note for the hidden size
-    (it comes from the base model and cannot be set) and for the tap count.
+    `dims` are the checkpoint's dims (:func:`checkpoint_dims`), `found` its tensor shapes;
+    `stated_taps` / `stated_projector` what its config.json says, when it has one.
     """
-    inferred = infer_architecture(found)
     fixes: list[str] = []
-    for name in _SETTABLE_FIELDS:
-        have = inferred.get(name)
-        if have is not None and getattr(spec, name) not in (None, have):
-            fixes.append(f"set {field_prefix}{name}: {have} (the checkpoint's tensors say so)")
-    hidden = inferred.get("hidden_size")
-    if hidden is not None and hidden != spec.hidden_size:
+    for name in (*ARCHITECTURE_FIELDS, *HEAD_FIELDS[spec.projector_type]):
+        value = dims.values.get(name)
+        if value is not None and value != getattr(spec, name):
+            fixes.append(dims.fix(name))
+    n_taps = dims.values.get("n_taps")
+    if n_taps is not None and n_taps != spec.n_taps:
+        if stated_taps is not None and len(stated_taps) == n_taps:
+            taps = "[" + ", ".join(str(t) for t in stated_taps) + "]"
+            fixes.append(
+                f"set dflash_architecture_config.target_layer_ids: {taps}, as the checkpoint's "
+                "config.json says"
+            )
+        else:
+            fixes.append(
+                f"set dflash_architecture_config.target_layer_ids to the {n_taps} taps the "
+                f"checkpoint was trained with (its fc.weight takes {n_taps}, the recipe "
+                f"gives {spec.n_taps})"
+            )
+    has_sink = any(n.endswith(".self_attn.attention_sink_bias") for n in found)
+    if has_sink != spec.attention_sink:
         fixes.append(
-            f"the checkpoint was trained for a target with hidden_size {hidden}, but the base "
-            f"model's is {spec.hidden_size}: use the base model this drafter was trained for"
+            f"set dflash_architecture_config.attention_sink: {str(has_sink).lower()}, as the "
+            "checkpoint's tensors show"
         )
-    taps = inferred.get("n_taps")
-    if taps is not None and hidden == spec.hidden_size and taps != spec.n_taps:
+    if stated_projector is not None and stated_projector != spec.projector_type:
         fixes.append(
-            f"the checkpoint's fc.weight takes {taps} tapped layers, the recipe gives "
-            f"{spec.n_taps}: set {field_prefix}target_layer_ids to the checkpoint's {taps} taps"
+            f"set dflash_architecture_config.projector_type: {stated_projector}, as the "
+            "checkpoint's config.json says"
         )
+    for name in ("hidden_size", "vocab_size"):
+        have, want = dims.values.get(name), getattr(spec, name)
+        if have is not None and want is not None and have != want:
+            fixes.append(
+                f"the checkpoint was trained for a target with {name} {have}, the base model has "
+                f"{want}: use the target the drafter was trained for"
+            )
     return fixes
 
 
@@ -544,13 +653,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 
 __all__ = [
+    "ARCHITECTURE_FIELDS",
+    "DRAFT_SPEC_FIELDS",
+    "HEAD_FIELDS",
+    "HEAD_FIELD_MEANING",
+    "HEAD_FIELD_OWNERS",
     "LAYER_TENSORS",
+    "SHAPE_FIELDS",
+    "CheckpointDims",
     "HeadPresence",
     "LayoutDiff",
     "LayoutSpec",
     "ProjectorType",
     "Shape",
     "backbone_layout",
+    "checkpoint_dims",
     "compare_layout",
     "default_target_layer_ids",
     "expected_layout",
@@ -561,5 +678,6 @@ __all__ = [
     "head_presence",
     "head_submodules",
     "infer_architecture",
-    "suggest_layout_fixes",
+    "layout_fixes",
+    "layout_spec_for",
 ]

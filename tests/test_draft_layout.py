@@ -6,12 +6,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from st_fixtures import write_drafter_checkpoint
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.layout import (
+from dflash_recipes.draft_layout import (
+    DRAFT_SPEC_FIELDS,
     LayoutSpec,
+    checkpoint_dims,
     compare_layout,
     default_target_layer_ids,
     expected_layout,
@@ -21,7 +24,8 @@ from dflash_recipes.layout import (
     head_presence,
     head_submodules,
     infer_architecture,
-    suggest_layout_fixes,
+    layout_fixes,
+    layout_spec_for,
 )
 
 # Qwen3-8B-DFlash-b16 (reference section 2).
@@ -278,15 +282,14 @@ def test_the_message_is_the_same_for_a_checkpoint_on_disk(tmp_path: Path) -> Non
     write_drafter_checkpoint(tmp_path / "ck", layers=3, intermediate=96)
     found = read_checkpoint_weights(tmp_path / "ck").shapes
     spec = _spec(num_hidden_layers=3)
-    message = format_layout_diff(
-        compare_layout(expected_layout(spec), found), fixes=suggest_layout_fixes(spec, found)
-    )
+    fixes = layout_fixes(spec, checkpoint_dims(None, found), found)
+    message = format_layout_diff(compare_layout(expected_layout(spec), found), fixes=fixes)
     assert "layers.{0..2}.mlp.up_proj.weight: recipe expects [64, 32], checkpoint has [96, 32]" in (
         message
     )
     assert message.endswith(
-        "fix: set dflash_architecture_config.intermediate_size: 96 "
-        "(the checkpoint's tensors say so)"
+        "fix: set dflash_architecture_config.intermediate_size: 96, "
+        "as the checkpoint's tensor shapes show"
     )
 
 
@@ -371,22 +374,53 @@ def test_infer_architecture_skips_what_odd_shapes_cannot_tell() -> None:
     assert infer_architecture({}) == {}
 
 
-def test_suggested_fixes_name_fields_and_the_hidden_size_of_the_target() -> None:
+def test_fixes_name_fields_and_the_hidden_size_of_the_target() -> None:
     found = expected_layout(_spec(num_hidden_layers=4, hidden_size=48, n_taps=3))
-    fixes = suggest_layout_fixes(_spec(), found)
+    fixes = layout_fixes(_spec(), checkpoint_dims(None, found), found)
     assert fixes[0] == (
-        "set dflash_architecture_config.num_hidden_layers: 4 (the checkpoint's tensors say so)"
+        "set dflash_architecture_config.num_hidden_layers: 4, as the checkpoint's tensor "
+        "shapes show"
     )
-    assert "trained for a target with hidden_size 48, but the base model's is 32" in fixes[1]
-    assert len(fixes) == 2  # the tap count is moot while the hidden size differs
+    assert fixes[-1] == (
+        "the checkpoint was trained for a target with hidden_size 48, the base model has 32: "
+        "use the target the drafter was trained for"
+    )
 
 
-def test_suggested_fix_for_the_tap_count() -> None:
-    fixes = suggest_layout_fixes(_spec(n_taps=3), expected_layout(_spec(n_taps=5)))
-    assert fixes == [
-        "the checkpoint's fc.weight takes 5 tapped layers, the recipe gives 3: set "
-        "dflash_architecture_config.target_layer_ids to the checkpoint's 5 taps"
+def test_fixes_for_the_tap_count_prefer_the_checkpoints_stated_taps() -> None:
+    found = expected_layout(_spec(n_taps=5))
+    dims = checkpoint_dims(None, found)
+    assert layout_fixes(_spec(n_taps=3), dims, found) == [
+        "set dflash_architecture_config.target_layer_ids to the 5 taps the checkpoint was "
+        "trained with (its fc.weight takes 5, the recipe gives 3)"
     ]
+    stated = layout_fixes(_spec(n_taps=3), dims, found, stated_taps=(1, 2, 3, 4, 5))
+    assert stated == [
+        "set dflash_architecture_config.target_layer_ids: [1, 2, 3, 4, 5], as the "
+        "checkpoint's config.json says"
+    ]
+
+
+def test_checkpoint_dims_prefer_the_tensors_over_a_stale_config() -> None:
+    found = expected_layout(_spec(num_hidden_layers=4))
+    dims = checkpoint_dims({"num_hidden_layers": 6, "head_dim": 8}, found)
+    assert dims.values["num_hidden_layers"] == 4
+    assert dims.fix("num_hidden_layers") == (
+        "set dflash_architecture_config.num_hidden_layers: 4, as the checkpoint's tensors show "
+        "(its config.json says 6, which is stale)"
+    )
+    assert dims.sources["head_dim"] == "as the checkpoint's config.json says"
+
+
+def test_layout_spec_for_reads_every_draft_spec_field() -> None:
+    spec = _spec()
+    rebuilt = layout_spec_for(
+        spec, hidden_size=spec.hidden_size, n_taps=spec.n_taps, vocab_size=spec.vocab_size
+    )
+    assert rebuilt == spec
+    assert set(DRAFT_SPEC_FIELDS) | {"hidden_size", "n_taps", "vocab_size"} == {
+        a.name for a in attrs.fields(LayoutSpec)
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""The compiler's diagnostic codes: one constant per finding a compile can report.
+
+Registered with :func:`~dflash_recipes.diagnostics.register_code` at import, which gives each
+code its one severity; the compiler's checks emit by code and read the severity back from the
+registry (:func:`~dflash_recipes.diagnostics.code_severity`).
+"""
+
+from __future__ import annotations
+
+from dflash_recipes.diagnostics import Severity, register_code
+
+_code = register_code
+_E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
+
+ARCH_DIM_MISSING = _code(
+    "arch-dim-missing", _E, "a draft dimension is unset; dims never inherit from the base model"
+)
+KV_HEADS_NOT_DIVISOR = _code(
+    "kv-heads-not-divisor", _E, "num_key_value_heads does not divide num_attention_heads"
+)
+HEAD_FIELD_MISSING = _code(
+    "head-field-missing", _E, "the projector type needs a head size that is unset"
+)
+HEAD_FIELD_UNUSED = _code(
+    "head-field-unused", _W, "a head field is set for another projector type and is ignored"
+)
+TAPS_DUPLICATE = _code("taps-duplicate", _E, "target_layer_ids lists a target layer twice")
+EVAL_DATA_UNSET = _code(
+    "eval-data-unset", _W, "training.eval_steps is set but data.eval_data_path is not"
+)
+
+_DIR_KINDS: dict[str, str] = {
+    "hub-id": "is a Hugging Face Hub id, which is not fetched; stage it with `hf download`",
+    "not-found": "does not exist",
+    "broken-symlink": "is (or holds) a symbolic link whose target does not exist",
+    "not-a-directory": "is a file, not a directory",
+    "unreadable": "cannot be read or listed",
+    "empty-directory": "is an empty directory",
+    "no-weights": "has no model.safetensors (or sharded index)",
+    "no-config": "has no config.json",
+}
+
+
+def _register_directory_codes() -> None:
+    """One code per way a directory value can be unusable, for the model and the checkpoint."""
+    for kind, meaning in _DIR_KINDS.items():
+        if kind != "no-weights":
+            _code(f"base-model-{kind}", _E, f"model.model_name_or_path {meaning}")
+        if kind != "no-config":
+            _code(f"init-checkpoint-{kind}", _E, f"dflash.dflash_init_checkpoint {meaning}")
+
+
+_register_directory_codes()
+
+INIT_CHECKPOINT_BAD_WEIGHTS = _code(
+    "init-checkpoint-bad-weights",
+    _E,
+    "the init checkpoint's safetensors header or shard index is malformed or inconsistent",
+)
+CHECKPOINT_CONFIG_MISSING = _code(
+    "checkpoint-config-missing",
+    _W,
+    "the init checkpoint has no config.json, so mask/taps/block/RoPE checks are skipped",
+)
+DATA_PATH_UNSET = _code("data-path-unset", _W, "data.data_path is unset; `run` needs it")
+DATA_FILE_MISSING = _code(
+    "data-file-missing", _E, "a data file named by the recipe does not exist or is not a file"
+)
+OUTPUT_DIR_UNUSABLE = _code(
+    "output-dir-unusable", _E, "training.output_dir is a file or cannot be listed"
+)
+RESUME_FROM_CHECKPOINT = _code(
+    "resume-from-checkpoint",
+    _I,
+    "training.output_dir holds a complete checkpoint: the run resumes",
+)
+INIT_CHECKPOINT_IGNORED = _code(
+    "init-checkpoint-ignored", _I, "the run resumes, so dflash_init_checkpoint is not read"
+)
+CHECKPOINT_LAYOUT_MISMATCH = _code(
+    "checkpoint-layout-mismatch",
+    _E,
+    "the init checkpoint's tensors differ from the drafter the recipe describes",
+)
+HEAD_PARTLY_PRESENT = _code(
+    "head-partly-present", _E, "a head submodule is only partly in the init checkpoint"
+)
+HEADS_FROM_SCRATCH = _code(
+    "heads-from-scratch", _W, "head submodules absent from the init checkpoint train from scratch"
+)
+HIDDEN_SIZE_MISMATCH = _code(
+    "hidden-size-mismatch", _E, "the init checkpoint's width differs from the base model's"
+)
+CHECKPOINT_TARGET_DIFFERS = _code(
+    "checkpoint-target-differs",
+    _W,
+    "the init checkpoint was trained against a target with other layer count or vocabulary",
+)
+TAPS_OUT_OF_RANGE = _code(
+    "taps-out-of-range", _E, "a target_layer_ids entry is not a layer of the base model"
+)
+TAPS_FROM_CHECKPOINT = _code(
+    "taps-from-checkpoint", _I, "target_layer_ids taken from the init checkpoint's config.json"
+)
+TAPS_FROM_PREVIOUS_RUN = _code(
+    "taps-from-previous-run", _I, "target_layer_ids taken from the plan of the run being resumed"
+)
+TAPS_DEFAULT = _code(
+    "taps-default",
+    _I,
+    "target_layer_ids from the default formula (no checkpoint to take them from)",
+)
+TAPS_UNKNOWN = _code(
+    "taps-unknown", _E, "target_layer_ids unset and the checkpoint does not state them (no guess)"
+)
+CHECKPOINT_TAPS_DIFFER = _code(
+    "checkpoint-taps-differ",
+    _W,
+    "target_layer_ids differ from the checkpoint's: degraded warm start",
+)
+MASK_TOKEN_MISSING = _code(
+    "mask-token-missing", _E, "dflash_mask_token_id unset and no checkpoint states it (no guess)"
+)
+MASK_FROM_CHECKPOINT = _code(
+    "mask-from-checkpoint",
+    _I,
+    "dflash_mask_token_id taken from the init checkpoint's config.json",
+)
+MASK_FROM_PREVIOUS_RUN = _code(
+    "mask-from-previous-run",
+    _I,
+    "dflash_mask_token_id taken from the plan of the run being resumed",
+)
+CHECKPOINT_MASK_DIFFERS = _code(
+    "checkpoint-mask-differs",
+    _W,
+    "dflash_mask_token_id differs from the checkpoint's: degraded warm start",
+)
+MASK_TOKEN_OUT_OF_RANGE = _code(
+    "mask-token-out-of-range", _E, "dflash_mask_token_id is not below the target's vocab_size"
+)
+CHECKPOINT_ROPE_DIFFERS = _code(
+    "checkpoint-rope-differs", _W, "the checkpoint's RoPE settings differ from the base model's"
+)
+CHECKPOINT_RMS_NORM_EPS_DIFFERS = _code(
+    "checkpoint-rms-norm-eps-differs", _W, "rms_norm_eps differs from the checkpoint's"
+)
+CHECKPOINT_BLOCK_SIZE_DIFFERS = _code(
+    "checkpoint-block-size-differs",
+    _I,
+    "dflash_block_size differs from the checkpoint's (allowed: weights are block-size agnostic)",
+)
+
+LAYER_TYPES_LENGTH = _code(
+    "layer-types-length", _E, "layer_types does not name one attention kind per draft layer"
+)
+SLIDING_WINDOW_MISSING = _code(
+    "sliding-window-missing", _E, "layer_types has sliding_attention layers but no sliding_window"
+)
+SLIDING_WINDOW_UNUSED = _code(
+    "sliding-window-unused", _W, "sliding_window is set but no layer is sliding_attention"
+)
+LAYER_TYPES_FROM_CHECKPOINT = _code(
+    "layer-types-from-checkpoint",
+    _I,
+    "layer_types / sliding_window taken from the init checkpoint's config.json",
+)
+LAYER_TYPES_FROM_PREVIOUS_RUN = _code(
+    "layer-types-from-previous-run",
+    _I,
+    "layer_types / sliding_window taken from the plan of the run being resumed",
+)
+CHECKPOINT_LAYER_TYPES_DIFFER = _code(
+    "checkpoint-layer-types-differ",
+    _W,
+    "layer_types or sliding_window differ from the checkpoint's: degraded warm start",
+)
+
+
+__all__ = [
+    "ARCH_DIM_MISSING",
+    "CHECKPOINT_BLOCK_SIZE_DIFFERS",
+    "CHECKPOINT_CONFIG_MISSING",
+    "CHECKPOINT_LAYER_TYPES_DIFFER",
+    "CHECKPOINT_LAYOUT_MISMATCH",
+    "CHECKPOINT_MASK_DIFFERS",
+    "CHECKPOINT_RMS_NORM_EPS_DIFFERS",
+    "CHECKPOINT_ROPE_DIFFERS",
+    "CHECKPOINT_TAPS_DIFFER",
+    "CHECKPOINT_TARGET_DIFFERS",
+    "DATA_FILE_MISSING",
+    "DATA_PATH_UNSET",
+    "EVAL_DATA_UNSET",
+    "HEADS_FROM_SCRATCH",
+    "HEAD_FIELD_MISSING",
+    "HEAD_FIELD_UNUSED",
+    "HEAD_PARTLY_PRESENT",
+    "HIDDEN_SIZE_MISMATCH",
+    "INIT_CHECKPOINT_BAD_WEIGHTS",
+    "INIT_CHECKPOINT_IGNORED",
+    "KV_HEADS_NOT_DIVISOR",
+    "LAYER_TYPES_FROM_CHECKPOINT",
+    "LAYER_TYPES_FROM_PREVIOUS_RUN",
+    "LAYER_TYPES_LENGTH",
+    "MASK_FROM_CHECKPOINT",
+    "MASK_FROM_PREVIOUS_RUN",
+    "MASK_TOKEN_MISSING",
+    "MASK_TOKEN_OUT_OF_RANGE",
+    "OUTPUT_DIR_UNUSABLE",
+    "RESUME_FROM_CHECKPOINT",
+    "SLIDING_WINDOW_MISSING",
+    "SLIDING_WINDOW_UNUSED",
+    "TAPS_DEFAULT",
+    "TAPS_DUPLICATE",
+    "TAPS_FROM_CHECKPOINT",
+    "TAPS_FROM_PREVIOUS_RUN",
+    "TAPS_OUT_OF_RANGE",
+    "TAPS_UNKNOWN",
+]
