@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from st_fixtures import write_drafter_checkpoint
+from testkit.st_fixtures import write_drafter_checkpoint
 
 from dflash_recipes.checkpoint import read_checkpoint_weights
 from dflash_recipes.layout import (

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
 from dflash_recipes.executor.checkpointing import (
@@ -25,8 +26,6 @@ from dflash_recipes.executor.data import (
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer
 from dflash_recipes.report import read_metrics
-
-from .tiny import tiny_plan
 
 GOOD = json.dumps(
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}

@@ -1,8 +1,9 @@
 """Test helpers that write tiny safetensors checkpoints and config.json files, without torch.
 
-Import from any test (`from st_fixtures import write_drafter_checkpoint`); pytest puts this
-folder on sys.path. The writer is our own (struct + json), so tests can also build files the
-`safetensors` library would refuse to write: see :func:`write_raw_safetensors`.
+Import from any test (`from testkit.st_fixtures import write_drafter_checkpoint`); pytest's
+`pythonpath` setting puts tests/ on sys.path. The writer is our own (struct + json), so tests
+can also build files the `safetensors` library would refuse to write: see
+:func:`write_raw_safetensors`.
 
 - :func:`write_safetensors` -- any tensors, zeros / deterministic random values / sparse.
 - :func:`write_sharded_safetensors` -- `model.safetensors.index.json` plus shards.
