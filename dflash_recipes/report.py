@@ -49,10 +49,7 @@ KEY_LR = "lr"
 KEY_ACCURACY_BY_POSITION = "accuracy_by_position"
 KEY_ACCEPTANCE_LENGTH_ESTIMATE = "acceptance_length_estimate"
 KEY_TOKENS_PER_SECOND = "tokens_per_second"
-KEY_GRAD_NORM = "grad_norm"
 KEY_TAU = "tau"
-KEY_PER_POSITION_ACCEPTANCE = "per_position_acceptance"
-KIND_SUMMARY = "summary"
 
 #: Keys every training row carries (besides `kind`).
 TRAIN_KEYS: tuple[str, ...] = (
@@ -423,16 +420,13 @@ __all__ = [
     "EVAL_KEYS",
     "KEY_ACCEPTANCE_LENGTH_ESTIMATE",
     "KEY_ACCURACY_BY_POSITION",
-    "KEY_GRAD_NORM",
     "KEY_KIND",
     "KEY_LOSS",
     "KEY_LR",
-    "KEY_PER_POSITION_ACCEPTANCE",
     "KEY_STEP",
     "KEY_TAU",
     "KEY_TOKENS_PER_SECOND",
     "KIND_EVAL",
-    "KIND_SUMMARY",
     "KIND_TRAIN",
     "PLOT_EXTRA_HINT",
     "TRAIN_KEYS",

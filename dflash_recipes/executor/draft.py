@@ -27,7 +27,7 @@ distinct window, so callers keep passing the full-attention mask.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
@@ -665,10 +665,6 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, context, cos, sin, masks[window])
         result: Tensor = self.norm(x)
         return result
-
-    def expected_shapes(self) -> Mapping[str, tuple[int, ...]]:
-        """Name -> shape of every tensor this module saves (its export layout)."""
-        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
 
 
 __all__ = [
