@@ -1,4 +1,4 @@
-"""Export: z-lab tensors and config.json (reference section 5), written atomically."""
+"""Export: z-lab tensors and config.json (docs/dflash.md, "Serving the export"), atomically."""
 
 from __future__ import annotations
 

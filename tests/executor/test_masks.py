@@ -1,4 +1,6 @@
-"""Dense and flex block masks: the semantics of reference section 4, and that both agree."""
+"""Dense and flex block masks: the semantics of docs/dflash.md ("The training objective", step 3),
+and that both agree.
+"""
 
 from __future__ import annotations
 

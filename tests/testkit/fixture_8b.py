@@ -6,7 +6,7 @@ OUT_DIR/
   base/config.json            Qwen3-8B's config (36 layers, hidden 4096, vocab 151936)
   drafter/model.safetensors   the 58-tensor BF16 layout of Qwen3-8B-DFlash-b16 as a SPARSE
                               file: a real header, then a hole of the full 2.1 GB data size
-  drafter/config.json         the exported drafter's config (reference section 5)
+  drafter/config.json         the exported drafter's config (as `export` writes it)
   data/train.jsonl            one conversation, so the recipe has data to point at
   recipe.yaml                 a fine-tuning recipe using all of the above (absolute paths)
 
@@ -29,7 +29,7 @@ from testkit.st_fixtures import (
     write_safetensors,
 )
 
-# Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter), reference sections 2 and 5.
+# Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter): their published config.json values.
 # Any: splatted into keyword arguments of the fixture writers.
 DRAFTER: dict[str, Any] = {
     "hidden": 4096,

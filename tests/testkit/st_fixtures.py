@@ -29,7 +29,7 @@ from dflash_recipes.layout import LayoutSpec, expected_layout
 Fill = Literal["zeros", "random", "sparse"]
 TensorSpec = tuple[str, Sequence[int]]
 
-# Qwen3-8B, the target of the reference's worked example (reference sections 2 and 5).
+# Qwen3-8B, the target of the worked examples in recipes/Qwen/Qwen3-8B.
 QWEN3_MASK_TOKEN_ID = 151669
 
 
@@ -251,7 +251,7 @@ def drafter_config(
     dtype: str = "bfloat16",
     variant: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
-    """An exported drafter's config.json (reference section 5), tiny by default.
+    """An exported drafter's config.json (docs/dflash.md, "Serving the export"), tiny by default.
 
     Taps default to the formula for `n_taps` (default: one per draft layer). `variant`
     fields (projector_type, emb_dim, ...) are added to `dflash_config`.
