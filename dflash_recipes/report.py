@@ -337,6 +337,17 @@ def render_report(runs: Sequence[Path], out: Path, *, labels: Sequence[str] | No
     temporary sibling and renamed, so `out` is never a partial image (a symlink's target gets
     it; a device or FIFO is written through). Returns `out`.
     """
+    fig = report_figure(runs, labels=labels)
+    _save_atomic(fig, out)
+    return out
+
+
+def report_figure(runs: Sequence[Path], *, labels: Sequence[str] | None = None) -> Figure:
+    """The figure :func:`render_report` saves, unsaved: its three axes hold the plotted lines.
+
+    Axes in order: loss; acceptance length (per run an estimate line, then a measured-tau line
+    when the run evaluated); accuracy by block position 1.. at the last logged step.
+    """
     if not runs:
         msg = "render_report needs at least one run directory"
         raise DFlashRecipeError(msg)
@@ -348,8 +359,7 @@ def render_report(runs: Sequence[Path], out: Path, *, labels: Sequence[str] | No
     names = list(labels) if labels is not None else default_labels([Path(r) for r in runs])
     fig = figure_cls(figsize=(15, 4.2), dpi=100, layout="constrained")
     _draw(fig, metrics, names)
-    _save_atomic(fig, out)
-    return out
+    return fig
 
 
 def _draw(fig: Figure, metrics: Sequence[RunMetrics], names: Sequence[str]) -> None:
@@ -441,5 +451,6 @@ __all__ = [
     "metrics_path",
     "read_metrics",
     "render_report",
+    "report_figure",
     "train_row",
 ]
