@@ -12,6 +12,8 @@ the package's modules from source again. An installed package has its .pyc files
 children get a bytecode cache in a temporary folder (PYTHONPYCACHEPREFIX, written during the
 warm-up round, nothing written into the repository); :data:`NO_BYTECODE_CACHE` gives the
 environment's own setting, for a row that shows the difference.
+
+Importing this module also puts tests/ on sys.path, so a benchmark can use `testkit`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GNU_TIME = Path("/usr/bin/time")
+
+# The benchmarks build their inputs with the test suite's fixture writers (tests/testkit). This
+# is the one place that puts tests/ on the path for them, as pytest's `pythonpath` setting does
+# for the tests: a benchmark imports this module before `testkit`.
+TESTS = REPO / "tests"
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))
 
 _PYCACHE = tempfile.mkdtemp(prefix="bench-pycache-")
 atexit.register(shutil.rmtree, _PYCACHE, True)

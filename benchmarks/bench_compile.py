@@ -20,7 +20,6 @@ from pathlib import Path
 
 from _measure import (
     NO_BYTECODE_CACHE,
-    REPO,
     Command,
     dflash_recipe_argv,
     interleaved,
@@ -29,9 +28,7 @@ from _measure import (
     print_table,
     verdict,
 )
-
-sys.path.insert(0, str(REPO / "tests"))
-from st_fixtures import write_base_model, write_drafter_checkpoint
+from testkit.st_fixtures import write_base_model, write_drafter_checkpoint
 
 TARGET_SECONDS = 0.3
 PASS = "python -c pass"

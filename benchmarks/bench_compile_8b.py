@@ -1,6 +1,6 @@
 """Compile against a Qwen3-8B-scale warm start (2.1 GB drafter) vs loading its weights.
 
-The fixture is tools/make_8b_fixture.py's: Qwen3-8B's config.json, and a sparse
+The fixture is benchmarks/make_8b_fixture.py's: Qwen3-8B's config.json, and a sparse
 model.safetensors with the 58-tensor BF16 layout of Qwen3-8B-DFlash-b16 (2.1 GB, almost
 nothing on disk). Measured in one run, interleaved (machines here are noisy; read ratios):
 
@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 from _measure import (
-    REPO,
     Command,
     dflash_recipe_argv,
     interleaved,
@@ -33,9 +32,7 @@ from _measure import (
     print_table,
     verdict,
 )
-
-sys.path.insert(0, str(REPO / "tools"))
-from make_8b_fixture import make_fixture
+from testkit.fixture_8b import make_fixture
 
 TARGET_SECONDS = 0.3
 TARGET_RSS_MB = 80.0

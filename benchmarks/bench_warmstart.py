@@ -27,17 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import _measure  # noqa: F401 (puts tests/ on sys.path for testkit)
+import torch
+from safetensors.torch import load_file
+from testkit.tiny import tiny_plan, with_init_checkpoint
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from dflash_recipes.executor.draft import DFlashDraftModel  # noqa: E402
-from dflash_recipes.executor.export import export_drafter  # noqa: E402
-from dflash_recipes.executor.warmstart import load_init_checkpoint  # noqa: E402
-from dflash_recipes.plan import RunPlan  # noqa: E402
-from tests.executor.tiny import tiny_plan, with_init_checkpoint  # noqa: E402
+from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.executor.export import export_drafter
+from dflash_recipes.executor.warmstart import load_init_checkpoint
+from dflash_recipes.plan import RunPlan
 
 # About 109 M parameters: 218 MB in bf16.
 DIMS: dict[str, object] = {

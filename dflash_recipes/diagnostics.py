@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import importlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
@@ -222,11 +221,6 @@ def summary_line(diagnostics: Sequence[Diagnostic]) -> str:
     )
 
 
-def render_json(diagnostics: Sequence[Diagnostic]) -> str:
-    """A JSON array of diagnostic objects."""
-    return json.dumps([d.to_json() for d in diagnostics], indent=2)
-
-
 def _escape_data(value: str) -> str:
     return value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
@@ -267,7 +261,6 @@ __all__ = [
     "register_code",
     "registered_codes",
     "render_github",
-    "render_json",
     "render_one",
     "render_text",
     "sort_diagnostics",

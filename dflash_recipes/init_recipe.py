@@ -40,7 +40,8 @@ from dflash_recipes.model_paths import inspect_checkpoint_dir, inspect_model_dir
 NEW_DRAFT_LAYERS = 5
 #: Block size of a new drafter (and of a checkpoint that does not state one).
 DEFAULT_BLOCK_SIZE = 16
-#: Peak learning rates (reference section 4): fine-tuning a released drafter vs from scratch.
+#: Peak learning rates, fine-tuning a released drafter vs from scratch (docs/dflash.md,
+#: "Learning rate").
 FINETUNE_LEARNING_RATE = 1.0e-4
 SCRATCH_LEARNING_RATE = 6.0e-4
 #: Tokenizer files larger than this are not read (Qwen3's tokenizer.json is about 11 MB).

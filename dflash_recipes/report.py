@@ -49,10 +49,7 @@ KEY_LR = "lr"
 KEY_ACCURACY_BY_POSITION = "accuracy_by_position"
 KEY_ACCEPTANCE_LENGTH_ESTIMATE = "acceptance_length_estimate"
 KEY_TOKENS_PER_SECOND = "tokens_per_second"
-KEY_GRAD_NORM = "grad_norm"
 KEY_TAU = "tau"
-KEY_PER_POSITION_ACCEPTANCE = "per_position_acceptance"
-KIND_SUMMARY = "summary"
 
 #: Keys every training row carries (besides `kind`).
 TRAIN_KEYS: tuple[str, ...] = (
@@ -340,6 +337,17 @@ def render_report(runs: Sequence[Path], out: Path, *, labels: Sequence[str] | No
     temporary sibling and renamed, so `out` is never a partial image (a symlink's target gets
     it; a device or FIFO is written through). Returns `out`.
     """
+    fig = report_figure(runs, labels=labels)
+    _save_atomic(fig, out)
+    return out
+
+
+def report_figure(runs: Sequence[Path], *, labels: Sequence[str] | None = None) -> Figure:
+    """The figure :func:`render_report` saves, unsaved: its three axes hold the plotted lines.
+
+    Axes in order: loss; acceptance length (per run an estimate line, then a measured-tau line
+    when the run evaluated); accuracy by block position 1.. at the last logged step.
+    """
     if not runs:
         msg = "render_report needs at least one run directory"
         raise DFlashRecipeError(msg)
@@ -351,8 +359,7 @@ def render_report(runs: Sequence[Path], out: Path, *, labels: Sequence[str] | No
     names = list(labels) if labels is not None else default_labels([Path(r) for r in runs])
     fig = figure_cls(figsize=(15, 4.2), dpi=100, layout="constrained")
     _draw(fig, metrics, names)
-    _save_atomic(fig, out)
-    return out
+    return fig
 
 
 def _draw(fig: Figure, metrics: Sequence[RunMetrics], names: Sequence[str]) -> None:
@@ -423,16 +430,13 @@ __all__ = [
     "EVAL_KEYS",
     "KEY_ACCEPTANCE_LENGTH_ESTIMATE",
     "KEY_ACCURACY_BY_POSITION",
-    "KEY_GRAD_NORM",
     "KEY_KIND",
     "KEY_LOSS",
     "KEY_LR",
-    "KEY_PER_POSITION_ACCEPTANCE",
     "KEY_STEP",
     "KEY_TAU",
     "KEY_TOKENS_PER_SECOND",
     "KIND_EVAL",
-    "KIND_SUMMARY",
     "KIND_TRAIN",
     "PLOT_EXTRA_HINT",
     "TRAIN_KEYS",
@@ -447,5 +451,6 @@ __all__ = [
     "metrics_path",
     "read_metrics",
     "render_report",
+    "report_figure",
     "train_row",
 ]

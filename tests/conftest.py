@@ -1,7 +1,7 @@
 """Shared fixtures: tiny base-model folders, tiny drafter checkpoints and tiny recipes.
 
 Everything is generated into `tmp_path` (no downloads, no torch). The default sizes agree with
-`st_fixtures`: an 8-layer target 32 wide with a 256-token vocabulary, and a 2-layer drafter
+`testkit.st_fixtures`: an 8-layer target 32 wide with a 256-token vocabulary, and a 2-layer drafter
 (4 heads, 2 kv heads, head_dim 8, intermediate 64) tapping [1, 5] with mask id 250, block 16.
 """
 
@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
-from st_fixtures import write_base_model, write_drafter_checkpoint
+from testkit.compiling import RecipeFactory
+from testkit.st_fixtures import write_base_model, write_drafter_checkpoint
 
+from dflash_recipes.compiler import compile_recipe
 from dflash_recipes.recipe import (
     DataSection,
     DFlashArchitectureConfig,
@@ -24,7 +26,7 @@ from dflash_recipes.recipe import (
     TrainingSection,
 )
 
-#: The architecture of the default tiny drafter (st_fixtures.write_drafter_checkpoint).
+#: The architecture of the default tiny drafter (testkit.st_fixtures.write_drafter_checkpoint).
 TINY_ARCH: Mapping[str, int] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
@@ -54,9 +56,6 @@ def train_file(tmp_path: Path) -> Path:
     path = tmp_path / "train.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n', encoding="utf-8")
     return path
-
-
-RecipeFactory = Callable[..., Recipe]
 
 
 @pytest.fixture
@@ -139,3 +138,11 @@ def _flow(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(str(v) for v in value) + "]"
     return str(value)
+
+
+@pytest.fixture
+def plan_dict(make_recipe: RecipeFactory, drafter: Path, tmp_path: Path) -> dict[str, Any]:
+    """The tiny recipe's compiled plan, as the dict `RunPlan.to_dict` gives."""
+    result = compile_recipe(make_recipe(), base_dir=tmp_path)
+    assert result.plan is not None
+    return result.plan.to_dict()

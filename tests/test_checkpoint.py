@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from st_fixtures import (
+from testkit.st_fixtures import (
     drafter_tensors,
     write_drafter_checkpoint,
     write_json,
@@ -881,7 +881,7 @@ def test_leading_whitespace_is_accepted_like_the_library_does(tmp_path: Path) ->
 def test_make_8b_fixture_writes_the_qwen3_8b_drafter_layout_sparsely(tmp_path: Path) -> None:
     import yaml
 
-    tool = Path(__file__).resolve().parents[1] / "tools" / "make_8b_fixture.py"
+    tool = Path(__file__).resolve().parents[1] / "benchmarks" / "make_8b_fixture.py"
     result = subprocess.run(
         [sys.executable, str(tool), str(tmp_path / "fx")],
         capture_output=True,

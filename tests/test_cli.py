@@ -18,8 +18,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-from click.testing import CliRunner, Result
-from st_fixtures import write_json
+from click.testing import Result
+from testkit.cli_runner import cli
+from testkit.st_fixtures import write_json
 
 from dflash_recipes.cli import main
 from dflash_recipes.plan import RunPlan
@@ -32,15 +33,6 @@ def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every command runs from tmp_path (where the fixtures are), outside GitHub Actions."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> Result:
-    """Invoke `dflash-recipe ARGS`; fail the test if anything but an exit escaped."""
-    result = CliRunner().invoke(main, list(args), env=env)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"dflash-recipe {' '.join(args)} raised") from result.exception
-    assert "Traceback" not in result.output
-    return result
 
 
 def json_out(result: Result) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from st_fixtures import write_json
+from testkit.st_fixtures import write_json
 
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
 

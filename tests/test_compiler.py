@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from st_fixtures import base_model_config, write_base_model
+from testkit.compiling import only
+from testkit.st_fixtures import base_model_config, write_base_model
 
 from dflash_recipes import compile_codes, hfconfig
 from dflash_recipes.compiler import (
@@ -34,12 +35,6 @@ from dflash_recipes.recipe import Recipe
 
 RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"
-
-
-def only(result: CompileResult, code: str) -> Diagnostic:
-    found = [d for d in result.diagnostics if d.code == code]
-    assert len(found) == 1, (code, [d.code for d in result.diagnostics])
-    return found[0]
 
 
 def lint(recipe: Recipe, **kwargs: object) -> CompileResult:

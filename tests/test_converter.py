@@ -6,7 +6,7 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from recipe_samples import EXAMPLE_YAML, MINIMAL_YAML, column_of, line_of
+from testkit.recipe_samples import EXAMPLE_YAML, MINIMAL_YAML, column_of, line_of
 
 from dflash_recipes.converter import recipe_field_paths, structure_recipe, unstructure_recipe
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, registered_codes

@@ -12,7 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from st_fixtures import (
+from testkit.compiling import (
+    RecipeFactory,
+    codes,
+    compile_in,
+    make_training_checkpoint,
+    only,
+)
+from testkit.st_fixtures import (
     base_model_config,
     drafter_config,
     write_base_model,
@@ -21,40 +28,11 @@ from st_fixtures import (
     write_raw_safetensors,
 )
 
-from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
-from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
-from dflash_recipes.recipe import Recipe
-from dflash_recipes.run_dir import CHECKPOINT_FILES, PLAN_FILE, checkpoint_dir_name
+from dflash_recipes.compiler import compile_file
+from dflash_recipes.diagnostics import Severity
+from dflash_recipes.run_dir import PLAN_FILE
 
-RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"
-
-
-REGISTERED = {info.code: info.severity for info in registered_codes()}
-
-
-def compile_in(tmp_path: Path, recipe: Recipe) -> CompileResult:
-    """Compile against tmp_path, checking what every diagnostic must carry."""
-    result = compile_recipe(recipe, base_dir=tmp_path)
-    for d in result.diagnostics:
-        assert REGISTERED.get(d.code) is d.severity, d
-        assert d.path and d.message and d.hint, d
-    assert (result.plan is None) == any(d.severity is Severity.ERROR for d in result.diagnostics)
-    return result
-
-
-def only(result: CompileResult, code: str) -> Diagnostic:
-    found = [d for d in result.diagnostics if d.code == code]
-    assert len(found) == 1, (code, [d.code for d in result.diagnostics])
-    return found[0]
-
-
-def codes(result: CompileResult) -> set[str]:
-    return {d.code for d in result.diagnostics}
-
-
-def text(d: Diagnostic) -> str:
-    return f"{d.message}\n{d.hint}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,14 +343,6 @@ def test_output_dir_that_is_a_file(
 # ---------------------------------------------------------------------------------------------
 # resume
 # ---------------------------------------------------------------------------------------------
-
-
-def make_training_checkpoint(output_dir: Path, step: int, *, complete: bool = True) -> Path:
-    folder = output_dir / checkpoint_dir_name(step)
-    folder.mkdir(parents=True)
-    for name in CHECKPOINT_FILES if complete else CHECKPOINT_FILES[:-1]:
-        (folder / name).write_bytes(b"x")
-    return folder
 
 
 def test_resume_ignores_a_deleted_init_checkpoint(

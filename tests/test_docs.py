@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gen_docs
 import pytest
 
 import dflash_recipes
@@ -19,8 +20,6 @@ from dflash_recipes.schema import field_docs, recipe_json_schema
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "dflash.md"
 
-sys.path.insert(0, str(ROOT / "tools"))
-import gen_docs  # noqa: E402 (tools/ is not a package)
 
 REGENERATE = "regenerate with: python tools/gen_docs.py"
 

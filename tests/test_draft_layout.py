@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 import pytest
-from st_fixtures import write_drafter_checkpoint
+from testkit.st_fixtures import write_drafter_checkpoint
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.draft_layout import (

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from st_fixtures import drafter_config, write_drafter_checkpoint
+from testkit.compiling import only
+from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
 from dflash_recipes.compiler import CompileResult, compile_recipe
-from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
+from dflash_recipes.diagnostics import Severity, registered_codes
 from dflash_recipes.fields import (
     CHECKPOINT_FIELDS,
     check_checkpoint_fields,
@@ -44,12 +45,6 @@ def compile_with_config(
         assert REGISTERED.get(d.code) is d.severity, d
         assert d.path and d.message and d.hint, d
     return result
-
-
-def only(result: CompileResult, code: str) -> Diagnostic:
-    found = [d for d in result.diagnostics if d.code == code]
-    assert len(found) == 1, (code, [(d.code, d.message) for d in result.diagnostics])
-    return found[0]
 
 
 def not_info(result: CompileResult) -> list[str]:

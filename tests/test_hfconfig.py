@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from st_fixtures import base_model_config, drafter_config, write_json
+from testkit.st_fixtures import base_model_config, drafter_config, write_json
 
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.hfconfig import (

@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from st_fixtures import drafter_config, write_base_model, write_drafter_checkpoint, write_json
+from testkit.st_fixtures import (
+    drafter_config,
+    write_base_model,
+    write_drafter_checkpoint,
+    write_json,
+)
 
 from dflash_recipes.compiler import CompileResult, compile_file
 from dflash_recipes.diagnostics import Severity

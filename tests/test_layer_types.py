@@ -7,8 +7,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from st_fixtures import drafter_config, write_drafter_checkpoint
-from test_crosschecks import compile_in, make_training_checkpoint, only, text
+from testkit.compiling import compile_in, make_training_checkpoint, only, text
+from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.diagnostics import Severity

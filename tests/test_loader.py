@@ -8,7 +8,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from recipe_samples import EXAMPLE_YAML, MINIMAL_YAML, line_of
+from testkit.recipe_samples import EXAMPLE_YAML, MINIMAL_YAML, line_of
 
 from dflash_recipes.diagnostics import Diagnostic, SourceMark, registered_codes
 from dflash_recipes.errors import RecipeError

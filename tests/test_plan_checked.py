@@ -12,20 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
-from conftest import RecipeFactory
+from testkit.cli_runner import cli
 
-from dflash_recipes.cli import main
-from dflash_recipes.compiler import compile_recipe
 from dflash_recipes.errors import PlanError
 from dflash_recipes.plan import PLAN_FORMAT_VERSION, RunPlan, _canonical
-
-
-@pytest.fixture
-def plan_dict(make_recipe: RecipeFactory, drafter: Path, tmp_path: Path) -> dict[str, Any]:
-    result = compile_recipe(make_recipe(), base_dir=tmp_path)
-    assert result.plan is not None
-    return result.plan.to_dict()
 
 
 def refingerprint(data: dict[str, Any]) -> dict[str, Any]:
@@ -37,13 +27,6 @@ def refingerprint(data: dict[str, Any]) -> dict[str, Any]:
 def write_plan(path: Path, data: dict[str, Any] | str) -> Path:
     path.write_text(data if isinstance(data, str) else json.dumps(data), encoding="utf-8")
     return path
-
-
-def cli(*args: str) -> Result:
-    result = CliRunner().invoke(main, list(args))
-    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
-    assert "Traceback" not in result.output
-    return result
 
 
 def test_a_plan_without_a_fingerprint_is_refused(plan_dict: dict[str, Any]) -> None:

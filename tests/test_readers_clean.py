@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
-from st_fixtures import base_model_config, write_base_model
+from testkit.cli_runner import cli
+from testkit.st_fixtures import base_model_config, write_base_model
 
-from dflash_recipes.cli import main
 from dflash_recipes.jsonio import clip, shorten
 from dflash_recipes.plan import RunPlan
 
@@ -24,13 +23,6 @@ from dflash_recipes.plan import RunPlan
 @pytest.fixture(autouse=True)
 def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-
-
-def cli(*args: str) -> Result:
-    result = CliRunner().invoke(main, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"dflash-recipe {' '.join(args)} raised") from result.exception
-    return result
 
 
 @pytest.fixture

@@ -16,13 +16,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import pytest
-from conftest import RecipeFactory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.compiler import compile_recipe
 from dflash_recipes.config_json import read_json_config
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.hfconfig import read_checkpoint_config, read_target_config
@@ -85,13 +82,6 @@ def test_recipe_loader(tmp_path: Path, raw: bytes) -> None:
 @given(raw=file_bytes)
 def test_plan_loader_bytes(raw: bytes) -> None:
     only_our_errors(RunPlan.from_json, raw)
-
-
-@pytest.fixture
-def plan_dict(make_recipe: RecipeFactory, drafter: Path, tmp_path: Path) -> dict[str, Any]:
-    result = compile_recipe(make_recipe(), base_dir=tmp_path)
-    assert result.plan is not None
-    return result.plan.to_dict()
 
 
 def _leaf_paths(node: object, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

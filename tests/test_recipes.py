@@ -4,14 +4,14 @@ command; the model recipes compile fully against configs and sparse checkpoints 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import jsonschema
 import pytest
 from click.testing import CliRunner
-from st_fixtures import (
+from testkit.fixture_8b import make_fixture
+from testkit.st_fixtures import (
     QWEN3_MASK_TOKEN_ID,
     base_model_config,
     drafter_config,
@@ -34,9 +34,6 @@ RECIPE_IDS = [p.relative_to(ROOT).as_posix() for p in RECIPE_FILES]
 QWEN3_8B = "recipes/Qwen/Qwen3-8B"
 FINETUNE_8B = ROOT / QWEN3_8B / "hf_online_dflash_finetune.yaml"
 QWEN3_8B_TAPS = (1, 9, 17, 25, 33)
-
-sys.path.insert(0, str(ROOT / "tools"))
-from make_8b_fixture import make_fixture  # noqa: E402 (tools/ is not a package)
 
 
 def test_the_documented_example_recipes_exist() -> None:
@@ -101,7 +98,7 @@ def test_lint_of_the_recipes_folder_passes_as_ci_runs_it(monkeypatch: pytest.Mon
 
 @pytest.fixture(scope="module")
 def qwen3_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tools/make_8b_fixture.py's output: Qwen3-8B config, sparse 2.1 GB drafter, data."""
+    """testkit.fixture_8b's output: Qwen3-8B config, sparse 2.1 GB drafter, data."""
     out = tmp_path_factory.mktemp("qwen3_8b")
     make_fixture(out)
     return out

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from dflash_recipes.cli import main
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.report import render_report
+from dflash_recipes.report import render_report, report_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -52,6 +52,43 @@ def test_report_of_two_runs_is_a_png(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".cmp.png.tmp-*"))
 
 
+def _lines(ax: object) -> dict[str, tuple[list[float], list[float]]]:
+    """Label -> (x, y) of every line plotted on a matplotlib axes."""
+    return {
+        line.get_label(): (
+            [float(x) for x in line.get_xdata()],
+            [float(y) for y in line.get_ydata()],
+        )
+        for line in ax.get_lines()  # type: ignore[attr-defined]
+    }
+
+
+def test_report_plots_the_metrics_of_each_run(tmp_path: Path) -> None:
+    warm = _write_run(tmp_path / "warm", [0.8, 0.6, 0.4], with_eval=True)
+    scratch = _write_run(tmp_path / "scratch", [0.3, 0.2, 0.1], with_eval=False)
+    fig = report_figure([warm, scratch], labels=["warm", "scratch"])
+    ax_loss, ax_tau, ax_acc = fig.axes
+    steps = [10.0, 20.0, 30.0]
+
+    loss = _lines(ax_loss)
+    assert loss.keys() == {"warm", "scratch"}
+    for name in ("warm", "scratch"):
+        assert loss[name][0] == steps
+        assert loss[name][1] == pytest.approx([5.0 / s for s in steps])
+
+    tau = _lines(ax_tau)
+    # the estimate of each row is 1 + the sum of its accuracies at positions 1..
+    assert tau["warm (estimate)"] == (steps, pytest.approx([1.0 + 1.8 * s / 30 for s in steps]))
+    assert tau["scratch (estimate)"] == (steps, pytest.approx([1.0 + 0.6 * s / 30 for s in steps]))
+    assert tau["warm (measured tau)"] == ([30.0], [2.5])
+    assert "scratch (measured tau)" not in tau  # that run never evaluated
+
+    acc = _lines(ax_acc)
+    # the last logged step's accuracies, position 0 (the anchor) left out
+    assert acc["warm (step 30)"] == ([1.0, 2.0, 3.0], pytest.approx([0.8, 0.6, 0.4]))
+    assert acc["scratch (step 30)"] == ([1.0, 2.0, 3.0], pytest.approx([0.3, 0.2, 0.1]))
+
+
 def test_report_of_a_real_tiny_run(tmp_path: Path) -> None:
     """Render from what the trainer writes (a 2-step run of the tiny recipe)."""
     import torch
@@ -76,6 +113,12 @@ def test_report_of_a_real_tiny_run(tmp_path: Path) -> None:
     cli = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.png")])
     assert cli.exit_code == 0, cli.output
     assert (tmp_path / "r.png").read_bytes().startswith(PNG_SIGNATURE)
+    # what is drawn is what the trainer logged
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    loss = _lines(report_figure([tmp_path / "run"], labels=["run"]).axes[0])
+    assert loss["run"] == ([1.0, 2.0], pytest.approx([r["loss"] for r in train]))
 
 
 def test_missing_matplotlib_says_how_to_install(

@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from recipe_samples import EXAMPLE_YAML, MINIMAL_YAML
+from testkit.recipe_samples import EXAMPLE_YAML, MINIMAL_YAML
 
 from dflash_recipes.converter import recipe_field_paths, structure_recipe, unstructure_recipe
 from dflash_recipes.diagnostics import SourceMap

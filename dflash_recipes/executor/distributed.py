@@ -278,31 +278,6 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def all_reduce_mean(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Mean of `tensor` over all ranks, as a new floating-point tensor; the input is unchanged.
-
-    For metrics (loss, accuracy per position): every rank calls it with same-shaped tensors.
-    """
-    out = tensor.detach().clone()
-    if not out.is_floating_point():
-        out = out.to(torch.float64)
-    if not _active(env):
-        return out
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    out /= env.world_size
-    return out
-
-
-def broadcast_object(obj: _T, env: DistEnv, src: int = 0) -> _T:
-    """`obj` from rank `src` on every rank (pickled; for small values such as a resume step)."""
-    if not _active(env):
-        return obj
-    holder: list[object] = [obj]
-    device = env.device if env.backend == "nccl" else None
-    dist.broadcast_object_list(holder, src=src, device=device)
-    return holder[0]  # type: ignore[return-value]  # same type as src's obj by contract
-
-
 # ---------------------------------------------------------------------------------------------
 # DDP for the drafter
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +291,7 @@ def wrap_ddp(module: nn.Module, env: DistEnv, *, find_unused_parameters: bool = 
     `requires_grad=False` (the target's embeddings and lm_head that the drafter borrows) are
     neither broadcast at construction nor reduced: every rank loads them from the same files.
     Set `find_unused_parameters` only when some trainable parameter gets no gradient in a step
-    (it costs a graph traversal per step). Use :func:`unwrap_ddp` to reach the drafter for
+    (it costs a graph traversal per step). Keep a reference to the unwrapped module for
     saving; wrap accumulation micro-steps in `model.no_sync()`.
     """
     if not env.is_distributed:
@@ -330,15 +305,6 @@ def wrap_ddp(module: nn.Module, env: DistEnv, *, find_unused_parameters: bool = 
     return DistributedDataParallel(
         module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
     )
-
-
-def unwrap_ddp(module: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (state_dict keys without the `module.` prefix)."""
-    if isinstance(module, DistributedDataParallel):
-        inner = module.module
-        assert isinstance(inner, nn.Module)
-        return inner
-    return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,9 +520,7 @@ __all__ = [
     "Backend",
     "DevicePreference",
     "DistEnv",
-    "all_reduce_mean",
     "barrier",
-    "broadcast_object",
     "build_torchrun_argv",
     "detect_dist_env",
     "init_distributed",
@@ -565,6 +529,5 @@ __all__ = [
     "launch_torchrun",
     "shard_target_fsdp2",
     "shutdown_distributed",
-    "unwrap_ddp",
     "wrap_ddp",
 ]

@@ -1,4 +1,4 @@
-"""The DFlash draft module (reference sections 2-3) and its attention masks.
+"""The DFlash draft module (docs/dflash.md, "The drafter in one paragraph") and its masks.
 
 Parameter names are the z-lab checkpoint keys, so ``state_dict()`` of a
 :class:`DFlashDraftModel` is exactly what an engine loads: no prefix, no embeddings, no
@@ -9,7 +9,8 @@ section 6.
 Shapes used below: ``B`` batch, ``N`` blocks per sequence, ``bs`` block size, ``Q = N * bs``
 packed block positions, ``T`` context length (target positions), ``H`` hidden size.
 
-Masks (reference section 4): a query in block ``b`` with anchor ``a_b`` sees the context
+Masks (docs/dflash.md, "The training objective", step 3): a query in block ``b`` with anchor
+``a_b`` sees the context
 positions ``j < a_b`` (not the anchor's own context state, nothing later) and every position
 of its own block (bidirectional); nothing of other blocks. A padded block (``valid`` False)
 sees only its own block, so no attention row is ever empty and no NaN appears. Two
@@ -27,7 +28,7 @@ distinct window, so callers keep passing the full-attention mask.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
@@ -582,7 +583,8 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(rope_config(spec))
         head = build_head(spec)
         # The head's submodules are registered here, at the top level, so their keys carry no
-        # prefix (reference section 6); the head object itself is kept outside the module tree.
+        # prefix (as Domino and DSpark exports do); the head object itself is kept outside the
+        # module tree.
         object.__setattr__(self, "_head", head)
         if head is not None:
             for name, child in head.named_children():
@@ -665,10 +667,6 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, context, cos, sin, masks[window])
         result: Tensor = self.norm(x)
         return result
-
-    def expected_shapes(self) -> Mapping[str, tuple[int, ...]]:
-        """Name -> shape of every tensor this module saves (its export layout)."""
-        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Export a drafter in the z-lab layout that serving engines load (reference section 5).
+"""Export a drafter in the z-lab layout that serving engines load (docs/dflash.md,
+"What a run writes, and the export layout").
 
 ``model.safetensors`` holds the drafter's own tensors under their unprefixed keys (58 for a
 5-layer plain drafter; no embeddings, no ``lm_head``, no rotary buffers) and ``config.json``
@@ -50,7 +51,7 @@ JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "Jso
 
 
 def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
-    """The ``config.json`` of an exported drafter (reference section 5)."""
+    """The ``config.json`` of an exported drafter (see docs/dflash.md, "Serving the export")."""
     rope = spec.rope
     params: dict[str, JsonValue] = dict(rope_parameters(rope))
     scaling: dict[str, JsonValue] | None = None

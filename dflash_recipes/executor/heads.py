@@ -1,4 +1,6 @@
-"""Domino and DSpark heads (reference section 6): corrections on top of the backbone logits.
+"""Domino and DSpark heads: corrections on top of the backbone logits.
+
+The objective they train with: docs/dflash.md, "The training objective".
 
 Alignment convention, shared with the plain backbone so that a backbone warm-started from a
 plain DFlash checkpoint stays aligned: block position ``k >= 1`` predicts the token at

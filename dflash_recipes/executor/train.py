@@ -3,9 +3,9 @@
 One optimiser step = ``gradient_accumulation_steps`` micro-batches. Each micro-batch:
 
 1. the frozen target runs on the batch with hidden states on; the plan's taps are fused;
-2. anchors are sampled per sequence (reference section 4), all blocks are packed into one
-   draft forward under the block mask (chunked SDPA on CPU, block-sparse flex attention on
-   CUDA);
+2. anchors are sampled per sequence (docs/dflash.md, "The training objective"), all blocks
+   are packed into one draft forward under the block mask (chunked SDPA on CPU, block-sparse
+   flex attention on CUDA);
 3. the drafter's states go through the target's ``lm_head``; the loss is the plan's objective
    (decay or D-PACE weights, optional self-distillation, Domino/DSpark head objectives),
    per chunk of blocks when the logits are large (:class:`DraftStep`).

@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from testkit.tiny import tiny_plan, tiny_target
 
 from dflash_recipes.capture_manifest import MANIFEST_FILE, read_manifest
 from dflash_recipes.cli import main
@@ -22,8 +23,6 @@ from dflash_recipes.executor.capture import capture_plan
 from dflash_recipes.executor.train import run_plan
 from dflash_recipes.locking import LOCK_FILE
 from dflash_recipes.plan import RunPlan
-
-from .tiny import tiny_plan, tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
 SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"

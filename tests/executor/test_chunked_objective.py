@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import TINY_VOCAB, randomize, tiny_plan, tiny_target
 from torch import Tensor
 
 from dflash_recipes.executor.anchors import sample_anchors
@@ -13,9 +14,6 @@ from dflash_recipes.executor.convert import convert, dflash_module, embed_tokens
 from dflash_recipes.executor.loss import LossOutput, combine_losses, dflash_loss
 from dflash_recipes.executor.train import DraftStep, step_inputs
 from dflash_recipes.plan import RunPlan
-
-from .test_draft import randomize
-from .tiny import TINY_VOCAB, tiny_plan, tiny_target
 
 BLOCK = 4
 BATCH = 2

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.convert import (
@@ -21,8 +22,6 @@ from dflash_recipes.executor.draft import (
     build_dense_block_mask,
     taps_from_hidden_states,
 )
-
-from .tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

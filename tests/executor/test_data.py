@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import tiny_plan
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash_recipes.errors import DataError
@@ -31,8 +32,6 @@ from dflash_recipes.executor.tiny_tokenizer import (
     spare_token_ids,
 )
 from dflash_recipes.plan import RunPlan
-
-from .tiny import tiny_plan
 
 CORPUS = [
     "You are a helpful assistant.",

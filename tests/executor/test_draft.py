@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import randomize, tiny_plan, tiny_target
 from torch import Tensor
 
 from dflash_recipes.draft_layout import expected_layout
@@ -18,25 +19,11 @@ from dflash_recipes.executor.draft import (
 )
 from dflash_recipes.executor.warmstart import layout_spec
 
-from .tiny import tiny_plan, tiny_target
-
 BLOCK = 4
 CTX = 14
 # Two sequences, three blocks each; the last block of sequence 1 is padding.
 ANCHORS = torch.tensor([[3, 7, 10], [0, 5, 0]])
 VALID = torch.tensor([[True, True, True], [True, True, False]])
-
-
-def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights far from their init (norm weights around 1), so every term matters."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]) if p.dim() > 1 else noise)
 
 
 def inputs(model: DFlashDraftModel, seed: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -6,13 +6,11 @@ import math
 from pathlib import Path
 
 import pytest
+from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import PreTrainedModel
 
 from dflash_recipes.executor.evaluate import evaluate_acceptance
 from dflash_recipes.executor.speculative import DraftContext, greedy_generate
-
-from .test_speculative import MAX_NEW, PROMPTS, scramble
-from .tiny import tiny_plan, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +35,7 @@ def test_pooled_and_per_prompt_mean_tau_differ_and_are_both_reported(tmp_path: P
     plan = tiny_plan(tmp_path, block_size=4)
     spec = plan.resolved_draft()
     target: PreTrainedModel = tiny_target(plan)
-    scramble(target, seed=1)
+    randomize(target, seed=1)
     prompts = [list(p) for p in PROMPTS]
     continuations = {
         tuple(p): greedy_generate(target, p, MAX_NEW + spec.block_size, None) for p in prompts

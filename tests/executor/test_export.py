@@ -1,4 +1,4 @@
-"""Export: z-lab tensors and config.json (reference section 5), written atomically."""
+"""Export: z-lab tensors and config.json (docs/dflash.md, "Serving the export"), atomically."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from testkit.tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 from dflash_recipes import crashsafe
 from dflash_recipes.executor import export as export_module
@@ -16,8 +17,6 @@ from dflash_recipes.executor.convert import convert
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.export import export_drafter
 from dflash_recipes.hfconfig import read_checkpoint_config
-
-from .tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 
 def test_five_layer_export_has_58_unprefixed_tensors(tmp_path: Path) -> None:

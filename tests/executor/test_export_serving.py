@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import tiny_plan
 
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.export import export_drafter
 from dflash_recipes.executor.heads import DominoHead
 from dflash_recipes.fields import check_checkpoint_fields, unknown_fields
 from dflash_recipes.hfconfig import read_checkpoint_config
-
-from .tiny import tiny_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from testkit.tiny import TINY_VOCAB, randomize, tiny_plan
 
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.heads import DominoHead, DSparkHead
-
-from .test_draft import randomize
-from .tiny import TINY_VOCAB, tiny_plan
 
 N, B, H = 3, 5, 64
 

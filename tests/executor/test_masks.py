@@ -1,4 +1,6 @@
-"""Dense and flex block masks: the semantics of reference section 4, and that both agree."""
+"""Dense and flex block masks: the semantics of docs/dflash.md ("The training objective", step 3),
+and that both agree.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
@@ -17,9 +20,6 @@ from dflash_recipes.executor.draft import (
     build_flex_block_mask,
     build_split_block_mask,
 )
-
-from .test_draft import randomize
-from .tiny import tiny_plan
 
 
 def test_dense_mask_by_hand() -> None:

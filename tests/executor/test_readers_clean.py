@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
 from dflash_recipes.executor.data import (
@@ -25,8 +26,6 @@ from dflash_recipes.executor.training_checkpoints import (
     save_training_checkpoint,
 )
 from dflash_recipes.report import read_metrics
-
-from .tiny import tiny_plan
 
 GOOD = json.dumps(
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import DataError, DFlashRecipeError
 from dflash_recipes.executor.data import read_conversations
@@ -22,8 +23,6 @@ from dflash_recipes.executor.training_checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-
-from .tiny import tiny_plan
 
 FUZZ = settings(
     max_examples=100,

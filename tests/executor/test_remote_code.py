@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from testkit.tiny import TINY_HIDDEN, randomize, tiny_plan
 from transformers import Qwen3Config
 
 from dflash_recipes.executor import export
 from dflash_recipes.executor.draft import DFlashDraftModel, build_dense_block_mask
 from dflash_recipes.executor.export import export_drafter
-
-from .test_draft import randomize
-from .tiny import TINY_HIDDEN, tiny_plan
 
 _LOADER = r"""
 import json, sys

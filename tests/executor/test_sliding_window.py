@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import TINY_HIDDEN, TINY_MASK_TOKEN_ID, randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
 
@@ -24,9 +25,6 @@ from dflash_recipes.executor.draft import (
     sliding_window_mask,
 )
 from dflash_recipes.executor.speculative import DFlashBlockDrafter, DraftContext
-
-from .test_draft import randomize
-from .tiny import TINY_HIDDEN, TINY_MASK_TOKEN_ID, tiny_plan
 
 _ANCHORS = torch.tensor([[3, 7, 10], [0, 5, 0]])
 _VALID = torch.tensor([[True, True, True], [True, True, False]])

@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
 from dflash_recipes.errors import CheckpointError, DataError
@@ -47,24 +48,6 @@ from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer, spare_t
 from dflash_recipes.executor.training_checkpoints import save_training_checkpoint
 from dflash_recipes.plan import ResolvedDraft, RunPlan
 
-from .tiny import tiny_plan, tiny_target
-
-MAX_NEW = 14
-PROMPTS: tuple[tuple[int, ...], ...] = ((5, 17, 3, 99, 42, 7), (64, 2, 2, 81), (11,))
-
-
-def scramble(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from their init, so greedy tokens are decided by clear logit gaps."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]) if p.dim() > 1 else noise)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -76,7 +59,7 @@ def base_plan(tmp_path_factory: pytest.TempPathFactory) -> RunPlan:
 @pytest.fixture(scope="module")
 def target(base_plan: RunPlan) -> PreTrainedModel:
     model = tiny_target(base_plan)
-    scramble(model, seed=1)
+    randomize(model, seed=1)
     return model
 
 
@@ -87,7 +70,7 @@ def make_spec(plan_dir: Path, **overrides: object) -> tuple[RunPlan, ResolvedDra
 
 def make_drafter(spec: ResolvedDraft, seed: int = 2) -> DFlashDraftModel:
     drafter = DFlashDraftModel(spec)
-    scramble(drafter, seed)
+    randomize(drafter, seed)
     return drafter.eval()
 
 
@@ -441,7 +424,7 @@ def eval_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunPlan, Path]
         root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
     )
     model = tiny_target(plan)
-    scramble(model, seed=4)
+    randomize(model, seed=4)
     model.save_pretrained(plan.base_model.path)
     tokenizer.save_pretrained(plan.base_model.path)
     export_drafter(make_drafter(plan.resolved_draft()), plan, root / "export")

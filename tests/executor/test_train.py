@@ -285,23 +285,44 @@ def test_heads_warm_start_backbone_from_plain_export_and_train(
             assert bool(trained[name].abs().sum() > 0), name
 
 
-def test_self_distillation_and_eval_steps(tmp_path: Path) -> None:
-    plan = _plan(
+def _rows(run_dir: Path, kind: str) -> list[dict[str, object]]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [row for row in map(json.loads, lines) if row["kind"] == kind]
+
+
+def test_self_distillation_adds_its_term_to_the_loss_and_moves_the_weights(
+    tmp_path: Path,
+) -> None:
+    """Same seed, data and anchors with and without the term: only the term differs."""
+    common = ("training.max_steps=2", "dflash.dflash_loss_objective=dpace")
+    plain = _plan(tmp_path, "plain", *common)
+    distill = _plan(
         tmp_path,
         "distill",
-        "training.max_steps=2",
+        *common,
         "training.eval_steps=2",
         "dflash.dflash_self_logit_distillation=true",
-        "dflash.dflash_loss_objective=dpace",
     )
-    assert plan.draft.objective.self_logit_distillation
-    summary = run_plan(plan, progress=False)
+    assert not plain.draft.objective.self_logit_distillation
+    assert distill.draft.objective.self_logit_distillation
+    run_plan(plain, progress=False)
+    summary = run_plan(distill, progress=False)
+
+    # Step 1's loss is taken at the (identical) initial weights: the cross-entropy parts are
+    # equal, so the difference is the soft cross-entropy against the target, which is > 0.
+    plain_loss = _rows(tmp_path / "plain", "train")[0]["loss"]
+    distill_loss = _rows(tmp_path / "distill", "train")[0]["loss"]
+    assert isinstance(plain_loss, float) and isinstance(distill_loss, float)
+    assert distill_loss > plain_loss + 1e-3, (plain_loss, distill_loss)
+    # ... and its gradient moves the drafter somewhere else.
+    plain_weights = _weights(tmp_path / "plain")
+    distill_weights = _weights(tmp_path / "distill")
+    assert plain_weights.keys() == distill_weights.keys()
+    moved = max((plain_weights[k] - distill_weights[k]).abs().max().item() for k in plain_weights)
+    assert moved > 1e-6
+
     assert summary.last_eval_tau is not None and 1.0 <= summary.last_eval_tau <= 4.0
-    rows = [
-        json.loads(line)
-        for line in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()
-    ]
-    evals = [r for r in rows if r["kind"] == "eval"]
+    evals = _rows(tmp_path / "distill", "eval")
     assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["lossless"] is True
 
 

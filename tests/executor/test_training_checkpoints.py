@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import CheckpointError, RunIOError
 from dflash_recipes.executor import training_checkpoints
@@ -17,8 +18,6 @@ from dflash_recipes.executor.training_checkpoints import (
     save_training_checkpoint,
 )
 from dflash_recipes.run_dir import complete_checkpoints
-
-from .tiny import tiny_plan
 
 
 def trained(

@@ -11,6 +11,7 @@ import attrs
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from testkit.tiny import tiny_plan, tiny_target, with_init_checkpoint
 
 from dflash_recipes.errors import CheckpointError, WarmStartError
 from dflash_recipes.executor.convert import convert
@@ -22,8 +23,6 @@ from dflash_recipes.executor.training_checkpoints import (
 )
 from dflash_recipes.executor.warmstart import load_init_checkpoint
 from dflash_recipes.plan import ResumePlan, RunPlan
-
-from .tiny import tiny_plan, tiny_target, with_init_checkpoint
 
 DOMINO = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
 DSPARK = {"projector_type": "dspark", "markov_rank": 4, "use_confidence_head": True}

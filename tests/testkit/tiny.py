@@ -19,6 +19,7 @@ base-model path so :func:`load_base_model` can read it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import attrs
@@ -234,3 +235,21 @@ def with_init_checkpoint(plan: RunPlan, directory: Path, **facts: object) -> Run
     fields.update(facts)
     init = InitCheckpointPlan(**fields)  # type: ignore[arg-type]
     return attrs.evolve(plan, init_checkpoint=init)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights far from their init (norm weights around 1), so every term matters and greedy
+    tokens are decided by clear logit gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]) if p.dim() > 1 else noise)
+
+
+#: Prompts and a generation length for the greedy / speculative decoding tests.
+MAX_NEW = 14
+PROMPTS: tuple[tuple[int, ...], ...] = ((5, 17, 3, 99, 42, 7), (64, 2, 2, 81), (11,))

@@ -1,12 +1,12 @@
 """Write a Qwen3-8B-scale warm-start fixture without real weights, for benchmarks.
 
-    python tools/make_8b_fixture.py OUT_DIR
+    python benchmarks/make_8b_fixture.py OUT_DIR
 
 OUT_DIR/
   base/config.json            Qwen3-8B's config (36 layers, hidden 4096, vocab 151936)
   drafter/model.safetensors   the 58-tensor BF16 layout of Qwen3-8B-DFlash-b16 as a SPARSE
                               file: a real header, then a hole of the full 2.1 GB data size
-  drafter/config.json         the exported drafter's config (reference section 5)
+  drafter/config.json         the exported drafter's config (as `export` writes it)
   data/train.jsonl            one conversation, so the recipe has data to point at
   recipe.yaml                 a fine-tuning recipe using all of the above (absolute paths)
 
@@ -15,16 +15,12 @@ The drafter reads as zeros; it exists to measure compile-time checks, not to tra
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-# The fixture writers live with the tests (our own struct/json safetensors writer).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from st_fixtures import (
+from dflash_recipes.checkpoint_weights import read_checkpoint_weights
+from testkit.st_fixtures import (
     QWEN3_MASK_TOKEN_ID,
     base_model_config,
     drafter_config,
@@ -33,9 +29,7 @@ from st_fixtures import (
     write_safetensors,
 )
 
-from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-
-# Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter), reference sections 2 and 5.
+# Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter): their published config.json values.
 # Any: splatted into keyword arguments of the fixture writers.
 DRAFTER: dict[str, Any] = {
     "hidden": 4096,
@@ -171,16 +165,3 @@ def make_fixture(out_dir: Path) -> list[str]:
         f"{data}: 1 conversation",
         f"{recipe}: fine-tuning recipe",
     ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("out_dir", type=Path, help="folder to write the fixture into")
-    args = parser.parse_args(argv)
-    for line in make_fixture(args.out_dir):
-        print(line)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,9 @@
 """Test helpers that write tiny safetensors checkpoints and config.json files, without torch.
 
-Import from any test (`from st_fixtures import write_drafter_checkpoint`); pytest puts this
-folder on sys.path. The writer is our own (struct + json), so tests can also build files the
-`safetensors` library would refuse to write: see :func:`write_raw_safetensors`.
+Import from any test (`from testkit.st_fixtures import write_drafter_checkpoint`); pytest's
+`pythonpath` setting puts tests/ on sys.path. The writer is our own (struct + json), so tests
+can also build files the `safetensors` library would refuse to write: see
+:func:`write_raw_safetensors`.
 
 - :func:`write_safetensors` -- any tensors, zeros / deterministic random values / sparse.
 - :func:`write_sharded_safetensors` -- `model.safetensors.index.json` plus shards.
@@ -29,7 +30,7 @@ from dflash_recipes.safetensors_header import DTYPE_BITS
 Fill = Literal["zeros", "random", "sparse"]
 TensorSpec = tuple[str, Sequence[int]]
 
-# Qwen3-8B, the target of the reference's worked example (reference sections 2 and 5).
+# Qwen3-8B, the target of the worked examples in recipes/Qwen/Qwen3-8B.
 QWEN3_MASK_TOKEN_ID = 151669
 
 
@@ -251,7 +252,7 @@ def drafter_config(
     dtype: str = "bfloat16",
     variant: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
-    """An exported drafter's config.json (reference section 5), tiny by default.
+    """An exported drafter's config.json (docs/dflash.md, "Serving the export"), tiny by default.
 
     Taps default to the formula for `n_taps` (default: one per draft layer). `variant`
     fields (projector_type, emb_dim, ...) are added to `dflash_config`.

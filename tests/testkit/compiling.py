@@ -1,0 +1,50 @@
+"""Compiling a recipe in tmp_path and picking diagnostics out of the result, for tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash_recipes.compiler import CompileResult, compile_recipe
+from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
+from dflash_recipes.recipe import Recipe
+from dflash_recipes.run_dir import CHECKPOINT_FILES, checkpoint_dir_name
+
+#: The type of conftest's `make_recipe` fixture.
+RecipeFactory = Callable[..., Recipe]
+
+
+def compile_in(tmp_path: Path, recipe: Recipe) -> CompileResult:
+    """Compile against tmp_path, checking what every diagnostic must carry."""
+    registered = {info.code: info.severity for info in registered_codes()}
+    result = compile_recipe(recipe, base_dir=tmp_path)
+    for d in result.diagnostics:
+        assert registered.get(d.code) is d.severity, d
+        assert d.path and d.message and d.hint, d
+    assert (result.plan is None) == any(d.severity is Severity.ERROR for d in result.diagnostics)
+    return result
+
+
+def only(result: CompileResult, code: str) -> Diagnostic:
+    """The one diagnostic with `code` (fails listing every code and message otherwise)."""
+    found = [d for d in result.diagnostics if d.code == code]
+    assert len(found) == 1, (code, [(d.code, d.message) for d in result.diagnostics])
+    return found[0]
+
+
+def codes(result: CompileResult) -> set[str]:
+    return {d.code for d in result.diagnostics}
+
+
+def text(d: Diagnostic) -> str:
+    """What a user reads of a diagnostic: its message and its hint."""
+    return f"{d.message}\n{d.hint}"
+
+
+def make_training_checkpoint(output_dir: Path, step: int, *, complete: bool = True) -> Path:
+    """A checkpoint folder of a previous run (placeholder files; the last one left out)."""
+    folder = output_dir / checkpoint_dir_name(step)
+    folder.mkdir(parents=True)
+    for name in CHECKPOINT_FILES if complete else CHECKPOINT_FILES[:-1]:
+        (folder / name).write_bytes(b"x")
+    return folder
