@@ -9,15 +9,6 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_recipes.capture_manifest import (
-    CaptureExpectation,
-    base_config_sha256,
-    chat_template_sha256,
-    check_capture,
-    file_sha256,
-    needs_teacher,
-    tokenizer_sha256,
-)
 from dflash_recipes.compile_codes import (
     DATA_FILE_MISSING,
     DATA_PATH_UNSET,
@@ -91,6 +82,16 @@ class InputChecks(CompileState):
         data, facts = self.recipe.data, self.facts
         if data.hidden_states_path is None or taps is None or facts is None:
             return
+        # Imported here: only an offline recipe pays for the capture checks at start-up.
+        from dflash_recipes.capture_manifest import (
+            CaptureExpectation,
+            base_config_sha256,
+            chat_template_sha256,
+            check_capture,
+            needs_teacher,
+            tokenizer_sha256,
+        )
+
         objective = self.recipe.dflash
         base = self.absolute(self.recipe.model.model_name_or_path)
         template = self.absolute(data.chat_template) if data.chat_template else None
@@ -199,6 +200,8 @@ def output_dir_problem(path: Path) -> str | None:
 
 
 def _data_sha256(path: Path) -> str | None:
+    from dflash_recipes.capture_manifest import file_sha256
+
     try:
         return file_sha256(path)
     except OSError:

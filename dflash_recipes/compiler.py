@@ -31,13 +31,14 @@ from dflash_recipes.plan import (
     DraftPlan,
     InitCheckpointPlan,
     ObjectivePlan,
+    RegeneratePlan,
     RunPlan,
     TrainingPlan,
 )
 from dflash_recipes.recipe import Recipe, RegenerateSection
-from dflash_recipes.regenerate_settings import check_regenerate, regenerate_plan
 
-# Paper guidance for the decay gamma (reference section 4): block size -> gamma.
+# Paper guidance for the decay gamma, block size -> gamma (docs/dflash.md, "Block size and the
+# decay gamma").
 _DECAY_POINTS: tuple[tuple[int, float], ...] = ((8, 4.0), (10, 5.0), (16, 7.0))
 
 
@@ -197,7 +198,7 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
             overrides=tuple(overrides),
             resolved=resolved,
             regenerate=(
-                regenerate_plan(
+                _regenerate_plan(
                     recipe.regenerate,
                     self.absolute(recipe.regenerate.output_path)
                     if recipe.regenerate.output_path
@@ -212,6 +213,10 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
     def check_regenerate(self, *, resolve: bool) -> None:
         """The `regenerate:` section, checked without a network (see regenerate_settings)."""
         section, data = self.recipe.regenerate, self.recipe.data
+        if section == RegenerateSection():
+            return  # the defaults: nothing to check (and the checks' module stays unloaded)
+        from dflash_recipes.regenerate_settings import check_regenerate
+
         output = self.absolute(section.output_path) if section.output_path else None
         source = self.absolute(data.data_path) if data.data_path else None
         for item in check_regenerate(
@@ -222,6 +227,14 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
             resolve=resolve,
         ):
             self.emit_as(item.severity, item.code, item.path, item.message, item.hint)
+
+
+def _regenerate_plan(
+    section: RegenerateSection, output: Path | None, *, training_seq_len: int
+) -> RegeneratePlan:
+    from dflash_recipes.regenerate_settings import regenerate_plan
+
+    return regenerate_plan(section, output, training_seq_len=training_seq_len)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ the tensors it is about to copy), so both report a mismatch with the same words
 (:func:`format_layout_diff`, :func:`layout_fixes`).
 
 The layout is the z-lab one that serving engines load: unprefixed keys, no embedding table,
-no output head, no rotary buffer (reference sections 2 and 6).
+no output head, no rotary buffer (docs/dflash.md, "What a run writes, and the export layout").
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class LayoutSpec:
 
 
 def backbone_layout(spec: LayoutSpec) -> dict[str, Shape]:
-    """The plain DFlash tensors (reference section 2): 3 + 11 * layers (+ sinks)."""
+    """The plain DFlash tensors (the export layout in docs/dflash.md): 3 + 11 * layers (+ sinks)."""
     hidden = spec.hidden_size
     q_rows = spec.num_attention_heads * spec.head_dim
     kv_rows = spec.num_key_value_heads * spec.head_dim
@@ -171,7 +171,10 @@ def backbone_layout(spec: LayoutSpec) -> dict[str, Shape]:
 
 
 def head_layout(spec: LayoutSpec) -> dict[str, Shape]:
-    """The head variant's own tensors (reference section 6); empty for plain DFlash."""
+    """The head variant's own tensors; empty for plain DFlash.
+
+    See docs/dflash.md, "Domino and DSpark from a plain DFlash checkpoint".
+    """
     hidden = spec.hidden_size
     if spec.projector_type == "domino":
         assert spec.gru_hidden_dim is not None
@@ -631,7 +634,7 @@ def layout_fixes(
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """Default taps (reference section 3): one layer -> N // 2, else spread over 1 .. N - 3.
+    """Default taps (docs/dflash.md, "Taps"): one layer -> N // 2, else spread over 1 .. N - 3.
 
     `round(1 + i * (N - 4) / (L - 1))` with Python's round (half to even). Raises ValueError
     when the target is too shallow for the formula to give distinct layers inside it.

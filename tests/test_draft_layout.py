@@ -28,7 +28,7 @@ from dflash_recipes.draft_layout import (
     layout_spec_for,
 )
 
-# Qwen3-8B-DFlash-b16 (reference section 2).
+# Qwen3-8B-DFlash-b16 (its published config.json and tensor shapes).
 QWEN3_8B_B16 = LayoutSpec(
     hidden_size=4096,
     num_hidden_layers=5,
