@@ -87,6 +87,44 @@ def sample_anchors(
         empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
         return AnchorBatch(anchors=empty, valid=empty.bool())
     keys = torch.rand(batch, seq_len, generator=generator, device=generator.device).to(device)
+    return _smallest_keys(eligible, keys, n)
+
+
+def sample_counter_anchors(
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    *,
+    block_size: int,
+    num_anchors: int,
+    key: int,
+    rows: Tensor,
+) -> AnchorBatch:
+    """:func:`sample_anchors` with counter-based random keys: row ``r`` of the batch draws
+    :func:`counter_uniform` ``(key, rows[r], ...)``.
+
+    The anchors of a row depend only on `key`, its counter ``rows[r]`` and its own masks, never
+    on the other rows or on earlier draws, so the row drawn again in another batch, another
+    process or a resumed run gets the same anchors. One vectorised pass over the whole batch.
+    """
+    if num_anchors < 1:
+        msg = f"num_anchors must be >= 1, got {num_anchors}"
+        raise ValueError(msg)
+    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    batch, seq_len = eligible.shape
+    if rows.shape != (batch,):
+        msg = f"rows must hold one counter per sequence ({batch}), got {tuple(rows.shape)}"
+        raise ValueError(msg)
+    n = min(num_anchors, int(eligible.sum(dim=1).max().item())) if batch > 0 else 0
+    if n == 0:
+        empty = torch.zeros(batch, 0, dtype=torch.long, device=loss_mask.device)
+        return AnchorBatch(anchors=empty, valid=empty.bool())
+    keys = counter_uniform(key, rows, seq_len).to(loss_mask.device)
+    return _smallest_keys(eligible, keys, n)
+
+
+def _smallest_keys(eligible: Tensor, keys: Tensor, n: int) -> AnchorBatch:
+    """Per row, the eligible positions of the `n` smallest keys (in ``[0, 1)``), sorted."""
+    seq_len = eligible.shape[1]
     # Ineligible positions get a key above every random one, so they are picked last.
     keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
     chosen_keys, chosen = torch.topk(keys, n, dim=1, largest=False, sorted=True)
@@ -97,6 +135,42 @@ def sample_anchors(
     valid = sorted_pos < seq_len
     anchors = torch.where(valid, sorted_pos, torch.zeros_like(sorted_pos))
     return AnchorBatch(anchors=anchors.long(), valid=valid)
+
+
+# splitmix64 (Steele, Lea & Flood 2014) on int64 tensors: products wrap modulo 2**64 and the
+# logical right shift is an arithmetic shift with the sign bits masked off.
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MIX_1 = _signed(0xBF58476D1CE4E5B9)
+_MIX_2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(z: Tensor, bits: int) -> Tensor:
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    return z ^ _shift_right(z, 31)
+
+
+def counter_uniform(key: int, rows: Tensor, width: int) -> Tensor:
+    """``[len(rows), width]`` float64 uniforms in ``[0, 1)``, a pure function of the counters.
+
+    Entry ``(r, j)`` is output ``j + 1`` of a splitmix64 stream whose seed is output
+    ``rows[r] + 1`` of the stream seeded by `key` (53 random bits each): no generator state,
+    so any row or column is computed on its own and a whole batch in one vectorised pass.
+    """
+    base = _signed(key % (1 << 64))
+    counters = rows.to(device="cpu", dtype=torch.int64).view(-1, 1)
+    row_seed = _mix64((counters + 1) * _GOLDEN_GAMMA + base)
+    columns = torch.arange(1, width + 1, dtype=torch.int64).view(1, -1)
+    bits = _shift_right(_mix64(row_seed + columns * _GOLDEN_GAMMA), 11)
+    return bits.to(torch.float64) * 2.0**-53
 
 
 def _block_positions(anchors: Tensor, block_size: int) -> Tensor:
@@ -177,7 +251,9 @@ __all__ = [
     "AnchorBatch",
     "block_inputs",
     "block_labels",
+    "counter_uniform",
     "eligible_anchor_mask",
     "gather_teacher_logits",
     "sample_anchors",
+    "sample_counter_anchors",
 ]
