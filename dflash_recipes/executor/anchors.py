@@ -87,7 +87,7 @@ def sample_anchors(
         empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
         return AnchorBatch(anchors=empty, valid=empty.bool())
     keys = torch.rand(batch, seq_len, generator=generator, device=generator.device).to(device)
-    return _smallest_keys(eligible, keys, n)
+    return _smallest_keys(eligible, keys, n, 2.0)
 
 
 def sample_counter_anchors(
@@ -100,7 +100,7 @@ def sample_counter_anchors(
     rows: Tensor,
 ) -> AnchorBatch:
     """:func:`sample_anchors` with counter-based random keys: row ``r`` of the batch draws
-    :func:`counter_uniform` ``(key, rows[r], ...)``.
+    :func:`counter_keys` ``(key, rows[r], ...)``.
 
     The anchors of a row depend only on `key`, its counter ``rows[r]`` and its own masks, never
     on the other rows or on earlier draws, so the row drawn again in another batch, another
@@ -118,17 +118,20 @@ def sample_counter_anchors(
     if n == 0:
         empty = torch.zeros(batch, 0, dtype=torch.long, device=loss_mask.device)
         return AnchorBatch(anchors=empty, valid=empty.bool())
-    keys = counter_uniform(key, rows, seq_len).to(loss_mask.device)
-    return _smallest_keys(eligible, keys, n)
+    keys = counter_keys(key, rows, seq_len).to(loss_mask.device)
+    # int64 keys: ineligible positions get the largest value (an eligible key equal to it, one
+    # in 2**64, merely ranks last).
+    return _smallest_keys(eligible, keys, n, torch.iinfo(torch.int64).max)
 
 
-def _smallest_keys(eligible: Tensor, keys: Tensor, n: int) -> AnchorBatch:
-    """Per row, the eligible positions of the `n` smallest keys (in ``[0, 1)``), sorted."""
+def _smallest_keys(eligible: Tensor, keys: Tensor, n: int, above: float) -> AnchorBatch:
+    """Per row, the eligible positions of the `n` smallest keys, sorted ascending; `above` is
+    larger than every random key."""
     seq_len = eligible.shape[1]
     # Ineligible positions get a key above every random one, so they are picked last.
-    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
-    chosen_keys, chosen = torch.topk(keys, n, dim=1, largest=False, sorted=True)
-    valid = chosen_keys < 2.0
+    keys = torch.where(eligible, keys, torch.full_like(keys, above))
+    _, chosen = torch.topk(keys, n, dim=1, largest=False, sorted=True)
+    valid = torch.gather(eligible, 1, chosen)
     # Sort real anchors ascending and push padding to the end of each row.
     order_key = torch.where(valid, chosen, torch.full_like(chosen, seq_len))
     sorted_pos, _ = torch.sort(order_key, dim=1)
@@ -149,28 +152,29 @@ _MIX_2 = _signed(0x94D049BB133111EB)
 
 
 def _shift_right(z: Tensor, bits: int) -> Tensor:
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def _mix64(z: Tensor) -> Tensor:
-    z = (z ^ _shift_right(z, 30)) * _MIX_1
-    z = (z ^ _shift_right(z, 27)) * _MIX_2
-    return z ^ _shift_right(z, 31)
+    """splitmix64's output function, in place on `z` (a fresh tensor)."""
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX_1)
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX_2)
+    return z.bitwise_xor_(_shift_right(z, 31))
 
 
-def counter_uniform(key: int, rows: Tensor, width: int) -> Tensor:
-    """``[len(rows), width]`` float64 uniforms in ``[0, 1)``, a pure function of the counters.
+def counter_keys(key: int, rows: Tensor, width: int) -> Tensor:
+    """``[len(rows), width]`` uniformly random int64 keys, a pure function of the counters.
 
     Entry ``(r, j)`` is output ``j + 1`` of a splitmix64 stream whose seed is output
-    ``rows[r] + 1`` of the stream seeded by `key` (53 random bits each): no generator state,
-    so any row or column is computed on its own and a whole batch in one vectorised pass.
+    ``rows[r] + 1`` of the stream seeded by `key`: no generator state, so any row or column is
+    computed on its own and a whole batch in one vectorised pass. Only the keys' order is used
+    (the smallest ones win), so they stay integers.
     """
     base = _signed(key % (1 << 64))
     counters = rows.to(device="cpu", dtype=torch.int64).view(-1, 1)
-    row_seed = _mix64((counters + 1) * _GOLDEN_GAMMA + base)
-    columns = torch.arange(1, width + 1, dtype=torch.int64).view(1, -1)
-    bits = _shift_right(_mix64(row_seed + columns * _GOLDEN_GAMMA), 11)
-    return bits.to(torch.float64) * 2.0**-53
+    row_seed = _mix64((counters + 1).mul_(_GOLDEN_GAMMA).add_(base))
+    columns = torch.arange(1, width + 1, dtype=torch.int64).mul_(_GOLDEN_GAMMA)
+    return _mix64(columns + row_seed)
 
 
 def _block_positions(anchors: Tensor, block_size: int) -> Tensor:
@@ -251,7 +255,7 @@ __all__ = [
     "AnchorBatch",
     "block_inputs",
     "block_labels",
-    "counter_uniform",
+    "counter_keys",
     "eligible_anchor_mask",
     "gather_teacher_logits",
     "sample_anchors",
