@@ -291,10 +291,14 @@ def taps_from_hidden_states(
 
 
 #: Most attention-score elements (``batch x heads x chunk queries x chunk keys``) one chunk of
-#: the CPU split attention may hold: 2**22 = 16 MiB in float32 per layer. A batch whose blocks
+#: the CPU split attention may hold: 2**20 = 4 MiB in float32 per layer. A batch whose blocks
 #: all fit runs as one chunk (one SDPA call per layer); above it, chunks of consecutive blocks
-#: keep each call's dense part under the budget (see :func:`split_chunk_count`).
-MAX_SPLIT_SCORES = 2**22
+#: keep each call's dense part under the budget (see :func:`split_chunk_count`). Measured on
+#: CPU (benchmarks/bench_step_overhead.py): at 2**20 the tiny shape of issue 15 is one chunk,
+#: 128 and 512 blocks of 16 over 1024 positions get chunks of 7 blocks, near the fastest
+#: counts there (fewer, larger chunks redo the blocks x blocks part; far smaller ones pay a
+#: per-call cost and copy the visible context's K and V per chunk).
+MAX_SPLIT_SCORES = 2**20
 
 
 def split_chunk_count(

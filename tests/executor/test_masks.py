@@ -175,11 +175,11 @@ def test_split_attention_output_and_gradients_equal_dense(tmp_path: Path) -> Non
 def test_split_chunk_count_is_one_when_the_scores_fit_and_minimal_otherwise() -> None:
     # Issue 15's tiny shape: 2 x 4 heads x 64 queries x (128 + 64) keys fits the default.
     assert split_chunk_count(2, 8, 8, 128, heads=4) == 1
-    # Its medium shape does not: 2 x 4 x 2048 x (1024 + 2048) = 50M scores > 2**22.
+    # Its medium shape does not: 2 x 4 x 2048 x (1024 + 2048) = 50M scores > 2**20.
     chunks = split_chunk_count(2, 128, 16, 1024, heads=4)
     assert chunks > 1
     for batch, blocks, block, ctx, heads, budget in [
-        (2, 128, 16, 1024, 4, 2**22),
+        (2, 128, 16, 1024, 4, 2**20),
         (2, 512, 16, 1024, 4, 2**22),
         (3, 37, 5, 300, 2, 20_000),
     ]:
