@@ -15,8 +15,9 @@ rotates every round, so a noisy neighbour slows all three alike); figures are me
   ``sample_anchors`` call per row, the split mask at a fixed 8 chunks, the per-tensor-loop
   gradient clipping and AdamW (``foreach=False``), and the old per-step host syncs (loss,
   counts, gradient norm and tokens read back every step);
-- ``after``: the trainer's own code path (``sample_batch_anchors``, ``step_inputs``,
-  ``DraftStep``, ``clip_gradients``, ``build_optimizer``, its metric window);
+- ``after``: the trainer's own code path: ``Trainer._micro_step`` (``sample_batch_anchors``,
+  ``step_inputs``, ``DraftStep``, backward), then ``clip_gradients``, the AdamW of
+  ``build_optimizer`` and the trainer's metric window;
 - ``plain``: a plain PyTorch step written here: the same target forward, anchors from one
   ``torch.rand`` + ``topk``, one packed drafter forward under the dense block mask, lm_head,
   the decay-weighted cross-entropy, backward, ``clip_grad_norm_`` and a default ``AdamW``.
@@ -75,7 +76,6 @@ from dflash_recipes.executor.train import (
     DraftStep,
     build_optimizer,
     clip_gradients,
-    sample_batch_anchors,
     step_inputs,
 )
 
@@ -199,6 +199,7 @@ class Shape:
             v: DraftStep(self.drafters[v], self.head, self.objective) for v in ("before", "after")
         }
         self.window = train_module._MetricWindow(block)
+        self.trainer = train_module.Trainer(self.plan, progress=False)
         self.step_count = 0
 
     def describe(self) -> str:
@@ -240,70 +241,84 @@ class Shape:
         return spent, total, loss
 
     def _project(self, timer: Timer, *, before: bool) -> float:
-        variant = "before" if before else "after"
+        if before:
+            return self._before(timer)
+        # The trainer's own micro-step (anchors, step_inputs, DraftStep, backward), with the
+        # step module and Tensor.backward wrapped in timers, then its optimizer step.
+        step_module = self.steps["after"]
+
+        def timed_step(*args: object) -> object:
+            with timer.phase("drafter forward"):
+                return step_module(*args)
+
+        plain_backward = torch.Tensor.backward
+
+        def timed_backward(tensor: Tensor, *args: object, **kwargs: object) -> None:
+            with timer.phase("backward"):
+                plain_backward(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+        torch.Tensor.backward = timed_backward  # type: ignore[method-assign,assignment]
+        try:
+            out, tokens = self.trainer._micro_step(
+                timed_step,  # type: ignore[arg-type]
+                self.model,
+                self.embed,
+                self.batch,
+                step=self.step_count,
+                total_steps=1000,
+            )
+        finally:
+            torch.Tensor.backward = plain_backward  # type: ignore[method-assign]
+        self.window.add(out, tokens)
+        with timer.phase("optimizer"):
+            self.window.add_grad_norm(clip_gradients(self.params["after"], 1.0))
+            self.optimizers["after"].step()
+            self.schedulers["after"].step()
+            self.optimizers["after"].zero_grad(set_to_none=True)
+        self.step_count += 1
+        return float(out.loss.detach())
+
+    def _before(self, timer: Timer) -> float:
+        """The step as the trainer ran it before issue 15 (see the module docstring)."""
         batch, spec, objective = self.batch, self.spec, self.objective
-        if before:
-            anchors, valid = _old_batch_anchors(batch, spec.block_size, objective.num_anchors)
-        else:
-            anchors, valid = sample_batch_anchors(
-                batch,
-                positions=[0, 1][: batch.input_ids.shape[0]],
-                seed=0,
-                block_size=spec.block_size,
-                num_anchors=objective.num_anchors,
+        anchors, valid = _old_batch_anchors(batch, spec.block_size, objective.num_anchors)
+        train_module.build_split_block_mask = _eight_chunks  # type: ignore[assignment]
+        try:
+            inputs = step_inputs(
+                self.model,
+                self.embed,
+                spec,
+                objective,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.loss_mask,
+                anchors,
+                valid,
+                step=self.step_count,
+                total_steps=1000,
             )
-        inputs = step_inputs(
-            self.model,
-            self.embed,
-            spec,
-            objective,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.loss_mask,
-            anchors,
-            valid,
-            step=self.step_count,
-            total_steps=1000,
-        )
-        if before:
-            # The old fixed count, rebuilt from the same anchors (outside the timed phases).
-            mask = build_split_block_mask(
-                anchors, spec.block_size, batch.input_ids.shape[1], valid, num_chunks=8
-            )
-            args = list(inputs.args())
-            args[4] = mask
-        else:
-            args = list(inputs.args())
+        finally:
+            train_module.build_split_block_mask = build_split_block_mask
+        train_module._prefix_tokens(batch.input_ids, anchors, spec.block_size)  # always built
         with timer.phase("drafter forward"):
-            out = self.steps[variant](*args)
+            out = self.steps["before"](*inputs.args())
         local = out.weight_sum
-        if before:
-            scale = local / local if float(local) > 0 else torch.ones_like(local)
-        else:
-            positive = local > 0
-            safe = torch.where(positive, local, torch.ones_like(local))
-            scale = torch.where(positive, local / safe, torch.ones_like(local))
+        scale = local / local if float(local) > 0 else torch.ones_like(local)
         loss = out.loss * scale
         with timer.phase("backward"):
             loss.backward()  # type: ignore[no-untyped-call]
-        tokens = batch.attention_mask.sum()
-        if before:
-            # The old window: every value read back to the host every micro-step.
-            _ = float(out.loss.detach())
-            _ = out.per_position_correct.detach().cpu(), out.per_position_count.detach().cpu()
-            _ = int(tokens)
-        else:
-            self.window.add(out, tokens)
+        # The old window: every value read back to the host every micro-step.
+        _ = float(out.loss.detach())
+        _ = out.per_position_correct.detach().cpu(), out.per_position_count.detach().cpu()
+        _ = int(batch.attention_mask.sum())
+        self.drafters["before"].train(True)  # the old loop set the modes every step
+        self.model.train(False)
         with timer.phase("optimizer"):
-            params = self.params[variant]
-            if before:
-                norm = torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
-                _ = float(norm)
-            else:
-                self.window.add_grad_norm(clip_gradients(params, 1.0))
-            self.optimizers[variant].step()
-            self.schedulers[variant].step()
-            self.optimizers[variant].zero_grad(set_to_none=True)
+            params = self.params["before"]
+            _ = float(torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False))
+            self.optimizers["before"].step()
+            self.schedulers["before"].step()
+            self.optimizers["before"].zero_grad(set_to_none=True)
         self.step_count += 1
         return float(out.loss.detach())
 
@@ -348,6 +363,13 @@ class Shape:
             self.optimizers["plain"].step()
             self.optimizers["plain"].zero_grad(set_to_none=True)
         return float(loss.detach())
+
+
+def _eight_chunks(
+    anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor, **_: object
+) -> object:
+    """The split mask as it was before issue 15: always 8 chunks."""
+    return build_split_block_mask(anchors, block_size, ctx_len, valid, num_chunks=8)
 
 
 def _old_batch_anchors(batch: Batch, block_size: int, num_anchors: int) -> tuple[Tensor, Tensor]:

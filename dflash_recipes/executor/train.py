@@ -317,7 +317,8 @@ class StepInputs:
     ctx_positions: Tensor
     mask: object
     prefix_embeds: Tensor | None
-    prefix_tokens: Tensor
+    #: The tokens before each block position (Domino and DSpark heads only, else None).
+    prefix_tokens: Tensor | None
     targets: LossTargets
 
     def args(self) -> tuple[object, ...]:
@@ -368,10 +369,14 @@ def step_inputs(
             ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
         )
         block_embeds = embeddings(block_ids).float()
-        prefix_tokens = _prefix_tokens(ids, anchors, spec.block_size)
+        prefix_tokens = (
+            _prefix_tokens(ids, anchors, spec.block_size)
+            if spec.projector_type in ("domino", "dspark")
+            else None
+        )
         prefix_embeds = (
             embeddings(prefix_tokens.flatten(1)).float()
-            if spec.projector_type == "domino"
+            if prefix_tokens is not None and spec.projector_type == "domino"
             else None
         )
     ctx_len = int(ids.shape[1])
@@ -859,13 +864,17 @@ class Trainer:
             result: LossOutput = wrapped(*inputs.args())
         # Normalise by the global weight sum so DDP's gradient average equals the
         # single-process gradient over the whole global batch; then average over micro-batches.
-        local = result.weight_sum
-        total = all_reduce_sum(local.clone(), env)
-        # No host sync: where() instead of a Python test of the total.
-        positive = total > 0
-        safe_total = torch.where(positive, total, torch.ones_like(total))
-        scale = torch.where(positive, local * env.world_size / safe_total, torch.ones_like(local))
-        loss = result.loss * scale / plan.training.gradient_accumulation_steps
+        loss = result.loss
+        if env.is_distributed:
+            local = result.weight_sum
+            total = all_reduce_sum(local.clone(), env)
+            # No host sync: where() instead of a Python test of the total.
+            positive = total > 0
+            safe_total = torch.where(positive, total, torch.ones_like(total))
+            scale = torch.where(positive, local * env.world_size / safe_total, 1.0)
+            loss = loss * scale
+        # (One process: the scale is local / local = 1 exactly, so it is left out.)
+        loss = loss / plan.training.gradient_accumulation_steps
         loss.backward()  # type: ignore[no-untyped-call]
         return result, attention.sum()
 
