@@ -82,3 +82,18 @@ def test_batch_without_any_anchor_gets_one_padding_block() -> None:
     )
     assert anchors.shape == valid.shape == (2, 1)
     assert not valid.any()
+
+
+def test_accuracy_counts_keep_argmax_first_maximum_rule() -> None:
+    from dflash_recipes.executor.loss import _position_counts
+
+    # Row 0: the label (2) ties the maximum with index 1, which comes first: a miss, as with
+    # argmax. Row 1: the label is the unique maximum: a hit. Row 2: not supervised.
+    logits = torch.tensor([[[0.0, 5.0, 5.0], [1.0, 0.0, 3.0], [9.0, 0.0, 0.0]]])
+    labels = torch.tensor([[2, 2, 0]])
+    mask = torch.tensor([[True, True, False]])
+    correct, count = _position_counts(logits, labels, mask)
+    assert correct.tolist() == [0, 1, 0]
+    assert count.tolist() == [1, 1, 0]
+    expected = (logits.argmax(dim=-1) == labels) & mask
+    assert correct.tolist() == expected.long()[0].tolist()
