@@ -13,8 +13,9 @@ rotates every round, so a noisy neighbour slows all three alike); figures are me
 
 - ``before``: the old settings reproduced here: one sha256-seeded generator and one
   ``sample_anchors`` call per row, the split mask at a fixed 8 chunks, the per-tensor-loop
-  gradient clipping and AdamW (``foreach=False``), and the old per-step host syncs (loss,
-  counts, gradient norm and tokens read back every step);
+  gradient clipping and AdamW (``foreach=False``), the loss's old ``log_softmax`` + ``gather``
+  cross-entropy and ``argmax`` accuracy, and the old per-step host syncs (loss, counts,
+  gradient norm and tokens read back every step);
 - ``after``: the trainer's own code path: ``Trainer._micro_step`` (``sample_batch_anchors``,
   ``step_inputs``, ``DraftStep``, backward), then ``clip_gradients``, the AdamW of
   ``build_optimizer`` and the trainer's metric window;
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import print_table, verdict
 
 from dflash_recipes.compiler import compile_file
+from dflash_recipes.executor import loss as loss_module
 from dflash_recipes.executor import train as train_module
 from dflash_recipes.executor.anchors import (
     block_inputs,
@@ -301,8 +303,13 @@ class Shape:
         finally:
             train_module.build_split_block_mask = build_split_block_mask
         train_module._prefix_tokens(batch.input_ids, anchors, spec.block_size)  # always built
-        with timer.phase("drafter forward"):
-            out = self.steps["before"](*inputs.args())
+        new_ce, new_counts = loss_module._token_ce, loss_module._position_counts
+        loss_module._token_ce, loss_module._position_counts = _old_token_ce, _old_counts
+        try:
+            with timer.phase("drafter forward"):
+                out = self.steps["before"](*inputs.args())
+        finally:
+            loss_module._token_ce, loss_module._position_counts = new_ce, new_counts
         local = out.weight_sum
         scale = local / local if float(local) > 0 else torch.ones_like(local)
         loss = out.loss * scale
@@ -364,6 +371,24 @@ class Shape:
             self.optimizers["plain"].step()
             self.optimizers["plain"].zero_grad(set_to_none=True)
         return float(loss.detach())
+
+
+def _old_token_ce(logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
+    """The loss's per-position cross-entropy before issue 15 (log_softmax + gather)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    safe_labels = torch.where(label_mask, labels, torch.zeros_like(labels))
+    nll = -torch.gather(log_probs, -1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    return torch.where(label_mask, nll, torch.zeros_like(nll))
+
+
+def _old_counts(logits: Tensor, labels: Tensor, label_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The accuracy counts before issue 15 (argmax, slow on CPU)."""
+    with torch.no_grad():
+        hit = (logits.argmax(dim=-1) == labels) & label_mask
+        k = labels.shape[-1]
+        correct = hit.reshape(-1, k).sum(dim=0)
+        count = label_mask.reshape(-1, k).sum(dim=0)
+    return correct.long(), count.long()
 
 
 def _eight_chunks(
