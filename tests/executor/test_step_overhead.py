@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
+from dflash_recipes.compiler import compile_file
 from dflash_recipes.executor.data import Batch
 from dflash_recipes.executor.train import (
     anchor_key,
     build_optimizer,
     clip_gradients,
+    run_plan,
     sample_batch_anchors,
 )
+
+SCRATCH = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 
 def _params(seed: int) -> list[nn.Parameter]:
@@ -97,3 +105,38 @@ def test_accuracy_counts_keep_argmax_first_maximum_rule() -> None:
     assert count.tolist() == [1, 1, 0]
     expected = (logits.argmax(dim=-1) == labels) & mask
     assert correct.tolist() == expected.long()[0].tolist()
+
+
+def _train_rows(tmp_path: Path, name: str, logging_steps: int) -> list[dict[str, object]]:
+    result = compile_file(
+        SCRATCH,
+        overrides=(
+            f"training.output_dir={tmp_path / name}",
+            "training.max_steps=2",
+            "training.per_device_train_batch_size=2",
+            "training.training_seq_len=64",
+            "training.save_steps=2",
+            f"training.logging_steps={logging_steps}",
+            "training.eval_steps=null",
+            "dflash.dflash_num_anchors=4",
+            "dflash.dflash_block_size=4",
+        ),
+    )
+    assert result.plan is not None, result.diagnostics
+    run_plan(result.plan, progress=False)
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["kind"] == "train"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_metrics_kept_on_device_report_the_whole_logging_window(tmp_path: Path) -> None:
+    """Steps that log nothing still count: a row covers every step since the last one."""
+    each = _train_rows(tmp_path, "each", 1)
+    pooled = _train_rows(tmp_path, "pooled", 2)
+    assert [r["step"] for r in each] == [1, 2] and [r["step"] for r in pooled] == [2]
+    row = pooled[0]
+    # Same seed, same data, same anchors: the window's loss is the mean of the two steps' ...
+    assert row["loss"] == pytest.approx((each[0]["loss"] + each[1]["loss"]) / 2, rel=1e-6)
+    # ... and the gradient norm is the last step's.
+    assert row["grad_norm"] == pytest.approx(each[1]["grad_norm"], rel=1e-6)
+    assert each[0]["grad_norm"] != pytest.approx(each[1]["grad_norm"], rel=1e-6)
