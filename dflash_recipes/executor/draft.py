@@ -290,15 +290,18 @@ def taps_from_hidden_states(
 # ---------------------------------------------------------------------------------------------
 
 
-#: Most attention-score elements (``batch x heads x chunk queries x chunk keys``) one chunk of
-#: the CPU split attention may hold: 2**20 = 4 MiB in float32 per layer. A batch whose blocks
-#: all fit runs as one chunk (one SDPA call per layer); above it, chunks of consecutive blocks
-#: keep each call's dense part under the budget (see :func:`split_chunk_count`). Measured on
-#: CPU (benchmarks/bench_step_overhead.py): at 2**20 the tiny shape of issue 15 is one chunk,
-#: 128 and 512 blocks of 16 over 1024 positions get chunks of 7 blocks, near the fastest
-#: counts there (fewer, larger chunks redo the blocks x blocks part; far smaller ones pay a
-#: per-call cost and copy the visible context's K and V per chunk).
-MAX_SPLIT_SCORES = 2**20
+#: Most queries (block positions) one chunk of the CPU split attention holds: its dense
+#: blocks x blocks part is then at most 128 x 128 per row and head. Measured on CPU
+#: (benchmarks/bench_step_overhead.py, bench_train_throughput.py): chunks of about 100-128
+#: queries are the fastest from 512 to 1024 context positions and 64 to 512 blocks of 16 per
+#: row; larger chunks redo more of the blocks x blocks part, far smaller ones pay a per-call
+#: cost and copy the visible context's K and V once per chunk. A step of at most this many
+#: block positions (issue 15's tiny shape: 8 blocks of 8) is one chunk, one call per layer.
+MAX_CHUNK_QUERIES = 128
+
+#: Most attention-score elements (``batch x heads x chunk queries x chunk keys``) one chunk may
+#: hold: 2**24 = 64 MiB in float32 (the attention-sink path materialises them).
+MAX_SPLIT_SCORES = 2**24
 
 
 def split_chunk_count(
@@ -308,16 +311,17 @@ def split_chunk_count(
     ctx_len: int,
     *,
     heads: int = 1,
+    max_queries: int = MAX_CHUNK_QUERIES,
     max_scores: int = MAX_SPLIT_SCORES,
 ) -> int:
-    """Fewest chunks of blocks whose dense attention part each fits `max_scores` elements.
+    """Fewest chunks of consecutive blocks such that each holds at most `max_queries` block
+    positions and at most `max_scores` attention scores.
 
-    A chunk of ``n`` blocks attends ``n * block_size`` queries to at most ``ctx_len`` context
-    keys plus its own ``n * block_size`` keys, so it holds at most
-    ``batch * heads * q * (ctx_len + q)`` scores with ``q = n * block_size``. One chunk when
-    everything fits (the work of a small step is then one call, not one per chunk); a single
-    block per chunk when even one block exceeds the budget. Depends on the shapes only, so every
-    step of a run with the same shapes makes the same calls.
+    A chunk of ``n`` blocks attends ``q = n * block_size`` queries to at most ``ctx_len``
+    context keys plus its own ``q`` keys: ``batch * heads * q * (ctx_len + q)`` scores, of
+    which ``q x q`` per row and head is the blocks x blocks part the split exists to avoid.
+    One chunk when everything fits; never less than one block per chunk. Depends on the shapes
+    only, so every step of a run with the same shapes makes the same calls.
     """
     if n_blocks <= 0:
         return 1
@@ -325,7 +329,7 @@ def split_chunk_count(
 
     def fits(blocks: int) -> bool:
         q = blocks * block_size
-        return per_query * q * (ctx_len + q) <= max_scores
+        return q <= max_queries and per_query * q * (ctx_len + q) <= max_scores
 
     if fits(n_blocks):
         return 1
@@ -348,22 +352,19 @@ def build_split_block_mask(
     *,
     num_chunks: int | None = None,
     heads: int = 1,
-    max_scores: int = MAX_SPLIT_SCORES,
 ) -> SplitBlockMask:
     """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`).
 
-    Blocks are grouped into up to `num_chunks` chunks, by default as few as keep each chunk's
-    scores (with `heads` attention heads) within `max_scores` (:func:`split_chunk_count`); each
-    chunk attends to the context prefix its furthest anchor can see (exact for any anchor
-    order, cheapest when sorted).
+    Blocks are grouped into up to `num_chunks` chunks, by default as few as
+    :func:`split_chunk_count` allows for `heads` attention heads; each chunk attends to the
+    context prefix its furthest anchor can see (exact for any anchor order, cheapest when
+    sorted).
     """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
     limit = _visible_context(anchors, ctx_len, valid)
     batch, n_blocks = anchors.shape
     if num_chunks is None:
-        num_chunks = split_chunk_count(
-            batch, n_blocks, block_size, ctx_len, heads=heads, max_scores=max_scores
-        )
+        num_chunks = split_chunk_count(batch, n_blocks, block_size, ctx_len, heads=heads)
     per_chunk = max(1, -(-n_blocks // max(1, num_chunks)))
     count = -(-n_blocks // per_chunk)
     if count == 1:
@@ -653,6 +654,7 @@ class DFlashDraftModel(nn.Module):
 
 __all__ = [
     "INIT_STD",
+    "MAX_CHUNK_QUERIES",
     "MAX_SPLIT_SCORES",
     "DFlashDraftModel",
     "DraftAttention",

@@ -172,30 +172,35 @@ def test_split_attention_output_and_gradients_equal_dense(tmp_path: Path) -> Non
             assert not torch.allclose(model(embeds, context, q_pos, c_pos, blind), outputs[0])
 
 
-def test_split_chunk_count_is_one_when_the_scores_fit_and_minimal_otherwise() -> None:
-    # Issue 15's tiny shape: 2 x 4 heads x 64 queries x (128 + 64) keys fits the default.
+def test_split_chunk_count_is_one_when_the_blocks_fit_and_minimal_otherwise() -> None:
+    # Issue 15's tiny shape: 8 blocks of 8 = 64 queries, one chunk (one call per layer).
     assert split_chunk_count(2, 8, 8, 128, heads=4) == 1
-    # Its medium shape does not: 2 x 4 x 2048 x (1024 + 2048) = 50M scores > 2**20.
-    chunks = split_chunk_count(2, 128, 16, 1024, heads=4)
-    assert chunks > 1
-    for batch, blocks, block, ctx, heads, budget in [
-        (2, 128, 16, 1024, 4, 2**20),
-        (2, 512, 16, 1024, 4, 2**22),
-        (3, 37, 5, 300, 2, 20_000),
+    # Its medium shapes: 128 and 512 blocks of 16 = 2048 and 8192 queries, chunks of 8 blocks.
+    assert split_chunk_count(2, 128, 16, 1024, heads=4) == 16
+    assert split_chunk_count(2, 512, 16, 1024, heads=4) == 64
+    for batch, blocks, block, ctx, heads, queries, budget in [
+        (2, 128, 16, 1024, 4, 128, 2**24),
+        (2, 37, 5, 300, 2, 128, 2**24),
+        (3, 37, 5, 300, 2, 10_000, 20_000),  # the score budget binds
+        (1, 50, 3, 10, 1, 100, 2**24),  # the query cap binds, not a multiple of the block
     ]:
-        count = split_chunk_count(batch, blocks, block, ctx, heads=heads, max_scores=budget)
+        count = split_chunk_count(
+            batch, blocks, block, ctx, heads=heads, max_queries=queries, max_scores=budget
+        )
         per_chunk = -(-blocks // count)
 
-        def scores(
+        def fits(
             n: int, batch: int = batch, block: int = block, heads: int = heads, ctx: int = ctx
-        ) -> int:
-            return batch * heads * n * block * (ctx + n * block)
+        ) -> bool:
+            q = n * block
+            return q <= queries and batch * heads * q * (ctx + q) <= budget  # noqa: B023
 
-        assert scores(per_chunk) <= budget
-        # Minimal: one chunk fewer would need a chunk over the budget.
-        assert scores(-(-blocks // (count - 1))) > budget
-    # A single block over the budget still gets its own chunk, never zero blocks.
+        assert fits(per_chunk)
+        # Minimal: one chunk fewer would need a chunk over a limit.
+        assert not fits(-(-blocks // (count - 1)))
+    # A single block over the limits still gets its own chunk, never zero blocks.
     assert split_chunk_count(1, 4, 16, 10_000, max_scores=10) == 4
+    assert split_chunk_count(1, 4, 256, 10) == 4
     assert split_chunk_count(2, 0, 16, 128) == 1
 
 
