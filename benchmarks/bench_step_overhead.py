@@ -483,9 +483,10 @@ def main() -> None:
                 )
             else:
                 ok = speedup >= 0.95
+                plain = f"{vs_plain:.2f}" if math.isfinite(vs_plain) else "not run"
                 outcomes.append(
                     f"{name}: before / after = {speedup:.2f} (no regression, target >= 0.95: "
-                    f"{verdict(ok)}); plain / after = {vs_plain:.2f}"
+                    f"{verdict(ok)}); plain / after = {plain}"
                 )
     print()
     for line in outcomes:
