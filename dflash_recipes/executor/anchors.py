@@ -87,16 +87,94 @@ def sample_anchors(
         empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
         return AnchorBatch(anchors=empty, valid=empty.bool())
     keys = torch.rand(batch, seq_len, generator=generator, device=generator.device).to(device)
+    return _smallest_keys(eligible, keys, n, 2.0)
+
+
+def sample_counter_anchors(
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    *,
+    block_size: int,
+    num_anchors: int,
+    key: int,
+    rows: Tensor,
+) -> AnchorBatch:
+    """:func:`sample_anchors` with counter-based random keys: row ``r`` of the batch draws
+    :func:`counter_keys` ``(key, rows[r], ...)``.
+
+    The anchors of a row depend only on `key`, its counter ``rows[r]`` and its own masks, never
+    on the other rows or on earlier draws, so the row drawn again in another batch, another
+    process or a resumed run gets the same anchors. One vectorised pass over the whole batch.
+    """
+    if num_anchors < 1:
+        msg = f"num_anchors must be >= 1, got {num_anchors}"
+        raise ValueError(msg)
+    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    batch, seq_len = eligible.shape
+    if rows.shape != (batch,):
+        msg = f"rows must hold one counter per sequence ({batch}), got {tuple(rows.shape)}"
+        raise ValueError(msg)
+    n = min(num_anchors, int(eligible.sum(dim=1).max().item())) if batch > 0 else 0
+    if n == 0:
+        empty = torch.zeros(batch, 0, dtype=torch.long, device=loss_mask.device)
+        return AnchorBatch(anchors=empty, valid=empty.bool())
+    keys = counter_keys(key, rows, seq_len).to(loss_mask.device)
+    # int64 keys: ineligible positions get the largest value (an eligible key equal to it, one
+    # in 2**64, merely ranks last).
+    return _smallest_keys(eligible, keys, n, torch.iinfo(torch.int64).max)
+
+
+def _smallest_keys(eligible: Tensor, keys: Tensor, n: int, above: float) -> AnchorBatch:
+    """Per row, the eligible positions of the `n` smallest keys, sorted ascending; `above` is
+    larger than every random key."""
+    seq_len = eligible.shape[1]
     # Ineligible positions get a key above every random one, so they are picked last.
-    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
-    chosen_keys, chosen = torch.topk(keys, n, dim=1, largest=False, sorted=True)
-    valid = chosen_keys < 2.0
+    keys = torch.where(eligible, keys, torch.full_like(keys, above))
+    _, chosen = torch.topk(keys, n, dim=1, largest=False, sorted=True)
+    valid = torch.gather(eligible, 1, chosen)
     # Sort real anchors ascending and push padding to the end of each row.
     order_key = torch.where(valid, chosen, torch.full_like(chosen, seq_len))
     sorted_pos, _ = torch.sort(order_key, dim=1)
     valid = sorted_pos < seq_len
     anchors = torch.where(valid, sorted_pos, torch.zeros_like(sorted_pos))
     return AnchorBatch(anchors=anchors.long(), valid=valid)
+
+
+# splitmix64 (Steele, Lea & Flood 2014) on int64 tensors: products wrap modulo 2**64 and the
+# logical right shift is an arithmetic shift with the sign bits masked off.
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MIX_1 = _signed(0xBF58476D1CE4E5B9)
+_MIX_2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(z: Tensor, bits: int) -> Tensor:
+    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    """splitmix64's output function, in place on `z` (a fresh tensor)."""
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX_1)
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX_2)
+    return z.bitwise_xor_(_shift_right(z, 31))
+
+
+def counter_keys(key: int, rows: Tensor, width: int) -> Tensor:
+    """``[len(rows), width]`` uniformly random int64 keys, a pure function of the counters.
+
+    Entry ``(r, j)`` is output ``j + 1`` of a splitmix64 stream whose seed is output
+    ``rows[r] + 1`` of the stream seeded by `key`: no generator state, so any row or column is
+    computed on its own and a whole batch in one vectorised pass. Only the keys' order is used
+    (the smallest ones win), so they stay integers.
+    """
+    base = _signed(key % (1 << 64))
+    counters = rows.to(device="cpu", dtype=torch.int64).view(-1, 1)
+    row_seed = _mix64((counters + 1).mul_(_GOLDEN_GAMMA).add_(base))
+    columns = torch.arange(1, width + 1, dtype=torch.int64).mul_(_GOLDEN_GAMMA)
+    return _mix64(columns + row_seed)
 
 
 def _block_positions(anchors: Tensor, block_size: int) -> Tensor:
@@ -177,7 +255,9 @@ __all__ = [
     "AnchorBatch",
     "block_inputs",
     "block_labels",
+    "counter_keys",
     "eligible_anchor_mask",
     "gather_teacher_logits",
     "sample_anchors",
+    "sample_counter_anchors",
 ]

@@ -54,7 +54,8 @@ class SplitBlockMask:
     chunks see short prefixes and attention costs about ``Q x (T / 2 + Q / chunks)`` instead of
     ``Q x (T + Q)``, through the fused SDPA kernel. Same semantics as
     :func:`build_dense_block_mask` (a test checks outputs and gradients agree); the CPU
-    training path uses it.
+    training path uses it. A split into one chunk sees the whole context (``visible = T``), so
+    its single call takes K and V as they are.
     """
 
     __slots__ = ("block_size", "chunks", "masks")
@@ -376,30 +377,101 @@ def taps_from_hidden_states(
 # ---------------------------------------------------------------------------------------------
 
 
+#: Most queries (block positions) one chunk of the CPU split attention holds: its dense
+#: blocks x blocks part is then at most 128 x 128 per row and head. Measured on CPU
+#: (benchmarks/bench_step_overhead.py, bench_train_throughput.py): chunks of about 100-128
+#: queries are the fastest from 512 to 1024 context positions and 64 to 512 blocks of 16 per
+#: row; larger chunks redo more of the blocks x blocks part, far smaller ones pay a per-call
+#: cost and copy the visible context's K and V once per chunk. A step of at most this many
+#: block positions (issue 15's tiny shape: 8 blocks of 8) is one chunk, one call per layer.
+MAX_CHUNK_QUERIES = 128
+
+#: Most attention-score elements (``batch x heads x chunk queries x chunk keys``) one chunk may
+#: hold: 2**24 = 64 MiB in float32 (the attention-sink path materialises them).
+MAX_SPLIT_SCORES = 2**24
+
+
+def split_chunk_count(
+    batch: int,
+    n_blocks: int,
+    block_size: int,
+    ctx_len: int,
+    *,
+    heads: int = 1,
+    max_queries: int = MAX_CHUNK_QUERIES,
+    max_scores: int = MAX_SPLIT_SCORES,
+) -> int:
+    """Fewest chunks of consecutive blocks such that each holds at most `max_queries` block
+    positions and at most `max_scores` attention scores.
+
+    A chunk of ``n`` blocks attends ``q = n * block_size`` queries to at most ``ctx_len``
+    context keys plus its own ``q`` keys: ``batch * heads * q * (ctx_len + q)`` scores, of
+    which ``q x q`` per row and head is the blocks x blocks part the split exists to avoid.
+    One chunk when everything fits; never less than one block per chunk. Depends on the shapes
+    only, so every step of a run with the same shapes makes the same calls.
+    """
+    if n_blocks <= 0:
+        return 1
+    per_query = max(1, batch * heads)
+
+    def fits(blocks: int) -> bool:
+        q = blocks * block_size
+        return q <= max_queries and per_query * q * (ctx_len + q) <= max_scores
+
+    if fits(n_blocks):
+        return 1
+    # Largest chunk that fits (binary search over blocks per chunk, at least one).
+    low, high = 1, n_blocks
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return -(-n_blocks // low)
+
+
 def build_split_block_mask(
-    anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor, *, num_chunks: int = 8
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    valid: Tensor,
+    *,
+    num_chunks: int | None = None,
+    heads: int = 1,
 ) -> SplitBlockMask:
     """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`).
 
-    Blocks are grouped into up to `num_chunks` chunks; each chunk attends to the context
-    prefix its furthest anchor can see (exact for any anchor order, cheapest when sorted).
+    Blocks are grouped into up to `num_chunks` chunks, by default as few as
+    :func:`split_chunk_count` allows for `heads` attention heads; each chunk attends to the
+    context prefix its furthest anchor can see (exact for any anchor order, cheapest when
+    sorted).
     """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
     limit = _visible_context(anchors, ctx_len, valid)
-    n_blocks = anchors.shape[1]
+    batch, n_blocks = anchors.shape
+    if num_chunks is None:
+        num_chunks = split_chunk_count(batch, n_blocks, block_size, ctx_len, heads=heads)
     per_chunk = max(1, -(-n_blocks // max(1, num_chunks)))
-    chunk_max = [int(v) for v in limit.amax(dim=0).tolist()] if n_blocks else []
+    count = -(-n_blocks // per_chunk)
+    if count == 1:
+        # One chunk sees the whole context: the keys are then K and V themselves, no copy.
+        visibles = [ctx_len] if n_blocks else []
+    else:
+        # The furthest anchor of each chunk, in one reduction (no Python loop over blocks).
+        furthest = limit.amax(dim=0)
+        padded = F.pad(furthest, (0, count * per_chunk - n_blocks))
+        visibles = [int(v) for v in padded.view(count, per_chunk).amax(dim=1).tolist()]
     chunks: list[tuple[int, int, int]] = []
     masks: list[Tensor] = []
-    for first in range(0, n_blocks, per_chunk):
+    for first, visible in zip(range(0, n_blocks, per_chunk), visibles, strict=True):
         end = min(n_blocks, first + per_chunk)
-        visible = max(chunk_max[first:end])
         n_q = (end - first) * block_size
         q_limit = limit[:, first:end].repeat_interleave(block_size, dim=1)
         kv_ctx = torch.arange(visible, device=anchors.device)
         sees_context = kv_ctx.view(1, 1, -1) < q_limit.unsqueeze(-1)
         q_block = torch.arange(n_q, device=anchors.device) // block_size
-        same_block = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(anchors.shape[0], -1, -1)
+        same_block = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(batch, -1, -1)
         masks.append(torch.cat([sees_context, same_block], dim=-1).unsqueeze(1))
         chunks.append((first, end, visible))
     return SplitBlockMask(tuple(masks), block_size, tuple(chunks))
@@ -442,6 +514,9 @@ def _split_attention(
     if not mask.chunks:
         return q.new_zeros(batch, heads, q_len, dim)
     ctx_len = k.shape[2] - q_len
+    if len(mask.chunks) == 1 and mask.chunks[0][2] == ctx_len:
+        # One chunk over the whole context: the keys and values are k and v as they are.
+        return _dense_attention(q, k, v, mask.masks[0], sink)
     sizes = [(end - first) * bs for first, end, _ in mask.chunks]
     k_ctx, *k_blocks = torch.split(k, [ctx_len, *sizes], dim=2)
     v_ctx, *v_blocks = torch.split(v, [ctx_len, *sizes], dim=2)
@@ -671,6 +746,8 @@ class DFlashDraftModel(nn.Module):
 
 __all__ = [
     "INIT_STD",
+    "MAX_CHUNK_QUERIES",
+    "MAX_SPLIT_SCORES",
     "DFlashDraftModel",
     "DraftAttention",
     "DraftDecoderLayer",
@@ -685,5 +762,6 @@ __all__ = [
     "rope_config",
     "rope_parameters",
     "sliding_window_mask",
+    "split_chunk_count",
     "taps_from_hidden_states",
 ]

@@ -10,11 +10,11 @@ One optimiser step = ``gradient_accumulation_steps`` micro-batches. Each micro-b
    (decay or D-PACE weights, optional self-distillation, Domino/DSpark head objectives),
    per chunk of blocks when the logits are large (:class:`DraftStep`).
 
-Randomness is counter-based: the anchors of a sequence are drawn from a generator seeded by
-``(seed, epoch, position of the sequence in the epoch's order)``, the data order by
-``(seed, epoch)``. There is no hidden RNG stream, so a resumed run draws exactly what an
-uninterrupted run would have drawn, and a data-parallel run draws the same anchors per sequence
-as a single-process run over the same global batch.
+Randomness is counter-based: the anchors of a sequence are a pure function of ``(seed, epoch,
+position of the sequence in the epoch's order)`` (splitmix64 counters, the whole batch in one
+vectorised pass), the data order of ``(seed, epoch)``. There is no hidden RNG stream, so a
+resumed run draws exactly what an uninterrupted run would have drawn, and a data-parallel run
+draws the same anchors per sequence as a single-process run over the same global batch.
 
 Under DDP the loss of each rank is normalised by the *global* weight sum of the micro-batch,
 so the averaged gradient equals the single-process gradient over the whole global batch.
@@ -22,6 +22,7 @@ so the averaged gradient equals the single-process gradient over the whole globa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -43,7 +44,7 @@ from dflash_recipes.executor.anchors import (
     block_inputs,
     block_labels,
     gather_teacher_logits,
-    sample_anchors,
+    sample_counter_anchors,
 )
 from dflash_recipes.executor.convert import (
     ConvertedModel,
@@ -335,7 +336,8 @@ class StepInputs:
     ctx_positions: Tensor
     mask: object
     prefix_embeds: Tensor | None
-    prefix_tokens: Tensor
+    #: The tokens before each block position (Domino and DSpark heads only, else None).
+    prefix_tokens: Tensor | None
     targets: LossTargets
 
     def args(self) -> tuple[object, ...]:
@@ -397,10 +399,14 @@ def step_inputs(
             ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
         )
         block_embeds = embeddings(block_ids).float()
-        prefix_tokens = _prefix_tokens(ids, anchors, spec.block_size)
+        prefix_tokens = (
+            _prefix_tokens(ids, anchors, spec.block_size)
+            if spec.projector_type in ("domino", "dspark")
+            else None
+        )
         prefix_embeds = (
             embeddings(prefix_tokens.flatten(1)).float()
-            if spec.projector_type == "domino"
+            if prefix_tokens is not None and spec.projector_type == "domino"
             else None
         )
     ctx_len = int(ids.shape[1])
@@ -410,7 +416,9 @@ def step_inputs(
         mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
     else:
         # CPU: the split form of the dense mask (no blocks x blocks part).
-        mask = build_split_block_mask(anchors, spec.block_size, ctx_len, valid)
+        mask = build_split_block_mask(
+            anchors, spec.block_size, ctx_len, valid, heads=spec.num_attention_heads
+        )
     labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=spec.block_size)
     return StepInputs(
         tapped=tapped,
@@ -431,6 +439,26 @@ def step_inputs(
     )
 
 
+def build_optimizer(
+    params: list[nn.Parameter], *, lr: float, weight_decay: float
+) -> torch.optim.AdamW:
+    """The trainer's AdamW: fused (one kernel over every tensor) where torch has it for these
+    parameters (floating point, on CPU or CUDA), else the multi-tensor foreach form; both
+    compute the per-tensor loop's update up to float rounding."""
+    fused = bool(params) and all(
+        p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params
+    )
+    if fused:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """Clip the gradients' global norm to `max_norm` with the multi-tensor kernels; returns
+    the norm before clipping as a tensor (no host sync)."""
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
 def _weight_dtype(module: nn.Module) -> torch.dtype:
     for parameter in module.parameters():
         return parameter.dtype
@@ -442,10 +470,11 @@ def _weight_dtype(module: nn.Module) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
-def anchor_generator(seed: int, epoch: int, position: int) -> torch.Generator:
-    """The generator of one sequence's anchors: a pure function of (seed, epoch, position)."""
-    digest = hashlib.sha256(f"dflash-anchors:{seed}:{epoch}:{position}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+@functools.lru_cache(maxsize=64)
+def anchor_key(seed: int, epoch: int) -> int:
+    """The counter-based key of one epoch's anchors: a pure function of (seed, epoch)."""
+    digest = hashlib.sha256(f"dflash-anchors:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def sample_batch_anchors(
@@ -456,24 +485,21 @@ def sample_batch_anchors(
     block_size: int,
     num_anchors: int,
 ) -> tuple[Tensor, Tensor]:
-    """Anchors ``[B, N]`` and validity, each row drawn from its own counter-based generator."""
-    rows = []
-    for row, position in enumerate(positions):
-        drawn = sample_anchors(
-            batch.loss_mask[row : row + 1],
-            batch.attention_mask[row : row + 1],
-            block_size=block_size,
-            num_anchors=num_anchors,
-            generator=anchor_generator(seed, batch.epoch, position),
-        )
-        rows.append((drawn.anchors[0], drawn.valid[0]))
-    width = max(1, max(int(a.shape[0]) for a, _ in rows))
-    anchors = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for row, (a, v) in enumerate(rows):
-        anchors[row, : a.shape[0]] = a
-        valid[row, : v.shape[0]] = v
-    return anchors, valid
+    """Anchors ``[B, N]`` (N >= 1) and validity; row ``r`` is drawn from the counter
+    ``positions[r]`` under :func:`anchor_key` ``(seed, epoch)``, all rows in one pass."""
+    drawn = sample_counter_anchors(
+        batch.loss_mask,
+        batch.attention_mask,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        key=anchor_key(seed, batch.epoch),
+        rows=torch.tensor(positions, dtype=torch.int64),
+    )
+    if drawn.anchors.shape[1] == 0:
+        # No row has an eligible position: one padding block, so every shape stays non-empty.
+        rows = drawn.anchors.shape[0]
+        return torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.bool)
+    return drawn.anchors, drawn.valid
 
 
 def batch_positions(batch: Batch, env: DistEnv) -> list[int]:
@@ -512,30 +538,55 @@ class TrainSummary:
 
 
 class _MetricWindow:
-    """Accumulates loss and per-position counts between logging steps."""
+    """Accumulates loss and per-position counts between logging steps.
+
+    Everything stays a tensor on the step's device until :meth:`settle` (called only at a
+    logging step), so a step that logs nothing makes no host sync and no host copy.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = 0.0
         self.micro = 0
+        self._loss: Tensor | None = None
+        self._correct: Tensor | None = None
+        self._count: Tensor | None = None
+        self._tokens: Tensor | None = None
+        self._grad_norm: Tensor | None = None
+        self.loss_sum = 0.0
         self.correct = torch.zeros(self.block_size, dtype=torch.long)
         self.count = torch.zeros(self.block_size, dtype=torch.long)
         self.tokens = 0
         self.grad_norm: float | None = None
         self.started = time.perf_counter()
 
-    def add_grad_norm(self, norm: float) -> None:
-        self.grad_norm = norm
+    def add_grad_norm(self, norm: Tensor) -> None:
+        self._grad_norm = norm.detach()
 
-    def add(self, out: LossOutput, tokens: int) -> None:
-        self.loss_sum += float(out.loss.detach())
+    def add(self, out: LossOutput, tokens: Tensor) -> None:
         self.micro += 1
-        self.correct += out.per_position_correct.detach().cpu()
-        self.count += out.per_position_count.detach().cpu()
-        self.tokens += tokens
+        self._loss = _accumulate(self._loss, out.loss.detach())
+        self._correct = _accumulate(self._correct, out.per_position_correct.detach())
+        self._count = _accumulate(self._count, out.per_position_count.detach())
+        self._tokens = _accumulate(self._tokens, tokens)
+
+    def settle(self) -> None:
+        """Bring the accumulated tensors to Python numbers (the one host sync of a window)."""
+        if self._loss is not None:
+            self.loss_sum = float(self._loss)
+        if self._correct is not None and self._count is not None:
+            self.correct = self._correct.cpu().long()
+            self.count = self._count.cpu().long()
+        if self._tokens is not None:
+            self.tokens = int(self._tokens)
+        if self._grad_norm is not None:
+            self.grad_norm = float(self._grad_norm)
+
+
+def _accumulate(total: Tensor | None, value: Tensor) -> Tensor:
+    return value.clone() if total is None else total.add_(value)
 
 
 class Trainer:
@@ -682,7 +733,7 @@ class Trainer:
         drafter.float()
         step_module = DraftStep(drafter, lm_head(model), plan.draft.objective)
         trainable = [p for p in drafter.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
+        optimizer = build_optimizer(
             trainable, lr=training.learning_rate, weight_decay=training.weight_decay
         )
         total_steps = total_optimizer_steps(plan, len(dataset), env.world_size)
@@ -731,9 +782,8 @@ class Trainer:
         embeddings = embed_tokens(model)
         total_tokens_time = (0, 0.0)
         last_eval_tau: float | None = None
+        _training_modes(model, drafter)
         for step in range(start_step, total_steps):
-            model.train(False)
-            drafter.train(True)
             optimizer.zero_grad(set_to_none=True)
             for micro in range(training.gradient_accumulation_steps):
                 batch = next(data)
@@ -743,18 +793,19 @@ class Trainer:
                     nullcontext() if sync or not env.is_distributed else wrapped.no_sync()  # type: ignore[operator]
                 )
                 with context:
-                    out, tokens = self._micro_step(
+                    out, micro_tokens = self._micro_step(
                         wrapped, target, embeddings, batch, step=step, total_steps=total_steps
                     )
-                window.add(out, tokens)
-            norm = torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
-            window.add_grad_norm(float(norm))
+                window.add(out, micro_tokens)
+            norm = clip_gradients(trainable, training.max_grad_norm)
+            window.add_grad_norm(norm)
             optimizer.step()
             scheduler.step()
             done = step + 1
             if bar is not None:
                 bar.update(1)
             if done % training.logging_steps == 0 or done == total_steps:
+                window.settle()
                 last_row = self._log_metrics(
                     window, done, float(scheduler.get_last_lr()[0]), metrics_path
                 )
@@ -771,6 +822,7 @@ class Trainer:
                 window.reset()
             if training.eval_steps is not None and done % training.eval_steps == 0:
                 last_eval_tau = self._maybe_eval(model, tokenizer, done, metrics_path)
+                _training_modes(model, drafter)
             stopping = self.stop_after is not None and done >= self.stop_after
             if done % training.save_steps == 0 or done == total_steps or stopping:
                 self._save(drafter, optimizer, scheduler, done, position)
@@ -843,7 +895,7 @@ class Trainer:
         *,
         step: int,
         total_steps: int,
-    ) -> tuple[LossOutput, int]:
+    ) -> tuple[LossOutput, Tensor]:
         plan, spec, env = self.plan, self.spec, self.env
         objective = plan.draft.objective
         device = env.device
@@ -884,13 +936,19 @@ class Trainer:
             result: LossOutput = wrapped(*inputs.args())
         # Normalise by the global weight sum so DDP's gradient average equals the
         # single-process gradient over the whole global batch; then average over micro-batches.
-        local = result.weight_sum
-        total = all_reduce_sum(local.clone(), env)
-        scale = (local * env.world_size / total) if float(total) > 0 else torch.ones_like(local)
-        loss = result.loss * scale / plan.training.gradient_accumulation_steps
+        loss = result.loss
+        if env.is_distributed:
+            local = result.weight_sum
+            total = all_reduce_sum(local.clone(), env)
+            # No host sync: where() instead of a Python test of the total.
+            positive = total > 0
+            safe_total = torch.where(positive, total, torch.ones_like(total))
+            scale = torch.where(positive, local * env.world_size / safe_total, 1.0)
+            loss = loss * scale
+        # (One process: the scale is local / local = 1 exactly, so it is left out.)
+        loss = loss / plan.training.gradient_accumulation_steps
         loss.backward()  # type: ignore[no-untyped-call]
-        tokens = int(attention.sum())
-        return result, tokens
+        return result, attention.sum()
 
     def _sample_indices(self, batch: Batch) -> list[int]:
         """Dataset indices of this rank's rows of `batch` (offline: which captured samples)."""
@@ -1024,6 +1082,12 @@ class _Bar:
     def close(self) -> None: ...
 
 
+def _training_modes(model: nn.Module, drafter: nn.Module) -> None:
+    """Frozen target in eval mode, drafter in train mode (set once, again after an eval)."""
+    model.train(False)
+    drafter.train(True)
+
+
 def _prefix_tokens(ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     """``[B, N, K]``: index k holds the token at anchor + k - 1 (index 0: the anchor)."""
     offsets = torch.arange(block_size, device=anchors.device) - 1
@@ -1100,7 +1164,9 @@ __all__ = [
     "StepInputs",
     "TrainSummary",
     "Trainer",
-    "anchor_generator",
+    "anchor_key",
+    "build_optimizer",
+    "clip_gradients",
     "lr_factor",
     "run_plan",
     "sample_batch_anchors",

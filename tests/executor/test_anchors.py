@@ -10,9 +10,11 @@ from dflash_recipes.executor.anchors import (
     IGNORE_INDEX,
     block_inputs,
     block_labels,
+    counter_keys,
     eligible_anchor_mask,
     gather_teacher_logits,
     sample_anchors,
+    sample_counter_anchors,
 )
 
 MASK_ID = 99
@@ -188,3 +190,76 @@ def test_teacher_logits_for_position_k_come_from_anchor_plus_k_minus_1() -> None
     # past the end of the sequence the last row is repeated (label_mask drops those positions)
     late = gather_teacher_logits(target_logits, torch.tensor([[7], [7]]), block_size=4)
     assert late[0, 0, :, 0].tolist() == [6, 7, 8, 8]
+
+
+_U64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _splitmix_output(state: int) -> int:
+    """splitmix64's output function on Python integers (the published algorithm)."""
+    z = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _U64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _U64
+    return z ^ (z >> 31)
+
+
+def test_counter_keys_are_splitmix64_streams() -> None:
+    key = 0xDEADBEEF12345678
+    rows = [0, 5, 1_000_003]
+    keys = counter_keys(key, torch.tensor(rows), 6)
+    assert keys.shape == (3, 6) and keys.dtype == torch.int64
+    for r, counter in enumerate(rows):
+        seed = _splitmix_output((key + (counter + 1) * _GAMMA) & _U64)
+        expected = [_splitmix_output((seed + (j + 1) * _GAMMA) & _U64) for j in range(6)]
+        assert [int(k) & _U64 for k in keys[r]] == expected
+
+
+def test_counter_anchors_of_a_row_depend_only_on_its_counter() -> None:
+    loss = torch.ones(3, 40, dtype=torch.long)
+    att = torch.ones_like(loss)
+    att[1, 25:] = 0  # rows differ in length: the batch pads to the longest count
+    together = sample_counter_anchors(
+        loss, att, block_size=4, num_anchors=5, key=11, rows=torch.tensor([7, 8, 9])
+    )
+    for row, counter in enumerate([7, 8, 9]):
+        alone = sample_counter_anchors(
+            loss[row : row + 1],
+            att[row : row + 1],
+            block_size=4,
+            num_anchors=5,
+            key=11,
+            rows=torch.tensor([counter]),
+        )
+        assert torch.equal(together.anchors[row], alone.anchors[0])
+        assert torch.equal(together.valid[row], alone.valid[0])
+    # Another key or another counter draws other anchors.
+    other_key = sample_counter_anchors(
+        loss, att, block_size=4, num_anchors=5, key=12, rows=torch.tensor([7, 8, 9])
+    )
+    assert not torch.equal(other_key.anchors, together.anchors)
+    # Same masks in every row: counters 8, 9 moved to rows 0, 1 keep their anchors there.
+    full = torch.ones(3, 40, dtype=torch.long)
+    first = sample_counter_anchors(
+        full, full, block_size=4, num_anchors=5, key=11, rows=torch.tensor([7, 8, 9])
+    )
+    shifted = sample_counter_anchors(
+        full, full, block_size=4, num_anchors=5, key=11, rows=torch.tensor([8, 9, 10])
+    )
+    assert torch.equal(shifted.anchors[:2], first.anchors[1:])
+    assert not torch.equal(shifted.anchors[2], first.anchors[2])
+
+
+def test_counter_anchors_are_uniform_distinct_and_eligible() -> None:
+    rows = 3000
+    loss = torch.zeros(rows, 20, dtype=torch.long)
+    loss[:, 2:15] = 1
+    att = torch.ones(rows, 20, dtype=torch.long)
+    batch = sample_counter_anchors(
+        loss, att, block_size=2, num_anchors=3, key=2024, rows=torch.arange(rows)
+    )
+    assert batch.valid.all()
+    assert (batch.anchors[:, 1:] > batch.anchors[:, :-1]).all()  # sorted and distinct
+    counts = torch.bincount(batch.anchors.flatten(), minlength=20)
+    assert counts[:2].sum() == 0 and counts[14:].sum() == 0
+    expected = rows * 3 / 12  # 750 per eligible position; binomial sd about 24
+    assert ((counts[2:14].float() - expected).abs() < 100).all(), counts.tolist()

@@ -13,12 +13,15 @@ from testkit.tiny import randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
+from dflash_recipes.executor.anchors import sample_anchors
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
+    SplitBlockMask,
     block_positions,
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,
+    split_chunk_count,
 )
 
 
@@ -167,3 +170,85 @@ def test_split_attention_output_and_gradients_equal_dense(tmp_path: Path) -> Non
             chunk_mask[..., :visible] = False
         with torch.no_grad():
             assert not torch.allclose(model(embeds, context, q_pos, c_pos, blind), outputs[0])
+
+
+def test_split_chunk_count_is_one_when_the_blocks_fit_and_minimal_otherwise() -> None:
+    # Issue 15's tiny shape: 8 blocks of 8 = 64 queries, one chunk (one call per layer).
+    assert split_chunk_count(2, 8, 8, 128, heads=4) == 1
+    # Its medium shapes: 128 and 512 blocks of 16 = 2048 and 8192 queries, chunks of 8 blocks.
+    assert split_chunk_count(2, 128, 16, 1024, heads=4) == 16
+    assert split_chunk_count(2, 512, 16, 1024, heads=4) == 64
+    for batch, blocks, block, ctx, heads, queries, budget in [
+        (2, 128, 16, 1024, 4, 128, 2**24),
+        (2, 37, 5, 300, 2, 128, 2**24),
+        (3, 37, 5, 300, 2, 10_000, 20_000),  # the score budget binds
+        (1, 50, 3, 10, 1, 100, 2**24),  # the query cap binds, not a multiple of the block
+    ]:
+        count = split_chunk_count(
+            batch, blocks, block, ctx, heads=heads, max_queries=queries, max_scores=budget
+        )
+        per_chunk = -(-blocks // count)
+
+        def fits(
+            n: int, batch: int = batch, block: int = block, heads: int = heads, ctx: int = ctx
+        ) -> bool:
+            q = n * block
+            return q <= queries and batch * heads * q * (ctx + q) <= budget  # noqa: B023
+
+        assert fits(per_chunk)
+        # Minimal: one chunk fewer would need a chunk over a limit.
+        assert not fits(-(-blocks // (count - 1)))
+    # A single block over the limits still gets its own chunk, never zero blocks.
+    assert split_chunk_count(1, 4, 16, 10_000, max_scores=10) == 4
+    assert split_chunk_count(1, 4, 256, 10) == 4
+    assert split_chunk_count(2, 0, 16, 128) == 1
+
+
+_ISSUE_SHAPES = [
+    # seq, batch, anchors, block, forced chunk counts (None: chosen from the work)
+    pytest.param(128, 2, 8, 8, (None, 3), id="tiny"),
+    pytest.param(1024, 1, 128, 16, (None, 5), id="medium"),
+]
+
+
+@pytest.mark.parametrize(("seq", "batch", "anchors", "block", "forced"), _ISSUE_SHAPES)
+def test_split_attention_equals_dense_at_the_issue_shapes(
+    tmp_path: Path, seq: int, batch: int, anchors: int, block: int, forced: tuple[int | None, ...]
+) -> None:
+    """Issue 15's shapes (real sampled anchors, padding included): any chunking equals dense."""
+    model = DFlashDraftModel(tiny_plan(tmp_path).resolved_draft())
+    randomize(model)
+    gen = torch.Generator().manual_seed(7)
+    loss_mask = torch.ones(batch, seq, dtype=torch.long)
+    attention = torch.ones_like(loss_mask)
+    attention[0, seq - seq // 4 :] = 0  # a shorter first row: fewer eligible anchors
+    drawn = sample_anchors(
+        loss_mask, attention, block_size=block, num_anchors=anchors, generator=gen
+    )
+    a, v = drawn.anchors, drawn.valid
+    embeds = torch.randn(batch, a.shape[1] * block, 64, generator=gen)
+    context = torch.randn(batch, seq, 64, generator=gen)
+    q_pos = block_positions(a, block)
+    c_pos = torch.arange(seq).expand(batch, seq)
+    heads = model.spec.num_attention_heads
+    masks = [build_dense_block_mask(a, block, seq, v)]
+    for chunks in forced:
+        masks.append(build_split_block_mask(a, block, seq, v, num_chunks=chunks, heads=heads))
+    # The chosen count: one chunk at the tiny shape, several at the medium one.
+    chosen = masks[1]
+    assert isinstance(chosen, SplitBlockMask)
+    assert len(chosen.chunks) == split_chunk_count(batch, a.shape[1], block, seq, heads=heads)
+    assert (len(chosen.chunks) == 1) == (seq == 128)
+    assert len(masks[2].chunks) == forced[1]  # type: ignore[union-attr]
+    outputs, grads = [], []
+    for mask in masks:
+        model.zero_grad()
+        out = model(embeds, context, q_pos, c_pos, mask)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append(model.layers[0].self_attn.k_proj.weight.grad.clone())
+    # Gradients sum over thousands of positions: float32 noise scales with their size.
+    grad_atol = 1e-6 * float(grads[0].abs().max())
+    for index in range(1, len(masks)):
+        torch.testing.assert_close(outputs[index], outputs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[index], grads[0], rtol=1e-4, atol=grad_atol)
