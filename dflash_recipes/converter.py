@@ -18,7 +18,6 @@ into diagnostics located through a :class:`~dflash_recipes.diagnostics.SourceMap
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import re
 import types
@@ -116,6 +115,8 @@ def closest_name(word: str, candidates: Iterable[str]) -> str | None:
     for option in options:
         if option.lower() == word.lower():
             return option
+    import difflib  # only on an error path: kept off the start-up of every command
+
     matches = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return matches[0] if matches else None
 

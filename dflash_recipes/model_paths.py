@@ -12,7 +12,6 @@ and how to fix it. Pure stdlib + attrs: nothing here reads a file's content.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from pathlib import Path
@@ -243,6 +242,8 @@ def _missing_path(
             siblings = [c.name for c in parent.iterdir()]
         except OSError:
             siblings = []
+        import difflib  # only on an error path: kept off the start-up of every command
+
         close = difflib.get_close_matches(path.name, siblings, n=1)
         if close:
             hint = f"did you mean {parent / close[0]}?"
