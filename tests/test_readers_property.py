@@ -16,8 +16,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from testkit.fuzzing import FUZZ, json_values
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.config_json import read_json_config
@@ -28,25 +29,6 @@ from dflash_recipes.plan import RunPlan, _canonical
 from dflash_recipes.report import read_metrics
 from dflash_recipes.safetensors_header import read_safetensors_header
 
-FUZZ = settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-
-#: Any JSON value Python's json module writes, NaN/Infinity and very large integers included.
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.integers(min_value=10**25, max_value=10**60)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 #: Raw bytes, JSON text of any value, and a few shapes known to break naive parsers.
 file_bytes = st.one_of(
     st.binary(max_size=512),

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from testkit.fuzzing import FUZZ, json_values
 from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import DataError, DFlashRecipeError
@@ -24,24 +25,6 @@ from dflash_recipes.executor.training_checkpoints import (
     save_training_checkpoint,
 )
 
-FUZZ = settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.integers(min_value=10**25, max_value=10**60)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 hostile = st.sampled_from(
     [
         b"[" * 100_000 + b"]" * 100_000,
