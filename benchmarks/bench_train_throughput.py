@@ -101,7 +101,7 @@ def main() -> None:
         generator=torch.Generator().manual_seed(0),
     )
     anchors, valid = drawn.anchors, drawn.valid
-    batch = Batch(ids, attention, loss_mask, epoch=0, next_index=args.batch)
+    token_batch = Batch(ids, attention, loss_mask, epoch=0, next_index=args.batch)
     size = spec.block_size
     batch, seq = ids.shape
     labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=size)
@@ -118,7 +118,7 @@ def main() -> None:
     def packed() -> float:
         # The trainer's own micro-step: step_inputs (target forward included), then DraftStep.
         drafter.zero_grad(set_to_none=True)
-        inputs = step_inputs(model, spec, objective, batch, drawn)
+        inputs = step_inputs(model, spec, objective, token_batch, drawn)
         loss = step_module(inputs).loss
         loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
