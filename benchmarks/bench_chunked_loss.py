@@ -49,14 +49,9 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
 
     from dflash_recipes.compiler import compile_file
     from dflash_recipes.executor.anchors import sample_anchors
-    from dflash_recipes.executor.convert import (
-        convert,
-        dflash_module,
-        embed_tokens,
-        lm_head,
-        load_base_model,
-    )
-    from dflash_recipes.executor.train import DraftStep, step_inputs
+    from dflash_recipes.executor.convert import convert, dflash_module, lm_head, load_base_model
+    from dflash_recipes.executor.data import Batch
+    from dflash_recipes.executor.step import DraftStep, step_inputs
 
     torch.set_num_threads(1)
     result = compile_file(
@@ -80,23 +75,12 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
     ids = torch.randint(3, 150000, (1, seq), generator=gen)
     ones = torch.ones_like(ids)
     drawn = sample_anchors(ones, ones, block_size=block, num_anchors=blocks, generator=gen)
-    inputs = step_inputs(
-        model,
-        embed_tokens(model),
-        spec,
-        plan.draft.objective,
-        ids,
-        ones,
-        ones,
-        drawn.anchors,
-        drawn.valid,
-        step=0,
-        total_steps=1,
-    )
+    batch = Batch(ids, ones, ones, epoch=0, next_index=1)
+    inputs = step_inputs(model, spec, plan.draft.objective, batch, drawn)
     step = DraftStep(drafter, lm_head(model), plan.draft.objective, max_chunk_logits=budget)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    loss = step(*inputs.args())
+    loss = step(inputs)
     loss.loss.backward()
     elapsed = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -51,8 +51,11 @@ from torch import Tensor, nn
 
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.executor import loss as loss_module
+from dflash_recipes.executor import metrics as metrics_module
+from dflash_recipes.executor import step as step_module
 from dflash_recipes.executor import train as train_module
 from dflash_recipes.executor.anchors import (
+    AnchorBatch,
     block_inputs,
     block_labels,
     sample_anchors,
@@ -72,12 +75,8 @@ from dflash_recipes.executor.draft import (
     split_chunk_count,
     taps_from_hidden_states,
 )
-from dflash_recipes.executor.train import (
-    DraftStep,
-    build_optimizer,
-    clip_gradients,
-    step_inputs,
-)
+from dflash_recipes.executor.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.step import DraftStep, step_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
@@ -198,7 +197,7 @@ class Shape:
         self.steps = {
             v: DraftStep(self.drafters[v], self.head, self.objective) for v in ("before", "after")
         }
-        self.window = train_module._MetricWindow(block)
+        self.window = metrics_module.MetricWindow(block)
         self.trainer = train_module.Trainer(self.plan, progress=False)
         self.step_count = 0
 
@@ -262,7 +261,6 @@ class Shape:
             out, tokens = self.trainer._micro_step(
                 timed_step,  # type: ignore[arg-type]
                 self.model,
-                self.embed,
                 self.batch,
                 step=self.step_count,
                 total_steps=1000,
@@ -282,29 +280,25 @@ class Shape:
         """The step as the trainer ran it before issue 15 (see the module docstring)."""
         batch, spec, objective = self.batch, self.spec, self.objective
         anchors, valid = _old_batch_anchors(batch, spec.block_size, objective.num_anchors)
-        train_module.build_split_block_mask = _eight_chunks  # type: ignore[assignment]
+        step_module.build_split_block_mask = _eight_chunks  # type: ignore[assignment]
         try:
             inputs = step_inputs(
                 self.model,
-                self.embed,
                 spec,
                 objective,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.loss_mask,
-                anchors,
-                valid,
+                batch,
+                AnchorBatch(anchors=anchors, valid=valid),
                 step=self.step_count,
                 total_steps=1000,
             )
         finally:
-            train_module.build_split_block_mask = build_split_block_mask
-        train_module._prefix_tokens(batch.input_ids, anchors, spec.block_size)  # always built
+            step_module.build_split_block_mask = build_split_block_mask
+        step_module._prefix_tokens(batch.input_ids, anchors, spec.block_size)  # always built
         new_ce, new_counts = loss_module._token_ce, loss_module._position_counts
         loss_module._token_ce, loss_module._position_counts = _old_token_ce, _old_counts
         try:
             with timer.phase("drafter forward"):
-                out = self.steps["before"](*inputs.args())
+                out = self.steps["before"](inputs)
         finally:
             loss_module._token_ce, loss_module._position_counts = new_ce, new_counts
         local = out.weight_sum
@@ -441,7 +435,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    train_module.target_forward = _timed_target_forward  # type: ignore[assignment]
+    step_module.target_forward = _timed_target_forward  # type: ignore[assignment]
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:

@@ -44,9 +44,10 @@ from dflash_recipes.executor.convert import (
     load_base_model,
     target_forward,
 )
+from dflash_recipes.executor.data import Batch
 from dflash_recipes.executor.draft import taps_from_hidden_states
 from dflash_recipes.executor.loss import dflash_loss
-from dflash_recipes.executor.train import DraftStep, step_inputs
+from dflash_recipes.executor.step import DraftStep, step_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,6 +101,7 @@ def main() -> None:
         generator=torch.Generator().manual_seed(0),
     )
     anchors, valid = drawn.anchors, drawn.valid
+    token_batch = Batch(ids, attention, loss_mask, epoch=0, next_index=args.batch)
     size = spec.block_size
     batch, seq = ids.shape
     labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=size)
@@ -116,20 +118,8 @@ def main() -> None:
     def packed() -> float:
         # The trainer's own micro-step: step_inputs (target forward included), then DraftStep.
         drafter.zero_grad(set_to_none=True)
-        inputs = step_inputs(
-            model,
-            embed,
-            spec,
-            objective,
-            ids,
-            attention,
-            loss_mask,
-            anchors,
-            valid,
-            step=0,
-            total_steps=1,
-        )
-        loss = step_module(*inputs.args()).loss
+        inputs = step_inputs(model, spec, objective, token_batch, drawn)
+        loss = step_module(inputs).loss
         loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 

@@ -56,14 +56,14 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor.anchors import sample_anchors
+from dflash_recipes.executor.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.convert import (
     convert,
     dflash_module,
-    embed_tokens,
     lm_head,
     target_forward,
 )
+from dflash_recipes.executor.data import Batch as TokenBatch
 from dflash_recipes.executor.distributed import (
     DistEnv,
     init_distributed,
@@ -79,7 +79,7 @@ from dflash_recipes.executor.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.loss import LossOutput
-from dflash_recipes.executor.train import DraftStep, StepInputs, step_inputs
+from dflash_recipes.executor.step import DraftStep, StepInputs, step_inputs
 from dflash_recipes.plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,19 +241,11 @@ def make_batch(dims: Dims, seed: int) -> Batch:
 
 def inputs_for(model: PreTrainedModel, plan: RunPlan, batch: Batch) -> StepInputs:
     """The trainer's micro-step inputs (target forward included) on the model's device."""
-    return step_inputs(
-        model,
-        embed_tokens(model),
-        plan.resolved_draft(),
-        plan.draft.objective,
-        batch.ids,
-        batch.attention,
-        batch.loss_mask,
-        batch.anchors,
-        batch.valid,
-        step=0,
-        total_steps=1,
+    tokens = TokenBatch(
+        batch.ids, batch.attention, batch.loss_mask, epoch=0, next_index=int(batch.ids.shape[0])
     )
+    drawn = AnchorBatch(anchors=batch.anchors, valid=batch.valid)
+    return step_inputs(model, plan.resolved_draft(), plan.draft.objective, tokens, drawn)
 
 
 def run_step(step: nn.Module, inputs: StepInputs, autocast: bool) -> LossOutput:
@@ -263,7 +255,7 @@ def run_step(step: nn.Module, inputs: StepInputs, autocast: bool) -> LossOutput:
         torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     )
     with context:
-        out: LossOutput = step(*inputs.args())
+        out: LossOutput = step(inputs)
     out.loss.backward()  # type: ignore[no-untyped-call]
     return out
 
@@ -414,8 +406,7 @@ def check_flex(setup: Setup, report: Report) -> None:
         q_len = batch.anchors.shape[1] * dims.block
         embeds = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
         context = torch.randn(dims.batch, dims.seq, dims.hidden, generator=gen)
-        offsets = torch.arange(dims.block)
-        q_pos = (batch.anchors.unsqueeze(-1) + offsets).flatten(1)
+        q_pos = block_positions(batch.anchors, dims.block)
         c_pos = torch.arange(dims.seq).expand(dims.batch, dims.seq)
         probe = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
 
@@ -588,7 +579,7 @@ def _ddp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
     mine = batch.rows(rank * share, (rank + 1) * share).to(device)
     step = DraftStep(dflash_module(model), lm_head(model), plan.draft.objective)
     wrapped = wrap_ddp(step, env)
-    out: LossOutput = wrapped(*inputs_for(model, plan, mine).args())
+    out: LossOutput = wrapped(inputs_for(model, plan, mine))
     # The trainer's normalisation: DDP's average of these equals the whole batch's gradient.
     total = out.weight_sum.detach().clone()
     dist.all_reduce(total)

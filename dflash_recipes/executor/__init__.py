@@ -5,6 +5,7 @@ re-exports the model core; import submodules directly for the rest (``data``, ``
 ``train``). Importing ``dflash_recipes`` itself never imports this package.
 """
 
+from dflash_recipes.executor.anchors import block_positions
 from dflash_recipes.executor.convert import (
     ConvertedModel,
     convert,
@@ -16,7 +17,6 @@ from dflash_recipes.executor.convert import (
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
     DraftMask,
-    block_positions,
     build_dense_block_mask,
     build_flex_block_mask,
     taps_from_hidden_states,

@@ -16,13 +16,26 @@ attention mask; sequences are right-padded), position ``a`` may open a block whe
 
 With answer-only loss this means the first token of each answer is never a label (nothing of
 the answer precedes it to anchor on), exactly as at inference, where the target produces it.
+
+**Training batches.** :func:`sample_batch_anchors` draws a batch's anchors from counters: the
+key is :func:`anchor_key` ``(seed, epoch)`` and each row's counter is the sequence's position
+in the epoch's order (:func:`batch_positions`), so a resumed or data-parallel run draws exactly
+the anchors a single uninterrupted run would.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from typing import TYPE_CHECKING
+
 import attrs
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from dflash_recipes.executor.data import Batch
+    from dflash_recipes.executor.distributed import DistEnv
 
 #: Label value at positions that get no loss (PyTorch's cross-entropy ignore_index).
 IGNORE_INDEX = -100
@@ -36,6 +49,10 @@ class AnchorBatch:
     anchors: Tensor
     #: [B, N] bool; True for real anchors (a prefix of each row).
     valid: Tensor
+
+    def to(self, device: torch.device) -> AnchorBatch:
+        """The same anchors on `device`."""
+        return AnchorBatch(anchors=self.anchors.to(device), valid=self.valid.to(device))
 
 
 def eligible_anchor_mask(loss_mask: Tensor, attention_mask: Tensor, *, block_size: int) -> Tensor:
@@ -75,18 +92,12 @@ def sample_anchors(
     `generator` on its own device, so a CPU generator gives the same anchors on any device
     and the same generator state always gives the same anchors.
     """
-    if num_anchors < 1:
-        msg = f"num_anchors must be >= 1, got {num_anchors}"
-        raise ValueError(msg)
-    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    eligible, n = _eligible_and_count(loss_mask, attention_mask, block_size, num_anchors)
     batch, seq_len = eligible.shape
-    device = loss_mask.device
-    counts = eligible.sum(dim=1)
-    n = min(num_anchors, int(counts.max().item())) if batch > 0 else 0
     if n == 0:
-        empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        return AnchorBatch(anchors=empty, valid=empty.bool())
-    keys = torch.rand(batch, seq_len, generator=generator, device=generator.device).to(device)
+        return _no_anchors(batch, loss_mask.device)
+    keys = torch.rand(batch, seq_len, generator=generator, device=generator.device)
+    keys = keys.to(loss_mask.device)
     return _smallest_keys(eligible, keys, n, 2.0)
 
 
@@ -106,22 +117,35 @@ def sample_counter_anchors(
     on the other rows or on earlier draws, so the row drawn again in another batch, another
     process or a resumed run gets the same anchors. One vectorised pass over the whole batch.
     """
-    if num_anchors < 1:
-        msg = f"num_anchors must be >= 1, got {num_anchors}"
-        raise ValueError(msg)
-    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    eligible, n = _eligible_and_count(loss_mask, attention_mask, block_size, num_anchors)
     batch, seq_len = eligible.shape
     if rows.shape != (batch,):
         msg = f"rows must hold one counter per sequence ({batch}), got {tuple(rows.shape)}"
         raise ValueError(msg)
-    n = min(num_anchors, int(eligible.sum(dim=1).max().item())) if batch > 0 else 0
     if n == 0:
-        empty = torch.zeros(batch, 0, dtype=torch.long, device=loss_mask.device)
-        return AnchorBatch(anchors=empty, valid=empty.bool())
+        return _no_anchors(batch, loss_mask.device)
     keys = counter_keys(key, rows, seq_len).to(loss_mask.device)
     # int64 keys: ineligible positions get the largest value (an eligible key equal to it, one
     # in 2**64, merely ranks last).
     return _smallest_keys(eligible, keys, n, torch.iinfo(torch.int64).max)
+
+
+def _eligible_and_count(
+    loss_mask: Tensor, attention_mask: Tensor, block_size: int, num_anchors: int
+) -> tuple[Tensor, int]:
+    """The eligible positions ``[B, T]`` and how many anchors the fullest row gets."""
+    if num_anchors < 1:
+        msg = f"num_anchors must be >= 1, got {num_anchors}"
+        raise ValueError(msg)
+    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    if eligible.shape[0] == 0:
+        return eligible, 0
+    return eligible, min(num_anchors, int(eligible.sum(dim=1).max().item()))
+
+
+def _no_anchors(batch: int, device: torch.device) -> AnchorBatch:
+    empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    return AnchorBatch(anchors=empty, valid=empty.bool())
 
 
 def _smallest_keys(eligible: Tensor, keys: Tensor, n: int, above: float) -> AnchorBatch:
@@ -177,10 +201,62 @@ def counter_keys(key: int, rows: Tensor, width: int) -> Tensor:
     return _mix64(columns + row_seed)
 
 
-def _block_positions(anchors: Tensor, block_size: int) -> Tensor:
-    """[B, N, block_size]: anchor + k."""
-    offsets = torch.arange(block_size, device=anchors.device)
+# Training batches: anchors keyed by (seed, epoch) and the sequence's position in the epoch.
+
+
+@functools.lru_cache(maxsize=64)
+def anchor_key(seed: int, epoch: int) -> int:
+    """The counter-based key of one epoch's anchors: a pure function of (seed, epoch)."""
+    digest = hashlib.sha256(f"dflash-anchors:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def sample_batch_anchors(
+    batch: Batch,
+    *,
+    positions: list[int],
+    seed: int,
+    block_size: int,
+    num_anchors: int,
+) -> AnchorBatch:
+    """The anchors of a training batch, ``[B, N]`` with N >= 1; row ``r`` is drawn from the
+    counter ``positions[r]`` under :func:`anchor_key` ``(seed, epoch)``, all rows in one pass."""
+    drawn = sample_counter_anchors(
+        batch.loss_mask,
+        batch.attention_mask,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        key=anchor_key(seed, batch.epoch),
+        rows=torch.tensor(positions, dtype=torch.int64),
+    )
+    if drawn.anchors.shape[1] == 0:
+        # No row has an eligible position: one padding block, so every shape stays non-empty.
+        rows = drawn.anchors.shape[0]
+        return AnchorBatch(
+            anchors=torch.zeros(rows, 1, dtype=torch.long),
+            valid=torch.zeros(rows, 1, dtype=torch.bool),
+        )
+    return drawn
+
+
+def batch_positions(batch: Batch, env: DistEnv) -> list[int]:
+    """Positions in the epoch's order of this rank's rows of the batch (their anchor counters)."""
+    local = int(batch.input_ids.shape[0])
+    global_rows = local * env.world_size
+    start = batch.next_index - global_rows + env.rank * local
+    return [start + row for row in range(local)]
+
+
+def _block_grid(anchors: Tensor, block_size: int) -> Tensor:
+    """``[B, N, block_size]``: entry k of a block is anchor + k."""
+    offsets = torch.arange(block_size, device=anchors.device, dtype=anchors.dtype)
     return anchors.unsqueeze(-1) + offsets
+
+
+def block_positions(anchors: Tensor, block_size: int) -> Tensor:
+    """Packed positions of the blocks: ``anchors [B, N]`` -> ``[B, N * block_size]`` (the
+    drafter's query positions; block n fills columns ``n*block_size ..``)."""
+    return _block_grid(anchors, block_size).flatten(1)
 
 
 def block_inputs(
@@ -206,8 +282,7 @@ def block_inputs(
         (batch, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
     )
     ids[:, :, 0] = anchor_ids
-    positions = _block_positions(anchors, block_size)
-    return ids.reshape(batch, n * block_size), positions.reshape(batch, n * block_size)
+    return ids.reshape(batch, n * block_size), block_positions(anchors, block_size)
 
 
 def block_labels(
@@ -225,7 +300,7 @@ def block_labels(
     ``loss_mask[anchor + k] == 1``. Unsupervised labels are ``IGNORE_INDEX`` (-100).
     """
     _, seq_len = input_ids.shape
-    positions = _block_positions(anchors, block_size)
+    positions = _block_grid(anchors, block_size)
     inside = positions < seq_len
     flat = positions.clamp(max=seq_len - 1).flatten(1)
     tokens = torch.gather(input_ids, 1, flat).view_as(positions)
@@ -245,7 +320,7 @@ def gather_teacher_logits(target_logits: Tensor, anchors: Tensor, *, block_size:
     :func:`block_labels` excludes them.
     """
     batch, seq_len, _ = target_logits.shape
-    positions = (_block_positions(anchors, block_size) - 1).clamp(min=0, max=seq_len - 1)
+    positions = (_block_grid(anchors, block_size) - 1).clamp(min=0, max=seq_len - 1)
     rows = torch.arange(batch, device=anchors.device).view(batch, 1, 1)
     return target_logits[rows, positions]
 
@@ -253,11 +328,15 @@ def gather_teacher_logits(target_logits: Tensor, anchors: Tensor, *, block_size:
 __all__ = [
     "IGNORE_INDEX",
     "AnchorBatch",
+    "anchor_key",
+    "batch_positions",
     "block_inputs",
     "block_labels",
+    "block_positions",
     "counter_keys",
     "eligible_anchor_mask",
     "gather_teacher_logits",
     "sample_anchors",
+    "sample_batch_anchors",
     "sample_counter_anchors",
 ]

@@ -49,7 +49,7 @@ from dflash_recipes.capture_manifest import (
 )
 from dflash_recipes.crashsafe import atomic_replace, write_text_atomic
 from dflash_recipes.errors import DataError, PlanError
-from dflash_recipes.executor.convert import load_base_model, target_forward
+from dflash_recipes.executor.convert import load_base_model, load_tokenizer, target_forward
 from dflash_recipes.executor.data import TokenizedExample, TrainDataset, build_dataset
 from dflash_recipes.executor.distributed import (
     DistEnv,
@@ -180,13 +180,11 @@ class _Capture:
     def _run(self, started: float) -> CaptureSummary:
         import time
 
-        from dflash_recipes.executor.train import Trainer
-
         plan, env = self.plan, self.env
         if plan.data.data_path is None:
             msg = "data.data_path is not set: capture needs the JSONL conversations to run over"
             raise DataError(msg)
-        tokenizer = Trainer(plan, progress=False)._load_tokenizer()
+        tokenizer = load_tokenizer(plan)
         dataset = build_dataset(plan, tokenizer)
         manifest = planned_manifest(plan, dataset, max_shard_bytes=self.max_shard_bytes)
         if is_main(env):

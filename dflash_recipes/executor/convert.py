@@ -19,11 +19,11 @@ from typing import TypeAlias
 import attrs
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.warmstart import load_init_checkpoint
+from dflash_recipes.executor.warmstart import warm_start
 from dflash_recipes.model_files import CONFIG_FILE
 from dflash_recipes.plan import RunPlan
 
@@ -81,6 +81,39 @@ def load_base_model(plan: RunPlan) -> PreTrainedModel:
     return model
 
 
+def load_tokenizer(plan: RunPlan) -> PreTrainedTokenizerBase:
+    """The base model's tokenizer, from its local directory (never the network).
+
+    Raises CheckpointError, naming the directory and the command that stages the files, when
+    the directory has no tokenizer files or they do not load.
+    """
+    from transformers import AutoTokenizer
+
+    base = plan.base_model
+    known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(base.path) / name).is_file() for name in known):
+        # transformers would build an empty tokenizer from config.json alone.
+        msg = (
+            f"the base model directory {base.path} has no tokenizer files (none of "
+            f"{', '.join(known)}); the directory needs them next to config.json: stage "
+            f"the whole model with `hf download <repo> --local-dir {base.path}`"
+        )
+        raise CheckpointError(msg)
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            base.path, local_files_only=True, trust_remote_code=base.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        msg = (
+            f"cannot load the tokenizer of the base model from {base.path}: {exc}; the "
+            "directory needs the tokenizer files (tokenizer.json / tokenizer_config.json) "
+            "next to config.json: stage the whole model with `hf download <repo> "
+            f"--local-dir {base.path}`"
+        )
+        raise CheckpointError(msg) from exc
+    return tokenizer
+
+
 def _eval_mode(model: nn.Module) -> None:
     # Through nn.Module's typed signature; transformers' own override is untyped.
     model.eval()
@@ -124,9 +157,9 @@ def convert(base_model: PreTrainedModel, plan: RunPlan, *, init: bool = True) ->
     """Attach the plan's drafter to ``base_model`` as ``dflash_module``, freeze the base.
 
     With ``init`` (the default), a plan with ``init_checkpoint`` and no ``resume`` warm-starts
-    the drafter here, before anything moves it, and records the
-    :class:`~dflash_recipes.executor.warmstart.WarmStartReport` as
-    ``dflash_module.warm_start_report``. Returns ``base_model`` (converted in place).
+    the drafter here, before anything moves it (:func:`~dflash_recipes.executor.warmstart.
+    warm_start`; a caller that wants the report passes ``init=False`` and calls it itself).
+    Returns ``base_model`` (converted in place).
     """
     if hasattr(base_model, DRAFT_ATTRIBUTE):
         msg = "this model already has a dflash_module; convert a fresh base model"
@@ -152,8 +185,8 @@ def convert(base_model: PreTrainedModel, plan: RunPlan, *, init: bool = True) ->
 
     generator = torch.Generator().manual_seed(plan.training.seed)
     module = DFlashDraftModel(spec, generator=generator)
-    if init and plan.init_checkpoint is not None and plan.resume is None:
-        module.warm_start_report = load_init_checkpoint(module, plan)
+    if init:
+        warm_start(module, plan)
     base_model.add_module(DRAFT_ATTRIBUTE, module)
     return base_model
 
@@ -235,6 +268,7 @@ __all__ = [
     "embed_tokens",
     "lm_head",
     "load_base_model",
+    "load_tokenizer",
     "target_forward",
     "torch_dtype",
 ]

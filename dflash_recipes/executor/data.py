@@ -591,6 +591,15 @@ class Batch:
     #: Index into the epoch's order just after this (global) batch: save it to resume.
     next_index: int
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with its tensors on `device`."""
+        return attrs.evolve(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            loss_mask=self.loss_mask.to(device),
+        )
+
 
 def epoch_order(num_examples: int, *, seed: int, epoch: int) -> list[int]:
     """The deterministic shuffled order of example indices for `epoch` (same in every process)."""

@@ -37,7 +37,7 @@ from typing import Literal, TypeVar
 import attrs
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
@@ -283,6 +283,27 @@ def barrier(env: DistEnv) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def all_reduce_sum(tensor: Tensor, env: DistEnv) -> Tensor:
+    """Sum a tensor over all ranks, in place (identity for a single process)."""
+    if env.is_distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def global_batch_loss(loss: Tensor, weight_sum: Tensor, env: DistEnv) -> Tensor:
+    """`loss` (this rank's, normalised by its own `weight_sum`) renormalised by the weight sum
+    of the whole global batch, times the world size: DDP's gradient average then equals the
+    single-process gradient over the global batch. One process: `loss` unchanged."""
+    if not env.is_distributed:
+        return loss  # the scale is local / local = 1 exactly
+    total = all_reduce_sum(weight_sum.clone(), env)
+    # No host sync: where() instead of a Python test of the total.
+    positive = total > 0
+    safe_total = torch.where(positive, total, torch.ones_like(total))
+    scale = torch.where(positive, weight_sum * env.world_size / safe_total, 1.0)
+    return loss * scale
+
+
 def wrap_ddp(module: nn.Module, env: DistEnv, *, find_unused_parameters: bool = False) -> nn.Module:
     """Wrap the trainable drafter in DDP (returned unchanged for a single process).
 
@@ -520,9 +541,11 @@ __all__ = [
     "Backend",
     "DevicePreference",
     "DistEnv",
+    "all_reduce_sum",
     "barrier",
     "build_torchrun_argv",
     "detect_dist_env",
+    "global_batch_loss",
     "init_distributed",
     "is_launched_process",
     "is_main",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from dflash_recipes.executor.heads import DominoHead, DraftHead, DSparkHead, build_head
 from dflash_recipes.plan import ResolvedDraft, RopePlan, RopeValue
-
-if TYPE_CHECKING:
-    from dflash_recipes.executor.warmstart import WarmStartReport
 
 
 class SplitBlockMask:
@@ -123,12 +120,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # masks
 # ---------------------------------------------------------------------------------------------
-
-
-def block_positions(anchors: Tensor, block_size: int) -> Tensor:
-    """Packed positions of the blocks: ``anchors [B, N]`` -> ``[B, N * block_size]``."""
-    offsets = torch.arange(block_size, device=anchors.device, dtype=anchors.dtype)
-    return (anchors.unsqueeze(-1) + offsets).flatten(1)
 
 
 def _check_mask_inputs(anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor) -> None:
@@ -647,8 +638,6 @@ class DFlashDraftModel(nn.Module):
     def __init__(self, spec: ResolvedDraft, *, generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.spec = spec
-        #: Set by ``convert`` when it warm-started this module (None otherwise).
-        self.warm_start_report: WarmStartReport | None = None
         hidden = spec.hidden_size
         n_taps = len(spec.target_layer_ids)
         self.fc = nn.Linear(n_taps * hidden, hidden, bias=False)
@@ -755,7 +744,6 @@ __all__ = [
     "DraftMask",
     "SplitBlockMask",
     "apply_rope",
-    "block_positions",
     "build_dense_block_mask",
     "build_flex_block_mask",
     "build_split_block_mask",

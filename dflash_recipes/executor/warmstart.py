@@ -301,6 +301,14 @@ def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
     return report
 
 
+def warm_start(module: nn.Module, plan: RunPlan) -> WarmStartReport | None:
+    """The plan's warm start of a fresh drafter: :func:`load_init_checkpoint` when the plan
+    has an init checkpoint and is not a resume; None (nothing loaded) otherwise."""
+    if plan.init_checkpoint is None or plan.resume is not None:
+        return None
+    return load_init_checkpoint(module, plan)
+
+
 __all__ = [
     "SAFETENSORS_DTYPES",
     "WarmStartReport",
@@ -309,4 +317,5 @@ __all__ = [
     "load_exact_weights",
     "load_init_checkpoint",
     "stream_tensors",
+    "warm_start",
 ]

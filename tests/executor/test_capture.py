@@ -18,7 +18,7 @@ from dflash_recipes.cli import main
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor import capture as capture_module
-from dflash_recipes.executor import train as train_module
+from dflash_recipes.executor import step as step_module
 from dflash_recipes.executor.capture import capture_plan
 from dflash_recipes.executor.train import run_plan
 from dflash_recipes.locking import LOCK_FILE
@@ -83,7 +83,7 @@ def test_offline_training_equals_online(
     def no_decoder(*args: object, **kwargs: object) -> object:
         raise AssertionError("offline training ran the target's decoder")
 
-    monkeypatch.setattr(train_module, "target_forward", no_decoder)
+    monkeypatch.setattr(step_module, "target_forward", no_decoder)
     offline_summary = run_plan(offline, progress=False)
     assert offline_summary.data_summary.startswith(str(tmp_path / "capture"))
 

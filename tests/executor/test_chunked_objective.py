@@ -10,9 +10,10 @@ from testkit.tiny import TINY_VOCAB, randomize, tiny_plan, tiny_target
 from torch import Tensor
 
 from dflash_recipes.executor.anchors import sample_anchors
-from dflash_recipes.executor.convert import convert, dflash_module, embed_tokens, lm_head
+from dflash_recipes.executor.convert import convert, dflash_module, lm_head
+from dflash_recipes.executor.data import Batch
 from dflash_recipes.executor.loss import LossOutput, combine_losses, dflash_loss
-from dflash_recipes.executor.train import DraftStep, step_inputs
+from dflash_recipes.executor.step import DraftStep, StepInputs, step_inputs
 from dflash_recipes.plan import RunPlan
 
 BLOCK = 4
@@ -44,7 +45,7 @@ VARIANTS = {
 }
 
 
-def _step_inputs(plan: RunPlan) -> tuple[DraftStep, tuple[object, ...]]:
+def _step_inputs(plan: RunPlan) -> tuple[DraftStep, StepInputs]:
     """A DraftStep over random weights and one micro-step's inputs (prompts unsupervised)."""
     model = convert(tiny_target(plan), plan)
     drafter = dflash_module(model)
@@ -57,25 +58,14 @@ def _step_inputs(plan: RunPlan) -> tuple[DraftStep, tuple[object, ...]]:
     loss_mask[0, :9] = 0  # a prompt: the two rows supervise different numbers of positions
     loss_mask[1, :3] = 0
     drawn = sample_anchors(loss_mask, attention, block_size=BLOCK, num_anchors=7, generator=gen)
-    inputs = step_inputs(
-        model,
-        embed_tokens(model),
-        spec,
-        plan.draft.objective,
-        ids,
-        attention,
-        loss_mask,
-        drawn.anchors,
-        drawn.valid,
-        step=3,
-        total_steps=10,
-    )
-    return DraftStep(drafter, lm_head(model), plan.draft.objective), inputs.args()
+    batch = Batch(ids, attention, loss_mask, epoch=0, next_index=BATCH)
+    inputs = step_inputs(model, spec, plan.draft.objective, batch, drawn, step=3, total_steps=10)
+    return DraftStep(drafter, lm_head(model), plan.draft.objective), inputs
 
 
-def _run(step: DraftStep, args: tuple[object, ...]) -> tuple[LossOutput, dict[str, Tensor]]:
+def _run(step: DraftStep, inputs: StepInputs) -> tuple[LossOutput, dict[str, Tensor]]:
     step.drafter.zero_grad(set_to_none=True)
-    result = step(*args)
+    result = step(inputs)
     assert isinstance(result, LossOutput)
     result.loss.backward()
     grads = {
@@ -87,16 +77,16 @@ def _run(step: DraftStep, args: tuple[object, ...]) -> tuple[LossOutput, dict[st
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_chunked_step_equals_the_whole_batch_step(tmp_path: Path, variant: str) -> None:
     plan = tiny_plan(tmp_path, block_size=BLOCK, **VARIANTS[variant])
-    step, args = _step_inputs(plan)
-    n_blocks = args[-1].labels.shape[1]  # type: ignore[attr-defined]
-    whole, whole_grads = _run(step, args)
+    step, inputs = _step_inputs(plan)
+    n_blocks = inputs.targets.labels.shape[1]
+    whole, whole_grads = _run(step, inputs)
     assert step.blocks_per_chunk(BATCH, n_blocks) == n_blocks  # tiny vocab: one chunk
     assert whole.per_position_count.sum() > 0
     per_block = BATCH * BLOCK * TINY_VOCAB
     for blocks in (1, 2, 3):  # 3 leaves an uneven last chunk
         step.max_chunk_logits = blocks * per_block
         assert step.blocks_per_chunk(BATCH, n_blocks) == blocks
-        chunked, grads = _run(step, args)
+        chunked, grads = _run(step, inputs)
         torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-5, atol=1e-6)
         for part in ("ce", "weight_sum", "distill", "backbone_ce", "tv", "confidence_bce"):
             ours, theirs = getattr(chunked, part), getattr(whole, part)
@@ -113,15 +103,15 @@ def test_chunked_step_equals_the_whole_batch_step(tmp_path: Path, variant: str) 
 
 def test_chunks_bound_the_logits_held_at_once(tmp_path: Path) -> None:
     plan = tiny_plan(tmp_path, block_size=BLOCK)
-    step, args = _step_inputs(plan)
-    n_blocks = args[-1].labels.shape[1]  # type: ignore[attr-defined]
+    step, inputs = _step_inputs(plan)
+    n_blocks = inputs.targets.labels.shape[1]
     sizes: list[int] = []
     hook = step._lm_head.register_forward_hook(  # type: ignore[union-attr]
         lambda _m, _i, out: sizes.append(out.numel())
     )
     budget = 2 * BATCH * BLOCK * TINY_VOCAB
     step.max_chunk_logits = budget
-    step(*args).loss.backward()
+    step(inputs).loss.backward()
     hook.remove()
     chunks = -(-n_blocks // 2)
     # Forward once per chunk, then each chunk's logits recomputed once during backward.

@@ -9,6 +9,7 @@ import torch
 from testkit.tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 from dflash_recipes.errors import CheckpointError, PlanError
+from dflash_recipes.executor.anchors import block_positions
 from dflash_recipes.executor.convert import (
     convert,
     dflash_module,
@@ -18,7 +19,6 @@ from dflash_recipes.executor.convert import (
     target_forward,
 )
 from dflash_recipes.executor.draft import (
-    block_positions,
     build_dense_block_mask,
     taps_from_hidden_states,
 )

@@ -11,9 +11,9 @@ from testkit.tiny import randomize, tiny_plan, tiny_target
 from torch import Tensor
 
 from dflash_recipes.draft_layout import expected_layout
+from dflash_recipes.executor.anchors import block_positions
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
-    block_positions,
     build_dense_block_mask,
     taps_from_hidden_states,
 )

@@ -13,11 +13,10 @@ from testkit.tiny import randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
-from dflash_recipes.executor.anchors import sample_anchors
+from dflash_recipes.executor.anchors import block_positions, sample_anchors
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
     SplitBlockMask,
-    block_positions,
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,

@@ -146,7 +146,7 @@ def test_any_other_os_error_during_a_run_is_one_line(
     def full(path: Path, row: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(train, "_append_jsonl", full)  # the final summary row
+    monkeypatch.setattr(train, "append_jsonl", full)  # the final summary row
     out = tmp_path / "run"
     result = _run(out, 1)
     assert result.exit_code == 1

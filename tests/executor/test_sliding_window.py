@@ -16,9 +16,9 @@ from testkit.tiny import TINY_HIDDEN, TINY_MASK_TOKEN_ID, randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
 
+from dflash_recipes.executor.anchors import block_positions
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
-    block_positions,
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,

@@ -14,6 +14,7 @@ from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
 from dflash_recipes.errors import CheckpointError, DataError
+from dflash_recipes.executor.anchors import block_positions
 from dflash_recipes.executor.convert import (
     convert,
     dflash_module,
@@ -24,7 +25,6 @@ from dflash_recipes.executor.convert import (
 from dflash_recipes.executor.data import Conversation, Message, read_conversations
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
-    block_positions,
     build_dense_block_mask,
     taps_from_hidden_states,
 )

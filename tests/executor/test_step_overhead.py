@@ -10,14 +10,10 @@ import torch
 from torch import nn
 
 from dflash_recipes.compiler import compile_file
+from dflash_recipes.executor.anchors import anchor_key, sample_batch_anchors
 from dflash_recipes.executor.data import Batch
-from dflash_recipes.executor.train import (
-    anchor_key,
-    build_optimizer,
-    clip_gradients,
-    run_plan,
-    sample_batch_anchors,
-)
+from dflash_recipes.executor.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.train import run_plan
 
 SCRATCH = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "tiny_scratch.yaml"
 
@@ -68,28 +64,27 @@ def _batch(lengths: list[int], width: int = 24, epoch: int = 0) -> Batch:
 
 def test_batch_anchors_are_a_function_of_seed_epoch_and_position() -> None:
     batch = _batch([24, 16, 20])
-    anchors, valid = sample_batch_anchors(
-        batch, positions=[10, 11, 12], seed=3, block_size=4, num_anchors=5
-    )
+    drawn = sample_batch_anchors(batch, positions=[10, 11, 12], seed=3, block_size=4, num_anchors=5)
+    anchors, valid = drawn.anchors, drawn.valid
     assert anchors.shape == valid.shape == (3, 5)
     # The same sequence at the same position of the epoch, in another batch: same anchors.
     alone = _batch([16])
-    a1, v1 = sample_batch_anchors(alone, positions=[11], seed=3, block_size=4, num_anchors=5)
-    assert torch.equal(a1[0], anchors[1]) and torch.equal(v1[0], valid[1])
+    one = sample_batch_anchors(alone, positions=[11], seed=3, block_size=4, num_anchors=5)
+    assert torch.equal(one.anchors[0], anchors[1]) and torch.equal(one.valid[0], valid[1])
     # Another epoch or seed: other anchors.
     moved = sample_batch_anchors(
         _batch([24, 16, 20], epoch=1), positions=[10, 11, 12], seed=3, block_size=4, num_anchors=5
     )
-    assert not torch.equal(moved[0], anchors)
+    assert not torch.equal(moved.anchors, anchors)
     assert anchor_key(3, 0) != anchor_key(3, 1) != anchor_key(4, 1)
 
 
 def test_batch_without_any_anchor_gets_one_padding_block() -> None:
-    anchors, valid = sample_batch_anchors(
+    drawn = sample_batch_anchors(
         _batch([3, 2]), positions=[0, 1], seed=0, block_size=4, num_anchors=5
     )
-    assert anchors.shape == valid.shape == (2, 1)
-    assert not valid.any()
+    assert drawn.anchors.shape == drawn.valid.shape == (2, 1)
+    assert not drawn.valid.any()
 
 
 def test_accuracy_counts_keep_argmax_first_maximum_rule() -> None:

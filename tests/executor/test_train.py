@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.train import lr_factor, run_plan
+from dflash_recipes.executor.optimizer import lr_factor
+from dflash_recipes.executor.train import run_plan
 from dflash_recipes.plan import RunPlan
 from dflash_recipes.run_dir import complete_checkpoints
 
@@ -88,9 +89,7 @@ def test_resume_gives_identical_weights(tmp_path: Path) -> None:
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
-def test_chunked_loss_trains_like_the_whole_batch_loss(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_chunked_loss_trains_like_the_whole_batch_loss(tmp_path: Path) -> None:
     """A vocabulary too large for one chunk of logits: same losses and same training.
 
     AdamW's first steps move each weight by about +-lr whatever the gradient's size, so a
@@ -101,9 +100,8 @@ def test_chunked_loss_trains_like_the_whole_batch_loss(
     whole = _plan(tmp_path, "whole", "training.max_steps=2")
     run_plan(whole, progress=False)
     # One block per chunk (2 rows x 4 positions x 392 vocab > 3000 logits).
-    monkeypatch.setattr("dflash_recipes.executor.train.MAX_CHUNK_LOGITS", 3000)
     chunked = _plan(tmp_path, "chunked", "training.max_steps=2")
-    run_plan(chunked, progress=False)
+    run_plan(chunked, progress=False, max_chunk_logits=3000)
 
     def losses(run: str) -> list[float]:
         rows = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
@@ -162,20 +160,20 @@ _CHUNKING_SITECUSTOMIZE = """
 import os
 from pathlib import Path
 
-import dflash_recipes.executor.train as train
+from dflash_recipes.executor.step import DraftStep
 
-train.MAX_CHUNK_LOGITS = 1000  # 1 row x 4 positions x 392 vocab > 1000: one block per chunk
-_blocks_per_chunk = train.DraftStep.blocks_per_chunk
+_blocks_per_chunk = DraftStep.blocks_per_chunk
 
 
 def _recorded(self, batch, n_blocks):
+    self.max_chunk_logits = 1000  # 1 row x 4 positions x 392 vocab > 1000: one block per chunk
     blocks = _blocks_per_chunk(self, batch, n_blocks)
     marker = Path(os.environ["DFLASH_TEST_MARKERS"]) / f"rank{os.environ.get('RANK', '-')}"
     marker.write_text(f"{blocks} of {n_blocks}")
     return blocks
 
 
-train.DraftStep.blocks_per_chunk = _recorded
+DraftStep.blocks_per_chunk = _recorded
 """
 
 

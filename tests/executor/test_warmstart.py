@@ -21,7 +21,7 @@ from dflash_recipes.executor.training_checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.executor.warmstart import load_init_checkpoint
+from dflash_recipes.executor.warmstart import load_init_checkpoint, warm_start
 from dflash_recipes.plan import ResumePlan, RunPlan
 
 DOMINO = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
@@ -42,8 +42,8 @@ def fresh(plan: RunPlan) -> DFlashDraftModel:
 def test_round_trip_at_another_block_size_is_bit_exact(tmp_path: Path) -> None:
     _, init = exported(tmp_path, block_size=4)
     plan = with_init_checkpoint(tiny_plan(tmp_path, block_size=8), init)
-    model = convert(tiny_target(plan), plan)
-    report = model.dflash_module.warm_start_report
+    model = convert(tiny_target(plan), plan, init=False)
+    report = warm_start(model.dflash_module, plan)
     assert report is not None and report.tensors_loaded == 25
     source = load_file(str(init / "model.safetensors"))
     loaded = model.dflash_module.state_dict()
@@ -51,6 +51,11 @@ def test_round_trip_at_another_block_size_is_bit_exact(tmp_path: Path) -> None:
     for name, tensor in source.items():
         assert loaded[name].dtype == torch.float32  # master weights; bf16 widens exactly
         assert torch.equal(loaded[name], tensor.to(torch.float32)), name
+    # convert's default (init=True) warm-starts the same way; a resume plan loads nothing.
+    converted = convert(tiny_target(plan), plan).dflash_module.state_dict()
+    assert all(torch.equal(converted[name], loaded[name]) for name in source)
+    resuming = attrs.evolve(plan, resume=ResumePlan(checkpoint_dir=str(tmp_path), step=1))
+    assert warm_start(fresh(resuming), resuming) is None
 
 
 def test_float32_checkpoint_loads_bit_exactly(tmp_path: Path) -> None:
