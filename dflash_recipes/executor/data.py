@@ -125,18 +125,21 @@ def _quote_reasons(skipped: Sequence[SkippedLine]) -> str:
     return "\n".join(lines)
 
 
-def read_conversations(path: Path, *, answer_only_loss: bool = True) -> ConversationFile:
+def read_conversations(
+    path: Path, *, answer_only_loss: bool = True, setting: str = "data.data_path"
+) -> ConversationFile:
     """Read a JSONL file of OpenAI or ShareGPT conversations, one per line.
 
     Blank lines are ignored. Every other line is either a usable :class:`Conversation` or a
     :class:`SkippedLine` saying what is wrong. With `answer_only_loss`, a conversation without an
     assistant turn has nothing to supervise and is skipped. Raises DataError when the file is
-    missing, empty, or has no usable conversation (quoting the first reasons).
+    missing, empty, or has no usable conversation (quoting the first reasons); `setting` is
+    what the user sets to point at another file (the recipe key or a command-line option).
     """
     unreadable = regular_file_problem(path)
     if unreadable is not None:
         what = "does not exist" if unreadable.missing else f"cannot be read: {unreadable.reason}"
-        msg = f"data file {path} {what}; set data.data_path to a JSONL file"
+        msg = f"data file {path} {what}; set {setting} to a JSONL file"
         raise DataError(msg)
     try:
         raw = path.read_bytes()

@@ -254,7 +254,9 @@ def load_prompts(
 
     Unusable lines are skipped (and logged with the file's summary), as for training data.
     """
-    file = read_conversations(path, answer_only_loss=False)
+    file = read_conversations(
+        path, answer_only_loss=False, setting="--prompts (or data.eval_data_path)"
+    )
     if file.skipped:
         logger.warning("%s: %s", path, file.summary)
     prompts = prompts_from_conversations(

@@ -446,7 +446,7 @@ def run_regenerate(
     """
     settings = plan.regenerate or default_regenerate_plan(plan.training.training_seq_len)
     source, output = resolve_paths(plan, input_path, output_path)
-    file = read_conversations(source, answer_only_loss=False)
+    file = read_conversations(source, answer_only_loss=False, setting="--input (or data.data_path)")
     jobs, unusable = build_jobs(
         ((c.line, c.messages) for c in file.conversations),
         first_turn_only=settings.first_turn_only,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from testkit.tiny import tiny_plan
 
-from dflash_recipes.errors import CheckpointError, DFlashRecipeError
+from dflash_recipes.errors import CheckpointError, DataError, DFlashRecipeError
 from dflash_recipes.executor.data import (
     MAX_CHARS_PER_TOKEN,
     Message,
@@ -20,6 +20,7 @@ from dflash_recipes.executor.data import (
     tokenize_conversation,
 )
 from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.executor.evaluate import load_prompts
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer
 from dflash_recipes.executor.training_checkpoints import (
     restore_training_checkpoint,
@@ -107,3 +108,12 @@ def test_a_hostile_trainer_state_is_a_checkpoint_error(tmp_path: Path, name: str
     message = str(info.value)
     assert message.startswith(f"{path / 'trainer_state.json'}: cannot read the trainer state")
     assert "delete it to resume from the previous one" in message
+
+
+def test_a_fifo_as_eval_prompts_names_the_option_to_change(tmp_path: Path) -> None:
+    """The fix names what the user set: --prompts for eval, not the training data key."""
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    tok = build_tiny_tokenizer(["hello world"])
+    with pytest.raises(DataError, match=r"set --prompts \(or data.eval_data_path\) to a JSONL"):
+        load_prompts(fifo, tok)
