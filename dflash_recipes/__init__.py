@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
     from dflash_recipes.diagnostics import Diagnostic, Severity
+    from dflash_recipes.draft_spec import ResolvedDraft
     from dflash_recipes.errors import (
         CheckpointError,
         CompileError,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
         WarmStartError,
     )
     from dflash_recipes.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
-    from dflash_recipes.plan import ResolvedDraft, RunPlan
+    from dflash_recipes.plan import RunPlan
     from dflash_recipes.recipe import (
         DataSection,
         DFlashArchitectureConfig,
@@ -70,7 +71,7 @@ _HOMES = {
     "LoadResult": "loader",
     "load_recipe": "loader",
     "load_recipe_with_diagnostics": "loader",
-    "ResolvedDraft": "plan",
+    "ResolvedDraft": "draft_spec",
     "RunPlan": "plan",
     "DataSection": "recipe",
     "DFlashArchitectureConfig": "recipe",

@@ -8,10 +8,11 @@ seeds; the fingerprint is the sha256 of the canonical JSON of the plan without i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 import attr
 import attrs
@@ -19,6 +20,9 @@ import cattrs
 
 from dflash_recipes.errors import PlanError
 from dflash_recipes.jsonio import JsonProblem, parse_json, shorten
+
+if TYPE_CHECKING:
+    from dflash_recipes.draft_spec import ResolvedDraft
 
 #: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
 #: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
@@ -287,7 +291,7 @@ class RunPlan:
             msg = f"run plan has no fingerprint, so it cannot be checked; {RECOMPILE_HINT}"
             raise PlanError(msg)
         try:
-            plan = _CONVERTER.structure(payload, cls)
+            plan = _plan_converter().structure(payload, cls)
         except Exception as exc:  # cattrs raises ExceptionGroups of many kinds
             msg = f"run plan does not match the plan schema: {_flatten(exc)}; {RECOMPILE_HINT}"
             raise PlanError(msg) from exc
@@ -310,126 +314,9 @@ class RunPlan:
 
     def resolved_draft(self) -> ResolvedDraft:
         """Every value needed to build the drafter, or PlanError naming what is unresolved."""
+        from dflash_recipes.draft_spec import resolve_draft
+
         return resolve_draft(self)
-
-
-@attrs.frozen
-class ResolvedDraft:
-    """The drafter's complete, non-optional specification (built from a resolved plan)."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    vocab_size: int
-    num_target_layers: int
-    max_position_embeddings: int
-    rope: RopePlan
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    projector_type: Literal["dflash", "domino", "dspark"]
-    emb_dim: int | None
-    gru_hidden_dim: int | None
-    markov_rank: int | None
-    use_confidence_head: bool
-    attention_sink: bool
-    #: One of full_attention | sliding_attention per draft layer; None: full attention in all.
-    layer_types: tuple[str, ...] | None = None
-    #: Keys a sliding_attention query sees, itself included (None without sliding layers).
-    sliding_window: int | None = None
-
-    def layer_type(self, index: int) -> str:
-        """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
-        return self.layer_types[index] if self.layer_types is not None else "full_attention"
-
-    def layer_window(self, index: int) -> int | None:
-        """The sliding window of draft layer `index`, or None for a full-attention layer."""
-        return self.sliding_window if self.layer_type(index) == "sliding_attention" else None
-
-
-def resolve_draft(plan: RunPlan) -> ResolvedDraft:
-    """Collect the drafter spec from a plan; PlanError lists every unresolved field."""
-    arch = plan.draft.architecture
-    facts = plan.base_model.facts
-    missing: list[str] = []
-    for name in (
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-    ):
-        if getattr(arch, name) is None:
-            missing.append(f"draft.architecture.{name}")
-    if plan.draft.mask_token_id is None:
-        missing.append("draft.mask_token_id")
-    if plan.draft.target_layer_ids is None:
-        missing.append("draft.target_layer_ids")
-    if facts is None:
-        missing.append("base_model.facts")
-    if missing or facts is None:
-        msg = (
-            "the run plan is not resolved (" + ", ".join(missing) + "); compile it with "
-            "`dflash-recipe compile RECIPE -o plan.json` so config.json and the checkpoint "
-            "are read"
-        )
-        raise PlanError(msg)
-    assert arch.num_hidden_layers is not None
-    assert arch.num_attention_heads is not None
-    assert arch.num_key_value_heads is not None
-    assert arch.head_dim is not None
-    assert arch.intermediate_size is not None
-    assert plan.draft.mask_token_id is not None
-    assert plan.draft.target_layer_ids is not None
-    _check_layer_types(arch)
-    return ResolvedDraft(
-        hidden_size=facts.hidden_size,
-        num_hidden_layers=arch.num_hidden_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        intermediate_size=arch.intermediate_size,
-        rms_norm_eps=arch.rms_norm_eps,
-        vocab_size=facts.vocab_size,
-        num_target_layers=facts.num_hidden_layers,
-        max_position_embeddings=facts.max_position_embeddings,
-        rope=facts.rope,
-        block_size=plan.draft.block_size,
-        mask_token_id=plan.draft.mask_token_id,
-        target_layer_ids=plan.draft.target_layer_ids,
-        projector_type=arch.projector_type,
-        emb_dim=arch.emb_dim,
-        gru_hidden_dim=arch.gru_hidden_dim,
-        markov_rank=arch.markov_rank,
-        use_confidence_head=arch.use_confidence_head,
-        attention_sink=arch.attention_sink,
-        layer_types=arch.layer_types,
-        sliding_window=arch.sliding_window,
-    )
-
-
-def _check_layer_types(arch: ArchitecturePlan) -> None:
-    """PlanError unless the layer types name one kind per layer and sliding layers have a window."""
-    types = arch.layer_types
-    if types is None:
-        return
-    problem = None
-    if len(types) != arch.num_hidden_layers:
-        problem = f"has {len(types)} layer_types for {arch.num_hidden_layers} draft layers"
-    elif "sliding_attention" in types and arch.sliding_window is None:
-        problem = "has sliding_attention layers but no sliding_window"
-    elif any(t not in ("full_attention", "sliding_attention") for t in types):
-        problem = f"names an unknown layer type in {list(types)}"
-    if problem is not None:
-        msg = (
-            f"the run plan {problem}; recompile the recipe with `dflash-recipe compile` "
-            "instead of editing the plan"
-        )
-        raise PlanError(msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,7 +324,9 @@ def _check_layer_types(arch: ArchitecturePlan) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _make_converter() -> cattrs.Converter:
+@functools.cache
+def _plan_converter() -> cattrs.Converter:
+    """The strict converter that structures plan JSON (built on the first plan read)."""
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
 
     def structure_scalar(value: object, _type: object) -> RopeValue:
@@ -483,9 +372,6 @@ def _canonical(data: object) -> bytes:
     ).encode("utf-8", errors="surrogatepass")
 
 
-_CONVERTER = _make_converter()
-
-
 __all__ = [
     "PLAN_FORMAT_VERSION",
     "RECOMPILE_HINT",
@@ -496,11 +382,9 @@ __all__ = [
     "InitCheckpointPlan",
     "ObjectivePlan",
     "RegeneratePlan",
-    "ResolvedDraft",
     "ResumePlan",
     "RopePlan",
     "RunPlan",
     "TargetFacts",
     "TrainingPlan",
-    "resolve_draft",
 ]

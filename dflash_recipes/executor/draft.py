@@ -38,8 +38,9 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.executor.heads import DominoHead, DraftHead, DSparkHead, build_head
-from dflash_recipes.plan import ResolvedDraft, RopePlan, RopeValue
+from dflash_recipes.plan import RopePlan, RopeValue
 
 
 class SplitBlockMask:

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, DataError
 from dflash_recipes.executor.convert import load_base_model, torch_dtype
 from dflash_recipes.executor.data import Conversation, read_chat_template, read_conversations
@@ -37,7 +38,7 @@ from dflash_recipes.executor.speculative import (
 )
 from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.model_files import WEIGHTS_FILE
-from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.plan import RunPlan
 from dflash_recipes.run_dir import EXPORT_DIR, complete_checkpoints
 
 logger = logging.getLogger(__name__)

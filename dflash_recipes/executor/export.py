@@ -32,13 +32,14 @@ from torch import nn
 
 from dflash_recipes.crashsafe import remove_stale_staging, staged_directory
 from dflash_recipes.draft_layout import compare_layout, expected_layout, format_layout_diff
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import PlanError
 from dflash_recipes.executor.convert import dflash_module, torch_dtype
 from dflash_recipes.executor.draft import rope_parameters
 from dflash_recipes.executor.warmstart import layout_spec
 from dflash_recipes.export_target import EXPORT_MARKER, check_export_target, export_marker_text
 from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE
-from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.plan import RunPlan
 
 ARCHITECTURE_NAME = "DFlashDraftModel"
 #: The remote-code module of `AutoModel.from_pretrained(export, trust_remote_code=True)`.

@@ -30,7 +30,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor, nn
 
-from dflash_recipes.plan import ResolvedDraft
+from dflash_recipes.draft_spec import ResolvedDraft
 
 #: Standard deviation of the normal initialisation (HF default), as in the backbone.
 _INIT_STD = 0.02

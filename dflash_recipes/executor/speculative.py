@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.executor.convert import dflash_module, embed_tokens, lm_head
 from dflash_recipes.executor.draft import (
     DFlashDraftModel,
@@ -38,7 +39,6 @@ from dflash_recipes.executor.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.heads import DominoHead
-from dflash_recipes.plan import ResolvedDraft
 
 
 @attrs.frozen

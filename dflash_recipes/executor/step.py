@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.anchors import (
     AnchorBatch,
@@ -44,7 +45,7 @@ from dflash_recipes.executor.loss import (
     objective_weights,
 )
 from dflash_recipes.executor.offline import CapturedStates, teacher_logits
-from dflash_recipes.plan import ObjectivePlan, ResolvedDraft
+from dflash_recipes.plan import ObjectivePlan
 
 #: Most logits one chunk of blocks may hold (elements of ``[B, n, K, vocab]``, 2**26 = 256 MiB
 #: in float32). A batch whose logits exceed it computes lm_head, head and loss per chunk of

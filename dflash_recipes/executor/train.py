@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.crashsafe import write_text_atomic
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, DataError, PlanError, RunIOError
 from dflash_recipes.executor.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.convert import (
@@ -86,7 +87,7 @@ from dflash_recipes.executor.training_checkpoints import save_training_checkpoin
 from dflash_recipes.executor.warmstart import WarmStartReport, warm_start
 from dflash_recipes.export_target import check_export_target
 from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
-from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.plan import RunPlan
 from dflash_recipes.report import eval_row
 from dflash_recipes.run_dir import (
     EXPORT_DIR,

@@ -41,8 +41,9 @@ from dflash_recipes.draft_layout import (
     layout_fixes,
     layout_spec_for,
 )
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
-from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import torch
 from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
+from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, DataError
 from dflash_recipes.executor.anchors import block_positions
 from dflash_recipes.executor.convert import (
@@ -46,7 +47,7 @@ from dflash_recipes.executor.speculative import (
 )
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
 from dflash_recipes.executor.training_checkpoints import save_training_checkpoint
-from dflash_recipes.plan import ResolvedDraft, RunPlan
+from dflash_recipes.plan import RunPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
