@@ -1,8 +1,10 @@
-"""What keeps a run directory consistent: the run lock, resume fallback, metrics after resume.
+"""What keeps a run directory consistent: the run lock, what to resume, metrics after resume.
 
 - :func:`locked_run_directory`: the trainer's rank 0 holds the directory's exclusive lock
   (:mod:`dflash_recipes.locking`) from before the first file is written until after the final
   export, so a second `run` on the same ``output_dir`` fails at once, naming the holder.
+- :func:`checkpoint_to_resume`: the checkpoint the plan resumes from; a checkpoint the plan
+  does not know about is refused, never overwritten.
 - :func:`restore_newest_readable`: a resume tries the chosen checkpoint, then older complete
   ones, newest first, and says in a warning which one it used and why it skipped the others.
 - :func:`drop_metrics_after`: rows of steps that a resumed run will redo are removed from
@@ -22,13 +24,20 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from dflash_recipes.crashsafe import write_bytes_atomic
-from dflash_recipes.errors import CheckpointError, WarmStartError
+from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.executor.training_checkpoints import Stateful, restore_training_checkpoint
+from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.locking import LOCK_FILE, hold_directory_lock
-from dflash_recipes.run_dir import checkpoint_step, complete_checkpoints
+from dflash_recipes.run_dir import (
+    TRAINER_STATE,
+    checkpoint_step,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+)
 
 if TYPE_CHECKING:
     from dflash_recipes.executor.train import TrainSummary
+    from dflash_recipes.plan import RunPlan
 
 logger = logging.getLogger("dflash_recipes.train")
 
@@ -175,7 +184,58 @@ def summary_line(summary: TrainSummary) -> str:
     return f"done: {summary.steps} steps, {figures}, export {summary.export_dir}"
 
 
+def checkpoint_to_resume(plan: RunPlan, output_dir: Path) -> Path | None:
+    """The checkpoint a run of `plan` resumes from (None: a fresh run), as the plan says.
+
+    A checkpoint the plan does not know about is refused (PlanError), never overwritten;
+    checkpoints this very plan wrote (a requeued job reusing its plan.json) are continued.
+    """
+    latest = latest_complete_checkpoint(output_dir)
+    resume = plan.resume
+    if resume is None:
+        if latest is not None and _saved_by(latest[1]) == plan.fingerprint:
+            # Checkpoints this very plan wrote (a requeued job reusing its plan.json):
+            # continuing them is what the plan asked for, not a new decision.
+            logger.info("continuing this plan's own checkpoint %s", latest[1].name)
+            return latest[1]
+        if latest is not None:
+            msg = (
+                f"{output_dir} already holds training checkpoint {latest[1].name}, "
+                "but this plan was compiled as a fresh run; recompile the recipe "
+                "(`dflash-recipe compile` or `dflash-recipe run RECIPE`) so the plan "
+                "resumes from it, or choose another training.output_dir"
+            )
+            raise PlanError(msg)
+        return None
+    path = Path(resume.checkpoint_dir)
+    if latest is not None and latest[0] > resume.step:
+        logger.warning(
+            "plan resumes from step %d but %s is newer; resuming from the newer one",
+            resume.step,
+            latest[1].name,
+        )
+        return latest[1]
+    if not path.is_dir():
+        msg = (
+            f"the plan resumes from {path}, which no longer exists; recompile the recipe "
+            "to resume from what output_dir holds now"
+        )
+        raise CheckpointError(msg)
+    return path
+
+
+def _saved_by(checkpoint: Path) -> str | None:
+    """The plan fingerprint a training checkpoint records (None if unreadable)."""
+    try:
+        state = parse_json(read_regular_file(checkpoint / TRAINER_STATE, max_bytes=2**20))
+    except (FileReadProblem, JsonProblem):
+        return None
+    value = state.get("plan_fingerprint") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
+
+
 __all__ = [
+    "checkpoint_to_resume",
     "drop_metrics_after",
     "last_train_row",
     "locked_run_directory",

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.crashsafe import write_text_atomic
 from dflash_recipes.draft_spec import ResolvedDraft
-from dflash_recipes.errors import CheckpointError, DataError, PlanError, RunIOError
+from dflash_recipes.errors import CheckpointError, DataError, RunIOError
 from dflash_recipes.executor.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.convert import (
     ConvertedModel,
@@ -77,6 +77,7 @@ from dflash_recipes.executor.optimizer import (
     total_optimizer_steps,
 )
 from dflash_recipes.executor.run_guard import (
+    checkpoint_to_resume,
     drop_metrics_after,
     last_train_row,
     locked_run_directory,
@@ -86,15 +87,12 @@ from dflash_recipes.executor.step import DraftStep, step_inputs
 from dflash_recipes.executor.training_checkpoints import save_training_checkpoint
 from dflash_recipes.executor.warmstart import WarmStartReport, warm_start
 from dflash_recipes.export_target import check_export_target
-from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.plan import RunPlan
 from dflash_recipes.report import eval_row
 from dflash_recipes.run_dir import (
     EXPORT_DIR,
     METRICS_FILE,
     PLAN_FILE,
-    TRAINER_STATE,
-    latest_complete_checkpoint,
 )
 
 logger = logging.getLogger("dflash_recipes.train")
@@ -207,41 +205,6 @@ class Trainer:
 
     # -- setup ------------------------------------------------------------------------------
 
-    def _check_resume_state(self) -> Path | None:
-        """The checkpoint to resume from, as the plan says; refuse to clobber unknown ones."""
-        latest = latest_complete_checkpoint(self.output_dir)
-        resume = self.plan.resume
-        if resume is None:
-            if latest is not None and _saved_by(latest[1]) == self.plan.fingerprint:
-                # Checkpoints this very plan wrote (a requeued job reusing its plan.json):
-                # continuing them is what the plan asked for, not a new decision.
-                logger.info("continuing this plan's own checkpoint %s", latest[1].name)
-                return latest[1]
-            if latest is not None:
-                msg = (
-                    f"{self.output_dir} already holds training checkpoint {latest[1].name}, "
-                    "but this plan was compiled as a fresh run; recompile the recipe "
-                    "(`dflash-recipe compile` or `dflash-recipe run RECIPE`) so the plan "
-                    "resumes from it, or choose another training.output_dir"
-                )
-                raise PlanError(msg)
-            return None
-        path = Path(resume.checkpoint_dir)
-        if latest is not None and latest[0] > resume.step:
-            logger.warning(
-                "plan resumes from step %d but %s is newer; resuming from the newer one",
-                resume.step,
-                latest[1].name,
-            )
-            return latest[1]
-        if not path.is_dir():
-            msg = (
-                f"the plan resumes from {path}, which no longer exists; recompile the recipe "
-                "to resume from what output_dir holds now"
-            )
-            raise CheckpointError(msg)
-        return path
-
     def _build_dataset(self, tokenizer: PreTrainedTokenizerBase) -> TrainDataset:
         from dflash_recipes.executor.data import build_dataset
 
@@ -259,7 +222,7 @@ class Trainer:
         before anything is written to output_dir."""
         plan, env = self.plan, self.env
         training = plan.training
-        resume_from = self._check_resume_state()
+        resume_from = checkpoint_to_resume(self.plan, self.output_dir)
         if is_main(env):  # refuse now, not after hours of training
             check_export_target(self.output_dir / EXPORT_DIR)
         tokenizer = load_tokenizer(plan)
@@ -600,16 +563,6 @@ def _training_modes(model: nn.Module, drafter: nn.Module) -> None:
     """Frozen target in eval mode, drafter in train mode (set once, again after an eval)."""
     model.train(False)
     drafter.train(True)
-
-
-def _saved_by(checkpoint: Path) -> str | None:
-    """The plan fingerprint a training checkpoint records (None if unreadable)."""
-    try:
-        state = parse_json(read_regular_file(checkpoint / TRAINER_STATE, max_bytes=2**20))
-    except (FileReadProblem, JsonProblem):
-        return None
-    value = state.get("plan_fingerprint") if isinstance(state, dict) else None
-    return value if isinstance(value, str) else None
 
 
 def _int(state: dict[str, object], key: str) -> int:
