@@ -18,6 +18,12 @@ from pathlib import Path
 import attrs
 
 from dflash_recipes.compile_checkpoint import CheckpointChecks
+from dflash_recipes.compile_codes import (
+    CHECKPOINT_LAYER_TYPES_DIFFER,
+    CHECKPOINT_MASK_DIFFERS,
+    CHECKPOINT_TAPS_DIFFER,
+    HEADS_FROM_SCRATCH,
+)
 from dflash_recipes.compile_inputs import InputChecks
 from dflash_recipes.compile_schema import SchemaChecks
 from dflash_recipes.compile_taps import DraftIdChecks
@@ -36,6 +42,17 @@ from dflash_recipes.plan import (
     TrainingPlan,
 )
 from dflash_recipes.recipe import Recipe, RegenerateSection
+
+#: The warnings about a warm start that the plan carries for `run` to log again when it loads
+#: the checkpoint (``InitCheckpointPlan.warnings``).
+_WARM_START_WARNINGS = frozenset(
+    {
+        CHECKPOINT_MASK_DIFFERS,
+        CHECKPOINT_TAPS_DIFFER,
+        CHECKPOINT_LAYER_TYPES_DIFFER,
+        HEADS_FROM_SCRATCH,
+    }
+)
 
 # Paper guidance for the decay gamma, block size -> gamma (docs/dflash.md, "Block size and the
 # decay gamma").
@@ -120,6 +137,9 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                     target_layer_ids=self.config.target_layer_ids,
                     mask_token_id=self.config.mask_token_id,
                 )
+        if init is not None:
+            said = tuple(d.message for d in self.diagnostics if d.code in _WARM_START_WARNINGS)
+            init = attrs.evolve(init, warnings=said)
         decay = dflash.dflash_loss_decay_factor
         return RunPlan(
             base_model=BaseModelPlan(

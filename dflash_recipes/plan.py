@@ -177,6 +177,9 @@ class InitCheckpointPlan:
     mask_token_id: int | None = None
     #: Head submodules absent from the checkpoint that train from fresh initialisation.
     heads_from_scratch: tuple[str, ...] = ()
+    #: The compiler's warnings about this warm start (a degraded start, heads from scratch),
+    #: which `run` logs again when it loads the checkpoint instead of deciding anew.
+    warnings: tuple[str, ...] = ()
 
 
 @attrs.frozen

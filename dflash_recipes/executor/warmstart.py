@@ -215,32 +215,13 @@ def _init_directory(plan: RunPlan) -> Path:
     return directory
 
 
-def _degraded_warnings(plan: RunPlan, spec: ResolvedDraft) -> list[str]:
-    init = plan.init_checkpoint
-    assert init is not None
-    warnings: list[str] = []
-    if init.mask_token_id is not None and init.mask_token_id != spec.mask_token_id:
-        warnings.append(
-            f"warm start will be degraded: the init checkpoint was trained with mask_token_id "
-            f"{init.mask_token_id} (its config.json), this run uses {spec.mask_token_id}"
-        )
-    if init.target_layer_ids is not None and tuple(init.target_layer_ids) != tuple(
-        spec.target_layer_ids
-    ):
-        warnings.append(
-            f"warm start will be degraded: the init checkpoint was trained with target_layer_ids "
-            f"{list(init.target_layer_ids)} (its config.json), this run taps "
-            f"{list(spec.target_layer_ids)}"
-        )
-    return warnings
-
-
 def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
     """Warm-start ``module`` (a DFlashDraftModel built from ``plan``) from the init checkpoint.
 
     Raises CheckpointError for a missing or unreadable directory and WarmStartError for a
     layout or dtype mismatch (nothing is copied then). Logs the degraded-start warnings and one
-    INFO line: checkpoint, tensors loaded, dtype, heads trained from scratch.
+    INFO line: checkpoint, tensors loaded, dtype, heads trained from scratch. The warnings are
+    the plan's (``init_checkpoint.warnings``, what the compiler said), not decided here.
     """
     directory = _init_directory(plan)
     spec = plan.resolved_draft()
@@ -280,8 +261,11 @@ def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
         source = _torch_dtype(weights.tensors[name].dtype, name)
         check_exact_copy(name, source, params[name].dtype)
 
-    warnings = _degraded_warnings(plan, spec)
-    if from_scratch:
+    # What the compiler warned about this warm start (a degraded start, heads from scratch),
+    # said again where it happens; a plan that never read the header has only the header's word.
+    init = plan.init_checkpoint
+    warnings = list(init.warnings) if init is not None else []
+    if from_scratch and (init is None or init.tensor_count is None):
         warnings.append(
             "head submodules absent from the init checkpoint train from scratch: "
             + ", ".join(from_scratch)

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from testkit.tiny import tiny_plan, tiny_target, with_init_checkpoint
 
+from dflash_recipes.compiler import CompileResult, compile_recipe
+from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, WarmStartError
 from dflash_recipes.executor.convert import convert
 from dflash_recipes.executor.draft import DFlashDraftModel
@@ -23,6 +25,14 @@ from dflash_recipes.executor.training_checkpoints import (
 )
 from dflash_recipes.executor.warmstart import load_init_checkpoint, warm_start
 from dflash_recipes.plan import ResumePlan, RunPlan
+from dflash_recipes.recipe import (
+    DataSection,
+    DFlashArchitectureConfig,
+    DFlashSection,
+    ModelSection,
+    Recipe,
+    TrainingSection,
+)
 
 DOMINO = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
 DSPARK = {"projector_type": "dspark", "markov_rank": 4, "use_confidence_head": True}
@@ -128,27 +138,83 @@ def test_wrong_intermediate_size_lists_every_layer(tmp_path: Path) -> None:
     assert "fix: set dflash_architecture_config.intermediate_size: 128" in text
 
 
-def test_mask_token_mismatch_warns_and_loads(
+def _compiled_against(tmp_path: Path, init: Path, **dflash: object) -> CompileResult:
+    """Compile a recipe for the tiny target (written to disk) warm-starting from `init`."""
+    tiny = tiny_plan(tmp_path)
+    tiny_target(tiny, save=True)
+    data = tmp_path / "data.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    data.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    arch = DFlashArchitectureConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        target_layer_ids=dflash.pop("target_layer_ids", None),  # type: ignore[arg-type]
+    )
+    recipe = Recipe(
+        model=ModelSection(model_name_or_path=tiny.base_model.path, dtype="float32"),
+        data=DataSection(data_path=str(data)),
+        training=TrainingSection(
+            output_dir=str(tmp_path / "run"), learning_rate=1e-3, training_seq_len=64
+        ),
+        dflash=DFlashSection(
+            dflash_init_checkpoint=str(init),
+            dflash_block_size=4,
+            dflash_architecture_config=arch,
+            **dflash,  # type: ignore[arg-type]
+        ),
+    )
+    return compile_recipe(recipe, base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("exported_with", "recipe_says", "code", "words"),
+    [
+        ({"mask_token_id": 120}, {"dflash_mask_token_id": 121}, "checkpoint-mask-differs", "120"),
+        (
+            {"target_layer_ids": (1, 2)},
+            {"target_layer_ids": (0, 2)},
+            "checkpoint-taps-differ",
+            "[1, 2]",
+        ),
+    ],
+)
+def test_the_warm_start_says_what_the_compiler_warned_and_loads(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    exported_with: dict[str, object],
+    recipe_says: dict[str, object],
+    code: str,
+    words: str,
+) -> None:
+    """A degraded warm start: compile warns, the plan carries it, `run` logs those words."""
+    _, init = exported(tmp_path, **exported_with)
+    result = _compiled_against(tmp_path, init, **recipe_says)
+    assert result.plan is not None and result.plan.init_checkpoint is not None, result.diagnostics
+    warned = [d for d in result.diagnostics if d.severity is Severity.WARNING]
+    assert [d.code for d in warned] == [code]
+    assert words in warned[0].message and "degraded" in warned[0].message
+    plan = result.plan
+    assert plan.init_checkpoint.warnings == (warned[0].message,)
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
+        report = load_init_checkpoint(fresh(plan), plan)
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert logged == [warned[0].message]
+    assert report.tensors_loaded == 25 and report.warnings == (warned[0].message,)
+
+
+def test_a_clean_warm_start_compiles_and_loads_without_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, init = exported(tmp_path, mask_token_id=120)
-    plan = with_init_checkpoint(tiny_plan(tmp_path, mask_token_id=121), init)
-    module = fresh(plan)
-    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
-        report = load_init_checkpoint(module, plan)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert "mask_token_id 120" in warnings[0] and "uses 121" in warnings[0]
-    assert "degraded" in warnings[0]
-    assert report.tensors_loaded == 25
-
-
-def test_target_layer_mismatch_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    _, init = exported(tmp_path, target_layer_ids=(1, 2))
-    plan = with_init_checkpoint(tiny_plan(tmp_path, target_layer_ids=(0, 2)), init)
+    _, init = exported(tmp_path)
+    result = _compiled_against(tmp_path, init)
+    assert result.plan is not None and result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.warnings == ()
     with caplog.at_level(logging.WARNING):
-        load_init_checkpoint(fresh(plan), plan)
-    assert any("target_layer_ids [1, 2]" in r.getMessage() for r in caplog.records)
+        load_init_checkpoint(fresh(result.plan), result.plan)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_one_info_line_says_what_was_loaded(
@@ -178,7 +244,8 @@ def test_head_variant_warm_starts_its_backbone_from_plain_dflash(
     heads: tuple[str, ...],
 ) -> None:
     _, init = exported(tmp_path)
-    plan = with_init_checkpoint(tiny_plan(tmp_path, **variant), init)
+    said = "the compiler's heads-from-scratch warning, as the plan carries it"
+    plan = with_init_checkpoint(tiny_plan(tmp_path, **variant), init, warnings=(said,))
     module = fresh(plan)
     untouched = {n: t.clone() for n, t in module.state_dict().items() if n.split(".")[0] in heads}
     with caplog.at_level(logging.INFO):
@@ -189,8 +256,8 @@ def test_head_variant_warm_starts_its_backbone_from_plain_dflash(
         assert torch.equal(state[name], tensor.float()), name
     assert untouched and all(torch.equal(state[n], t) for n, t in untouched.items())
     assert report.heads_from_scratch == heads
-    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert warning.endswith("train from scratch: " + ", ".join(heads))
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert logged == [said]  # the plan's words, not a decision taken again here
     assert "heads trained from scratch: " + ", ".join(heads) in caplog.text
 
 
