@@ -83,11 +83,10 @@ class InputChecks(CompileState):
         if data.hidden_states_path is None or taps is None or facts is None:
             return
         # Imported here: only an offline recipe pays for the capture checks at start-up.
+        from dflash_recipes.capture_checks import CaptureExpectation, check_capture
         from dflash_recipes.capture_manifest import (
-            CaptureExpectation,
             base_config_sha256,
             chat_template_sha256,
-            check_capture,
             needs_teacher,
             tokenizer_sha256,
         )

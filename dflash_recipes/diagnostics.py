@@ -56,7 +56,7 @@ CODE_MODULES: tuple[str, ...] = (
     "dflash_recipes.loader",
     "dflash_recipes.hfconfig",
     "dflash_recipes.fields",
-    "dflash_recipes.capture_manifest",
+    "dflash_recipes.capture_checks",
     "dflash_recipes.regenerate_settings",
     "dflash_recipes.compile_codes",
     "dflash_recipes.cli",
