@@ -525,10 +525,7 @@ def run_command(
     _setup_logging(verbose)
     from dflash_recipes.executor.train import run_plan
 
-    try:
-        summary = run_plan(plan, progress=not no_progress)
-    except DFlashRecipeError as exc:
-        _fail(str(exc))
+    summary = run_plan(plan, progress=not no_progress)  # errors: the group's one handler
     if os.environ.get("RANK", "0") == "0":
         from dflash_recipes.executor.run_guard import summary_line as run_summary_line
 
@@ -806,8 +803,6 @@ def export_command(
         written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype, force=force)
     except ReplaceRefusedError as exc:
         _fail(str(exc), EXIT_USAGE)
-    except DFlashRecipeError as exc:
-        _fail(str(exc))
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
@@ -875,10 +870,7 @@ def demo_command(workdir: Path, fresh: bool) -> None:
     _setup_logging(False)
     from dflash_recipes.executor.demo import run_demo
 
-    try:
-        run_demo(workdir, fresh=fresh, echo=click.echo)
-    except DFlashRecipeError as exc:
-        _fail(str(exc))
+    run_demo(workdir, fresh=fresh, echo=click.echo)
 
 
 def run_cli() -> None:
