@@ -33,16 +33,11 @@ def regenerate_locally(
     conversation is generated in one left-padded call. Greedy when temperature is 0.
     """
     import torch
-    from transformers import AutoTokenizer
 
-    from dflash_recipes.executor.convert import load_base_model
+    from dflash_recipes.executor.convert import load_base_model, load_tokenizer
     from dflash_recipes.executor.data import read_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        plan.base_model.path,
-        local_files_only=True,
-        trust_remote_code=plan.base_model.trust_remote_code,
-    )
+    tokenizer = load_tokenizer(plan)
     template = read_chat_template(plan.data.chat_template)
     model = load_base_model(plan)
     limit = plan.base_model.facts.max_position_embeddings if plan.base_model.facts else None
