@@ -141,6 +141,18 @@ def _flow(value: object) -> str:
 
 
 @pytest.fixture
+def good_recipe(
+    base_model: Path,
+    drafter: Path,
+    train_file: Path,
+    write_recipe: Callable[..., Path],
+    recipe_text: Callable[..., str],
+) -> Path:
+    """A tiny warm-start recipe that compiles (taps and mask come from the checkpoint)."""
+    return write_recipe(recipe_text())
+
+
+@pytest.fixture
 def plan_dict(make_recipe: RecipeFactory, drafter: Path, tmp_path: Path) -> dict[str, Any]:
     """The tiny recipe's compiled plan, as the dict `RunPlan.to_dict` gives."""
     result = compile_recipe(make_recipe(), base_dir=tmp_path)

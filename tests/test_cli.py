@@ -47,18 +47,6 @@ def files_in(folder: Path) -> set[str]:
 
 
 @pytest.fixture
-def good_recipe(
-    base_model: Path,
-    drafter: Path,
-    train_file: Path,
-    write_recipe: Callable[..., Path],
-    recipe_text: Callable[..., str],
-) -> Path:
-    """A tiny warm-start recipe that compiles (taps and mask come from the checkpoint)."""
-    return write_recipe(recipe_text())
-
-
-@pytest.fixture
 def bad_recipe(
     base_model: Path,
     drafter: Path,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,6 @@ from dflash_recipes.plan import RunPlan
 @pytest.fixture(autouse=True)
 def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def recipe(
-    base_model: Path,
-    drafter: Path,
-    train_file: Path,
-    write_recipe: Callable[..., Path],
-    recipe_text: Callable[..., str],
-) -> Path:
-    return write_recipe(recipe_text())
 
 
 # -- FIFOs and sizes ---------------------------------------------------------------------------
@@ -50,11 +38,13 @@ def test_a_fifo_recipe_is_refused_before_it_is_opened(tmp_path: Path) -> None:
     assert "recipe.yaml: it is a FIFO (named pipe), not a regular file" in lint.stderr
 
 
-def test_a_fifo_config_json_is_refused_before_it_is_opened(recipe: Path, tmp_path: Path) -> None:
+def test_a_fifo_config_json_is_refused_before_it_is_opened(
+    good_recipe: Path, tmp_path: Path
+) -> None:
     config = tmp_path / "drafter" / "config.json"
     config.unlink()
     os.mkfifo(config)
-    result = cli("compile", str(recipe))
+    result = cli("compile", str(good_recipe))
     assert result.exit_code == 1
     assert "not a regular file (a JSON config was expected)" in result.stderr
     init = cli("init", "--base-model", "base", "--init-checkpoint", "drafter")
@@ -107,10 +97,10 @@ def test_an_over_long_path_is_a_usage_error_not_a_traceback(base_model: Path) ->
 
 
 def test_a_recipe_name_that_is_not_utf8_compiles_into_a_plan_that_reads_back(
-    recipe: Path, tmp_path: Path
+    good_recipe: Path, tmp_path: Path
 ) -> None:
     odd = os.fsdecode(b"r\xff.yaml")  # the byte 0xff becomes the lone surrogate \udcff
-    os.rename(recipe, tmp_path / odd)
+    os.rename(good_recipe, tmp_path / odd)
     result = cli("compile", odd, "-o", "plan.json")
     assert result.exit_code == 0, result.stderr
     text = (tmp_path / "plan.json").read_text(encoding="ascii")
@@ -121,12 +111,12 @@ def test_a_recipe_name_that_is_not_utf8_compiles_into_a_plan_that_reads_back(
 
 
 def test_a_lone_surrogate_in_a_config_string_does_not_break_the_fingerprint(
-    recipe: Path, tmp_path: Path
+    good_recipe: Path, tmp_path: Path
 ) -> None:
     config = base_model_config()
     config["model_type"] = "qwen3\ud800"
     (tmp_path / "base" / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    result = cli("compile", str(recipe), "-o", "plan.json")
+    result = cli("compile", str(good_recipe), "-o", "plan.json")
     assert result.exit_code == 0, result.stderr
     plan = RunPlan.from_json((tmp_path / "plan.json").read_bytes())
     assert plan.base_model.facts is not None
@@ -136,11 +126,11 @@ def test_a_lone_surrogate_in_a_config_string_does_not_break_the_fingerprint(
 # -- odd config and tokenizer values -----------------------------------------------------------
 
 
-def test_layer_types_holding_non_strings_is_a_diagnostic(recipe: Path, tmp_path: Path) -> None:
+def test_layer_types_holding_non_strings_is_a_diagnostic(good_recipe: Path, tmp_path: Path) -> None:
     config = base_model_config()
     config["layer_types"] = [{"kind": "full"}, 3]
     write_base_model(tmp_path / "base", config=config)
-    result = cli("compile", str(recipe))
+    result = cli("compile", str(good_recipe))
     assert result.exit_code == 1
     assert "error[target-config-field]" in result.stderr
     assert "`layer_types` must be a list of attention kinds" in result.stderr
@@ -188,12 +178,12 @@ def test_export_into_a_name_too_long_is_a_clean_usage_error(tmp_path: Path) -> N
     ],
 )
 def test_compile_rejects_an_output_dir_run_cannot_use(
-    recipe: Path, tmp_path: Path, output_dir: str, expected: str
+    good_recipe: Path, tmp_path: Path, output_dir: str, expected: str
 ) -> None:
     (tmp_path / "afile").write_text("not a folder", encoding="utf-8")
-    text = recipe.read_text(encoding="utf-8") + f"training:\n  output_dir: {output_dir}\n"
-    recipe.write_text(text, encoding="utf-8")
-    result = cli("compile", str(recipe))
+    text = good_recipe.read_text(encoding="utf-8") + f"training:\n  output_dir: {output_dir}\n"
+    good_recipe.write_text(text, encoding="utf-8")
+    result = cli("compile", str(good_recipe))
     assert result.exit_code == 1
     assert "error[output-dir-unusable] training.output_dir:" in result.stderr
     assert expected in result.stderr
