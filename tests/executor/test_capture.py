@@ -11,11 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from testkit.compiling import TINY_SCRATCH, tiny_scratch_plan
 from testkit.tiny import tiny_plan, tiny_target
 
 from dflash_recipes.capture_manifest import MANIFEST_FILE, read_manifest
 from dflash_recipes.cli import main
-from dflash_recipes.compiler import compile_file
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor import capture as capture_module
 from dflash_recipes.executor import step as step_module
@@ -24,8 +24,6 @@ from dflash_recipes.executor.train import run_plan
 from dflash_recipes.locking import LOCK_FILE
 from dflash_recipes.plan import RunPlan
 
-REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 #: Small shards: the 60 demo conversations fill several.
 SHARD_BYTES = 2**19
 
@@ -33,21 +31,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _plan(tmp_path: Path, name: str, *extra: str) -> RunPlan:
-    overrides = (
-        f"training.output_dir={tmp_path / name}",
+    return tiny_scratch_plan(
+        tmp_path / name,
         "training.max_steps=3",
-        "training.per_device_train_batch_size=2",
-        "training.training_seq_len=64",
         "training.save_steps=3",
-        "training.logging_steps=1",
         "training.eval_steps=null",
-        "dflash.dflash_num_anchors=4",
-        "dflash.dflash_block_size=4",
         *extra,
     )
-    result = compile_file(SCRATCH, overrides=overrides)
-    assert result.plan is not None, [str(d) for d in result.diagnostics]
-    return result.plan
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -204,17 +194,17 @@ def test_cli_capture_then_compile_offline(tmp_path: Path) -> None:
     common = ["training.training_seq_len=64", "dflash.dflash_block_size=4"]
     out = tmp_path / "capture"
     result = runner.invoke(
-        main, ["capture", str(SCRATCH), *common, "--output", str(out), "--no-progress"]
+        main, ["capture", str(TINY_SCRATCH), *common, "--output", str(out), "--no-progress"]
     )
     assert result.exit_code == 0, result.output
     assert "captured 60 samples" in result.output
     compiled = runner.invoke(
-        main, ["compile", str(SCRATCH), *common, f"data.hidden_states_path={out}"]
+        main, ["compile", str(TINY_SCRATCH), *common, f"data.hidden_states_path={out}"]
     )
     assert compiled.exit_code == 0, compiled.output
     assert "0 errors, 0 warnings" in compiled.output
     # No --output and no data.hidden_states_path: a usage error, not a traceback.
-    missing = runner.invoke(main, ["capture", str(SCRATCH), *common])
+    missing = runner.invoke(main, ["capture", str(TINY_SCRATCH), *common])
     assert missing.exit_code != 0
     assert "pass --output DIR, or set data.hidden_states_path" in missing.output
 
@@ -270,7 +260,7 @@ def test_capture_into_a_file_is_a_clean_error(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     result = CliRunner().invoke(
-        main, ["capture", str(SCRATCH), "--output", str(not_a_dir), "--no-progress"]
+        main, ["capture", str(TINY_SCRATCH), "--output", str(not_a_dir), "--no-progress"]
     )
     assert result.exit_code == 2  # a usage error, from the option's type
     assert "is a file" in result.output and "Traceback" not in result.output

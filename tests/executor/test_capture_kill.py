@@ -16,14 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.capture_manifest import MANIFEST_FILE, read_manifest
-from dflash_recipes.compiler import compile_file
 from dflash_recipes.executor.capture import capture_plan
 from dflash_recipes.locking import LOCK_FILE
 
-REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 SHARD_BYTES = 2**19
 
 #: The killed capture: every shard's safetensors write pauses before its rename.
@@ -50,16 +48,7 @@ capture.capture_plan(plan, Path(sys.argv[2]), max_shard_bytes=int(sys.argv[4]), 
 def test_kill_9_in_the_middle_of_a_shard_then_rerun_equals_an_uninterrupted_capture(
     tmp_path: Path,
 ) -> None:
-    result = compile_file(
-        SCRATCH,
-        overrides=(
-            f"training.output_dir={tmp_path / 'run'}",
-            "training.training_seq_len=64",
-            "dflash.dflash_block_size=4",
-        ),
-    )
-    assert result.plan is not None, result.diagnostics
-    plan = result.plan
+    plan = tiny_scratch_plan(tmp_path / "run")
     whole = tmp_path / "whole"
     capture_plan(plan, whole, max_shard_bytes=SHARD_BYTES, progress=False)
     assert len(read_manifest(whole).shards) > 1

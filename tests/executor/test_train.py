@@ -14,8 +14,8 @@ import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
+from testkit.compiling import tiny_scratch_plan
 
-from dflash_recipes.compiler import compile_file
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.optimizer import lr_factor
@@ -24,28 +24,19 @@ from dflash_recipes.plan import RunPlan
 from dflash_recipes.run_dir import complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _plan(tmp_path: Path, name: str, *extra: str) -> RunPlan:
-    overrides = (
-        f"training.output_dir={tmp_path / name}",
+    return tiny_scratch_plan(
+        tmp_path / name,
         "training.max_steps=4",
-        "training.per_device_train_batch_size=2",
-        "training.training_seq_len=64",
         "training.save_steps=2",
-        "training.logging_steps=1",
         "training.save_total_limit=null",
-        "dflash.dflash_num_anchors=4",
-        "dflash.dflash_block_size=4",
         *extra,
     )
-    result = compile_file(SCRATCH, overrides=overrides)
-    assert result.plan is not None, result.diagnostics
-    return result.plan
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

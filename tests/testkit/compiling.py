@@ -5,10 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_recipes.compiler import CompileResult, compile_recipe
+from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
 from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
+from dflash_recipes.plan import RunPlan
 from dflash_recipes.recipe import Recipe
 from dflash_recipes.run_dir import CHECKPOINT_FILES, checkpoint_dir_name
+
+#: The shipped from-scratch recipe of the embedded tiny target.
+TINY_SCRATCH = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "tiny_scratch.yaml"
+#: What keeps a training test on that recipe small: short sequences, few small blocks.
+SMALL_RUN = (
+    "training.per_device_train_batch_size=2",
+    "training.training_seq_len=64",
+    "training.logging_steps=1",
+    "dflash.dflash_num_anchors=4",
+    "dflash.dflash_block_size=4",
+)
 
 #: The type of conftest's `make_recipe` fixture.
 RecipeFactory = Callable[..., Recipe]
@@ -23,6 +35,15 @@ def compile_in(tmp_path: Path, recipe: Recipe) -> CompileResult:
         assert d.path and d.message and d.hint, d
     assert (result.plan is None) == any(d.severity is Severity.ERROR for d in result.diagnostics)
     return result
+
+
+def tiny_scratch_plan(output_dir: Path, *overrides: str) -> RunPlan:
+    """The tiny from-scratch recipe compiled small (:data:`SMALL_RUN`), then `overrides`."""
+    result = compile_file(
+        TINY_SCRATCH, overrides=(f"training.output_dir={output_dir}", *SMALL_RUN, *overrides)
+    )
+    assert result.plan is not None, [str(d) for d in result.diagnostics]
+    return result.plan
 
 
 def only(result: CompileResult, code: str) -> Diagnostic:
