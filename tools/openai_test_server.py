@@ -35,22 +35,26 @@ from typing import Any
 SERVED_NAME = "tiny-target"
 
 
+#: The knobs a fresh server starts with (``POST /control`` changes them; tests reset to these).
+DEFAULT_KNOBS: dict[str, Any] = {
+    "latency_ms": 0,
+    "fail_503": 0,
+    "fail_503_on": "",
+    "drop": 0,
+    "status_4xx": 0,
+    "api_key": "",
+    "reasoning": False,
+    "not_json": False,
+}
+
+
 class State:
     """Knobs and counters shared by the request threads."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.lock = threading.Lock()
         self.model_lock = threading.Lock()
-        self.knobs: dict[str, Any] = {
-            "latency_ms": args.latency_ms,
-            "fail_503": 0,
-            "fail_503_on": "",
-            "drop": 0,
-            "status_4xx": 0,
-            "api_key": "",
-            "reasoning": False,
-            "not_json": False,
-        }
+        self.knobs: dict[str, Any] = {**DEFAULT_KNOBS, "latency_ms": args.latency_ms}
         self.requests = 0
         self.in_flight = 0
         self.max_in_flight = 0

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from openai_test_server import DEFAULT_KNOBS
 
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.errors import DataError, DirectoryLockedError, RegenerateError
@@ -35,17 +36,6 @@ TARGET = ROOT / "dflash_recipes" / "demo_data" / "target"
 DOMAIN = ROOT / "dflash_recipes" / "demo_data" / "data" / "domain.jsonl"
 SERVER = ROOT / "tools" / "openai_test_server.py"
 _CLI = (sys.executable, "-m", "dflash_recipes.cli")
-
-_DEFAULT_KNOBS = {
-    "latency_ms": 0,
-    "fail_503": 0,
-    "fail_503_on": "",
-    "drop": 0,
-    "status_4xx": 0,
-    "api_key": "",
-    "reasoning": False,
-    "not_json": False,
-}
 
 
 class Server:
@@ -83,7 +73,7 @@ def server_process() -> Iterator[Server]:
 
 @pytest.fixture
 def server(server_process: Server) -> Server:
-    server_process.control(**_DEFAULT_KNOBS)
+    server_process.control(**DEFAULT_KNOBS)
     httpx.post(f"{server_process.url}/reset").raise_for_status()
     return server_process
 
