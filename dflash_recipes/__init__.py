@@ -2,8 +2,8 @@
 
 The public surface is `__all__`; it is the only stable API (module paths below the package are
 internal and may move). Importing the package loads only the pure-data compile path (attrs,
-cattrs, yaml, json): never torch, transformers or safetensors, which only the executor
-(`dflash_recipes.executor`, used by `dflash-recipe run`) imports.
+yaml, json; cattrs where a plan is read): never torch, transformers or safetensors, which only
+the executor (`dflash_recipes.executor`, used by `dflash-recipe run`) imports.
 
 The names are resolved on first use (PEP 562 module `__getattr__`), so `dflash-recipe --version`
 or `lint`, which need a part of the package, do not pay for importing the rest.

@@ -26,6 +26,7 @@ from dflash_recipes.capture_manifest import (
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DataError
 from dflash_recipes.model_files import CONFIG_FILE
+from dflash_recipes.records import Record
 
 _E, _W = Severity.ERROR, Severity.WARNING
 _code = register_code
@@ -88,8 +89,8 @@ CAPTURE_SAMPLE_COUNT_MISMATCH = _code(
 )
 
 
-@attrs.frozen
-class CaptureExpectation:
+@attrs.frozen(repr=False, eq=False)
+class CaptureExpectation(Record):
     """What the plan needs from a capture (all known at compile time)."""
 
     target_layer_ids: tuple[int, ...]
@@ -106,8 +107,8 @@ class CaptureExpectation:
     block_size: int | None = None
 
 
-@attrs.frozen
-class CaptureFinding:
+@attrs.frozen(repr=False, eq=False)
+class CaptureFinding(Record):
     """One problem of a capture: registered code, message, fix."""
 
     code: str

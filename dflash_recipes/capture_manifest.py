@@ -28,6 +28,7 @@ import attrs
 
 from dflash_recipes.errors import DataError, SafetensorsHeaderError
 from dflash_recipes.model_files import CONFIG_FILE
+from dflash_recipes.records import Record
 from dflash_recipes.safetensors_header import TensorInfo, read_safetensors_header
 
 MANIFEST_FILE = "manifest.json"
@@ -168,8 +169,8 @@ def chat_template_sha256(chat_template: str | None, base_path: Path) -> str | No
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class ShardEntry:
+@attrs.frozen(repr=False, eq=False)
+class ShardEntry(Record):
     """One shard: its file, the samples it holds, their tokens, its size once written."""
 
     file: str
@@ -180,8 +181,8 @@ class ShardEntry:
     bytes: int | None = None
 
 
-@attrs.frozen
-class CaptureManifest:
+@attrs.frozen(repr=False, eq=False)
+class CaptureManifest(Record):
     """What a capture directory holds (``manifest.json``)."""
 
     base_model_path: str

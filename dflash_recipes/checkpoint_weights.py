@@ -18,6 +18,7 @@ from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
 from dflash_recipes.jsonio import read_json_object_file
 from dflash_recipes.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from dflash_recipes.model_paths import describe_directory
+from dflash_recipes.records import Record
 from dflash_recipes.safetensors_header import (
     SafetensorsHeader,
     TensorInfo,
@@ -27,8 +28,8 @@ from dflash_recipes.safetensors_header import (
 )
 
 
-@attrs.frozen
-class CheckpointWeights:
+@attrs.frozen(repr=False, eq=False)
+class CheckpointWeights(Record):
     """The merged tensor table of a checkpoint directory (one file or the shards of an index)."""
 
     directory: Path

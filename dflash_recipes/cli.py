@@ -55,6 +55,14 @@ OUTPUT_UNWRITABLE = register_code(
 #: A plan.json is a few kilobytes; anything far larger is not one.
 PLAN_MAX_BYTES = 16 * 2**20
 
+# Parameter types, made once and shared by every command: each click.Path looks up a gettext
+# translation when it is made (part of the start-up of every command).
+_ANY_PATH_STR = click.Path(path_type=str)
+_FILE = click.Path(dir_okay=False, path_type=Path)
+_FILE_STR = click.Path(dir_okay=False, path_type=str)
+_WRITABLE_FILE = click.Path(dir_okay=False, writable=True, path_type=Path)
+_DIRECTORY = click.Path(file_okay=False, path_type=Path)
+
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
@@ -116,12 +124,12 @@ def _compile(recipe: str, overrides: Sequence[str]) -> CompileResult:
 
 
 @main.command("compile")
-@click.argument("recipe", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("recipe", type=_ANY_PATH_STR)
 @click.argument("overrides", nargs=-1)
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    type=_WRITABLE_FILE,
     help="Write the run plan JSON here (only when compilation succeeds).",
 )
 @click.option(
@@ -313,9 +321,7 @@ def lint_command(paths: tuple[str, ...], fmt: str | None, strict: bool) -> None:
 
 
 @main.command("schema")
-@click.option(
-    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to a file."
-)
+@click.option("-o", "--output", type=_FILE, help="Write to a file.")
 def schema_command(output: Path | None) -> None:
     """Print the recipe's JSON Schema (for editor completion and validation).
 
@@ -341,12 +347,12 @@ def schema_command(output: Path | None) -> None:
 @click.option(
     "--base-model",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=_DIRECTORY,
     help="Local directory of the target model (with config.json).",
 )
 @click.option(
     "--init-checkpoint",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=_DIRECTORY,
     help="Local directory of an exported drafter to fine-tune (model.safetensors).",
 )
 @click.option(
@@ -360,7 +366,7 @@ def schema_command(output: Path | None) -> None:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=_FILE,
     help="Write the recipe here instead of stdout (refuses to overwrite).",
 )
 def init_command(
@@ -479,7 +485,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 @main.command("run")
-@click.argument("recipe_or_plan", type=click.Path(path_type=str))
+@click.argument("recipe_or_plan", type=_ANY_PATH_STR)
 @click.argument("overrides", nargs=-1)
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Launch N processes (torchrun).")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
@@ -533,11 +539,11 @@ def run_command(
 
 
 @main.command("capture")
-@click.argument("recipe_or_plan", type=click.Path(path_type=str))
+@click.argument("recipe_or_plan", type=_ANY_PATH_STR)
 @click.argument("overrides", nargs=-1)
 @click.option(
     "--output",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=_DIRECTORY,
     help="Capture directory (default: the recipe's data.hidden_states_path).",
 )
 @click.option(
@@ -628,17 +634,17 @@ def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> s
 
 
 @main.command("eval")
-@click.argument("plan_or_recipe", type=click.Path(path_type=str))
+@click.argument("plan_or_recipe", type=_ANY_PATH_STR)
 @click.argument("overrides", nargs=-1)
 @click.option(
     "--checkpoint",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=_DIRECTORY,
     help="An export directory or a training checkpoint directory.",
 )
 @click.option(
     "--prompts",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=_FILE,
     help="JSONL conversations whose first user turns are the prompts "
     "(default: data.eval_data_path).",
 )
@@ -691,18 +697,18 @@ def eval_command(
 
 
 @main.command("regenerate")
-@click.argument("recipe_or_plan", type=click.Path(path_type=str))
+@click.argument("recipe_or_plan", type=_ANY_PATH_STR)
 @click.argument("overrides", nargs=-1)
 @click.option(
     "--input",
     "input_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=_FILE,
     help="JSONL conversations to answer (default: data.data_path).",
 )
 @click.option(
     "--output",
     "output_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=_FILE,
     help="The regenerated JSONL (default: regenerate.output_path); shards in OUTPUT.parts/.",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -745,12 +751,12 @@ def regenerate_command(
 
 
 @main.command("export")
-@click.argument("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("checkpoint_dir", type=_DIRECTORY)
+@click.argument("out_dir", type=_DIRECTORY)
 @click.option(
     "--plan",
     "plan_path",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=_FILE_STR,
     help="Plan or recipe of the run (default: the run's plan.json next to the checkpoint).",
 )
 @click.option(
@@ -819,11 +825,11 @@ def _export_target(out_dir: Path) -> Path:
 
 
 @main.command("report")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.argument("runs", nargs=-1, required=True, type=_DIRECTORY)
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=_FILE,
     default=Path("report.png"),
     show_default=True,
 )
@@ -846,7 +852,7 @@ def report_command(runs: tuple[Path, ...], output: Path, labels: tuple[str, ...]
 @main.command("demo")
 @click.option(
     "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=_DIRECTORY,
     default=Path("dflash-demo"),
     show_default=True,
     help="Where the tiny target, data and runs go (reused on a rerun).",

@@ -42,6 +42,7 @@ from dflash_recipes.plan import (
     TrainingPlan,
 )
 from dflash_recipes.recipe import Recipe, RegenerateSection
+from dflash_recipes.records import Record
 
 #: The warnings about a warm start that the plan carries for `run` to log again when it loads
 #: the checkpoint (``InitCheckpointPlan.warnings``).
@@ -74,8 +75,8 @@ def default_loss_decay_factor(block_size: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class CompileResult:
+@attrs.frozen(repr=False, eq=False)
+class CompileResult(Record):
     """A compiled plan (None when any diagnostic is an error) and every diagnostic, sorted."""
 
     plan: RunPlan | None

@@ -1,4 +1,4 @@
-"""The one cattrs converter of dflash_recipes: the strict structuring policy lives here.
+"""Recipe structuring (plain data to the attrs classes): the strict policy lives here.
 
 Policy, applied at every level of a recipe:
 
@@ -11,8 +11,13 @@ Policy, applied at every level of a recipe:
   each failure is reported at the field's dotted path;
 - every problem is collected, so one run reports all of them.
 
-Hooks raise :class:`StructureProblems` (with dotted paths); :func:`structure_recipe` turns them
-into diagnostics located through a :class:`~dflash_recipes.diagnostics.SourceMap`.
+The rules raise :class:`StructureProblems` (with dotted paths); :func:`structure_recipe` turns
+them into diagnostics located through a :class:`~dflash_recipes.diagnostics.SourceMap`.
+
+This was a cattrs converter; every rule was already the project's own, and cattrs only chose
+the rule by type. :func:`structure` now does that dispatch itself (a recipe has five kinds of
+field type), so `compile` and `lint` no longer import cattrs or generate hooks at start-up
+(issue 15). Plans are still read through cattrs (:mod:`dflash_recipes.plan`).
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
+import attr
 import attrs
-import cattrs
 
 from dflash_recipes.diagnostics import (
     Diagnostic,
@@ -37,7 +42,8 @@ from dflash_recipes.diagnostics import (
     sort_diagnostics,
 )
 from dflash_recipes.recipe import Recipe
-from dflash_recipes.schema import class_field_docs
+from dflash_recipes.records import Record
+from dflash_recipes.schema import class_field_docs, field_types
 
 UNKNOWN_KEY = register_code(
     "unknown-key",
@@ -64,8 +70,8 @@ NOT_A_MAPPING = register_code(
 )
 
 
-@attrs.frozen
-class Problem:
+@attrs.frozen(repr=False, eq=False)
+class Problem(Record):
     """One structuring problem, before it is located in a source file."""
 
     code: str
@@ -83,7 +89,7 @@ class StructureProblems(ValueError):
 
 
 # The dotted path being structured. A context variable rather than a hook argument because
-# cattrs hooks take only (value, type); it is thread- and task-safe.
+# the rules take only (value, type); it is thread- and task-safe.
 _PATH: ContextVar[tuple[str, ...]] = ContextVar("dflash_recipes_structure_path", default=())
 
 
@@ -186,8 +192,10 @@ def _plural(tp: object) -> str:
     return words.get(tp, "values")
 
 
-_NUMBER_TEXT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$")
-_INT_TEXT = re.compile(r"^[-+]?[0-9][0-9_]*$")
+# Patterns are kept as strings: `re` compiles one on its first use (and caches it), so a
+# process that never needs it does not pay for it at import.
+_NUMBER_TEXT = r"^[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"
+_INT_TEXT = r"^[-+]?[0-9][0-9_]*$"
 _TRUE_WORDS = frozenset({"yes", "y", "on"})
 _FALSE_WORDS = frozenset({"no", "n", "off"})
 
@@ -197,7 +205,7 @@ _FALSE_WORDS = frozenset({"no", "n", "off"})
 # ---------------------------------------------------------------------------------------------
 
 
-def _structure_str(value: object, _: object) -> str:
+def _structure_str(value: object) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, bool | int | float):
@@ -209,14 +217,14 @@ def _structure_str(value: object, _: object) -> str:
     _fail(WRONG_TYPE, f"expected a string, got {describe(value)}", hint)
 
 
-def _structure_int(value: object, _: object) -> int:
+def _structure_int(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and value.is_integer():
         hint = f"write {int(value)} without the decimal point"
     elif isinstance(value, float):
         hint = f"write a whole number; {value!r} is not rounded for you"
-    elif isinstance(value, str) and _INT_TEXT.match(value.strip()):
+    elif isinstance(value, str) and re.match(_INT_TEXT, value.strip()):
         digits = value.strip().replace("_", "")
         hint = f"write the number without quotes or underscores: {digits}"
     else:
@@ -224,7 +232,7 @@ def _structure_int(value: object, _: object) -> int:
     _fail(WRONG_TYPE, f"expected an integer, got {describe(value)}", hint)
 
 
-def _structure_float(value: object, _: object) -> float:
+def _structure_float(value: object) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
             return float(value)
@@ -235,7 +243,7 @@ def _structure_float(value: object, _: object) -> float:
                 f"an integer with {digits} digits is too large to be a number",
                 "write a number between -1.7e308 and 1.7e308",
             )
-    if isinstance(value, str) and _NUMBER_TEXT.match(value.strip()):
+    if isinstance(value, str) and re.match(_NUMBER_TEXT, value.strip()):
         number = value.strip().replace("_", "")
         hint = f"write the number without quotes or underscores: {number}"
     else:
@@ -243,7 +251,7 @@ def _structure_float(value: object, _: object) -> float:
     _fail(WRONG_TYPE, f"expected a number, got {describe(value)}", hint)
 
 
-def _structure_bool(value: object, _: object) -> bool:
+def _structure_bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip() in ("true", "false"):
@@ -266,7 +274,7 @@ def _is_literal(tp: object) -> bool:
     return get_origin(tp) is Literal
 
 
-def _structure_literal(value: object, tp: object) -> object:
+def _structure_literal(value: object, tp: object) -> str:
     choices = get_args(tp)
     listed = ", ".join(str(choice) for choice in choices)
     if isinstance(value, str) and value in choices:
@@ -307,58 +315,64 @@ def _section_name() -> str:
     return here if here else "the recipe"
 
 
-def _make_converter() -> cattrs.Converter:
-    converter = cattrs.Converter()
-    converter.register_structure_hook(str, _structure_str)
-    converter.register_structure_hook(int, _structure_int)
-    converter.register_structure_hook(float, _structure_float)
-    converter.register_structure_hook(bool, _structure_bool)
-    converter.register_structure_hook_func(_is_literal, _structure_literal)
+def structure(value: object, tp: object) -> object:
+    """`value` (plain data) as type `tp` under the strict policy; raises StructureProblems.
 
-    def structure_optional(value: object, tp: object) -> object:
-        if value is None:
-            return None
-        return converter.structure(value, typing.cast(Any, _optional_member(tp)))
-
-    def structure_tuple(value: object, tp: object) -> tuple[object, ...]:
-        item_type = get_args(tp)[0]
-        if isinstance(value, str) or not isinstance(value, list | tuple):
-            _fail(
-                WRONG_TYPE,
-                f"expected {expected(tp)}, got {describe(value)}",
-                f"write a list such as {_list_example(item_type)}",
-            )
-        items: list[object] = []
-        problems: list[Problem] = []
-        for index, item in enumerate(value):
-            with _inside(str(index)):
-                try:
-                    items.append(converter.structure(item, item_type))
-                except StructureProblems as exc:
-                    problems.extend(exc.problems)
-        if problems:
-            raise StructureProblems(problems)
-        return tuple(items)
-
-    def unstructure_tuple(value: tuple[object, ...]) -> list[object]:
-        return [converter.unstructure(item) for item in value]
-
-    converter.register_structure_hook_func(_is_optional, structure_optional)
-    converter.register_structure_hook_func(_is_homogeneous_tuple, structure_tuple)
-    converter.register_structure_hook_factory(
-        _is_section, lambda cls: _section_hook(converter, cls)
-    )
-    converter.register_unstructure_hook_func(_is_tuple_type, unstructure_tuple)
-    return converter
+    The dispatch over the few kinds of type a recipe field has: the four scalars, Literal,
+    ``X | None``, ``tuple[X, ...]`` and a nested section (an attrs class).
+    """
+    scalar = _SCALAR_HOOKS.get(tp)
+    if scalar is not None:
+        return scalar(value)
+    if _is_literal(tp):
+        return _structure_literal(value, tp)
+    member = _optional_member(tp)
+    if member is not None:
+        return None if value is None else structure(value, member)
+    if _is_homogeneous_tuple(tp):
+        return _structure_tuple(value, tp)
+    if isinstance(tp, type) and attrs.has(tp):
+        return _section_structurer(tp)(value)
+    raise TypeError(f"recipe fields of type {tp!r} have no structuring rule")
 
 
-def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, object], object]:
-    """Structure hook for one attrs class: unknown keys, missing keys, types, validators."""
-    hints = typing.get_type_hints(cls)
+_SCALAR_HOOKS: dict[object, Callable[[object], object]] = {
+    str: _structure_str,
+    int: _structure_int,
+    float: _structure_float,
+    bool: _structure_bool,
+}
+
+
+def _structure_tuple(value: object, tp: object) -> tuple[object, ...]:
+    item_type = get_args(tp)[0]
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        _fail(
+            WRONG_TYPE,
+            f"expected {expected(tp)}, got {describe(value)}",
+            f"write a list such as {_list_example(item_type)}",
+        )
+    items: list[object] = []
+    problems: list[Problem] = []
+    for index, item in enumerate(value):
+        with _inside(str(index)):
+            try:
+                items.append(structure(item, item_type))
+            except StructureProblems as exc:
+                problems.extend(exc.problems)
+    if problems:
+        raise StructureProblems(problems)
+    return tuple(items)
+
+
+@functools.cache
+def _section_structurer(cls: type) -> Callable[[object], object]:
+    """Structuring of one attrs class: unknown keys, missing keys, types, validators."""
+    hints = field_types(cls)
     fields: tuple[attrs.Attribute[Any], ...] = attrs.fields(cls)
     names = [field.name for field in fields]
 
-    def structure(value: object, _: object) -> object:
+    def structure_section(value: object) -> object:
         if not isinstance(value, Mapping):
             _fail(NOT_A_MAPPING, _not_a_mapping_message(names, value), _mapping_hint(names))
         problems: list[Problem] = []
@@ -376,7 +390,7 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
                     continue
                 try:
                     kwargs[field.name] = _structure_field(
-                        converter, value[field.name], hints[field.name], field
+                        value[field.name], hints[field.name], field
                     )
                 except StructureProblems as exc:
                     problems.extend(exc.problems)
@@ -387,12 +401,10 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
         except (TypeError, ValueError) as exc:  # a rule beyond single fields, if one is added
             _fail(INVALID_VALUE, str(exc), f"fix the values of {_section_name()}")
 
-    return structure
+    return structure_section
 
 
-def _structure_field(
-    converter: cattrs.Converter, raw: object, tp: object, field: attrs.Attribute[Any]
-) -> object:
+def _structure_field(raw: object, tp: object, field: attrs.Attribute[Any]) -> object:
     if raw is None and _is_section(tp):
         _fail(
             NOT_A_MAPPING,
@@ -401,7 +413,7 @@ def _structure_field(
         )
     if raw is None and not _is_optional(tp):
         _fail(WRONG_TYPE, f"expected {expected(tp)}, got null", _null_hint(tp, field))
-    value = converter.structure(raw, typing.cast(Any, tp))
+    value = structure(raw, tp)
     validator = field.validator
     if validator is not None:
         try:
@@ -496,10 +508,6 @@ def _mapping_hint(names: Sequence[str]) -> str:
     return f"write `key: value` lines indented below `{last}:` (keys: {', '.join(names)})"
 
 
-#: The converter of the project. Structuring with it raises :class:`StructureProblems`.
-converter = _make_converter()
-
-
 def structure_recipe(data: object, *, source: SourceMap) -> tuple[Recipe | None, list[Diagnostic]]:
     """Structure plain data (from YAML or Python) into a Recipe, reporting every problem.
 
@@ -508,7 +516,8 @@ def structure_recipe(data: object, *, source: SourceMap) -> tuple[Recipe | None,
     """
     token = _PATH.set(())
     try:
-        recipe = converter.structure(data, Recipe)
+        recipe = structure(data, Recipe)
+        assert isinstance(recipe, Recipe)
     except StructureProblems as exc:
         diagnostics = [
             source.diagnostic(Severity.ERROR, p.code, p.path, p.message, p.hint)
@@ -522,9 +531,7 @@ def structure_recipe(data: object, *, source: SourceMap) -> tuple[Recipe | None,
 
 def unstructure_recipe(recipe: Recipe) -> dict[str, object]:
     """The recipe as plain data (tuples become lists) that :func:`structure_recipe` accepts."""
-    data = converter.unstructure(recipe)
-    assert isinstance(data, dict)
-    return data
+    return attr.asdict(recipe, retain_collection_types=False)  # tuples become lists
 
 
 @functools.cache
@@ -532,7 +539,7 @@ def _field_paths() -> frozenset[str]:
     paths: set[str] = set()
 
     def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
+        hints = field_types(cls)
         for field in attrs.fields(cls):
             path = f"{prefix}{field.name}"
             paths.add(path)
@@ -557,10 +564,10 @@ __all__ = [
     "Problem",
     "StructureProblems",
     "closest_name",
-    "converter",
     "describe",
     "expected",
     "recipe_field_paths",
+    "structure",
     "structure_recipe",
     "unstructure_recipe",
 ]

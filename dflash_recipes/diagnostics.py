@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
+from dflash_recipes.records import Record
+
 
 class Severity(enum.StrEnum):
     """How bad a finding is: errors stop compilation, warnings and infos do not."""
@@ -22,8 +24,8 @@ class Severity(enum.StrEnum):
     INFO = "info"
 
 
-@attrs.frozen
-class CodeInfo:
+@attrs.frozen(repr=False, eq=False)
+class CodeInfo(Record):
     """A registered diagnostic code and what it means for the user."""
 
     code: str
@@ -79,8 +81,8 @@ def code_severity(code: str) -> Severity:
     return info.severity
 
 
-@attrs.frozen
-class Diagnostic:
+@attrs.frozen(repr=False, eq=False)
+class Diagnostic(Record):
     """One finding: severity, code, where (dotted path and source mark), what, and the fix."""
 
     severity: Severity
@@ -117,8 +119,8 @@ class Diagnostic:
         }
 
 
-@attrs.frozen
-class SourceMark:
+@attrs.frozen(repr=False, eq=False)
+class SourceMark(Record):
     """Where a value came from: a file position (1-based line and column) or `<override N>`."""
 
     file: str
@@ -126,8 +128,8 @@ class SourceMark:
     column: int | None = None
 
 
-@attrs.frozen
-class SourceMap:
+@attrs.frozen(repr=False, eq=False)
+class SourceMap(Record):
     """Marks of a loaded recipe, keyed by dotted path (`dflash.dflash_block_size`).
 
     Checks that only know a dotted path use :meth:`locate` to attach a file position; a path

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import attrs
 
+from dflash_recipes.records import Record
+
 Shape = tuple[int, ...]
 ProjectorType = Literal["dflash", "domino", "dspark"]
 
@@ -100,8 +102,8 @@ def _projector(instance: object, attribute: attrs.Attribute[Any], value: Any) ->
         raise ValueError(msg)
 
 
-@attrs.frozen
-class LayoutSpec:
+@attrs.frozen(repr=False, eq=False)
+class LayoutSpec(Record):
     """Everything that decides a drafter's tensor names and shapes.
 
     Construction checks that the fields a head variant needs are set (ValueError otherwise):
@@ -219,8 +221,8 @@ def head_submodules(spec: LayoutSpec) -> dict[str, tuple[str, ...]]:
     return groups
 
 
-@attrs.frozen
-class HeadPresence:
+@attrs.frozen(repr=False, eq=False)
+class HeadPresence(Record):
     """Which head submodules a checkpoint holds wholly, not at all, or only partly."""
 
     complete: tuple[str, ...]
@@ -262,8 +264,8 @@ def format_partial_heads(presence: HeadPresence) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class LayoutDiff:
+@attrs.frozen(repr=False, eq=False)
+class LayoutDiff(Record):
     """Differences between an expected layout and what a checkpoint holds."""
 
     #: Expected but absent: name -> expected shape.
@@ -286,7 +288,7 @@ class LayoutDiff:
         return len(self.missing) + len(self.unexpected) + len(self.mismatched)
 
 
-_NUMBER_RE = re.compile(r"([0-9]+)")
+_NUMBER_RE = r"([0-9]+)"
 
 
 def _is_number(part: str) -> bool:
@@ -295,7 +297,7 @@ def _is_number(part: str) -> bool:
 
 
 def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    return tuple((0, int(p)) if _is_number(p) else (1, p) for p in _NUMBER_RE.split(name))
+    return tuple((0, int(p)) if _is_number(p) else (1, p) for p in re.split(_NUMBER_RE, name))
 
 
 def compare_layout(expected: Mapping[str, Shape], found: Mapping[str, Shape]) -> LayoutDiff:
@@ -464,7 +466,7 @@ def format_layout_diff(diff: LayoutDiff, *, fixes: Sequence[str] = ()) -> str:
 # reading dimensions back from a header
 # ---------------------------------------------------------------------------------------------
 
-_LAYER_RE = re.compile(r"^layers\.([0-9]{1,9})\.")
+_LAYER_RE = r"^layers\.([0-9]{1,9})\."
 
 
 def _dim(found: Mapping[str, Shape], name: str, rank: int, axis: int) -> int | None:
@@ -482,7 +484,7 @@ def infer_architecture(found: Mapping[str, Shape]) -> dict[str, int]:
     vocab_size, emb_dim, gru_hidden_dim, markov_rank. Never raises on odd shapes.
     """
     dims: dict[str, int] = {}
-    layers = sorted({int(m.group(1)) for n in found if (m := _LAYER_RE.match(n))})
+    layers = sorted({int(m.group(1)) for n in found if (m := re.match(_LAYER_RE, n))})
     if layers:
         dims["num_hidden_layers"] = layers[-1] + 1
     hidden = (
@@ -543,8 +545,8 @@ def layout_spec_for(
     return LayoutSpec(hidden_size=hidden_size, n_taps=n_taps, vocab_size=vocab_size, **values)
 
 
-@attrs.frozen
-class CheckpointDims:
+@attrs.frozen(repr=False, eq=False)
+class CheckpointDims(Record):
     """A checkpoint's draft dims (recipe field names, plus hidden_size and n_taps) and where
     each came from, for messages and fixes."""
 

@@ -16,10 +16,11 @@ import attrs
 
 from dflash_recipes.errors import PlanError
 from dflash_recipes.plan import ArchitecturePlan, RopePlan, RunPlan
+from dflash_recipes.records import Record
 
 
-@attrs.frozen
-class ResolvedDraft:
+@attrs.frozen(repr=False, eq=False)
+class ResolvedDraft(Record):
     """The drafter's complete, non-optional specification (built from a resolved plan)."""
 
     hidden_size: int

@@ -31,6 +31,7 @@ import attrs
 
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.draft_layout import infer_architecture
+from dflash_recipes.records import Record
 
 FieldStatus = Literal["honored", "refused", "compared", "irrelevant"]
 
@@ -68,8 +69,8 @@ CHECKPOINT_FIELD_DIFFERS = register_code(
 )
 
 
-@attrs.frozen
-class CheckpointField:
+@attrs.frozen(repr=False, eq=False)
+class CheckpointField(Record):
     """One config.json field: where it is (dotted), what dflash-recipes does with it, and why."""
 
     #: `hidden_act`, `dflash_config.is_causal`, ...
@@ -430,8 +431,8 @@ def unknown_fields(config: Mapping[str, object]) -> list[str]:
 _INIT = "dflash.dflash_init_checkpoint"
 
 
-@attrs.frozen
-class FieldFinding:
+@attrs.frozen(repr=False, eq=False)
+class FieldFinding(Record):
     """One finding of :func:`check_checkpoint_fields`, at a dotted recipe path."""
 
     code: str

@@ -29,6 +29,7 @@ from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.jsonio import shorten
 from dflash_recipes.model_files import CONFIG_FILE
 from dflash_recipes.plan import RopePlan, RopeValue, TargetFacts
+from dflash_recipes.records import Record
 
 TARGET_CONFIG_UNREADABLE = register_code(
     "target-config-unreadable",
@@ -72,8 +73,8 @@ CHECKPOINT_CONFIG_CONFLICT = register_code(
 )
 
 
-@attrs.frozen
-class ConfigProblem:
+@attrs.frozen(repr=False, eq=False)
+class ConfigProblem(Record):
     """Something wrong in a config.json, with the key it concerns (dotted, inside the file)."""
 
     code: str
@@ -83,8 +84,8 @@ class ConfigProblem:
     hint: str | None = None
 
 
-@attrs.frozen
-class TargetConfig:
+@attrs.frozen(repr=False, eq=False)
+class TargetConfig(Record):
     """What the base model's config.json says, plus the problems found reading it.
 
     `facts` is None when a field the plan needs is missing. The attention and MLP sizes are
@@ -103,8 +104,8 @@ class TargetConfig:
     from_text_config: bool = False
 
 
-@attrs.frozen
-class CheckpointConfigFacts:
+@attrs.frozen(repr=False, eq=False)
+class CheckpointConfigFacts(Record):
     """What a drafter checkpoint's config.json says (every field None when not stated)."""
 
     path: str
@@ -248,8 +249,8 @@ def _language_sections(
 _ROPE_NAMING_KEYS = frozenset({"rope_theta", "rope_type", "type"})
 
 
-@attrs.frozen
-class _RopeRead:
+@attrs.frozen(repr=False, eq=False)
+class _RopeRead(Record):
     theta: float | None
     rope_type: str
     extras: dict[str, RopeValue]

@@ -35,6 +35,7 @@ from dflash_recipes.hfconfig import (
     read_target_config,
 )
 from dflash_recipes.model_paths import inspect_checkpoint_dir, inspect_model_dir, resolve_local_path
+from dflash_recipes.records import Record
 
 #: Draft layers of a new drafter: the released Qwen3 DFlash drafters use 5.
 NEW_DRAFT_LAYERS = 5
@@ -48,16 +49,16 @@ SCRATCH_LEARNING_RATE = 6.0e-4
 _TOKENIZER_MAX_BYTES = 64 * 2**20
 
 
-@attrs.frozen
-class _Choice:
+@attrs.frozen(repr=False, eq=False)
+class _Choice(Record):
     """A value written into the recipe and the comment that says where it came from."""
 
     value: object
     why: str
 
 
-@attrs.frozen
-class _Draft:
+@attrs.frozen(repr=False, eq=False)
+class _Draft(Record):
     """Everything the `dflash:` section needs, each with its reason."""
 
     arch: dict[str, _Choice]

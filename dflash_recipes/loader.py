@@ -30,6 +30,7 @@ from dflash_recipes.diagnostics import (
 from dflash_recipes.errors import RecipeError
 from dflash_recipes.jsonio import FileReadProblem, clip, read_regular_file
 from dflash_recipes.recipe import Recipe
+from dflash_recipes.records import Record
 from dflash_recipes.yamlio import load_yaml
 
 EMPTY_RECIPE = register_code(
@@ -72,8 +73,8 @@ UNKNOWN_OVERRIDE_PATH = register_code(
 _MINIMAL_RECIPE = "model:\n  model_name_or_path: <local Hugging Face model dir>"
 
 
-@attrs.frozen
-class LoadResult:
+@attrs.frozen(repr=False, eq=False)
+class LoadResult(Record):
     """What loading produced: the recipe (None on errors), every diagnostic, and the marks."""
 
     recipe: Recipe | None
@@ -89,8 +90,8 @@ class LoadResult:
         return self.recipe is not None and not has_errors(self.diagnostics)
 
 
-@attrs.frozen
-class _Override:
+@attrs.frozen(repr=False, eq=False)
+class _Override(Record):
     label: str
     path: str
     value: object
@@ -218,6 +219,8 @@ def _apply(data: dict[str, object], marks: dict[str, SourceMark], override: _Ove
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[list[_Override], list[Diagnostic]]:
+    if not overrides:
+        return [], []
     paths = recipe_field_paths()
     parsed: list[_Override] = []
     problems: list[Diagnostic] = []

@@ -21,6 +21,7 @@ import attrs
 
 from dflash_recipes.errors import CheckpointError
 from dflash_recipes.model_files import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from dflash_recipes.records import Record
 
 #: Directory listings in messages show at most this many names.
 _LISTING_LIMIT = 12
@@ -38,11 +39,11 @@ ProblemKind = Literal[
 
 # owner/name as the Hub spells repository ids; a value like this that is not a local
 # directory is almost certainly a Hub id.
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HUB_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
-@attrs.frozen
-class CheckpointDirProblem:
+@attrs.frozen(repr=False, eq=False)
+class CheckpointDirProblem(Record):
     """Why a recipe's directory value cannot be used: kind, the message, and the fix."""
 
     kind: ProblemKind
@@ -71,7 +72,7 @@ def resolve_local_path(value: str, *, base_dir: Path | None) -> Path:
 
 def looks_like_hub_id(value: str) -> bool:
     """True for `owner/name` values such as `z-lab/Qwen3-8B-DFlash-b16`."""
-    return bool(_HUB_ID_RE.match(value)) and not value.startswith(".")
+    return bool(re.match(_HUB_ID_RE, value)) and not value.startswith(".")
 
 
 def describe_directory(directory: Path, limit: int = _LISTING_LIMIT) -> str:
@@ -97,8 +98,8 @@ def _entry_label(child: Path) -> str:
     return child.name
 
 
-@attrs.frozen
-class _Requirement:
+@attrs.frozen(repr=False, eq=False)
+class _Requirement(Record):
     """What a usable directory must contain, for one kind of recipe value."""
 
     noun: str

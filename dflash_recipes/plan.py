@@ -9,20 +9,42 @@ seeds; the fingerprint is the sha256 of the canonical JSON of the plan without i
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib
 import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Literal, Union
 
 import attr
 import attrs
-import cattrs
 
 from dflash_recipes.errors import PlanError
 from dflash_recipes.jsonio import JsonProblem, parse_json, shorten
+from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
+    import cattrs
+
     from dflash_recipes.draft_spec import ResolvedDraft
+
+
+def _sha256_hex(data: bytes) -> str:
+    """SHA-256 of `data` as hex, without loading OpenSSL when CPython has its own.
+
+    ``import hashlib`` loads OpenSSL's libcrypto first (2-4 ms per process); CPython's built-in
+    SHA-256 module (``_sha2`` from 3.12, ``_sha256`` before) gives the same digest for a
+    fingerprint of a few kilobytes. The stdlib's `random` module imports its SHA-512 the same way.
+    """
+    for name in ("_sha2", "_sha256"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        digest: str = module.sha256(data).hexdigest()
+        return digest
+    import hashlib  # another interpreter: the portable module
+
+    return hashlib.sha256(data).hexdigest()
+
 
 #: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
 #: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
@@ -38,8 +60,8 @@ _PLAN_INT_DIGITS = 4000
 RopeValue = Union[float, int, str, bool, None]  # noqa: UP007 (cattrs needs a runtime Union)
 
 
-@attrs.frozen
-class RopePlan:
+@attrs.frozen(repr=False, eq=False)
+class RopePlan(Record):
     """RoPE settings, always taken from the target model's config.json."""
 
     rope_theta: float
@@ -49,8 +71,8 @@ class RopePlan:
     rope_scaling: Mapping[str, RopeValue] | None = None
 
 
-@attrs.frozen
-class TargetFacts:
+@attrs.frozen(repr=False, eq=False)
+class TargetFacts(Record):
     """Facts read from the base model's config.json."""
 
     model_type: str
@@ -63,8 +85,8 @@ class TargetFacts:
     rms_norm_eps: float | None = None
 
 
-@attrs.frozen
-class BaseModelPlan:
+@attrs.frozen(repr=False, eq=False)
+class BaseModelPlan(Record):
     """The frozen target: where it is and how to load it."""
 
     path: str
@@ -74,8 +96,8 @@ class BaseModelPlan:
     facts: TargetFacts | None = None
 
 
-@attrs.frozen
-class DataPlan:
+@attrs.frozen(repr=False, eq=False)
+class DataPlan(Record):
     """Training data locations (absolute) and supervision policy."""
 
     data_path: str | None
@@ -86,8 +108,8 @@ class DataPlan:
     hidden_states_path: str | None = None
 
 
-@attrs.frozen
-class TrainingPlan:
+@attrs.frozen(repr=False, eq=False)
+class TrainingPlan(Record):
     """Optimiser, schedule and bookkeeping, with defaults resolved."""
 
     output_dir: str
@@ -110,8 +132,8 @@ class TrainingPlan:
     fsdp: bool
 
 
-@attrs.frozen
-class ArchitecturePlan:
+@attrs.frozen(repr=False, eq=False)
+class ArchitecturePlan(Record):
     """The drafter's dimensions. Recipe fields may be None in a schema-level plan."""
 
     num_hidden_layers: int | None
@@ -132,8 +154,8 @@ class ArchitecturePlan:
     sliding_window: int | None = None
 
 
-@attrs.frozen
-class ObjectivePlan:
+@attrs.frozen(repr=False, eq=False)
+class ObjectivePlan(Record):
     """The training loss, with defaults resolved."""
 
     num_anchors: int
@@ -147,8 +169,8 @@ class ObjectivePlan:
     dspark_confidence_weight: float
 
 
-@attrs.frozen
-class DraftPlan:
+@attrs.frozen(repr=False, eq=False)
+class DraftPlan(Record):
     """What to build and how to train it."""
 
     block_size: int
@@ -160,8 +182,8 @@ class DraftPlan:
     objective: ObjectivePlan
 
 
-@attrs.frozen
-class InitCheckpointPlan:
+@attrs.frozen(repr=False, eq=False)
+class InitCheckpointPlan(Record):
     """The warm-start checkpoint and what its header and config.json said."""
 
     path: str
@@ -182,16 +204,16 @@ class InitCheckpointPlan:
     warnings: tuple[str, ...] = ()
 
 
-@attrs.frozen
-class ResumePlan:
+@attrs.frozen(repr=False, eq=False)
+class ResumePlan(Record):
     """A complete training checkpoint found in output_dir: the run continues from it."""
 
     checkpoint_dir: str
     step: int
 
 
-@attrs.frozen
-class RegeneratePlan:
+@attrs.frozen(repr=False, eq=False)
+class RegeneratePlan(Record):
     """`dflash-recipe regenerate` settings (the recipe's `regenerate:` section, resolved)."""
 
     #: OpenAI-compatible base URL (server backend), or None: local transformers generation.
@@ -211,8 +233,8 @@ class RegeneratePlan:
     output_path: str | None
 
 
-@attrs.frozen
-class RunPlan:
+@attrs.frozen(repr=False, eq=False)
+class RunPlan(Record):
     """Everything the executor needs for one run, resolved and fingerprinted."""
 
     base_model: BaseModelPlan
@@ -236,7 +258,7 @@ class RunPlan:
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-compatible dict including `fingerprint`."""
         data = self._plain()
-        data["fingerprint"] = hashlib.sha256(_canonical(data)).hexdigest()
+        data["fingerprint"] = _sha256_hex(_canonical(data))
         return data
 
     def _plain(self) -> dict[str, object]:
@@ -252,7 +274,7 @@ class RunPlan:
     @property
     def fingerprint(self) -> str:
         """sha256 of :meth:`canonical_json`, hex."""
-        return hashlib.sha256(self.canonical_json()).hexdigest()
+        return _sha256_hex(self.canonical_json())
 
     def to_json(self) -> str:
         """Pretty JSON for humans and files; keys sorted, fingerprint included."""
@@ -330,6 +352,8 @@ class RunPlan:
 @functools.cache
 def _plan_converter() -> cattrs.Converter:
     """The strict converter that structures plan JSON (built on the first plan read)."""
+    import cattrs  # only where a plan is read: `compile` and `lint` never import it
+
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
 
     def structure_scalar(value: object, _type: object) -> RopeValue:

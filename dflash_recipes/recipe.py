@@ -5,9 +5,11 @@ checks, file checks and checkpoint checks belong to the compiler. The `#:` comme
 field is its documentation; the JSON Schema and the docs are generated from these comments.
 
 Field names follow the layout DFlash users already write (ModelOpt's recipes).
-"""
 
-from __future__ import annotations
+Annotations here are evaluated when the classes are made (no ``from __future__ import
+annotations``): the converter then reads type objects instead of compiling a string per field in
+every process, part of keeping `dflash-recipe compile` start-up low (issue 15).
+"""
 
 import math
 import re
@@ -17,6 +19,7 @@ from typing import Any, Literal
 import attrs
 
 from dflash_recipes.jsonio import shorten
+from dflash_recipes.records import Record
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 SchedulerType = Literal["cosine", "linear", "constant"]
@@ -47,11 +50,11 @@ MAX_LAYER_ID = 4095
 # ---------------------------------------------------------------------------------------------
 
 
-def _name(attribute: attrs.Attribute[Any]) -> str:
+def _name(attribute: "attrs.Attribute[Any]") -> str:
     return attribute.name
 
 
-def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def positive_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must be an int > 0 (None passes; use on Optional fields too)."""
     if value is None:
         return
@@ -60,7 +63,7 @@ def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) 
         raise ValueError(msg)
 
 
-def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def non_negative_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must be an int >= 0 (None passes)."""
     if value is None:
         return
@@ -69,7 +72,7 @@ def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: A
         raise ValueError(msg)
 
 
-def positive_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def positive_float(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must be a finite number > 0 (None passes)."""
     if value is None:
         return
@@ -83,7 +86,7 @@ def positive_float(instance: object, attribute: attrs.Attribute[Any], value: Any
         raise ValueError(msg)
 
 
-def non_negative_float(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def non_negative_float(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must be a finite number >= 0."""
     if (
         not isinstance(value, (int, float))
@@ -95,14 +98,14 @@ def non_negative_float(instance: object, attribute: attrs.Attribute[Any], value:
         raise ValueError(msg)
 
 
-def fraction_half_open(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def fraction_half_open(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must lie in [0, 1)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
         msg = f"{_name(attribute)} must be in [0, 1), got {shorten(value)}"
         raise ValueError(msg)
 
 
-def fraction_open_closed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def fraction_open_closed(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must lie in (0, 1]."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
         msg = f"{_name(attribute)} must be in (0, 1], got {shorten(value)}"
@@ -112,7 +115,7 @@ def fraction_open_closed(instance: object, attribute: attrs.Attribute[Any], valu
 def one_of(choices: tuple[str, ...]) -> Validator:
     """Validator: the value must be one of `choices` (None passes)."""
 
-    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
         if value is None:
             return
         if value not in choices:
@@ -122,7 +125,7 @@ def one_of(choices: tuple[str, ...]) -> Validator:
     return check
 
 
-def even_positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def even_positive_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """Value must be a positive even int (RoPE rotates pairs of dimensions)."""
     positive_int(instance, attribute, value)
     if value is not None and isinstance(value, int) and value % 2 != 0:
@@ -133,7 +136,7 @@ def even_positive_int(instance: object, attribute: attrs.Attribute[Any], value: 
         raise ValueError(msg)
 
 
-def layer_id_list(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def layer_id_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """A non-empty tuple of integers >= 0 (None passes: resolved by the compiler)."""
     if value is None:
         return
@@ -149,7 +152,7 @@ def layer_id_list(instance: object, attribute: attrs.Attribute[Any], value: Any)
             raise ValueError(msg)
 
 
-def layer_type_list(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def layer_type_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """A non-empty tuple of LAYER_TYPES names (None passes: resolved by the compiler)."""
     if value is None:
         return
@@ -168,14 +171,14 @@ def layer_type_list(instance: object, attribute: attrs.Attribute[Any], value: An
             raise ValueError(msg)
 
 
-def block_size_range(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def block_size_range(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """A DFlash block needs the anchor plus at least one masked position."""
     if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 128:
         msg = f"{_name(attribute)} must be an integer in [2, 128], got {shorten(value)}"
         raise ValueError(msg)
 
 
-def non_empty_str(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def non_empty_str(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """A non-empty string (None passes)."""
     if value is None:
         return
@@ -184,8 +187,8 @@ def non_empty_str(instance: object, attribute: attrs.Attribute[Any], value: Any)
         raise ValueError(msg)
 
 
-@attrs.frozen
-class IntRange:
+@attrs.frozen(repr=False, eq=False)
+class IntRange(Record):
     """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.
 
     The JSON Schema takes its bounds from the attributes, so schema and loader agree.
@@ -195,7 +198,7 @@ class IntRange:
     maximum: int
     even: bool = False
 
-    def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    def __call__(self, instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
         if value is None:
             return
         if (
@@ -225,11 +228,11 @@ _WIDTH = IntRange(1, 2**20)
 _COUNT = IntRange(1, 4096)
 
 
-def env_var_name(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def env_var_name(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """The name of an environment variable (letters, digits, underscores; None passes)."""
     if value is None:
         return
-    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+    if not isinstance(value, str) or not re.fullmatch(_ENV_NAME, value):
         msg = (
             f"{_name(attribute)} must be the NAME of an environment variable (letters, digits "
             f"and underscores, e.g. OPENAI_API_KEY), never the key itself; got {value!r}"
@@ -237,7 +240,7 @@ def env_var_name(instance: object, attribute: attrs.Attribute[Any], value: Any) 
         raise ValueError(msg)
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +248,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class ModelSection:
+@attrs.frozen(repr=False, eq=False)
+class ModelSection(Record):
     """The frozen target (base) model the drafter is trained against."""
 
     #: Local Hugging Face model directory (needs config.json; weights are needed only to run).
@@ -257,8 +260,8 @@ class ModelSection:
     trust_remote_code: bool = False
 
 
-@attrs.frozen
-class DataSection:
+@attrs.frozen(repr=False, eq=False)
+class DataSection(Record):
     """Training data: JSONL conversations (OpenAI `messages` or ShareGPT `conversations`)."""
 
     #: JSONL file, one conversation per line. Required to run; compile warns when unset.
@@ -274,8 +277,8 @@ class DataSection:
     hidden_states_path: str | None = attrs.field(default=None, validator=non_empty_str)
 
 
-@attrs.frozen
-class TrainingSection:
+@attrs.frozen(repr=False, eq=False)
+class TrainingSection(Record):
     """Optimiser, schedule, checkpointing and logging."""
 
     #: Where checkpoints, metrics.jsonl and the final export go. A rerun resumes from here.
@@ -316,8 +319,8 @@ class TrainingSection:
     fsdp: bool = False
 
 
-@attrs.frozen
-class DFlashArchitectureConfig:
+@attrs.frozen(repr=False, eq=False)
+class DFlashArchitectureConfig(Record):
     """The drafter's own dimensions. They never inherit from the base model."""
 
     #: Draft decoder layers (must match the init checkpoint).
@@ -355,8 +358,8 @@ class DFlashArchitectureConfig:
     sliding_window: int | None = attrs.field(default=None, validator=positive_int)
 
 
-@attrs.frozen
-class DFlashSection:
+@attrs.frozen(repr=False, eq=False)
+class DFlashSection(Record):
     """DFlash training: block drafting, the warm start and the loss."""
 
     #: Local directory of an exported drafter (model.safetensors + config.json) to fine-tune.
@@ -393,8 +396,8 @@ class DFlashSection:
     )
 
 
-@attrs.frozen
-class RegenerateSection:
+@attrs.frozen(repr=False, eq=False)
+class RegenerateSection(Record):
     """`dflash-recipe regenerate`: answer the training prompts with the target itself."""
 
     #: OpenAI-compatible server (vLLM, SGLang), e.g. http://localhost:8000/v1. null: generate
@@ -425,8 +428,8 @@ class RegenerateSection:
     output_path: str | None = attrs.field(default=None, validator=non_empty_str)
 
 
-@attrs.frozen
-class Recipe:
+@attrs.frozen(repr=False, eq=False)
+class Recipe(Record):
     """A whole recipe: target model, data, training and DFlash settings."""
 
     #: The frozen target model.

@@ -24,6 +24,7 @@ import attrs
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.plan import RegeneratePlan
 from dflash_recipes.recipe import RegenerateSection
+from dflash_recipes.records import Record
 
 _E, _W = Severity.ERROR, Severity.WARNING
 
@@ -68,8 +69,8 @@ PARTS_SUFFIX = ".parts"
 SUMMARY_SUFFIX = ".summary.json"
 
 
-@attrs.frozen
-class Finding:
+@attrs.frozen(repr=False, eq=False)
+class Finding(Record):
     """One problem with the regenerate settings (the compiler turns it into a Diagnostic)."""
 
     code: str

@@ -33,6 +33,7 @@ import attrs
 
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
+from dflash_recipes.records import Record
 from dflash_recipes.run_dir import METRICS_FILE
 
 if TYPE_CHECKING:
@@ -151,8 +152,8 @@ def metrics_json_line(row: MetricsRow | EvalMetricsRow) -> str:
 # -- reading -----------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class TrainPoint:
+@attrs.frozen(repr=False, eq=False)
+class TrainPoint(Record):
     """A training row as read back (None where the run logged null)."""
 
     step: int
@@ -163,8 +164,8 @@ class TrainPoint:
     tokens_per_second: float
 
 
-@attrs.frozen
-class EvalPoint:
+@attrs.frozen(repr=False, eq=False)
+class EvalPoint(Record):
     """An evaluation row as read back."""
 
     step: int
@@ -172,8 +173,8 @@ class EvalPoint:
     tau: float | None
 
 
-@attrs.frozen
-class RunMetrics:
+@attrs.frozen(repr=False, eq=False)
+class RunMetrics(Record):
     """Everything one metrics file holds, in file order."""
 
     path: Path

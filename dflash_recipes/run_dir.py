@@ -33,7 +33,7 @@ METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
 EXPORT_DIR = "export"
 
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d{1,12})$")
+_CHECKPOINT_RE = r"^checkpoint-(\d{1,12})$"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -43,7 +43,7 @@ def checkpoint_dir_name(step: int) -> str:
 
 def checkpoint_step(path: Path) -> int | None:
     """The step encoded in a checkpoint directory name, or None for other names."""
-    match = _CHECKPOINT_RE.match(path.name)
+    match = re.match(_CHECKPOINT_RE, path.name)
     return int(match.group(1)) if match else None
 
 

@@ -22,6 +22,7 @@ import attrs
 
 from dflash_recipes.errors import SafetensorsHeaderError
 from dflash_recipes.jsonio import parse_json_object
+from dflash_recipes.records import Record
 
 #: Bits per element of every dtype the safetensors format defines.
 DTYPE_BITS: Mapping[str, int] = {
@@ -78,8 +79,8 @@ def has_surrogates(text: str) -> bool:
     return False
 
 
-@attrs.frozen
-class TensorInfo:
+@attrs.frozen(repr=False, eq=False)
+class TensorInfo(Record):
     """One tensor's entry in a safetensors header (offsets relative to the data region)."""
 
     dtype: str
@@ -92,8 +93,8 @@ class TensorInfo:
         return self.data_offsets[1] - self.data_offsets[0]
 
 
-@attrs.frozen
-class SafetensorsHeader:
+@attrs.frozen(repr=False, eq=False)
+class SafetensorsHeader(Record):
     """A validated safetensors header. `tensors` is in file (offset) order."""
 
     tensors: Mapping[str, TensorInfo]

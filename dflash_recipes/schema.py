@@ -57,7 +57,12 @@ def class_field_docs() -> dict[tuple[str, str], str]:
     return docs
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type of each field of a recipe class, worked out once per process.
+
+    recipe.py does not use postponed annotations, so this reads type objects, not strings.
+    """
     return typing.get_type_hints(cls)
 
 
@@ -72,7 +77,7 @@ def field_docs() -> dict[str, str]:
     result: dict[str, str] = {}
 
     def walk(cls: type, prefix: str) -> None:
-        hints = _field_types(cls)
+        hints = field_types(cls)
         for field in attrs.fields(cls):
             path = f"{prefix}{field.name}"
             doc = docs.get((cls.__name__, field.name))
@@ -164,7 +169,7 @@ def _merge_bounds(schema: JsonObject, bounds: JsonObject) -> None:
 
 def _class_schema(cls: type) -> JsonObject:
     docs = class_field_docs()
-    hints = _field_types(cls)
+    hints = field_types(cls)
     bounds = _validator_bounds()
     properties: JsonObject = {}
     required: list[str] = []

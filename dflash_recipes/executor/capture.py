@@ -62,6 +62,7 @@ from dflash_recipes.executor.distributed import (
 from dflash_recipes.executor.offline import final_norm
 from dflash_recipes.locking import hold_directory_lock
 from dflash_recipes.plan import RunPlan
+from dflash_recipes.records import Record
 
 logger = logging.getLogger("dflash_recipes.capture")
 
@@ -69,8 +70,8 @@ logger = logging.getLogger("dflash_recipes.capture")
 DEFAULT_SHARD_BYTES = 2**30
 
 
-@attrs.frozen
-class CaptureSummary:
+@attrs.frozen(repr=False, eq=False)
+class CaptureSummary(Record):
     """What a capture run reports."""
 
     directory: str

@@ -32,6 +32,7 @@ from dflash_recipes.errors import DataError
 from dflash_recipes.executor.anchors import eligible_anchor_mask
 from dflash_recipes.jsonio import JsonProblem, parse_json, regular_file_problem, shorten
 from dflash_recipes.plan import RunPlan
+from dflash_recipes.records import Record
 
 Role = Literal["system", "user", "assistant"]
 
@@ -60,24 +61,24 @@ _DATA_INT_DIGITS = 4000
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Message:
+@attrs.frozen(repr=False, eq=False)
+class Message(Record):
     """One turn of a conversation, with the role normalised to system | user | assistant."""
 
     role: Role
     content: str
 
 
-@attrs.frozen
-class Conversation:
+@attrs.frozen(repr=False, eq=False)
+class Conversation(Record):
     """A usable conversation and the 1-based line it came from."""
 
     line: int
     messages: tuple[Message, ...]
 
 
-@attrs.frozen
-class SkippedLine:
+@attrs.frozen(repr=False, eq=False)
+class SkippedLine(Record):
     """A line (or conversation) that was not used: where, what kind of problem, and why."""
 
     line: int
@@ -87,8 +88,8 @@ class SkippedLine:
     reason: str
 
 
-@attrs.frozen
-class ConversationFile:
+@attrs.frozen(repr=False, eq=False)
+class ConversationFile(Record):
     """The usable conversations of a JSONL file and the lines that were skipped."""
 
     path: Path
@@ -251,8 +252,8 @@ def _json_type(value: object) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class TokenizedExample:
+@attrs.frozen(repr=False, eq=False)
+class TokenizedExample(Record):
     """Token ids of one rendered conversation and its 0/1 loss mask (same length)."""
 
     input_ids: list[int]
@@ -465,8 +466,8 @@ def _try_render(
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class DatasetStats:
+@attrs.frozen(repr=False, eq=False)
+class DatasetStats(Record):
     """What went into a dataset, for the run's log and summary."""
 
     conversations_used: int
@@ -476,8 +477,8 @@ class DatasetStats:
     num_truncated: int
 
 
-@attrs.frozen
-class TrainDataset:
+@attrs.frozen(repr=False, eq=False)
+class TrainDataset(Record):
     """Tokenized examples plus the pad id batches use and the stats of how they were made."""
 
     examples: tuple[TokenizedExample, ...]

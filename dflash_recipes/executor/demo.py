@@ -32,6 +32,7 @@ from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_li
 from dflash_recipes.errors import DFlashRecipeError, ReplaceRefusedError
 from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.plan import RunPlan
+from dflash_recipes.records import Record
 from dflash_recipes.run_dir import EXPORT_DIR
 
 Echo = Callable[[str], None]
@@ -86,8 +87,8 @@ def _mark_new_run(path: Path) -> None:
         )
 
 
-@attrs.frozen
-class DemoResult:
+@attrs.frozen(repr=False, eq=False)
+class DemoResult(Record):
     """The figures the demo prints."""
 
     steps: int

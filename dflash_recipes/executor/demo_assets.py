@@ -21,6 +21,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.records import Record
 
 logger = logging.getLogger("dflash_recipes.demo")
 
@@ -36,8 +37,8 @@ _COLORS = ("red", "blue", "green", "gold", "white", "black")
 _TRADES = ("glass", "wool", "ships", "clocks", "paper", "wine")
 
 
-@attrs.frozen
-class City:
+@attrs.frozen(repr=False, eq=False)
+class City(Record):
     """One invented city and its facts."""
 
     name: str
@@ -123,8 +124,8 @@ def conversations(
     return rows
 
 
-@attrs.frozen
-class DemoAssets:
+@attrs.frozen(repr=False, eq=False)
+class DemoAssets(Record):
     """Paths of the built assets."""
 
     root: Path

@@ -43,6 +43,7 @@ from transformers import PreTrainedModel
 
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.records import Record
 
 DevicePreference = Literal["auto", "cpu", "cuda"]
 Backend = Literal["nccl", "gloo"]
@@ -72,8 +73,8 @@ _T = TypeVar("_T")
 _M = TypeVar("_M", bound=nn.Module)
 
 
-@attrs.frozen
-class DistEnv:
+@attrs.frozen(repr=False, eq=False)
+class DistEnv(Record):
     """Where this process sits in the job, and which device and backend it uses."""
 
     rank: int

@@ -39,13 +39,14 @@ from dflash_recipes.executor.speculative import (
 from dflash_recipes.executor.warmstart import load_exact_weights
 from dflash_recipes.model_files import WEIGHTS_FILE
 from dflash_recipes.plan import RunPlan
+from dflash_recipes.records import Record
 from dflash_recipes.run_dir import EXPORT_DIR, complete_checkpoints
 
 logger = logging.getLogger(__name__)
 
 
-@attrs.frozen
-class AcceptanceReport:
+@attrs.frozen(repr=False, eq=False)
+class AcceptanceReport(Record):
     """Measured acceptance of a drafter over a set of prompts."""
 
     #: Pooled tau: mean acceptance length over all verification steps of all prompts together

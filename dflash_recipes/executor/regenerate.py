@@ -44,6 +44,7 @@ from dflash_recipes.executor.data import (
 )
 from dflash_recipes.locking import hold_directory_lock
 from dflash_recipes.plan import RegeneratePlan, RunPlan
+from dflash_recipes.records import Record
 from dflash_recipes.regenerate_settings import (
     default_regenerate_plan,
     output_problem,
@@ -70,8 +71,8 @@ _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Job:
+@attrs.frozen(repr=False, eq=False)
+class Job(Record):
     """One conversation to regenerate: its resume key, input line and prompt turns.
 
     `messages` ends with an assistant turn; the content of every assistant turn is replaced.
@@ -122,8 +123,8 @@ def build_jobs(
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Answer:
+@attrs.frozen(repr=False, eq=False)
+class Answer(Record):
     """One generated assistant turn."""
 
     content: str
@@ -153,8 +154,8 @@ def apply_reasoning(content: str, reasoning: str | None, policy: str) -> str:
     return text.strip()
 
 
-@attrs.frozen
-class Outcome:
+@attrs.frozen(repr=False, eq=False)
+class Outcome(Record):
     """A finished conversation: its messages, or why it failed."""
 
     job: Job

@@ -39,10 +39,11 @@ from dflash_recipes.executor.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.heads import DominoHead
+from dflash_recipes.records import Record
 
 
-@attrs.frozen
-class SpecResult:
+@attrs.frozen(repr=False, eq=False)
+class SpecResult(Record):
     """The output of one speculative generation and its acceptance per verification step."""
 
     #: Generated tokens (prompt excluded); the eos token is included when generation hit it.

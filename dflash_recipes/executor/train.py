@@ -88,6 +88,7 @@ from dflash_recipes.executor.training_checkpoints import save_training_checkpoin
 from dflash_recipes.executor.warmstart import WarmStartReport, warm_start
 from dflash_recipes.export_target import check_export_target
 from dflash_recipes.plan import RunPlan
+from dflash_recipes.records import Record
 from dflash_recipes.report import eval_row
 from dflash_recipes.run_dir import (
     EXPORT_DIR,
@@ -98,8 +99,8 @@ from dflash_recipes.run_dir import (
 logger = logging.getLogger("dflash_recipes.train")
 
 
-@attrs.frozen
-class TrainSummary:
+@attrs.frozen(repr=False, eq=False)
+class TrainSummary(Record):
     """What a finished run reports (also written as the last line of metrics.jsonl).
 
     ``steps`` is the optimiser step the run reached (fewer than ``planned_steps`` when it

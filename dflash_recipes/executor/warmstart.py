@@ -44,6 +44,7 @@ from dflash_recipes.draft_layout import (
 from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.plan import RunPlan
+from dflash_recipes.records import Record
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ _EXACT_WIDENING: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
 )
 
 
-@attrs.frozen
-class WarmStartReport:
+@attrs.frozen(repr=False, eq=False)
+class WarmStartReport(Record):
     """What a warm start loaded."""
 
     checkpoint: str
