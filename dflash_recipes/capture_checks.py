@@ -89,7 +89,7 @@ CAPTURE_SAMPLE_COUNT_MISMATCH = _code(
 )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CaptureExpectation(Record):
     """What the plan needs from a capture (all known at compile time)."""
 
@@ -107,7 +107,7 @@ class CaptureExpectation(Record):
     block_size: int | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CaptureFinding(Record):
     """One problem of a capture: registered code, message, fix."""
 

@@ -169,7 +169,7 @@ def chat_template_sha256(chat_template: str | None, base_path: Path) -> str | No
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ShardEntry(Record):
     """One shard: its file, the samples it holds, their tokens, its size once written."""
 
@@ -181,7 +181,7 @@ class ShardEntry(Record):
     bytes: int | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CaptureManifest(Record):
     """What a capture directory holds (``manifest.json``)."""
 

@@ -28,7 +28,7 @@ from dflash_recipes.safetensors_header import (
 )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CheckpointWeights(Record):
     """The merged tensor table of a checkpoint directory (one file or the shards of an index)."""
 

@@ -75,7 +75,7 @@ def default_loss_decay_factor(block_size: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CompileResult(Record):
     """A compiled plan (None when any diagnostic is an error) and every diagnostic, sorted."""
 

@@ -70,7 +70,7 @@ NOT_A_MAPPING = register_code(
 )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Problem(Record):
     """One structuring problem, before it is located in a source file."""
 

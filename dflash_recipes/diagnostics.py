@@ -24,7 +24,7 @@ class Severity(enum.StrEnum):
     INFO = "info"
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CodeInfo(Record):
     """A registered diagnostic code and what it means for the user."""
 
@@ -81,7 +81,7 @@ def code_severity(code: str) -> Severity:
     return info.severity
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Diagnostic(Record):
     """One finding: severity, code, where (dotted path and source mark), what, and the fix."""
 
@@ -119,7 +119,7 @@ class Diagnostic(Record):
         }
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class SourceMark(Record):
     """Where a value came from: a file position (1-based line and column) or `<override N>`."""
 
@@ -128,7 +128,7 @@ class SourceMark(Record):
     column: int | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class SourceMap(Record):
     """Marks of a loaded recipe, keyed by dotted path (`dflash.dflash_block_size`).
 

@@ -102,7 +102,7 @@ def _projector(instance: object, attribute: attrs.Attribute[Any], value: Any) ->
         raise ValueError(msg)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class LayoutSpec(Record):
     """Everything that decides a drafter's tensor names and shapes.
 
@@ -221,7 +221,7 @@ def head_submodules(spec: LayoutSpec) -> dict[str, tuple[str, ...]]:
     return groups
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class HeadPresence(Record):
     """Which head submodules a checkpoint holds wholly, not at all, or only partly."""
 
@@ -264,7 +264,7 @@ def format_partial_heads(presence: HeadPresence) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class LayoutDiff(Record):
     """Differences between an expected layout and what a checkpoint holds."""
 
@@ -545,7 +545,7 @@ def layout_spec_for(
     return LayoutSpec(hidden_size=hidden_size, n_taps=n_taps, vocab_size=vocab_size, **values)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CheckpointDims(Record):
     """A checkpoint's draft dims (recipe field names, plus hidden_size and n_taps) and where
     each came from, for messages and fixes."""

@@ -19,7 +19,7 @@ from dflash_recipes.plan import ArchitecturePlan, RopePlan, RunPlan
 from dflash_recipes.records import Record
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ResolvedDraft(Record):
     """The drafter's complete, non-optional specification (built from a resolved plan)."""
 

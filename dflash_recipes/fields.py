@@ -69,7 +69,7 @@ CHECKPOINT_FIELD_DIFFERS = register_code(
 )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CheckpointField(Record):
     """One config.json field: where it is (dotted), what dflash-recipes does with it, and why."""
 
@@ -431,7 +431,7 @@ def unknown_fields(config: Mapping[str, object]) -> list[str]:
 _INIT = "dflash.dflash_init_checkpoint"
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class FieldFinding(Record):
     """One finding of :func:`check_checkpoint_fields`, at a dotted recipe path."""
 

@@ -73,7 +73,7 @@ CHECKPOINT_CONFIG_CONFLICT = register_code(
 )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ConfigProblem(Record):
     """Something wrong in a config.json, with the key it concerns (dotted, inside the file)."""
 
@@ -84,7 +84,7 @@ class ConfigProblem(Record):
     hint: str | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TargetConfig(Record):
     """What the base model's config.json says, plus the problems found reading it.
 
@@ -104,7 +104,7 @@ class TargetConfig(Record):
     from_text_config: bool = False
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CheckpointConfigFacts(Record):
     """What a drafter checkpoint's config.json says (every field None when not stated)."""
 
@@ -249,7 +249,7 @@ def _language_sections(
 _ROPE_NAMING_KEYS = frozenset({"rope_theta", "rope_type", "type"})
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class _RopeRead(Record):
     theta: float | None
     rope_type: str

@@ -49,7 +49,7 @@ SCRATCH_LEARNING_RATE = 6.0e-4
 _TOKENIZER_MAX_BYTES = 64 * 2**20
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class _Choice(Record):
     """A value written into the recipe and the comment that says where it came from."""
 
@@ -57,7 +57,7 @@ class _Choice(Record):
     why: str
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class _Draft(Record):
     """Everything the `dflash:` section needs, each with its reason."""
 

@@ -73,7 +73,7 @@ UNKNOWN_OVERRIDE_PATH = register_code(
 _MINIMAL_RECIPE = "model:\n  model_name_or_path: <local Hugging Face model dir>"
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class LoadResult(Record):
     """What loading produced: the recipe (None on errors), every diagnostic, and the marks."""
 
@@ -90,7 +90,7 @@ class LoadResult(Record):
         return self.recipe is not None and not has_errors(self.diagnostics)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class _Override(Record):
     label: str
     path: str

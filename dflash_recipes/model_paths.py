@@ -42,7 +42,7 @@ ProblemKind = Literal[
 _HUB_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CheckpointDirProblem(Record):
     """Why a recipe's directory value cannot be used: kind, the message, and the fix."""
 
@@ -98,7 +98,7 @@ def _entry_label(child: Path) -> str:
     return child.name
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class _Requirement(Record):
     """What a usable directory must contain, for one kind of recipe value."""
 

@@ -60,7 +60,7 @@ _PLAN_INT_DIGITS = 4000
 RopeValue = Union[float, int, str, bool, None]  # noqa: UP007 (cattrs needs a runtime Union)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class RopePlan(Record):
     """RoPE settings, always taken from the target model's config.json."""
 
@@ -71,7 +71,7 @@ class RopePlan(Record):
     rope_scaling: Mapping[str, RopeValue] | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TargetFacts(Record):
     """Facts read from the base model's config.json."""
 
@@ -85,7 +85,7 @@ class TargetFacts(Record):
     rms_norm_eps: float | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class BaseModelPlan(Record):
     """The frozen target: where it is and how to load it."""
 
@@ -96,7 +96,7 @@ class BaseModelPlan(Record):
     facts: TargetFacts | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DataPlan(Record):
     """Training data locations (absolute) and supervision policy."""
 
@@ -108,7 +108,7 @@ class DataPlan(Record):
     hidden_states_path: str | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TrainingPlan(Record):
     """Optimiser, schedule and bookkeeping, with defaults resolved."""
 
@@ -132,7 +132,7 @@ class TrainingPlan(Record):
     fsdp: bool
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ArchitecturePlan(Record):
     """The drafter's dimensions. Recipe fields may be None in a schema-level plan."""
 
@@ -154,7 +154,7 @@ class ArchitecturePlan(Record):
     sliding_window: int | None = None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ObjectivePlan(Record):
     """The training loss, with defaults resolved."""
 
@@ -169,7 +169,7 @@ class ObjectivePlan(Record):
     dspark_confidence_weight: float
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DraftPlan(Record):
     """What to build and how to train it."""
 
@@ -182,7 +182,7 @@ class DraftPlan(Record):
     objective: ObjectivePlan
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class InitCheckpointPlan(Record):
     """The warm-start checkpoint and what its header and config.json said."""
 
@@ -204,7 +204,7 @@ class InitCheckpointPlan(Record):
     warnings: tuple[str, ...] = ()
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ResumePlan(Record):
     """A complete training checkpoint found in output_dir: the run continues from it."""
 
@@ -212,7 +212,7 @@ class ResumePlan(Record):
     step: int
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class RegeneratePlan(Record):
     """`dflash-recipe regenerate` settings (the recipe's `regenerate:` section, resolved)."""
 
@@ -233,7 +233,7 @@ class RegeneratePlan(Record):
     output_path: str | None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class RunPlan(Record):
     """Everything the executor needs for one run, resolved and fingerprinted."""
 

@@ -187,7 +187,7 @@ def non_empty_str(instance: object, attribute: "attrs.Attribute[Any]", value: An
         raise ValueError(msg)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class IntRange(Record):
     """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.
 
@@ -248,7 +248,7 @@ _ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ModelSection(Record):
     """The frozen target (base) model the drafter is trained against."""
 
@@ -260,7 +260,7 @@ class ModelSection(Record):
     trust_remote_code: bool = False
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DataSection(Record):
     """Training data: JSONL conversations (OpenAI `messages` or ShareGPT `conversations`)."""
 
@@ -277,7 +277,7 @@ class DataSection(Record):
     hidden_states_path: str | None = attrs.field(default=None, validator=non_empty_str)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TrainingSection(Record):
     """Optimiser, schedule, checkpointing and logging."""
 
@@ -319,7 +319,7 @@ class TrainingSection(Record):
     fsdp: bool = False
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DFlashArchitectureConfig(Record):
     """The drafter's own dimensions. They never inherit from the base model."""
 
@@ -358,7 +358,7 @@ class DFlashArchitectureConfig(Record):
     sliding_window: int | None = attrs.field(default=None, validator=positive_int)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DFlashSection(Record):
     """DFlash training: block drafting, the warm start and the loss."""
 
@@ -396,7 +396,7 @@ class DFlashSection(Record):
     )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class RegenerateSection(Record):
     """`dflash-recipe regenerate`: answer the training prompts with the target itself."""
 
@@ -428,7 +428,7 @@ class RegenerateSection(Record):
     output_path: str | None = attrs.field(default=None, validator=non_empty_str)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Recipe(Record):
     """A whole recipe: target model, data, training and DFlash settings."""
 

@@ -69,7 +69,7 @@ PARTS_SUFFIX = ".parts"
 SUMMARY_SUFFIX = ".summary.json"
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Finding(Record):
     """One problem with the regenerate settings (the compiler turns it into a Diagnostic)."""
 

@@ -152,7 +152,7 @@ def metrics_json_line(row: MetricsRow | EvalMetricsRow) -> str:
 # -- reading -----------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TrainPoint(Record):
     """A training row as read back (None where the run logged null)."""
 
@@ -164,7 +164,7 @@ class TrainPoint(Record):
     tokens_per_second: float
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class EvalPoint(Record):
     """An evaluation row as read back."""
 
@@ -173,7 +173,7 @@ class EvalPoint(Record):
     tau: float | None
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class RunMetrics(Record):
     """Everything one metrics file holds, in file order."""
 

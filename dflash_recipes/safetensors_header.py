@@ -79,7 +79,7 @@ def has_surrogates(text: str) -> bool:
     return False
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TensorInfo(Record):
     """One tensor's entry in a safetensors header (offsets relative to the data region)."""
 
@@ -93,7 +93,7 @@ class TensorInfo(Record):
         return self.data_offsets[1] - self.data_offsets[0]
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class SafetensorsHeader(Record):
     """A validated safetensors header. `tensors` is in file (offset) order."""
 

@@ -33,11 +33,11 @@ def _generated() -> Any:
 
 
 def _shared() -> Any:
-    @attrs.frozen(repr=False, eq=False)
+    @attrs.frozen(repr=False, eq=False, slots=False)
     class Inner(Record):
         x: int
 
-    @attrs.frozen(repr=False, eq=False)
+    @attrs.frozen(repr=False, eq=False, slots=False)
     class Thing(Record):
         number: int
         text: str

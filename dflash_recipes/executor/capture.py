@@ -70,7 +70,7 @@ logger = logging.getLogger("dflash_recipes.capture")
 DEFAULT_SHARD_BYTES = 2**30
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CaptureSummary(Record):
     """What a capture run reports."""
 

@@ -61,7 +61,7 @@ _DATA_INT_DIGITS = 4000
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Message(Record):
     """One turn of a conversation, with the role normalised to system | user | assistant."""
 
@@ -69,7 +69,7 @@ class Message(Record):
     content: str
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Conversation(Record):
     """A usable conversation and the 1-based line it came from."""
 
@@ -77,7 +77,7 @@ class Conversation(Record):
     messages: tuple[Message, ...]
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class SkippedLine(Record):
     """A line (or conversation) that was not used: where, what kind of problem, and why."""
 
@@ -88,7 +88,7 @@ class SkippedLine(Record):
     reason: str
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ConversationFile(Record):
     """The usable conversations of a JSONL file and the lines that were skipped."""
 
@@ -252,7 +252,7 @@ def _json_type(value: object) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TokenizedExample(Record):
     """Token ids of one rendered conversation and its 0/1 loss mask (same length)."""
 
@@ -466,7 +466,7 @@ def _try_render(
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DatasetStats(Record):
     """What went into a dataset, for the run's log and summary."""
 
@@ -477,7 +477,7 @@ class DatasetStats(Record):
     num_truncated: int
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TrainDataset(Record):
     """Tokenized examples plus the pad id batches use and the stats of how they were made."""
 

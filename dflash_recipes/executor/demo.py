@@ -87,7 +87,7 @@ def _mark_new_run(path: Path) -> None:
         )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DemoResult(Record):
     """The figures the demo prints."""
 

@@ -37,7 +37,7 @@ _COLORS = ("red", "blue", "green", "gold", "white", "black")
 _TRADES = ("glass", "wool", "ships", "clocks", "paper", "wine")
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class City(Record):
     """One invented city and its facts."""
 
@@ -124,7 +124,7 @@ def conversations(
     return rows
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DemoAssets(Record):
     """Paths of the built assets."""
 

@@ -73,7 +73,7 @@ _T = TypeVar("_T")
 _M = TypeVar("_M", bound=nn.Module)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class DistEnv(Record):
     """Where this process sits in the job, and which device and backend it uses."""
 

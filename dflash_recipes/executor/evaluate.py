@@ -45,7 +45,7 @@ from dflash_recipes.run_dir import EXPORT_DIR, complete_checkpoints
 logger = logging.getLogger(__name__)
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class AcceptanceReport(Record):
     """Measured acceptance of a drafter over a set of prompts."""
 

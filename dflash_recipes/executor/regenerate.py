@@ -71,7 +71,7 @@ _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Job(Record):
     """One conversation to regenerate: its resume key, input line and prompt turns.
 
@@ -123,7 +123,7 @@ def build_jobs(
 # ---------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Answer(Record):
     """One generated assistant turn."""
 
@@ -154,7 +154,7 @@ def apply_reasoning(content: str, reasoning: str | None, policy: str) -> str:
     return text.strip()
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Outcome(Record):
     """A finished conversation: its messages, or why it failed."""
 

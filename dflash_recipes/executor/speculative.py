@@ -42,7 +42,7 @@ from dflash_recipes.executor.heads import DominoHead
 from dflash_recipes.records import Record
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class SpecResult(Record):
     """The output of one speculative generation and its acceptance per verification step."""
 

@@ -99,7 +99,7 @@ from dflash_recipes.run_dir import (
 logger = logging.getLogger("dflash_recipes.train")
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class TrainSummary(Record):
     """What a finished run reports (also written as the last line of metrics.jsonl).
 

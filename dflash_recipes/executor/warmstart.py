@@ -74,7 +74,7 @@ _EXACT_WIDENING: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
 )
 
 
-@attrs.frozen(repr=False, eq=False)
+@attrs.frozen(repr=False, eq=False, slots=False)
 class WarmStartReport(Record):
     """What a warm start loaded."""
 
