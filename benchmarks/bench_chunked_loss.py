@@ -54,6 +54,8 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
     from dflash_recipes.executor.step import DraftStep, step_inputs
 
     torch.set_num_threads(1)
+    vocab = json.loads((target / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    mask_id = min(151669, vocab - 1)  # Qwen3's mask token, or the last id of a smaller vocabulary
     result = compile_file(
         RECIPE,
         overrides=(
@@ -61,7 +63,7 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
             "training.output_dir=/tmp/dflash-bench-unused",
             f"dflash.dflash_block_size={block}",
             f"dflash.dflash_num_anchors={blocks}",
-            "dflash.dflash_mask_token_id=151669",
+            f"dflash.dflash_mask_token_id={mask_id}",
             "training.per_device_train_batch_size=1",
             f"training.training_seq_len={seq}",
         ),
@@ -72,7 +74,7 @@ def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) 
     model = convert(load_base_model(plan), plan)
     drafter = dflash_module(model)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 150000, (1, seq), generator=gen)
+    ids = torch.randint(3, mask_id, (1, seq), generator=gen)
     ones = torch.ones_like(ids)
     drawn = sample_anchors(ones, ones, block_size=block, num_anchors=blocks, generator=gen)
     batch = Batch(ids, ones, ones, epoch=0, next_index=1)

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from dflash_recipes.checkpoint_weights import read_checkpoint_weights
 from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.convert import load_base_model, torch_dtype
+from dflash_recipes.executor.convert import load_base_model, load_tokenizer, torch_dtype
 from dflash_recipes.executor.data import Conversation, read_chat_template, read_conversations
 from dflash_recipes.executor.draft import DFlashDraftModel
 from dflash_recipes.executor.speculative import (
@@ -354,8 +354,6 @@ def run_eval(
     with ``data.chat_template`` or the base model's tokenizer's template. Generation stops at
     the tokenizer's eos token. Runs on the CPU in the plan's dtype.
     """
-    from transformers import AutoTokenizer
-
     spec = plan.resolved_draft()
     source = prompts_file
     if source is None and plan.data.eval_data_path is not None:
@@ -368,7 +366,7 @@ def run_eval(
         raise DataError(msg)
     drafter = DFlashDraftModel(spec)
     load_drafter_weights(drafter, checkpoint_dir)
-    tokenizer = AutoTokenizer.from_pretrained(plan.base_model.path, local_files_only=True)
+    tokenizer = load_tokenizer(plan)  # the one training used (model.trust_remote_code included)
     prompts = load_prompts(
         source,
         tokenizer,

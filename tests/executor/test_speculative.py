@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -542,3 +543,12 @@ def test_run_eval_errors_say_what_to_pass(eval_setup: tuple[RunPlan, Path], tmp_
     )
     with pytest.raises(CheckpointError, match="does not hold the drafter the plan describes"):
         run_eval(attrs.evolve(plan, draft=other.draft), export, prompts_file)
+
+    # The base model without its tokenizer files: the loader's error, as in training.
+    bare = tmp_path / "bare_base"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(Path(plan.base_model.path) / name, bare / name)
+    no_tokenizer = attrs.evolve(plan, base_model=attrs.evolve(plan.base_model, path=str(bare)))
+    with pytest.raises(CheckpointError, match=r"has no tokenizer files .*hf download"):
+        run_eval(no_tokenizer, export, prompts_file)
