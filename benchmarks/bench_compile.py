@@ -9,6 +9,9 @@ Recipes are no longer structured through cattrs (plans still are), so compile it
 only click, attrs and yaml; the ratio against importing just those three is printed too, so
 that the gain from leaving cattrs out is not mistaken for a gain in the project's own code.
 
+Last, `python -X importtime` of the same compile, repeated: the median time each project module
+spends on its own at import (issue 15's bound: none over 5 ms), the five largest printed.
+
 The last row runs compile without a bytecode cache (PYTHONDONTWRITEBYTECODE=1, as this
 environment is set up): every module of the package is compiled from source again.
 
@@ -18,12 +21,15 @@ Usage: python benchmarks/bench_compile.py [--repeats 15]
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from _measure import (
     NO_BYTECODE_CACHE,
+    WITH_BYTECODE_CACHE,
     Command,
     dflash_recipe_argv,
     interleaved,
@@ -35,6 +41,8 @@ from _measure import (
 from testkit.st_fixtures import write_base_model, write_drafter_checkpoint
 
 TARGET_SECONDS = 0.3
+#: No project module may spend more than this of its own at import (issue 15).
+MODULE_SELF_MS = 5.0
 #: Compile, whole process, over importing its dependencies alone (issue 15).
 TARGET_RATIO = 1.3
 PASS = "python -c pass"
@@ -91,6 +99,7 @@ def main() -> int:
         workdir = Path(tmp)
         write_tiny(workdir)
         samples = interleaved(commands, workdir, args.repeats)
+        own_ms = module_self_times(compile_argv[len(cli) :], workdir, args.repeats)
 
     base = median_seconds(samples[PASS])
     deps = median_seconds(samples[IMPORTS])
@@ -126,7 +135,34 @@ def main() -> int:
         f"compile / importing only what it imports (click, attrs, yaml): {compile_s / used:.2f}x "
         f"({compile_s - used:.3f} s of the project's own start-up and work)"
     )
+    slowest = sorted(own_ms.items(), key=lambda item: -item[1])
+    print(
+        "\n`python -X importtime` of the compile, median own time per project module "
+        f"(target: none over {MODULE_SELF_MS:.0f} ms): "
+        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in slowest[:5])
+        + f"; {len(own_ms)} modules, {sum(own_ms.values()):.1f} ms together: "
+        + verdict(slowest[0][1] <= MODULE_SELF_MS)
+    )
     return 0
+
+
+def module_self_times(cli_args: list[str], workdir: Path, repeats: int) -> dict[str, float]:
+    """Median own import time (ms) of every dflash_recipes module over `repeats` runs."""
+    script = "from dflash_recipes.cli import run_cli; run_cli()"
+    argv = [sys.executable, "-X", "importtime", "-c", script, *cli_args]
+    times: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        done = subprocess.run(
+            argv, cwd=workdir, env=WITH_BYTECODE_CACHE, capture_output=True, text=True, check=True
+        )
+        for line in done.stderr.splitlines():
+            # "import time: self [us] | cumulative | imported package"
+            if not line.startswith("import time:") or "|" not in line:
+                continue
+            own, _, name = (part.strip() for part in line[len("import time:") :].split("|"))
+            if name.startswith("dflash_recipes") and own.isdigit():
+                times.setdefault(name, []).append(int(own) / 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 if __name__ == "__main__":
