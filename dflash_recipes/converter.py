@@ -302,10 +302,6 @@ def _list_example(item_type: object) -> str:
     return examples.get(item_type, "[...]")
 
 
-def _is_tuple_type(tp: object) -> bool:
-    return tp is tuple or get_origin(tp) is tuple
-
-
 def _is_section(tp: object) -> bool:
     return isinstance(tp, type) and attrs.has(tp)
 
@@ -331,7 +327,8 @@ def structure(value: object, tp: object) -> object:
         return None if value is None else structure(value, member)
     if _is_homogeneous_tuple(tp):
         return _structure_tuple(value, tp)
-    if isinstance(tp, type) and attrs.has(tp):
+    if _is_section(tp):
+        assert isinstance(tp, type)
         return _section_structurer(tp)(value)
     raise TypeError(f"recipe fields of type {tp!r} have no structuring rule")
 
