@@ -156,3 +156,27 @@ def test_a_plan_of_the_previous_format_is_told_to_recompile(plan_dict: dict[str,
     with pytest.raises(PlanError, match="format_version is 1, this dflash-recipes reads 2") as exc:
         RunPlan.from_dict(old)
     assert "edited" not in str(exc.value) and "dflash-recipe compile" in str(exc.value)
+
+
+@pytest.mark.parametrize("builtin_sha256", [True, False], ids=["builtin", "hashlib"])
+def test_the_fingerprint_is_the_sha256_of_the_canonical_json(
+    plan_dict: dict[str, Any], builtin_sha256: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The plan hashes with CPython's built-in SHA-256 module when there is one (no OpenSSL
+    # load at start-up) and with hashlib otherwise; both must give sha256 of the canonical JSON.
+    if not builtin_sha256:
+        import importlib
+
+        real = importlib.import_module
+
+        def no_builtin(name: str, package: str | None = None) -> Any:
+            if name in ("_sha2", "_sha256"):
+                raise ImportError(name)
+            return real(name, package)
+
+        monkeypatch.setattr(importlib, "import_module", no_builtin)
+    payload = {k: v for k, v in plan_dict.items() if k != "fingerprint"}
+    expected = hashlib.sha256(_canonical(payload)).hexdigest()
+    plan = RunPlan.from_dict(plan_dict)
+    assert plan.fingerprint == expected == plan_dict["fingerprint"]
+    assert plan.to_dict()["fingerprint"] == expected
