@@ -12,7 +12,7 @@ import functools
 import importlib
 import json
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import attr
 import attrs
@@ -28,7 +28,14 @@ if TYPE_CHECKING:
 
 
 def _sha256_hex(data: bytes) -> str:
-    """SHA-256 of `data` as hex, without loading OpenSSL when CPython has its own.
+    """SHA-256 of `data` as hex."""
+    digest: str = _sha256_constructor()(data).hexdigest()
+    return digest
+
+
+@functools.cache
+def _sha256_constructor() -> Callable[[bytes], Any]:
+    """CPython's built-in SHA-256 when there is one, else hashlib's; chosen once per process.
 
     ``import hashlib`` loads OpenSSL's libcrypto first (2-4 ms per process); CPython's built-in
     SHA-256 module (``_sha2`` from 3.12, ``_sha256`` before) gives the same digest for a
@@ -39,11 +46,11 @@ def _sha256_hex(data: bytes) -> str:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        digest: str = module.sha256(data).hexdigest()
-        return digest
+        constructor: Callable[[bytes], Any] = module.sha256
+        return constructor
     import hashlib  # another interpreter: the portable module
 
-    return hashlib.sha256(data).hexdigest()
+    return hashlib.sha256
 
 
 #: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's

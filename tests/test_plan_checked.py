@@ -15,7 +15,7 @@ import pytest
 from testkit.cli_runner import cli
 
 from dflash_recipes.errors import PlanError
-from dflash_recipes.plan import PLAN_FORMAT_VERSION, RunPlan, _canonical
+from dflash_recipes.plan import PLAN_FORMAT_VERSION, RunPlan, _canonical, _sha256_constructor
 
 
 def refingerprint(data: dict[str, Any]) -> dict[str, Any]:
@@ -160,10 +160,15 @@ def test_a_plan_of_the_previous_format_is_told_to_recompile(plan_dict: dict[str,
 
 @pytest.mark.parametrize("builtin_sha256", [True, False], ids=["builtin", "hashlib"])
 def test_the_fingerprint_is_the_sha256_of_the_canonical_json(
-    plan_dict: dict[str, Any], builtin_sha256: bool, monkeypatch: pytest.MonkeyPatch
+    plan_dict: dict[str, Any],
+    builtin_sha256: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     # The plan hashes with CPython's built-in SHA-256 module when there is one (no OpenSSL
     # load at start-up) and with hashlib otherwise; both must give sha256 of the canonical JSON.
+    _sha256_constructor.cache_clear()  # the choice is made once per process: make it again
+    request.addfinalizer(_sha256_constructor.cache_clear)
     if not builtin_sha256:
         import importlib
 
@@ -180,3 +185,5 @@ def test_the_fingerprint_is_the_sha256_of_the_canonical_json(
     plan = RunPlan.from_dict(plan_dict)
     assert plan.fingerprint == expected == plan_dict["fingerprint"]
     assert plan.to_dict()["fingerprint"] == expected
+    chosen = _sha256_constructor().__module__
+    assert chosen in (("_sha2", "_sha256") if builtin_sha256 else ("_hashlib", "hashlib"))
