@@ -9,11 +9,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,14 +24,12 @@ def test_run_then_export_and_eval(tmp_path: Path) -> None:
     runner = CliRunner()
     args = [
         "run",
-        str(SCRATCH),
+        str(TINY_SCRATCH),
         f"training.output_dir={out}",
         "training.max_steps=2",
         "training.save_steps=1",
         "training.save_total_limit=null",
-        "training.per_device_train_batch_size=2",
-        "dflash.dflash_num_anchors=4",
-        "dflash.dflash_block_size=4",
+        *SMALL_BLOCKS,
         "--no-progress",
     ]
     result = runner.invoke(main, args)

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
 from dflash_recipes.export_target import EXPORT_MARKER, is_earlier_export
-
-REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,14 +25,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory, one_thread: None) -> Path:
         main,
         [
             "run",
-            str(SCRATCH),
+            str(TINY_SCRATCH),
             f"training.output_dir={out}",
             "training.max_steps=2",
             "training.save_steps=1",
             "training.save_total_limit=null",
-            "training.per_device_train_batch_size=2",
-            "dflash.dflash_num_anchors=4",
-            "dflash.dflash_block_size=4",
+            *SMALL_BLOCKS,
             "--no-progress",
         ],
     )

@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
 from dflash_recipes.compiler import compile_file
 from dflash_recipes.executor import training_checkpoints
 from dflash_recipes.executor.run_guard import summary_line
 from dflash_recipes.executor.train import run_plan
-
-REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,14 +26,12 @@ def _overrides(out: Path, steps: int) -> list[str]:
         "training.save_steps=1",
         "training.logging_steps=1",
         "training.save_total_limit=null",
-        "training.per_device_train_batch_size=2",
-        "dflash.dflash_num_anchors=4",
-        "dflash.dflash_block_size=4",
+        *SMALL_BLOCKS,
     ]
 
 
 def _run(out: Path, steps: int) -> Result:
-    args = ["run", str(SCRATCH), *_overrides(out, steps), "--no-progress"]
+    args = ["run", str(TINY_SCRATCH), *_overrides(out, steps), "--no-progress"]
     result = CliRunner().invoke(main, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output
@@ -129,7 +125,7 @@ def test_resuming_a_finished_run_reports_the_finished_state(tmp_path: Path) -> N
 
 
 def test_a_run_stopped_early_reports_the_steps_done(tmp_path: Path) -> None:
-    result = compile_file(SCRATCH, _overrides(tmp_path / "run", 3))
+    result = compile_file(TINY_SCRATCH, _overrides(tmp_path / "run", 3))
     assert result.plan is not None
     summary = run_plan(result.plan, progress=False, stop_after=1)
     assert (summary.steps, summary.planned_steps, summary.export_dir) == (1, 3, None)

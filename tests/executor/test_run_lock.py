@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
 from dflash_recipes.locking import LOCK_FILE
 
 REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,14 +52,12 @@ with hold_directory_lock(Path(sys.argv[1]), purpose="run"):
 def _args(out: Path) -> list[str]:
     return [
         "run",
-        str(SCRATCH),
+        str(TINY_SCRATCH),
         f"training.output_dir={out}",
         "training.max_steps=3",
         "training.save_steps=1",
         "training.logging_steps=1",
-        "training.per_device_train_batch_size=2",
-        "dflash.dflash_num_anchors=4",
-        "dflash.dflash_block_size=4",
+        *SMALL_BLOCKS,
         "--no-progress",
     ]
 

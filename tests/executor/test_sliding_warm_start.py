@@ -8,21 +8,19 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
 from dflash_recipes.plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[2]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 FINETUNE = REPO / "recipes" / "tiny" / "tiny_finetune.yaml"
 ARCH = "dflash.dflash_architecture_config"
 SHORT = [
     "training.max_steps=2",
     "training.save_steps=2",
     "training.eval_steps=null",
-    "training.per_device_train_batch_size=2",
-    "dflash.dflash_num_anchors=4",
-    "dflash.dflash_block_size=4",
+    *SMALL_BLOCKS,
     "--no-progress",
 ]
 
@@ -35,7 +33,7 @@ def test_warm_start_from_a_sliding_window_drafter_keeps_its_windows(tmp_path: Pa
     released = tmp_path / "released"
     args = [
         "run",
-        str(SCRATCH),
+        str(TINY_SCRATCH),
         f"training.output_dir={released}",
         f"{ARCH}.layer_types=[sliding_attention, full_attention]",
         f"{ARCH}.sliding_window=6",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.compiling import TINY_SCRATCH
 from torch import nn
 
 from dflash_recipes.compiler import compile_file
@@ -14,8 +15,6 @@ from dflash_recipes.executor.anchors import anchor_key, sample_batch_anchors
 from dflash_recipes.executor.data import Batch
 from dflash_recipes.executor.optimizer import build_optimizer, clip_gradients
 from dflash_recipes.executor.train import run_plan
-
-SCRATCH = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "tiny_scratch.yaml"
 
 
 def _params(seed: int) -> list[nn.Parameter]:
@@ -104,7 +103,7 @@ def test_accuracy_counts_keep_argmax_first_maximum_rule() -> None:
 
 def _train_rows(tmp_path: Path, name: str, logging_steps: int) -> list[dict[str, object]]:
     result = compile_file(
-        SCRATCH,
+        TINY_SCRATCH,
         overrides=(
             f"training.output_dir={tmp_path / name}",
             "training.max_steps=2",

@@ -13,14 +13,14 @@ from dflash_recipes.run_dir import CHECKPOINT_FILES, checkpoint_dir_name
 
 #: The shipped from-scratch recipe of the embedded tiny target.
 TINY_SCRATCH = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "tiny_scratch.yaml"
-#: What keeps a training test on that recipe small: short sequences, few small blocks.
-SMALL_RUN = (
+#: A batch of two sequences with four blocks of four each: what keeps a run of that recipe small.
+SMALL_BLOCKS = (
     "training.per_device_train_batch_size=2",
-    "training.training_seq_len=64",
-    "training.logging_steps=1",
     "dflash.dflash_num_anchors=4",
     "dflash.dflash_block_size=4",
 )
+#: What keeps a training test on that recipe small: short sequences, few small blocks.
+SMALL_RUN = (*SMALL_BLOCKS, "training.training_seq_len=64", "training.logging_steps=1")
 
 #: The type of conftest's `make_recipe` fixture.
 RecipeFactory = Callable[..., Recipe]
