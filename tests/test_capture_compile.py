@@ -8,13 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from testkit.compiling import TINY_SCRATCH
 
 from dflash_recipes.capture_manifest import MANIFEST_FILE
 from dflash_recipes.compiler import CompileResult, compile_file
 from dflash_recipes.diagnostics import Diagnostic, Severity
 
 REPO = Path(__file__).resolve().parents[1]
-SCRATCH = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
 COMMON = (
     "training.training_seq_len=64",
@@ -32,7 +32,7 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dflash_recipes.executor.capture import capture_plan
 
     root = tmp_path_factory.mktemp("capture")
-    result = compile_file(SCRATCH, overrides=(*COMMON, f"training.output_dir={root / 'run'}"))
+    result = compile_file(TINY_SCRATCH, overrides=(*COMMON, f"training.output_dir={root / 'run'}"))
     assert result.plan is not None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -53,7 +53,7 @@ def capture(captured: Path, tmp_path: Path) -> Path:
 
 def _compile(capture: Path, *extra: str) -> CompileResult:
     overrides = (*COMMON, f"data.hidden_states_path={capture}", *extra)
-    return compile_file(SCRATCH, overrides=overrides)
+    return compile_file(TINY_SCRATCH, overrides=overrides)
 
 
 def _only(result: CompileResult, code: str) -> Diagnostic:

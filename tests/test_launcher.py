@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from testkit.compiling import TINY_SCRATCH
 
 from dflash_recipes.compiler import CompileResult, compile_file
 from dflash_recipes.errors import LaunchError
@@ -36,7 +37,7 @@ def test_renders_without_submitting(
         raise AssertionError("sbatch must not run without --yes")
 
     monkeypatch.setattr(subprocess, "run", no_submit)
-    recipe = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
+    recipe = TINY_SCRATCH
     script = tmp_path / "job.sbatch"
     code = launch.main(
         [
@@ -80,7 +81,7 @@ def test_recipe_errors_stop_before_anything_is_written(tmp_path: Path) -> None:
 def _plan(output_dir: Path) -> RunPlan:
     """The compiled plan of the tiny recipe, writing to `output_dir`."""
     result = compile_file(
-        REPO / "recipes" / "tiny" / "tiny_scratch.yaml",
+        TINY_SCRATCH,
         overrides=(f"training.output_dir={output_dir}",),
     )
     assert result.plan is not None, result.diagnostics

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from testkit.compiling import TINY_SCRATCH
 
 from dflash_recipes.cli import main
 from dflash_recipes.errors import DFlashRecipeError
@@ -97,9 +98,8 @@ def test_report_of_a_real_tiny_run(tmp_path: Path) -> None:
     from dflash_recipes.executor.train import run_plan
 
     torch.set_num_threads(1)
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "tiny_scratch.yaml"
     result = compile_file(
-        recipe,
+        TINY_SCRATCH,
         overrides=(
             f"training.output_dir={tmp_path / 'run'}",
             "training.max_steps=2",
