@@ -47,11 +47,16 @@ def _make_target(directory: Path, vocab: int) -> None:
 def _child(target: Path, blocks: int, block: int, seq: int, budget: int | None) -> None:
     import torch
 
-    from dflash_recipes.compiler import compile_file
-    from dflash_recipes.executor.anchors import sample_anchors
-    from dflash_recipes.executor.convert import convert, dflash_module, lm_head, load_base_model
-    from dflash_recipes.executor.data import Batch
-    from dflash_recipes.executor.step import DraftStep, step_inputs
+    from dflash_recipes.compiler.compilation import compile_file
+    from dflash_recipes.executor.data.conversations import Batch
+    from dflash_recipes.executor.model.convert import (
+        convert,
+        dflash_module,
+        lm_head,
+        load_base_model,
+    )
+    from dflash_recipes.executor.training.anchors import sample_anchors
+    from dflash_recipes.executor.training.step import DraftStep, step_inputs
 
     torch.set_num_threads(1)
     vocab = json.loads((target / "config.json").read_text(encoding="utf-8"))["vocab_size"]

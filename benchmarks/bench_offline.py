@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_recipes.capture_manifest import read_manifest
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor.capture import capture_plan
-from dflash_recipes.executor.train import run_plan
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.data.capture import capture_plan
+from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.files.capture_manifest import read_manifest
+from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"

@@ -61,8 +61,8 @@ def _write_prompts(path: Path, count: int) -> None:
 
 def _run(work: Path, url: str, concurrency: int, count: int, tag: str) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one whole regenerate of `count` prompts."""
-    from dflash_recipes.compiler import compile_file
-    from dflash_recipes.executor.regenerate import run_regenerate
+    from dflash_recipes.compiler.compilation import compile_file
+    from dflash_recipes.executor.regenerate.job import run_regenerate
 
     prompts = work / f"{tag}.prompts.jsonl"
     _write_prompts(prompts, count)

@@ -57,12 +57,12 @@ def main() -> int:
 
     import torch
 
-    from dflash_recipes.compiler import compile_file
-    from dflash_recipes.executor.evaluate import run_eval
-    from dflash_recipes.executor.regenerate import run_regenerate
-    from dflash_recipes.executor.train import run_plan
-    from dflash_recipes.plan import RunPlan
-    from dflash_recipes.run_dir import EXPORT_DIR
+    from dflash_recipes.compiler.compilation import compile_file
+    from dflash_recipes.executor.evaluation.evaluate import run_eval
+    from dflash_recipes.executor.regenerate.job import run_regenerate
+    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.files.run_dir import EXPORT_DIR
+    from dflash_recipes.plan.run_plan import RunPlan
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     started = time.perf_counter()

@@ -49,18 +49,9 @@ import torch.nn.functional as F
 from _measure import print_table, verdict
 from torch import Tensor, nn
 
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor import loss as loss_module
-from dflash_recipes.executor import metrics as metrics_module
-from dflash_recipes.executor import step as step_module
-from dflash_recipes.executor import train as train_module
-from dflash_recipes.executor.anchors import (
-    AnchorBatch,
-    block_inputs,
-    block_labels,
-    sample_anchors,
-)
-from dflash_recipes.executor.convert import (
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
     embed_tokens,
@@ -68,15 +59,24 @@ from dflash_recipes.executor.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.data import Batch
-from dflash_recipes.executor.draft import (
+from dflash_recipes.executor.model.draft import (
     build_dense_block_mask,
     build_split_block_mask,
     split_chunk_count,
     taps_from_hidden_states,
 )
-from dflash_recipes.executor.optimizer import build_optimizer, clip_gradients
-from dflash_recipes.executor.step import DraftStep, step_inputs
+from dflash_recipes.executor.training import loss as loss_module
+from dflash_recipes.executor.training import metrics as metrics_module
+from dflash_recipes.executor.training import step as step_module
+from dflash_recipes.executor.training import trainer as train_module
+from dflash_recipes.executor.training.anchors import (
+    AnchorBatch,
+    block_inputs,
+    block_labels,
+    sample_anchors,
+)
+from dflash_recipes.executor.training.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.training.step import DraftStep, step_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor.anchors import block_labels, sample_anchors
-from dflash_recipes.executor.convert import (
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
     embed_tokens,
@@ -44,10 +44,10 @@ from dflash_recipes.executor.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.data import Batch
-from dflash_recipes.executor.draft import taps_from_hidden_states
-from dflash_recipes.executor.loss import dflash_loss
-from dflash_recipes.executor.step import DraftStep, step_inputs
+from dflash_recipes.executor.model.draft import taps_from_hidden_states
+from dflash_recipes.executor.training.anchors import block_labels, sample_anchors
+from dflash_recipes.executor.training.loss import dflash_loss
+from dflash_recipes.executor.training.step import DraftStep, step_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -32,10 +32,10 @@ import torch
 from safetensors.torch import load_file
 from testkit.tiny import tiny_plan, with_init_checkpoint
 
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.export import export_drafter
-from dflash_recipes.executor.warmstart import load_init_checkpoint
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.warmstart import load_init_checkpoint
+from dflash_recipes.plan.run_plan import RunPlan
 
 # About 109 M parameters: 218 MB in bf16.
 DIMS: dict[str, object] = {

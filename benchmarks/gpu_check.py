@@ -55,15 +55,8 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor.anchors import AnchorBatch, block_positions, sample_anchors
-from dflash_recipes.executor.convert import (
-    convert,
-    dflash_module,
-    lm_head,
-    target_forward,
-)
-from dflash_recipes.executor.data import Batch as TokenBatch
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.data.conversations import Batch as TokenBatch
 from dflash_recipes.executor.distributed import (
     DistEnv,
     init_distributed,
@@ -71,16 +64,23 @@ from dflash_recipes.executor.distributed import (
     shutdown_distributed,
     wrap_ddp,
 )
-from dflash_recipes.executor.draft import (
+from dflash_recipes.executor.model.convert import (
+    convert,
+    dflash_module,
+    lm_head,
+    target_forward,
+)
+from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
     build_dense_block_mask,
     build_flex_block_mask,
     rope_parameters,
     taps_from_hidden_states,
 )
-from dflash_recipes.executor.loss import LossOutput
-from dflash_recipes.executor.step import DraftStep, StepInputs, step_inputs
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
+from dflash_recipes.executor.training.loss import LossOutput
+from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
+from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step")

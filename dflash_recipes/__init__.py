@@ -15,9 +15,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
+    from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
     from dflash_recipes.diagnostics import Diagnostic, Severity
-    from dflash_recipes.draft_spec import ResolvedDraft
     from dflash_recipes.errors import (
         CheckpointError,
         CompileError,
@@ -33,9 +32,11 @@ if TYPE_CHECKING:
         SafetensorsHeaderError,
         WarmStartError,
     )
-    from dflash_recipes.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
-    from dflash_recipes.plan import RunPlan
-    from dflash_recipes.recipe import (
+    from dflash_recipes.plan.draft_spec import ResolvedDraft
+    from dflash_recipes.plan.run_plan import RunPlan
+    from dflash_recipes.recipe.json_schema import recipe_json_schema
+    from dflash_recipes.recipe.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
+    from dflash_recipes.recipe.sections import (
         DataSection,
         DFlashArchitectureConfig,
         DFlashSection,
@@ -44,15 +45,14 @@ if TYPE_CHECKING:
         RegenerateSection,
         TrainingSection,
     )
-    from dflash_recipes.schema import recipe_json_schema
 
 __version__ = "0.1.0"
 
 #: Where each public name lives (the module is imported when the name is first read).
 _HOMES = {
-    "CompileResult": "compiler",
-    "compile_file": "compiler",
-    "compile_recipe": "compiler",
+    "CompileResult": "compiler.compilation",
+    "compile_file": "compiler.compilation",
+    "compile_recipe": "compiler.compilation",
     "Diagnostic": "diagnostics",
     "Severity": "diagnostics",
     "CheckpointError": "errors",
@@ -68,19 +68,19 @@ _HOMES = {
     "RunIOError": "errors",
     "SafetensorsHeaderError": "errors",
     "WarmStartError": "errors",
-    "LoadResult": "loader",
-    "load_recipe": "loader",
-    "load_recipe_with_diagnostics": "loader",
-    "ResolvedDraft": "draft_spec",
-    "RunPlan": "plan",
-    "DataSection": "recipe",
-    "DFlashArchitectureConfig": "recipe",
-    "DFlashSection": "recipe",
-    "ModelSection": "recipe",
-    "Recipe": "recipe",
-    "RegenerateSection": "recipe",
-    "TrainingSection": "recipe",
-    "recipe_json_schema": "schema",
+    "LoadResult": "recipe.loader",
+    "load_recipe": "recipe.loader",
+    "load_recipe_with_diagnostics": "recipe.loader",
+    "ResolvedDraft": "plan.draft_spec",
+    "RunPlan": "plan.run_plan",
+    "DataSection": "recipe.sections",
+    "DFlashArchitectureConfig": "recipe.sections",
+    "DFlashSection": "recipe.sections",
+    "ModelSection": "recipe.sections",
+    "Recipe": "recipe.sections",
+    "RegenerateSection": "recipe.sections",
+    "TrainingSection": "recipe.sections",
+    "recipe_json_schema": "recipe.json_schema",
 }
 
 

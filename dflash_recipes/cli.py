@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from dflash_recipes import __version__
-from dflash_recipes.crashsafe import write_new_file, write_output
 from dflash_recipes.diagnostics import (
     Diagnostic,
     Severity,
@@ -29,11 +28,12 @@ from dflash_recipes.diagnostics import (
     summary_line,
 )
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.jsonio import clip, regular_file_problem
+from dflash_recipes.files.crashsafe import write_new_file, write_output
+from dflash_recipes.files.jsonio import clip, regular_file_problem
 
 if TYPE_CHECKING:
-    from dflash_recipes.compiler import CompileResult
-    from dflash_recipes.plan import RunPlan
+    from dflash_recipes.compiler.compilation import CompileResult
+    from dflash_recipes.plan.run_plan import RunPlan
 
 #: Loader codes that mean "the recipe file itself could not be read": a usage problem (exit 2).
 UNREADABLE_CODES = frozenset(
@@ -118,7 +118,7 @@ def main() -> None:
 
 
 def _compile(recipe: str, overrides: Sequence[str]) -> CompileResult:
-    from dflash_recipes.compiler import compile_file
+    from dflash_recipes.compiler.compilation import compile_file
 
     return compile_file(Path(recipe), overrides=tuple(overrides))
 
@@ -274,8 +274,8 @@ def lint_command(paths: tuple[str, ...], fmt: str | None, strict: bool) -> None:
       dflash-recipe lint recipes/ --strict
       dflash-recipe lint recipes/ --format github    # in a GitHub Actions step
     """
-    from dflash_recipes.compiler import compile_recipe
-    from dflash_recipes.loader import load_recipe_with_diagnostics
+    from dflash_recipes.compiler.compilation import compile_recipe
+    from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
 
     if fmt is None:
         fmt = "github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text"
@@ -330,7 +330,7 @@ def schema_command(output: Path | None) -> None:
       dflash-recipe schema -o dflash-recipe.schema.json
       # then in a recipe:  # yaml-language-server: $schema=dflash-recipe.schema.json
     """
-    from dflash_recipes.schema import recipe_json_schema
+    from dflash_recipes.recipe.json_schema import recipe_json_schema
 
     text = json.dumps(recipe_json_schema(), indent=2, sort_keys=True) + "\n"
     if output is None:
@@ -387,7 +387,7 @@ def init_command(
       dflash-recipe init --base-model /hf-local/Qwen/Qwen3-8B --mask-token-id 151669 \\
           --data-path train.jsonl -o scratch.yaml
     """
-    from dflash_recipes.init_recipe import render_init_recipe
+    from dflash_recipes.recipe.starter import render_init_recipe
 
     try:
         taken = output is not None and os.path.lexists(output)
@@ -425,7 +425,7 @@ def init_command(
 
 def load_plan_or_recipe(path: str, overrides: Sequence[str]) -> RunPlan:
     """A `.json` plan as written by compile, or a recipe compiled now; exits on errors."""
-    from dflash_recipes.plan import RunPlan
+    from dflash_recipes.plan.run_plan import RunPlan
 
     candidate = Path(path)
     if candidate.suffix == ".json":
@@ -435,7 +435,7 @@ def load_plan_or_recipe(path: str, overrides: Sequence[str]) -> RunPlan:
                 "instead, or recompile the plan with the overrides",
                 EXIT_USAGE,
             )
-        from dflash_recipes.jsonio import FileReadProblem, read_regular_file
+        from dflash_recipes.files.jsonio import FileReadProblem, read_regular_file
 
         try:
             raw = read_regular_file(candidate, max_bytes=PLAN_MAX_BYTES)
@@ -529,11 +529,11 @@ def run_command(
         )
         sys.exit(launch_torchrun(argv))
     _setup_logging(verbose)
-    from dflash_recipes.executor.train import run_plan
+    from dflash_recipes.executor.training.trainer import run_plan
 
     summary = run_plan(plan, progress=not no_progress)  # errors: the group's one handler
     if os.environ.get("RANK", "0") == "0":
-        from dflash_recipes.executor.run_guard import summary_line as run_summary_line
+        from dflash_recipes.executor.training.resume import summary_line as run_summary_line
 
         click.echo(run_summary_line(summary), err=True)
 
@@ -607,7 +607,7 @@ def capture_command(
         )
         sys.exit(launch_torchrun(argv))
     _setup_logging(verbose)
-    from dflash_recipes.executor.capture import capture_plan
+    from dflash_recipes.executor.data.capture import capture_plan
 
     summary = capture_plan(
         plan, target, max_shard_bytes=shard_mib * 2**20, progress=not no_progress
@@ -623,8 +623,8 @@ def capture_command(
 
 def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:
     """The recipe's data.hidden_states_path (absolute, against the recipe's folder), or None."""
-    from dflash_recipes.loader import load_recipe_with_diagnostics
-    from dflash_recipes.model_paths import resolve_local_path
+    from dflash_recipes.compiler.model_paths import resolve_local_path
+    from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
 
     loaded = load_recipe_with_diagnostics(Path(recipe), overrides=tuple(overrides))
     if loaded.recipe is None or loaded.recipe.data.hidden_states_path is None:
@@ -672,7 +672,7 @@ def eval_command(
     """
     plan = load_plan_or_recipe(plan_or_recipe, overrides)
     _setup_logging(False)
-    from dflash_recipes.executor.evaluate import run_eval
+    from dflash_recipes.executor.evaluation.evaluate import run_eval
 
     report = run_eval(
         plan, checkpoint, prompts, max_new_tokens=max_new_tokens, num_prompts=num_prompts
@@ -733,7 +733,7 @@ def regenerate_command(
     """
     plan = load_plan_or_recipe(recipe_or_plan, overrides)
     _setup_logging(False)
-    from dflash_recipes.executor.regenerate import run_regenerate
+    from dflash_recipes.executor.regenerate.job import run_regenerate
 
     try:
         run_regenerate(
@@ -782,8 +782,8 @@ def export_command(
       dflash-recipe export outputs/run/checkpoint-00005000 drafter-step5000/
     """
     from dflash_recipes.errors import ReplaceRefusedError
-    from dflash_recipes.export_target import check_export_target
-    from dflash_recipes.run_dir import PLAN_FILE
+    from dflash_recipes.files.export_target import check_export_target
+    from dflash_recipes.files.run_dir import PLAN_FILE
 
     try:  # before the plan and the model: a refused target costs nothing
         check_export_target(out_dir, force=force, sources=(checkpoint_dir,))
@@ -803,7 +803,7 @@ def export_command(
         plan_path = str(candidate)
     plan = load_plan_or_recipe(plan_path, ())
     _setup_logging(False)
-    from dflash_recipes.executor.export import export_checkpoint
+    from dflash_recipes.executor.model.export import export_checkpoint
 
     try:
         written = export_checkpoint(checkpoint_dir, plan, out_dir, dtype=dtype, force=force)
@@ -816,7 +816,7 @@ def _export_target(out_dir: Path) -> Path:
     """OUT_DIR as an absolute, normalised path (exit 2 when it cannot be one).
 
     Which directories an export may replace is decided by
-    :func:`dflash_recipes.export_target.check_export_target`.
+    :func:`dflash_recipes.files.export_target.check_export_target`.
     """
     try:
         return Path(os.path.normpath(os.path.abspath(out_dir)))
@@ -874,7 +874,7 @@ def demo_command(workdir: Path, fresh: bool) -> None:
       dflash-recipe demo --workdir /tmp/dflash-demo
     """
     _setup_logging(False)
-    from dflash_recipes.executor.demo import run_demo
+    from dflash_recipes.executor.demo.runner import run_demo
 
     run_demo(workdir, fresh=fresh, echo=click.echo)
 

@@ -53,14 +53,14 @@ def register_code(code: str, severity: Severity, summary: str) -> str:
 #: Every module that registers codes (at import). :func:`registered_codes` imports them all,
 #: so the registry is complete after that one call; a test keeps this list whole.
 CODE_MODULES: tuple[str, ...] = (
-    "dflash_recipes.yamlio",
-    "dflash_recipes.converter",
-    "dflash_recipes.loader",
-    "dflash_recipes.hfconfig",
-    "dflash_recipes.fields",
-    "dflash_recipes.capture_checks",
-    "dflash_recipes.regenerate_settings",
-    "dflash_recipes.compile_codes",
+    "dflash_recipes.recipe.yamlio",
+    "dflash_recipes.recipe.converter",
+    "dflash_recipes.recipe.loader",
+    "dflash_recipes.checkpoint.hfconfig",
+    "dflash_recipes.checkpoint.config_fields",
+    "dflash_recipes.compiler.capture_checks",
+    "dflash_recipes.compiler.regenerate_checks",
+    "dflash_recipes.compiler.codes",
     "dflash_recipes.cli",
 )
 

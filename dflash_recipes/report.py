@@ -1,7 +1,7 @@
 """`dflash-recipe report`: the metrics schema a run writes, and a PNG drawn from one or more runs.
 
 The trainer appends one JSON object per line to `output_dir/metrics.jsonl`
-(:data:`dflash_recipes.run_dir.METRICS_FILE`). The row schema lives here so writer and
+(:data:`dflash_recipes.files.run_dir.METRICS_FILE`). The row schema lives here so writer and
 reader share it (build rows with :func:`train_row` / :func:`eval_row`, serialise them with
 :func:`metrics_json_line`):
 
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 import attrs
 
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
+from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
+from dflash_recipes.files.run_dir import METRICS_FILE
 from dflash_recipes.records import Record
-from dflash_recipes.run_dir import METRICS_FILE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -416,7 +416,7 @@ def _nan(values: Iterable[float | None]) -> list[float]:
 
 def _save_atomic(fig: Figure, out: Path) -> None:
     """PNG bytes to `out` as -o promises: atomic for files, through symlinks and devices."""
-    from dflash_recipes.crashsafe import write_output
+    from dflash_recipes.files.crashsafe import write_output
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

@@ -16,8 +16,8 @@ import yaml
 from testkit.compiling import RecipeFactory
 from testkit.st_fixtures import write_base_model, write_drafter_checkpoint
 
-from dflash_recipes.compiler import compile_recipe
-from dflash_recipes.recipe import (
+from dflash_recipes.compiler.compilation import compile_recipe
+from dflash_recipes.recipe.sections import (
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,

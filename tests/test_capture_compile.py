@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from testkit.compiling import TINY_SCRATCH
 
-from dflash_recipes.capture_manifest import MANIFEST_FILE
-from dflash_recipes.compiler import CompileResult, compile_file
+from dflash_recipes.compiler.compilation import CompileResult, compile_file
 from dflash_recipes.diagnostics import Diagnostic, Severity
+from dflash_recipes.files.capture_manifest import MANIFEST_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
@@ -29,7 +29,7 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One capture of the demo data (taps [1, 3], float32, seq len 64), made once."""
     import torch
 
-    from dflash_recipes.executor.capture import capture_plan
+    from dflash_recipes.executor.data.capture import capture_plan
 
     root = tmp_path_factory.mktemp("capture")
     result = compile_file(TINY_SCRATCH, overrides=(*COMMON, f"training.output_dir={root / 'run'}"))

@@ -24,18 +24,18 @@ from testkit.st_fixtures import (
     write_sharded_safetensors,
 )
 
-from dflash_recipes import safetensors_header
-from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.config_json import read_json_config
-from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
-from dflash_recipes.model_paths import (
+from dflash_recipes.checkpoint import safetensors_header
+from dflash_recipes.checkpoint.config_json import read_json_config
+from dflash_recipes.checkpoint.safetensors_header import TensorInfo, read_safetensors_header
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+from dflash_recipes.compiler.model_paths import (
     CheckpointDirProblem,
     inspect_checkpoint_dir,
     inspect_model_dir,
     resolve_checkpoint_dir,
     resolve_local_path,
 )
-from dflash_recipes.safetensors_header import TensorInfo, read_safetensors_header
+from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
 
 ALL_DTYPES = sorted(safetensors_header.DTYPE_BITS)
 
@@ -845,8 +845,8 @@ def test_reading_checkpoints_imports_no_heavy_library(tmp_path: Path) -> None:
     write_drafter_checkpoint(tmp_path / "ck")
     code = (
         "import sys; from pathlib import Path\n"
-        "from dflash_recipes.checkpoint_weights import read_checkpoint_weights\n"
-        "from dflash_recipes.draft_layout import expected_layout\n"
+        "from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights\n"
+        "from dflash_recipes.checkpoint.tensor_layout import expected_layout\n"
         f"read_checkpoint_weights(Path({str(tmp_path / 'ck')!r}))\n"
         "heavy = ('torch', 'transformers', 'safetensors', 'numpy')\n"
         "print(','.join(m for m in heavy if m in sys.modules))\n"

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from dflash_recipes.checkpoint.safetensors_header import DTYPE_BITS, read_safetensors_header
 from dflash_recipes.errors import SafetensorsHeaderError
-from dflash_recipes.safetensors_header import DTYPE_BITS, read_safetensors_header
 
 WHOLE_BYTE_DTYPES = sorted(d for d, bits in DTYPE_BITS.items() if bits % 8 == 0)
 

@@ -23,7 +23,7 @@ from testkit.cli_runner import cli
 from testkit.st_fixtures import write_json
 
 from dflash_recipes.cli import main
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.plan.run_plan import RunPlan
 
 DIAGNOSTIC_KEYS = {"severity", "code", "path", "message", "hint", "file", "line", "column"}
 
@@ -685,7 +685,7 @@ def test_init_refuses_to_overwrite_a_file_that_appears_while_it_works(
 ) -> None:
     """The existence check and the write are not one step: a file created in between (another
     `init`, an editor) still wins, because the recipe is linked into place, never replaced."""
-    import dflash_recipes.init_recipe as init_recipe
+    import dflash_recipes.recipe.starter as init_recipe
 
     real = init_recipe.render_init_recipe
 

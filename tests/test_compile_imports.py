@@ -21,8 +21,8 @@ START_UP = ("cattrs", "_hashlib")
 _SCRIPT = """
 import json, sys
 from pathlib import Path
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.init_recipe import render_init_recipe
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.recipe.starter import render_init_recipe
 
 result = compile_file(sys.argv[1])
 schema = compile_file(sys.argv[1], resolve=False)

@@ -16,8 +16,9 @@ import pytest
 from testkit.compiling import only
 from testkit.st_fixtures import base_model_config, write_base_model
 
-from dflash_recipes import compile_codes, hfconfig
-from dflash_recipes.compiler import (
+from dflash_recipes.checkpoint import hfconfig
+from dflash_recipes.compiler import codes as compile_codes
+from dflash_recipes.compiler.compilation import (
     CompileResult,
     compile_file,
     compile_recipe,
@@ -30,8 +31,8 @@ from dflash_recipes.diagnostics import (
     code_severity,
     registered_codes,
 )
-from dflash_recipes.plan import RunPlan
-from dflash_recipes.recipe import Recipe
+from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.sections import Recipe
 
 RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"
@@ -305,7 +306,7 @@ def test_compile_file_lint_mode_needs_no_model(
 
 _DETERMINISM_SCRIPT = """
 import sys
-from dflash_recipes.compiler import compile_file
+from dflash_recipes.compiler.compilation import compile_file
 result = compile_file(sys.argv[1])
 assert result.plan is not None, result.diagnostics
 sys.stdout.buffer.write(result.plan.canonical_json())

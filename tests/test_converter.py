@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from testkit.recipe_samples import EXAMPLE_YAML, MINIMAL_YAML, column_of, line_of
 
-from dflash_recipes.converter import recipe_field_paths, structure_recipe, unstructure_recipe
-from dflash_recipes.converter import structure as convert
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, registered_codes
-from dflash_recipes.recipe import DFlashArchitectureConfig, ModelSection, Recipe
-from dflash_recipes.schema import field_types
-from dflash_recipes.yamlio import load_yaml
+from dflash_recipes.recipe.converter import recipe_field_paths, structure_recipe, unstructure_recipe
+from dflash_recipes.recipe.converter import structure as convert
+from dflash_recipes.recipe.json_schema import field_types
+from dflash_recipes.recipe.sections import DFlashArchitectureConfig, ModelSection, Recipe
+from dflash_recipes.recipe.yamlio import load_yaml
 
 
 def structure(text: str) -> tuple[Recipe | None, list[Diagnostic]]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_recipes import crashsafe
-from dflash_recipes.crashsafe import (
+from dflash_recipes.files import crashsafe
+from dflash_recipes.files.crashsafe import (
     atomic_replace,
     remove_staging_dirs,
     remove_stale_staging,

@@ -28,9 +28,9 @@ from testkit.st_fixtures import (
     write_raw_safetensors,
 )
 
-from dflash_recipes.compiler import compile_file
+from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.diagnostics import Severity
-from dflash_recipes.run_dir import PLAN_FILE
+from dflash_recipes.files.run_dir import PLAN_FILE
 
 ARCH = "dflash.dflash_architecture_config"
 

@@ -15,7 +15,7 @@ import pytest
 
 import dflash_recipes
 from dflash_recipes.diagnostics import CODE_MODULES, registered_codes
-from dflash_recipes.schema import field_docs, recipe_json_schema
+from dflash_recipes.recipe.json_schema import field_docs, recipe_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "dflash.md"
@@ -204,7 +204,7 @@ def test_pipes_in_a_meaning_cannot_break_the_table() -> None:
 
 
 def test_the_gamma_table_matches_the_compiler_default() -> None:
-    from dflash_recipes.compiler import default_loss_decay_factor
+    from dflash_recipes.compiler.compilation import default_loss_decay_factor
 
     lines = docs_text().splitlines()
     sizes_row = next(line for line in lines if line.startswith("| block size `B` |"))

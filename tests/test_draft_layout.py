@@ -10,8 +10,7 @@ import attrs
 import pytest
 from testkit.st_fixtures import write_drafter_checkpoint
 
-from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.draft_layout import (
+from dflash_recipes.checkpoint.tensor_layout import (
     DRAFT_SPEC_FIELDS,
     LayoutSpec,
     checkpoint_dims,
@@ -27,6 +26,7 @@ from dflash_recipes.draft_layout import (
     layout_fixes,
     layout_spec_for,
 )
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 
 # Qwen3-8B-DFlash-b16 (its published config.json and tensor shapes).
 QWEN3_8B_B16 = LayoutSpec(

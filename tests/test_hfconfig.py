@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 from testkit.st_fixtures import base_model_config, drafter_config, write_json
 
-from dflash_recipes.diagnostics import Severity
-from dflash_recipes.hfconfig import (
+from dflash_recipes.checkpoint.hfconfig import (
     checkpoint_config_from_mapping,
     read_checkpoint_config,
     read_target_config,
     target_config_from_mapping,
 )
-from dflash_recipes.plan import RopePlan
+from dflash_recipes.diagnostics import Severity
+from dflash_recipes.plan.run_plan import RopePlan
 
 
 def codes(problems: object) -> list[str]:

@@ -13,10 +13,10 @@ from testkit.st_fixtures import (
     write_json,
 )
 
-from dflash_recipes.compiler import CompileResult, compile_file
+from dflash_recipes.compiler.compilation import CompileResult, compile_file
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
-from dflash_recipes.init_recipe import render_init_recipe
+from dflash_recipes.recipe.starter import render_init_recipe
 
 
 def write_and_compile(tmp_path: Path, text: str) -> CompileResult:

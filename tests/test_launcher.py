@@ -13,9 +13,9 @@ from types import ModuleType
 import pytest
 from testkit.compiling import TINY_SCRATCH
 
-from dflash_recipes.compiler import CompileResult, compile_file
+from dflash_recipes.compiler.compilation import CompileResult, compile_file
 from dflash_recipes.errors import LaunchError
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from testkit.compiling import compile_in, make_training_checkpoint, only, text
 from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
-from dflash_recipes.compiler import compile_file
+from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.diagnostics import Severity
-from dflash_recipes.recipe import Recipe
-from dflash_recipes.run_dir import PLAN_FILE
+from dflash_recipes.files.run_dir import PLAN_FILE
+from dflash_recipes.recipe.sections import Recipe
 
 RecipeFactory = Callable[..., Recipe]
 ARCH = "dflash.dflash_architecture_config"

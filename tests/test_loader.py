@@ -12,13 +12,18 @@ from testkit.recipe_samples import EXAMPLE_YAML, MINIMAL_YAML, line_of
 
 from dflash_recipes.diagnostics import Diagnostic, SourceMark, registered_codes
 from dflash_recipes.errors import RecipeError
-from dflash_recipes.loader import (
+from dflash_recipes.recipe.loader import (
     LoadResult,
     load_recipe,
     load_recipe_with_diagnostics,
     recipe_from_text,
 )
-from dflash_recipes.recipe import DFlashArchitectureConfig, DFlashSection, ModelSection, Recipe
+from dflash_recipes.recipe.sections import (
+    DFlashArchitectureConfig,
+    DFlashSection,
+    ModelSection,
+    Recipe,
+)
 
 
 def write(tmp_path: Path, text: str | bytes, name: str = "recipe.yaml") -> Path:

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from dflash_recipes.errors import DirectoryLockedError
-from dflash_recipes.locking import LOCK_FILE, describe_holder, hold_directory_lock
+from dflash_recipes.files.locking import LOCK_FILE, describe_holder, hold_directory_lock
 
 REPO = Path(__file__).resolve().parents[1]
 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from dflash_recipes.locking import hold_directory_lock
+from dflash_recipes.files.locking import hold_directory_lock
 with hold_directory_lock(Path(sys.argv[1]), purpose="capture"):
     print("locked", flush=True)
     time.sleep(120)

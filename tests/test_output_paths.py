@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_recipes.cli import main
-from dflash_recipes.crashsafe import write_output
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.files.crashsafe import write_output
+from dflash_recipes.plan.run_plan import RunPlan
 
 DEV_NULL = Path("/dev/null")
 

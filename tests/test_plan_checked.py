@@ -15,7 +15,12 @@ import pytest
 from testkit.cli_runner import cli
 
 from dflash_recipes.errors import PlanError
-from dflash_recipes.plan import PLAN_FORMAT_VERSION, RunPlan, _canonical, _sha256_constructor
+from dflash_recipes.plan.run_plan import (
+    PLAN_FORMAT_VERSION,
+    RunPlan,
+    _canonical,
+    _sha256_constructor,
+)
 
 
 def refingerprint(data: dict[str, Any]) -> dict[str, Any]:

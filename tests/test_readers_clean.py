@@ -15,8 +15,8 @@ import pytest
 from testkit.cli_runner import cli
 from testkit.st_fixtures import base_model_config, write_base_model
 
-from dflash_recipes.jsonio import clip, shorten
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.files.jsonio import clip, shorten
+from dflash_recipes.plan.run_plan import RunPlan
 
 
 @pytest.fixture(autouse=True)

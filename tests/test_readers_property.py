@@ -20,14 +20,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from testkit.fuzzing import FUZZ, json_values
 
-from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.config_json import read_json_config
+from dflash_recipes.checkpoint.config_json import read_json_config
+from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config, read_target_config
+from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.hfconfig import read_checkpoint_config, read_target_config
-from dflash_recipes.loader import load_recipe, load_recipe_with_diagnostics
-from dflash_recipes.plan import RunPlan, _canonical
+from dflash_recipes.plan.run_plan import RunPlan, _canonical
+from dflash_recipes.recipe.loader import load_recipe, load_recipe_with_diagnostics
 from dflash_recipes.report import read_metrics
-from dflash_recipes.safetensors_header import read_safetensors_header
 
 #: Raw bytes, JSON text of any value, and a few shapes known to break naive parsers.
 file_bytes = st.one_of(

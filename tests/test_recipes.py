@@ -20,11 +20,11 @@ from testkit.st_fixtures import (
 )
 
 from dflash_recipes.cli import main
-from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
+from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
 from dflash_recipes.diagnostics import Severity
-from dflash_recipes.loader import load_recipe_with_diagnostics
-from dflash_recipes.schema import recipe_json_schema
-from dflash_recipes.yamlio import load_yaml
+from dflash_recipes.recipe.json_schema import recipe_json_schema
+from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
+from dflash_recipes.recipe.yamlio import load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

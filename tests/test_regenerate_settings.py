@@ -9,17 +9,17 @@ from pathlib import Path
 import attrs
 import pytest
 
-from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
-from dflash_recipes.diagnostics import Diagnostic
-from dflash_recipes.errors import RecipeError
-from dflash_recipes.loader import load_recipe
-from dflash_recipes.recipe import Recipe, RegenerateSection
-from dflash_recipes.regenerate_settings import (
+from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
+from dflash_recipes.compiler.regenerate_checks import (
     base_url_problem,
     chat_completions_url,
     models_url,
     prompt_key,
 )
+from dflash_recipes.diagnostics import Diagnostic
+from dflash_recipes.errors import RecipeError
+from dflash_recipes.recipe.loader import load_recipe
+from dflash_recipes.recipe.sections import Recipe, RegenerateSection
 
 RecipeFactory = Callable[..., Recipe]
 

@@ -94,8 +94,8 @@ def test_report_of_a_real_tiny_run(tmp_path: Path) -> None:
     """Render from what the trainer writes (a 2-step run of the tiny recipe)."""
     import torch
 
-    from dflash_recipes.compiler import compile_file
-    from dflash_recipes.executor.train import run_plan
+    from dflash_recipes.compiler.compilation import compile_file
+    from dflash_recipes.executor.training.trainer import run_plan
 
     torch.set_num_threads(1)
     result = compile_file(

@@ -9,12 +9,12 @@ import jsonschema
 import pytest
 from testkit.recipe_samples import EXAMPLE_YAML, MINIMAL_YAML
 
-from dflash_recipes.converter import recipe_field_paths, structure_recipe, unstructure_recipe
 from dflash_recipes.diagnostics import SourceMap
-from dflash_recipes.loader import recipe_from_text
-from dflash_recipes.recipe import ModelSection, Recipe
-from dflash_recipes.schema import field_docs, recipe_json_schema
-from dflash_recipes.yamlio import load_yaml
+from dflash_recipes.recipe.converter import recipe_field_paths, structure_recipe, unstructure_recipe
+from dflash_recipes.recipe.json_schema import field_docs, recipe_json_schema
+from dflash_recipes.recipe.loader import recipe_from_text
+from dflash_recipes.recipe.sections import ModelSection, Recipe
+from dflash_recipes.recipe.yamlio import load_yaml
 
 
 def schema() -> dict[str, Any]:

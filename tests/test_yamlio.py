@@ -9,8 +9,8 @@ import pytest
 
 from dflash_recipes.diagnostics import Diagnostic, SourceMark, registered_codes
 from dflash_recipes.errors import RecipeError
-from dflash_recipes.loader import recipe_from_text
-from dflash_recipes.yamlio import MAX_DEPTH, load_yaml
+from dflash_recipes.recipe.loader import recipe_from_text
+from dflash_recipes.recipe.yamlio import MAX_DEPTH, load_yaml
 
 
 def load(text: str) -> object:

@@ -8,10 +8,11 @@ Two regions are generated, each between its markers:
 - `<!-- codes:start -->` .. `<!-- codes:end -->`: every diagnostic code, from
   `dflash_recipes.diagnostics.registered_codes()` (code | severity | meaning);
 - `<!-- fields:start -->` .. `<!-- fields:end -->`: every recipe field, one table per section,
-  with the `#:` comments of recipe.py (`dflash_recipes.schema.field_docs()`) and the types and
+  with the `#:` comments of recipe.py (`dflash_recipes.recipe.json_schema.field_docs()`) and the
+  types and
   defaults of the JSON Schema;
 - `<!-- checkpoint-fields:start -->` .. `<!-- checkpoint-fields:end -->`: every checkpoint
-  config.json field of the inventory `dflash_recipes.fields.CHECKPOINT_FIELDS`
+  config.json field of the inventory `dflash_recipes.checkpoint.config_fields.CHECKPOINT_FIELDS`
   (field | status | what dflash-recipes does and why).
 
 Text outside the markers is never touched.
@@ -148,7 +149,7 @@ def _sections(
 
 def render_fields_tables() -> str:
     """One markdown table per recipe section: field | type | default | meaning."""
-    from dflash_recipes.schema import field_docs, recipe_json_schema
+    from dflash_recipes.recipe.json_schema import field_docs, recipe_json_schema
 
     docs = field_docs()
     blocks = []
@@ -175,7 +176,7 @@ def render_fields_tables() -> str:
 
 def render_checkpoint_fields_table() -> str:
     """The markdown table of the checkpoint field inventory, in the inventory's order."""
-    from dflash_recipes.fields import CHECKPOINT_FIELDS
+    from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS
 
     lines = ["| config.json field | status | what dflash-recipes does, and why |", "|---|---|---|"]
     lines += [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_recipes.executor.demo_assets import build_demo_assets
+from dflash_recipes.executor.demo.assets import build_demo_assets
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dflash_recipes" / "demo_data"
 

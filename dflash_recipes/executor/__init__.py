@@ -1,12 +1,11 @@
 """The executor: the only package that imports torch, transformers and safetensors.
 
-It reads a compiled :class:`~dflash_recipes.plan.RunPlan` and never the recipe. This module
+It reads a compiled :class:`~dflash_recipes.plan.run_plan.RunPlan` and never the recipe. This module
 re-exports the model core; import submodules directly for the rest (``data``, ``loss``,
 ``train``). Importing ``dflash_recipes`` itself never imports this package.
 """
 
-from dflash_recipes.executor.anchors import block_positions
-from dflash_recipes.executor.convert import (
+from dflash_recipes.executor.model.convert import (
     ConvertedModel,
     convert,
     dflash_module,
@@ -14,20 +13,21 @@ from dflash_recipes.executor.convert import (
     lm_head,
     load_base_model,
 )
-from dflash_recipes.executor.draft import (
+from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
     DraftMask,
     build_dense_block_mask,
     build_flex_block_mask,
     taps_from_hidden_states,
 )
-from dflash_recipes.executor.export import export_drafter
-from dflash_recipes.executor.heads import DominoHead, DSparkHead
-from dflash_recipes.executor.training_checkpoints import (
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
+from dflash_recipes.executor.model.warmstart import WarmStartReport, load_init_checkpoint
+from dflash_recipes.executor.training.anchors import block_positions
+from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.executor.warmstart import WarmStartReport, load_init_checkpoint
 
 #: The former name of :data:`ConvertedModel` (kept so existing imports keep working).
 DFlashModel = ConvertedModel

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
 from dflash_recipes.errors import LaunchError
-from dflash_recipes.executor.draft import DFlashDraftModel
+from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.records import Record
 
 DevicePreference = Literal["auto", "cpu", "cuda"]

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_recipes.executor.anchors import (
+from dflash_recipes.executor.training.anchors import (
     IGNORE_INDEX,
     block_inputs,
     block_labels,

@@ -14,15 +14,15 @@ from safetensors.torch import load_file
 from testkit.compiling import TINY_SCRATCH, tiny_scratch_plan
 from testkit.tiny import tiny_plan, tiny_target
 
-from dflash_recipes.capture_manifest import MANIFEST_FILE, read_manifest
 from dflash_recipes.cli import main
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor import capture as capture_module
-from dflash_recipes.executor import step as step_module
-from dflash_recipes.executor.capture import capture_plan
-from dflash_recipes.executor.train import run_plan
-from dflash_recipes.locking import LOCK_FILE
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.data import capture as capture_module
+from dflash_recipes.executor.data.capture import capture_plan
+from dflash_recipes.executor.training import step as step_module
+from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.files.capture_manifest import MANIFEST_FILE, read_manifest
+from dflash_recipes.files.locking import LOCK_FILE
+from dflash_recipes.plan.run_plan import RunPlan
 
 #: Small shards: the 60 demo conversations fill several.
 SHARD_BYTES = 2**19
@@ -95,8 +95,8 @@ def test_offline_training_equals_online(
 def test_offline_loads_no_decoder_layers_and_recomputes_the_teacher(
     tmp_path: Path, model_type: str
 ) -> None:
-    from dflash_recipes.executor.convert import lm_head
-    from dflash_recipes.executor.offline import load_target_without_decoder, teacher_logits
+    from dflash_recipes.executor.data.offline import load_target_without_decoder, teacher_logits
+    from dflash_recipes.executor.model.convert import lm_head
 
     plan = tiny_plan(tmp_path, target_model_type=model_type)
     full = tiny_target(plan, save=True)

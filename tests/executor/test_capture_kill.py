@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from testkit.compiling import tiny_scratch_plan
 
-from dflash_recipes.capture_manifest import MANIFEST_FILE, read_manifest
-from dflash_recipes.executor.capture import capture_plan
-from dflash_recipes.locking import LOCK_FILE
+from dflash_recipes.executor.data.capture import capture_plan
+from dflash_recipes.files.capture_manifest import MANIFEST_FILE, read_manifest
+from dflash_recipes.files.locking import LOCK_FILE
 
 SHARD_BYTES = 2**19
 
@@ -28,8 +28,8 @@ SHARD_BYTES = 2**19
 CHILD = """
 import sys, time
 from pathlib import Path
-from dflash_recipes.executor import capture
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.data import capture
+from dflash_recipes.plan.run_plan import RunPlan
 
 real_save = capture.save_file
 

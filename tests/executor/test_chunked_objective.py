@@ -9,12 +9,12 @@ import torch
 from testkit.tiny import TINY_VOCAB, randomize, tiny_plan, tiny_target
 from torch import Tensor
 
-from dflash_recipes.executor.anchors import sample_anchors
-from dflash_recipes.executor.convert import convert, dflash_module, lm_head
-from dflash_recipes.executor.data import Batch
-from dflash_recipes.executor.loss import LossOutput, combine_losses, dflash_loss
-from dflash_recipes.executor.step import DraftStep, StepInputs, step_inputs
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
+from dflash_recipes.executor.training.anchors import sample_anchors
+from dflash_recipes.executor.training.loss import LossOutput, combine_losses, dflash_loss
+from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
+from dflash_recipes.plan.run_plan import RunPlan
 
 BLOCK = 4
 BATCH = 2

@@ -9,8 +9,7 @@ import torch
 from testkit.tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 from dflash_recipes.errors import CheckpointError, PlanError
-from dflash_recipes.executor.anchors import block_positions
-from dflash_recipes.executor.convert import (
+from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
     embed_tokens,
@@ -18,10 +17,11 @@ from dflash_recipes.executor.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.draft import (
+from dflash_recipes.executor.model.draft import (
     build_dense_block_mask,
     taps_from_hidden_states,
 )
+from dflash_recipes.executor.training.anchors import block_positions
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

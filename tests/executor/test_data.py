@@ -12,8 +12,7 @@ from testkit.tiny import tiny_plan
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.anchors import block_inputs, block_labels, sample_anchors
-from dflash_recipes.executor.data import (
+from dflash_recipes.executor.data.conversations import (
     DatasetStats,
     Message,
     TokenizedExample,
@@ -25,13 +24,14 @@ from dflash_recipes.executor.data import (
     read_conversations,
     tokenize_conversation,
 )
-from dflash_recipes.executor.loss import dflash_loss
-from dflash_recipes.executor.tiny_tokenizer import (
+from dflash_recipes.executor.demo.tiny_tokenizer import (
     TINY_CHAT_TEMPLATE,
     build_tiny_tokenizer,
     spare_token_ids,
 )
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.training.anchors import block_inputs, block_labels, sample_anchors
+from dflash_recipes.executor.training.loss import dflash_loss
+from dflash_recipes.plan.run_plan import RunPlan
 
 CORPUS = [
     "You are a helpful assistant.",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_recipes.executor.demo import run_demo
+from dflash_recipes.executor.demo.runner import run_demo
 
 
 @pytest.mark.slow

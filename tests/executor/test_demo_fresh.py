@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dflash_recipes.cli import main
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.executor import demo
+from dflash_recipes.executor.demo import runner as demo
 
 
 def _stop_before_training(name: str, overrides: list[str], echo: object) -> None:

@@ -10,14 +10,14 @@ import torch
 from testkit.tiny import randomize, tiny_plan, tiny_target
 from torch import Tensor
 
-from dflash_recipes.draft_layout import expected_layout
-from dflash_recipes.executor.anchors import block_positions
-from dflash_recipes.executor.draft import (
+from dflash_recipes.checkpoint.tensor_layout import expected_layout
+from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
     build_dense_block_mask,
     taps_from_hidden_states,
 )
-from dflash_recipes.executor.warmstart import layout_spec
+from dflash_recipes.executor.model.warmstart import layout_spec
+from dflash_recipes.executor.training.anchors import block_positions
 
 BLOCK = 4
 CTX = 14

@@ -9,8 +9,8 @@ import pytest
 from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import PreTrainedModel
 
-from dflash_recipes.executor.evaluate import evaluate_acceptance
-from dflash_recipes.executor.speculative import DraftContext, greedy_generate
+from dflash_recipes.executor.evaluation.evaluate import evaluate_acceptance
+from dflash_recipes.executor.evaluation.speculative import DraftContext, greedy_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

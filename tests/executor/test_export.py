@@ -11,12 +11,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from testkit.tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
-from dflash_recipes import crashsafe
-from dflash_recipes.executor import export as export_module
-from dflash_recipes.executor.convert import convert
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.export import export_drafter
-from dflash_recipes.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.executor.model import export as export_module
+from dflash_recipes.executor.model.convert import convert
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.files import crashsafe
 
 
 def test_five_layer_export_has_58_unprefixed_tensors(tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from testkit.tiny import tiny_plan
 
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.export import export_drafter
-from dflash_recipes.executor.heads import DominoHead
-from dflash_recipes.fields import check_checkpoint_fields, unknown_fields
-from dflash_recipes.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.config_fields import check_checkpoint_fields, unknown_fields
+from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.heads import DominoHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
-from dflash_recipes.export_target import EXPORT_MARKER, is_earlier_export
+from dflash_recipes.files.export_target import EXPORT_MARKER, is_earlier_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

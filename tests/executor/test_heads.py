@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from testkit.tiny import TINY_VOCAB, randomize, tiny_plan
 
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.heads import DominoHead, DSparkHead
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
 
 N, B, H = 3, 5, 64
 

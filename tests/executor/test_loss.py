@@ -8,7 +8,7 @@ import attrs
 import pytest
 import torch
 
-from dflash_recipes.executor.loss import (
+from dflash_recipes.executor.training.loss import (
     decay_weights,
     dflash_loss,
     domino_backbone_weight,
@@ -19,7 +19,7 @@ from dflash_recipes.executor.loss import (
     objective_weights,
     per_position_accuracy,
 )
-from dflash_recipes.plan import ObjectivePlan
+from dflash_recipes.plan.run_plan import ObjectivePlan
 
 OBJECTIVE = ObjectivePlan(
     num_anchors=8,

@@ -13,8 +13,7 @@ from testkit.tiny import randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
-from dflash_recipes.executor.anchors import block_positions, sample_anchors
-from dflash_recipes.executor.draft import (
+from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
     SplitBlockMask,
     build_dense_block_mask,
@@ -22,6 +21,7 @@ from dflash_recipes.executor.draft import (
     build_split_block_mask,
     split_chunk_count,
 )
+from dflash_recipes.executor.training.anchors import block_positions, sample_anchors
 
 
 def test_dense_mask_by_hand() -> None:

@@ -13,16 +13,16 @@ import torch
 from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import CheckpointError, DataError, DFlashRecipeError
-from dflash_recipes.executor.data import (
+from dflash_recipes.executor.data.conversations import (
     MAX_CHARS_PER_TOKEN,
     Message,
     read_conversations,
     tokenize_conversation,
 )
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.evaluate import load_prompts
-from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer
-from dflash_recipes.executor.training_checkpoints import (
+from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer
+from dflash_recipes.executor.evaluation.evaluate import load_prompts
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )

@@ -18,9 +18,9 @@ from testkit.fuzzing import FUZZ, json_values
 from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import DataError, DFlashRecipeError
-from dflash_recipes.executor.data import read_conversations
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.training_checkpoints import (
+from dflash_recipes.executor.data.conversations import read_conversations
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )

@@ -21,15 +21,15 @@ import httpx
 import pytest
 from openai_test_server import DEFAULT_KNOBS
 
-from dflash_recipes.compiler import compile_file
+from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.errors import DataError, DirectoryLockedError, RegenerateError
-from dflash_recipes.executor.regenerate import (
+from dflash_recipes.executor.regenerate.job import (
     RegenerateSummary,
     apply_reasoning,
     run_regenerate,
 )
-from dflash_recipes.locking import hold_directory_lock
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.files.locking import hold_directory_lock
+from dflash_recipes.plan.run_plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "dflash_recipes" / "demo_data" / "target"
@@ -187,7 +187,7 @@ def test_server_and_local_backends_answer_turn_by_turn_with_the_targets_own_answ
     for row in got:
         assert by_prompt[json.dumps(row["messages"][:2])] == row
     # the output is ordinary training data: the reader takes every line
-    from dflash_recipes.executor.data import read_conversations
+    from dflash_recipes.executor.data.conversations import read_conversations
 
     assert len(read_conversations(tmp_path / "remote.jsonl").conversations) == 5
     sidecar = json.loads((tmp_path / "remote.jsonl.summary.json").read_text())
@@ -413,7 +413,7 @@ def test_a_killed_run_resumes_with_nothing_lost_and_nothing_duplicated(
 
 
 def test_regenerated_data_trains_with_run(tmp_path: Path) -> None:
-    from dflash_recipes.executor.train import run_plan
+    from dflash_recipes.executor.training.trainer import run_plan
 
     data = _write_jsonl(tmp_path / "in.jsonl", _conversations(4))
     recipe = _recipe(tmp_path, data, output_path=str(tmp_path / "regen.jsonl"))

@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from testkit.tiny import TINY_HIDDEN, randomize, tiny_plan
 from transformers import Qwen3Config
 
-from dflash_recipes.executor import export
-from dflash_recipes.executor.draft import DFlashDraftModel, build_dense_block_mask
-from dflash_recipes.executor.export import export_drafter
+from dflash_recipes.executor.model import export
+from dflash_recipes.executor.model.draft import DFlashDraftModel, build_dense_block_mask
+from dflash_recipes.executor.model.export import export_drafter
 
 _LOADER = r"""
 import json, sys

@@ -11,10 +11,10 @@ from click.testing import CliRunner, Result
 from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor import training_checkpoints
-from dflash_recipes.executor.run_guard import summary_line
-from dflash_recipes.executor.train import run_plan
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.training import checkpoints as training_checkpoints
+from dflash_recipes.executor.training.resume import summary_line
+from dflash_recipes.executor.training.trainer import run_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,7 +137,7 @@ def test_a_run_stopped_early_reports_the_steps_done(tmp_path: Path) -> None:
 def test_any_other_os_error_during_a_run_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dflash_recipes.executor import train
+    from dflash_recipes.executor.training import trainer as train
 
     def full(path: Path, row: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

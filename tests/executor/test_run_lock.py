@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
-from dflash_recipes.locking import LOCK_FILE
+from dflash_recipes.files.locking import LOCK_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GATED_RUN = """
 import sys, time
 from pathlib import Path
-from dflash_recipes.executor import train
+from dflash_recipes.executor.training import trainer as train
 gate = Path(sys.argv[1])
 real_save = train.Trainer._save
 def gated_save(self, *args, **kwargs):
@@ -42,7 +42,7 @@ run_cli()
 HOLDER = """
 import sys, time
 from pathlib import Path
-from dflash_recipes.locking import hold_directory_lock
+from dflash_recipes.files.locking import hold_directory_lock
 with hold_directory_lock(Path(sys.argv[1]), purpose="run"):
     print("locked", flush=True)
     time.sleep(120)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 
 from dflash_recipes.cli import main
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FINETUNE = REPO / "recipes" / "tiny" / "tiny_finetune.yaml"

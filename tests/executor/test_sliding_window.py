@@ -16,15 +16,15 @@ from testkit.tiny import TINY_HIDDEN, TINY_MASK_TOKEN_ID, randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash_recipes.executor.anchors import block_positions
-from dflash_recipes.executor.draft import (
+from dflash_recipes.executor.evaluation.speculative import DFlashBlockDrafter, DraftContext
+from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,
     sliding_window_mask,
 )
-from dflash_recipes.executor.speculative import DFlashBlockDrafter, DraftContext
+from dflash_recipes.executor.training.anchors import block_positions
 
 _ANCHORS = torch.tensor([[3, 7, 10], [0, 5, 0]])
 _VALID = torch.tensor([[True, True, True], [True, True, False]])

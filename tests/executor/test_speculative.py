@@ -14,23 +14,10 @@ import torch
 from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
-from dflash_recipes.draft_spec import ResolvedDraft
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.anchors import block_positions
-from dflash_recipes.executor.convert import (
-    convert,
-    dflash_module,
-    embed_tokens,
-    lm_head,
-    load_base_model,
-)
-from dflash_recipes.executor.data import Conversation, Message, read_conversations
-from dflash_recipes.executor.draft import (
-    DFlashDraftModel,
-    build_dense_block_mask,
-    taps_from_hidden_states,
-)
-from dflash_recipes.executor.evaluate import (
+from dflash_recipes.executor.data.conversations import Conversation, Message, read_conversations
+from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.executor.evaluation.evaluate import (
     acceptance_from_steps,
     evaluate_acceptance,
     evaluate_on_plan_data,
@@ -38,17 +25,30 @@ from dflash_recipes.executor.evaluate import (
     prompts_from_conversations,
     run_eval,
 )
-from dflash_recipes.executor.export import export_drafter
-from dflash_recipes.executor.speculative import (
+from dflash_recipes.executor.evaluation.speculative import (
     DFlashBlockDrafter,
     DraftContext,
     greedy_generate,
     is_greedy_decoding,
     speculative_generate,
 )
-from dflash_recipes.executor.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
-from dflash_recipes.executor.training_checkpoints import save_training_checkpoint
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.executor.model.convert import (
+    convert,
+    dflash_module,
+    embed_tokens,
+    lm_head,
+    load_base_model,
+)
+from dflash_recipes.executor.model.draft import (
+    DFlashDraftModel,
+    build_dense_block_mask,
+    taps_from_hidden_states,
+)
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.training.anchors import block_positions
+from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
+from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.plan.run_plan import RunPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,7 +174,7 @@ class _WrongCommit:
 def test_acceptance_report_flags_output_that_is_not_greedy(
     target: PreTrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dflash_recipes.executor.evaluate as evaluate
+    import dflash_recipes.executor.evaluation.evaluate as evaluate
 
     _, spec = make_spec(tmp_path, block_size=4)
     monkeypatch.setattr(

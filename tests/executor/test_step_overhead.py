@@ -10,11 +10,11 @@ import torch
 from testkit.compiling import TINY_SCRATCH
 from torch import nn
 
-from dflash_recipes.compiler import compile_file
-from dflash_recipes.executor.anchors import anchor_key, sample_batch_anchors
-from dflash_recipes.executor.data import Batch
-from dflash_recipes.executor.optimizer import build_optimizer, clip_gradients
-from dflash_recipes.executor.train import run_plan
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.training.anchors import anchor_key, sample_batch_anchors
+from dflash_recipes.executor.training.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.training.trainer import run_plan
 
 
 def _params(seed: int) -> list[nn.Parameter]:
@@ -87,7 +87,7 @@ def test_batch_without_any_anchor_gets_one_padding_block() -> None:
 
 
 def test_accuracy_counts_keep_argmax_first_maximum_rule() -> None:
-    from dflash_recipes.executor.loss import _position_counts
+    from dflash_recipes.executor.training.loss import _position_counts
 
     # Row 0: the label (2) ties the maximum with index 1, which comes first: a miss, as with
     # argmax. Row 1: the label is the unique maximum: a hit. Row 2: not supervised.

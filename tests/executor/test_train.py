@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.errors import DataError, PlanError
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.optimizer import lr_factor
-from dflash_recipes.executor.train import run_plan
-from dflash_recipes.plan import RunPlan
-from dflash_recipes.run_dir import complete_checkpoints
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.training.optimizer import lr_factor
+from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.files.run_dir import complete_checkpoints
+from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,7 +151,7 @@ _CHUNKING_SITECUSTOMIZE = """
 import os
 from pathlib import Path
 
-from dflash_recipes.executor.step import DraftStep
+from dflash_recipes.executor.training.step import DraftStep
 
 _blocks_per_chunk = DraftStep.blocks_per_chunk
 

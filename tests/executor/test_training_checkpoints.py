@@ -11,13 +11,13 @@ import torch
 from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import CheckpointError, RunIOError
-from dflash_recipes.executor import training_checkpoints
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.training_checkpoints import (
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.training import checkpoints as training_checkpoints
+from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.run_dir import complete_checkpoints
+from dflash_recipes.files.run_dir import complete_checkpoints
 
 
 def trained(

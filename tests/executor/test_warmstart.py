@@ -13,19 +13,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from testkit.tiny import tiny_plan, tiny_target, with_init_checkpoint
 
-from dflash_recipes.compiler import CompileResult, compile_recipe
+from dflash_recipes.compiler.compilation import CompileResult, compile_recipe
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, WarmStartError
-from dflash_recipes.executor.convert import convert
-from dflash_recipes.executor.draft import DFlashDraftModel
-from dflash_recipes.executor.export import export_drafter
-from dflash_recipes.executor.training_checkpoints import (
+from dflash_recipes.executor.model.convert import convert
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.warmstart import load_init_checkpoint, warm_start
+from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.executor.warmstart import load_init_checkpoint, warm_start
-from dflash_recipes.plan import ResumePlan, RunPlan
-from dflash_recipes.recipe import (
+from dflash_recipes.plan.run_plan import ResumePlan, RunPlan
+from dflash_recipes.recipe.sections import (
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,
@@ -198,7 +198,7 @@ def test_the_warm_start_says_what_the_compiler_warned_and_loads(
     assert words in warned[0].message and "degraded" in warned[0].message
     plan = result.plan
     assert plan.init_checkpoint.warnings == (warned[0].message,)
-    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.model.warmstart"):
         report = load_init_checkpoint(fresh(plan), plan)
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert logged == [warned[0].message]
@@ -222,7 +222,7 @@ def test_one_info_line_says_what_was_loaded(
 ) -> None:
     _, init = exported(tmp_path)
     plan = with_init_checkpoint(tiny_plan(tmp_path), init)
-    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.warmstart"):
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.executor.model.warmstart"):
         load_init_checkpoint(fresh(plan), plan)
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert infos == [

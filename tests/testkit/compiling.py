@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_recipes.compiler import CompileResult, compile_file, compile_recipe
+from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
 from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
-from dflash_recipes.plan import RunPlan
-from dflash_recipes.recipe import Recipe
-from dflash_recipes.run_dir import CHECKPOINT_FILES, checkpoint_dir_name
+from dflash_recipes.files.run_dir import CHECKPOINT_FILES, checkpoint_dir_name
+from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.sections import Recipe
 
 #: The shipped from-scratch recipe of the embedded tiny target.
 TINY_SCRATCH = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "tiny_scratch.yaml"

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_recipes.checkpoint_weights import read_checkpoint_weights
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from testkit.st_fixtures import (
     QWEN3_MASK_TOKEN_ID,
     base_model_config,

@@ -23,9 +23,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_recipes.draft_layout import LayoutSpec, expected_layout
-from dflash_recipes.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
-from dflash_recipes.safetensors_header import DTYPE_BITS
+from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from dflash_recipes.checkpoint.safetensors_header import DTYPE_BITS
+from dflash_recipes.checkpoint.tensor_layout import LayoutSpec, expected_layout
 
 Fill = Literal["zeros", "random", "sparse"]
 TensorSpec = tuple[str, Sequence[int]]

@@ -32,12 +32,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash_recipes.checkpoint_weights import read_checkpoint_weights
-from dflash_recipes.draft_layout import head_presence
-from dflash_recipes.executor.draft import rope_parameters
-from dflash_recipes.executor.warmstart import layout_spec
-from dflash_recipes.hfconfig import read_checkpoint_config
-from dflash_recipes.plan import (
+from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.tensor_layout import head_presence
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+from dflash_recipes.executor.model.draft import rope_parameters
+from dflash_recipes.executor.model.warmstart import layout_spec
+from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
     BaseModelPlan,
     DataPlan,

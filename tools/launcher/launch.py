@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_recipes.compiler import compile_file
+from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_line
 from dflash_recipes.errors import LaunchError
 

@@ -1,0 +1,218 @@
+"""The compile's inputs on disk: base model directory, data files, captured hidden states, and
+the output directory (a usable one, and a resume when it holds a complete checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from dflash_recipes.checkpoint.hfconfig import read_target_config
+from dflash_recipes.compiler.codes import (
+    DATA_FILE_MISSING,
+    DATA_PATH_UNSET,
+    INIT_CHECKPOINT_IGNORED,
+    OUTPUT_DIR_UNUSABLE,
+    RESUME_FROM_CHECKPOINT,
+)
+from dflash_recipes.compiler.model_paths import inspect_model_dir
+from dflash_recipes.compiler.state import (
+    INIT_PATH,
+    MODEL_PATH,
+    CompileState,
+)
+from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.files.jsonio import FileReadProblem, clip, file_kind, read_regular_file
+from dflash_recipes.files.run_dir import PLAN_FILE, latest_complete_checkpoint
+from dflash_recipes.plan.run_plan import ResumePlan, RunPlan
+
+
+class InputChecks(CompileState):
+    """Resolve and check model.model_name_or_path, data.*, training.output_dir."""
+
+    def resolve_base_model(self) -> None:
+        value = self.recipe.model.model_name_or_path
+        problem = inspect_model_dir(value, base_dir=self.base_dir)
+        if problem is not None:
+            self.emit(f"base-model-{problem.kind}", MODEL_PATH, problem.message, problem.hint)
+            return
+        read = read_target_config(self.absolute(value))
+        for item in read.problems:
+            self.emit_problem(item, MODEL_PATH, f"base model {read.path}")
+        self.facts = read.facts
+
+    def resolve_data(self) -> None:
+        data = self.recipe.data
+        if data.data_path is None and data.hidden_states_path is None:
+            self.emit(
+                DATA_PATH_UNSET,
+                "data.data_path",
+                "data.data_path is not set; the plan compiles, but `dflash-recipe run` needs a "
+                "JSONL file of training conversations",
+                "set data.data_path: /path/to/train.jsonl (one conversation per line)",
+            )
+        fields = (
+            ("data_path", data.data_path, "a JSONL file of training conversations"),
+            ("chat_template", data.chat_template, "a .jinja chat template file"),
+            ("eval_data_path", data.eval_data_path, "a JSONL file of held-out conversations"),
+        )
+        for name, value, what in fields:
+            if value is None:
+                continue
+            path = self.absolute(value)
+            try:
+                exists, is_file = path.exists(), path.is_file()
+            except OSError:
+                exists, is_file = False, False
+            if is_file:
+                continue
+            problem = "is a directory, not a file" if exists else "does not exist"
+            base = "the recipe's folder" if self.base_dir is not None else "the working directory"
+            self.emit(
+                DATA_FILE_MISSING,
+                f"data.{name}",
+                f"data.{name} {path} {problem} ({what} expected)",
+                f"point data.{name} at {what} (a relative path is resolved against {base})",
+            )
+
+    def check_capture(self, taps: Sequence[int] | None) -> None:
+        """data.hidden_states_path against the plan: manifest and shard headers only."""
+        data, facts = self.recipe.data, self.facts
+        if data.hidden_states_path is None or taps is None or facts is None:
+            return
+        # Imported here: only an offline recipe pays for the capture checks at start-up.
+        from dflash_recipes.compiler.capture_checks import CaptureExpectation, check_capture
+        from dflash_recipes.files.capture_manifest import (
+            base_config_sha256,
+            chat_template_sha256,
+            needs_teacher,
+            tokenizer_sha256,
+        )
+
+        objective = self.recipe.dflash
+        base = self.absolute(self.recipe.model.model_name_or_path)
+        template = self.absolute(data.chat_template) if data.chat_template else None
+        expect = CaptureExpectation(
+            target_layer_ids=tuple(taps),
+            hidden_size=facts.hidden_size,
+            dtype=self.recipe.model.dtype,
+            training_seq_len=self.recipe.training.training_seq_len,
+            answer_only_loss=data.answer_only_loss,
+            needs_last_hidden=needs_teacher(
+                self_logit_distillation=objective.dflash_self_logit_distillation,
+                projector_type=self.arch.projector_type,
+                dspark_tv_weight=float(objective.dflash_dspark_tv_weight),
+            ),
+            base_config_sha256=base_config_sha256(base),
+            tokenizer_sha256=tokenizer_sha256(base),
+            chat_template_sha256=chat_template_sha256(str(template) if template else None, base),
+            data_sha256=_data_sha256(self.absolute(data.data_path)) if data.data_path else None,
+            block_size=objective.dflash_block_size,
+        )
+        directory = self.absolute(data.hidden_states_path)
+        for finding in check_capture(directory, expect):
+            self.emit(finding.code, "data.hidden_states_path", finding.message, finding.hint)
+
+    def resolve_output(self) -> None:
+        output_dir = self.absolute(self.recipe.training.output_dir)
+        unusable = output_dir_problem(output_dir)
+        if unusable is not None:
+            self.emit(
+                OUTPUT_DIR_UNUSABLE,
+                "training.output_dir",
+                f"training.output_dir {clip(str(output_dir))} {unusable}; checkpoints, "
+                "metrics and the export are written into a directory",
+                "point training.output_dir at a new or existing directory",
+            )
+            return
+        try:
+            if output_dir.exists() and not output_dir.is_dir():
+                self.emit(
+                    OUTPUT_DIR_UNUSABLE,
+                    "training.output_dir",
+                    f"training.output_dir {output_dir} is a file; checkpoints, metrics and the "
+                    "export are written into a directory",
+                    "point training.output_dir at a new or existing directory",
+                )
+                return
+            latest = latest_complete_checkpoint(output_dir)
+        except OSError as exc:
+            self.emit(
+                OUTPUT_DIR_UNUSABLE,
+                "training.output_dir",
+                f"training.output_dir {output_dir} cannot be listed: {exc.strerror or exc}",
+                "make it readable and writable by this user, or choose another directory",
+            )
+            return
+        if latest is None:
+            return
+        step, checkpoint = latest
+        self.resume = ResumePlan(checkpoint_dir=str(checkpoint), step=step)
+        self.emit(
+            RESUME_FROM_CHECKPOINT,
+            "training.output_dir",
+            f"training.output_dir holds a complete training checkpoint at step {step} "
+            f"({checkpoint}); the run resumes from it",
+            "to start a new run instead, point training.output_dir at another directory",
+        )
+        self.previous_plan = _read_previous_plan(output_dir / PLAN_FILE)
+        if self.recipe.dflash.dflash_init_checkpoint is not None:
+            self.emit(
+                INIT_CHECKPOINT_IGNORED,
+                INIT_PATH,
+                f"dflash_init_checkpoint is ignored because the run resumes from {checkpoint}; "
+                "it is not read and need not exist any more",
+                "nothing to do; to warm-start a new run from it, change training.output_dir",
+            )
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why `run` could not create or use `path` as its output directory, or None.
+
+    Checked without creating anything: a NUL byte, a folder (or the path itself) that is a
+    file or another non-directory, or a path the file system refuses (e.g. a name too long).
+    """
+    text = os.fspath(path)
+    if "\0" in text:
+        return "contains a NUL byte, which no file system accepts"
+    probe = path
+    while True:
+        try:
+            info = os.stat(probe)
+        except FileNotFoundError:
+            if probe.parent == probe:
+                return None
+            probe = probe.parent
+            continue
+        except NotADirectoryError:
+            probe = probe.parent
+            continue
+        except OSError as exc:
+            return f"cannot be used: {exc.strerror or exc}"
+        if stat.S_ISDIR(info.st_mode):
+            return None
+        if probe == path:
+            return f"exists and is {file_kind(info.st_mode)}, not a directory"
+        return f"lies below {probe}, which is {file_kind(info.st_mode)}, not a directory"
+
+
+def _data_sha256(path: Path) -> str | None:
+    from dflash_recipes.files.capture_manifest import file_sha256
+
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None  # data-file-missing reports it
+
+
+def _read_previous_plan(path: Path) -> RunPlan | None:
+    """The plan a resumed run was started with, or None when absent or unreadable."""
+    try:
+        return RunPlan.from_json(read_regular_file(path, max_bytes=16 * 2**20))
+    except (FileReadProblem, DFlashRecipeError):
+        return None
+
+
+__all__ = ["InputChecks", "output_dir_problem"]

@@ -1,0 +1,432 @@
+"""`dflash-recipe capture`: run the frozen target over the training data once, write shards.
+
+The data is read, rendered, masked and truncated exactly as online training does
+(:func:`~dflash_recipes.executor.data.conversations.build_dataset`), and the samples keep the order
+of the
+data file. They are cut into shards of a bounded size by a pure function of the data and the
+plan (:func:`~dflash_recipes.files.capture_manifest.plan_shards`), so a rerun cuts the same shards:
+
+- ``manifest.json`` is written first with ``"complete": false`` and the shard table; a rerun
+  whose data or plan gives another table is refused instead of mixing two captures;
+- each shard is written to a hidden temporary file and renamed, so a killed capture leaves whole
+  shards or none; a rerun keeps every shard whose header lists its samples and redoes the rest;
+- under torchrun, rank ``r`` writes shards ``r, r + W, ...``; rank 0 holds the directory lock,
+  checks the disk, and records the sizes when every shard is written (``"complete": true``).
+
+Before writing, the disk the capture needs is estimated (tensor bytes a token x tokens, plus
+headers) and the capture refuses to start when the output filesystem has less free space.
+Only safetensors and JSON are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from dflash_recipes.errors import DataError, PlanError
+from dflash_recipes.executor.data.conversations import TokenizedExample, TrainDataset, build_dataset
+from dflash_recipes.executor.data.offline import final_norm
+from dflash_recipes.executor.distributed import (
+    DistEnv,
+    barrier,
+    detect_dist_env,
+    init_distributed,
+    is_main,
+    shutdown_distributed,
+)
+from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, target_forward
+from dflash_recipes.files.capture_manifest import (
+    MANIFEST_FILE,
+    CaptureManifest,
+    ShardEntry,
+    base_config_sha256,
+    bytes_per_token,
+    chat_template_sha256,
+    estimate_bytes,
+    file_sha256,
+    needs_teacher,
+    parse_manifest,
+    plan_shards,
+    sample_tensor_names,
+    shard_file_name,
+    shard_problem,
+    tokenizer_sha256,
+)
+from dflash_recipes.files.crashsafe import atomic_replace, write_text_atomic
+from dflash_recipes.files.locking import hold_directory_lock
+from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.records import Record
+
+logger = logging.getLogger("dflash_recipes.capture")
+
+#: Default bound of a shard's tensor data (1 GiB).
+DEFAULT_SHARD_BYTES = 2**30
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class CaptureSummary(Record):
+    """What a capture run reports."""
+
+    directory: str
+    num_samples: int
+    num_tokens: int
+    shards: int
+    #: Shards this run wrote (the others were already there).
+    shards_written: int
+    estimated_bytes: int
+    bytes_on_disk: int
+    complete: bool
+    seconds: float
+
+
+def planned_manifest(
+    plan: RunPlan, dataset: TrainDataset, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> CaptureManifest:
+    """The manifest (incomplete, no sizes) a capture of `dataset` for `plan` writes."""
+    facts = plan.base_model.facts
+    if facts is None:
+        msg = "the plan has no target facts; compile the recipe with its base model"
+        raise PlanError(msg)
+    spec = plan.resolved_draft()
+    objective = plan.draft.objective
+    taps = tuple(spec.target_layer_ids)
+    last = needs_teacher(
+        self_logit_distillation=objective.self_logit_distillation,
+        projector_type=spec.projector_type,
+        dspark_tv_weight=objective.dspark_tv_weight,
+    )
+    dtype = plan.base_model.dtype
+    per_token = bytes_per_token(len(taps), facts.hidden_size, dtype, last_hidden=last)
+    counts = [len(example.input_ids) for example in dataset.examples]
+    table = plan_shards(counts, bytes_per_token=per_token, max_shard_bytes=max_shard_bytes)
+    base = Path(plan.base_model.path)
+    data_path = plan.data.data_path
+    return CaptureManifest(
+        base_model_path=str(base),
+        base_config_sha256=base_config_sha256(base),
+        tokenizer_sha256=tokenizer_sha256(base),
+        chat_template_sha256=chat_template_sha256(plan.data.chat_template, base),
+        data_path=data_path,
+        data_sha256=file_sha256(Path(data_path)) if data_path is not None else None,
+        answer_only_loss=plan.data.answer_only_loss,
+        target_layer_ids=taps,
+        hidden_size=facts.hidden_size,
+        dtype=dtype,
+        training_seq_len=plan.training.training_seq_len,
+        block_size=plan.draft.block_size,
+        last_hidden_state=last,
+        num_samples=len(counts),
+        num_tokens=sum(counts),
+        num_truncated=dataset.stats.num_truncated,
+        bytes_per_token=per_token,
+        estimated_bytes=estimate_bytes(
+            counts, len(taps), facts.hidden_size, dtype, last_hidden=last
+        ),
+        shards=tuple(
+            ShardEntry(
+                shard_file_name(number),
+                first,
+                count,
+                sum(counts[first : first + count]),
+            )
+            for number, (first, count) in enumerate(table)
+        ),
+    )
+
+
+class _Capture:
+    def __init__(
+        self,
+        plan: RunPlan,
+        output: Path,
+        *,
+        max_shard_bytes: int,
+        progress: bool,
+        stop_after_shards: int | None,
+    ) -> None:
+        self.plan = plan
+        self.output = output
+        self.max_shard_bytes = max_shard_bytes
+        self.progress = progress
+        self.stop_after_shards = stop_after_shards
+        self.env: DistEnv = detect_dist_env(plan.training.device)
+
+    def run(self) -> CaptureSummary:
+        import time
+
+        started = time.perf_counter()
+        env = self.env
+        init_distributed(env)
+        try:
+            with ExitStack() as stack:
+                if is_main(env):
+                    stack.enter_context(hold_directory_lock(self.output, purpose="capture"))
+                return self._run(started)
+        except OSError as exc:
+            msg = (
+                f"capture into {self.output} failed: {exc}; fix the directory (a writable folder "
+                "with free space) and rerun the same command: whole shards are kept"
+            )
+            raise DataError(msg) from exc
+        finally:
+            shutdown_distributed()
+
+    def _run(self, started: float) -> CaptureSummary:
+        import time
+
+        plan, env = self.plan, self.env
+        if plan.data.data_path is None:
+            msg = "data.data_path is not set: capture needs the JSONL conversations to run over"
+            raise DataError(msg)
+        tokenizer = load_tokenizer(plan)
+        dataset = build_dataset(plan, tokenizer)
+        manifest = planned_manifest(plan, dataset, max_shard_bytes=self.max_shard_bytes)
+        if is_main(env):
+            logger.info("data: %s", dataset.summary)
+            self._prepare(manifest)
+        barrier(env)
+        mine = [
+            (number, entry)
+            for number, entry in enumerate(manifest.shards)
+            if number % env.world_size == env.rank
+        ]
+        todo = [(n, e) for n, e in mine if shard_problem(self.output, e, manifest) is not None]
+        written = 0
+        if todo:
+            model = load_base_model(plan)
+            torch.nn.Module.to(model, env.device)
+            bar = self._bar(sum(e.num_tokens for _, e in todo))
+            for _, entry in todo:
+                if self.stop_after_shards is not None and written >= self.stop_after_shards:
+                    break
+                self._write_shard(model, dataset.examples, entry, manifest)
+                written += 1
+                if bar is not None:
+                    bar.update(entry.num_tokens)
+            if bar is not None:
+                bar.close()
+        stopped = self.stop_after_shards is not None and written < len(todo)
+        barrier(env)
+        complete = False
+        on_disk = 0
+        if is_main(env) and not stopped:
+            missing = [e.file for e in manifest.shards if shard_problem(self.output, e, manifest)]
+            if not missing:
+                sized = tuple(
+                    attrs.evolve(e, bytes=(self.output / e.file).stat().st_size)
+                    for e in manifest.shards
+                )
+                final = attrs.evolve(manifest, shards=sized, complete=True)
+                write_text_atomic(self.output / MANIFEST_FILE, final.to_json())
+                complete = True
+                on_disk = sum(e.bytes or 0 for e in sized)
+        barrier(env)
+        if is_main(env):
+            logger.info(
+                "capture %s: %d samples, %d tokens in %d shards (%d written now), %s",
+                self.output,
+                manifest.num_samples,
+                manifest.num_tokens,
+                len(manifest.shards),
+                written,
+                "complete" if complete else "incomplete: rerun to finish",
+            )
+        return CaptureSummary(
+            directory=str(self.output),
+            num_samples=manifest.num_samples,
+            num_tokens=manifest.num_tokens,
+            shards=len(manifest.shards),
+            shards_written=written,
+            estimated_bytes=manifest.estimated_bytes,
+            bytes_on_disk=on_disk,
+            complete=complete,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _prepare(self, manifest: CaptureManifest) -> None:
+        """Refuse a directory holding another capture, check the disk, write the manifest."""
+        path = self.output / MANIFEST_FILE
+        if path.is_file():
+            try:
+                previous = parse_manifest(path.read_text(encoding="utf-8"), str(path))
+            except (OSError, UnicodeDecodeError, DataError) as exc:
+                msg = (
+                    f"{path} cannot be read ({exc}); it is not a capture this command can "
+                    "resume: choose another --output, or delete the directory to start over"
+                )
+                raise DataError(msg) from exc
+            if previous.identity() != manifest.identity():
+                differ = sorted(
+                    key
+                    for key, value in manifest.identity().items()
+                    if previous.identity().get(key) != value
+                )
+                msg = (
+                    f"{self.output} holds a capture of other data or another plan (differs in: "
+                    f"{', '.join(differ)}); choose another --output, or delete {self.output} "
+                    "to capture again"
+                )
+                raise DataError(msg)
+        for stale in self.output.glob(".shard-*.safetensors.tmp-*"):
+            stale.unlink(missing_ok=True)  # left by a killed capture
+        remaining = [e for e in manifest.shards if shard_problem(self.output, e, manifest)]
+        needed = sum(e.num_tokens for e in remaining) * manifest.bytes_per_token
+        needed += manifest.estimated_bytes - manifest.num_tokens * manifest.bytes_per_token
+        free = shutil.disk_usage(self.output).free
+        if needed > free:
+            msg = (
+                f"capture needs about {_size(needed)} more in {self.output} "
+                f"({manifest.num_tokens} tokens x {manifest.bytes_per_token} bytes a token), but "
+                f"the filesystem has {_size(free)} free; free space, choose another --output, or "
+                "capture less data"
+            )
+            raise DataError(msg)
+        logger.info(
+            "capture needs about %s (%d bytes a token); %s free",
+            _size(needed),
+            manifest.bytes_per_token,
+            _size(free),
+        )
+        if not path.is_file() or not manifest_is_complete(path):
+            write_text_atomic(path, manifest.to_json())
+
+    def _write_shard(
+        self,
+        model: torch.nn.Module,
+        examples: Sequence[TokenizedExample],
+        entry: ShardEntry,
+        manifest: CaptureManifest,
+    ) -> None:
+        tensors: dict[str, Tensor] = {}
+        indices = range(entry.first_sample, entry.first_sample + entry.num_samples)
+        size = self.plan.training.per_device_train_batch_size
+        for chunk in _chunks(list(indices), size):
+            rows = [examples[i] for i in chunk]
+            for index, parts in zip(chunk, self._states(model, rows, manifest), strict=True):
+                names = sample_tensor_names(index, last_hidden=manifest.last_hidden_state)
+                for name, tensor in zip(names, parts, strict=True):
+                    tensors[name] = tensor
+        with atomic_replace(self.output / entry.file) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+    def _states(
+        self,
+        model: torch.nn.Module,
+        rows: Sequence[TokenizedExample],
+        manifest: CaptureManifest,
+    ) -> Iterator[tuple[Tensor, ...]]:
+        """Per row: int32 ids, uint8 mask, ``[T, n_taps, H]`` taps (+ ``[T, H]`` last state)."""
+        device = self.env.device
+        longest = max(len(r.input_ids) for r in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        attention = torch.zeros(len(rows), longest, dtype=torch.long)
+        for row, example in enumerate(rows):
+            ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
+            attention[row, : len(example.input_ids)] = 1
+        seen: list[Tensor] = []
+        hook = None
+        if manifest.last_hidden_state:
+            norm = final_norm(model)  # type: ignore[arg-type]
+            hook = norm.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+        try:
+            with torch.no_grad():
+                out = target_forward(
+                    model,  # type: ignore[arg-type]
+                    ids.to(device),
+                    attention.to(device),
+                    with_logits=False,
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
+        layers = [out.hidden_states[k + 1] for k in manifest.target_layer_ids]
+        for row, example in enumerate(rows):
+            n = len(example.input_ids)
+            taps = torch.stack([h[row, :n] for h in layers], dim=1).contiguous().cpu()
+            parts = [
+                torch.tensor(example.input_ids, dtype=torch.int32),
+                torch.tensor(example.loss_mask, dtype=torch.uint8),
+                taps,
+            ]
+            if seen:
+                parts.append(seen[-1][row, :n].contiguous().cpu())
+            yield tuple(parts)
+
+    def _bar(self, total: int) -> _Bar | None:
+        if not self.progress or not is_main(self.env):
+            return None
+        from tqdm.auto import tqdm
+
+        bar: _Bar = tqdm(total=total, desc="capture", unit="tok", leave=False, disable=None)
+        return bar
+
+
+class _Bar:
+    """The part of tqdm the capture uses (for typing)."""
+
+    def update(self, n: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def manifest_is_complete(path: Path) -> bool:
+    """Whether the manifest at `path` says the capture is complete (False if unreadable)."""
+    try:
+        return parse_manifest(path.read_text(encoding="utf-8"), str(path)).complete
+    except (OSError, UnicodeDecodeError, DataError):
+        return False
+
+
+def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), max(1, size)):
+        yield items[start : start + size]
+
+
+def _size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{count} B"
+        value /= 1024
+    return f"{count} B"
+
+
+def capture_plan(
+    plan: RunPlan,
+    output: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+    stop_after_shards: int | None = None,
+) -> CaptureSummary:
+    """Capture the plan's training data into `output` (resuming what is there).
+
+    `stop_after_shards` stops after this process has written that many shards, leaving the
+    capture incomplete as a killed job would; rerunning completes it.
+    """
+    if max_shard_bytes < 1:
+        msg = f"the shard size bound must be positive, got {max_shard_bytes} bytes"
+        raise ValueError(msg)
+    return _Capture(
+        plan,
+        Path(output),
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
+        stop_after_shards=stop_after_shards,
+    ).run()
+
+
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "CaptureSummary",
+    "capture_plan",
+    "manifest_is_complete",
+    "planned_manifest",
+]

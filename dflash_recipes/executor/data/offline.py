@@ -1,0 +1,255 @@
+"""Offline training input: a `dflash-recipe capture` directory read lazily, sample by sample.
+
+With ``data.hidden_states_path`` the trainer never runs the target's decoder. The token ids and
+loss masks of every sample (a few bytes a token) are read once into a
+:class:`~dflash_recipes.executor.data.conversations.TrainDataset`, so batching, the seeded epoch
+order, rank
+sharding and resumption are exactly those of online training. The tapped states (kilobytes a
+token) stay on disk: each micro-batch reads only its rows' tensors through ``safe_open``
+(memory-mapped, no full load) and pads them like the batch.
+
+Teacher logits (self-distillation, DSpark's TV term) are recomputed from the stored input of the
+target's final norm, through that norm and ``lm_head``: the same modules and dtype as the online
+forward, never stored logits. Only the target's embeddings, final norm and ``lm_head`` are
+loaded (:func:`load_target_without_decoder`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from dflash_recipes.checkpoint.model_files import CONFIG_FILE
+from dflash_recipes.errors import CheckpointError, DataError
+from dflash_recipes.executor.data.conversations import DatasetStats, TokenizedExample, TrainDataset
+from dflash_recipes.executor.model.convert import torch_dtype
+from dflash_recipes.files.capture_manifest import (
+    CaptureManifest,
+    ShardEntry,
+    needs_teacher,
+    read_manifest,
+    sample_tensor_names,
+)
+from dflash_recipes.plan.run_plan import RunPlan
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(eq=False)
+class CapturedStates:
+    """A micro-batch's captured target states, padded like the batch (zeros past each row)."""
+
+    #: ``[B, T, n_taps * H]`` float32: the fused-in-order taps, as ``taps_from_hidden_states``.
+    tapped: Tensor
+    #: ``[B, T, H]`` in the target dtype: the input of the final norm, or None.
+    last_hidden: Tensor | None
+
+
+def final_norm(model: PreTrainedModel) -> nn.Module:
+    """The target's final norm (``model.get_decoder().norm``), applied before ``lm_head``."""
+    decoder = model.get_decoder()  # type: ignore[no-untyped-call]
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, nn.Module):
+        msg = (
+            f"{type(model).__name__} has no final norm at get_decoder().norm; offline "
+            "self-distillation needs it to recompute the teacher logits"
+        )
+        raise CheckpointError(msg)
+    return norm
+
+
+def teacher_logits(model: PreTrainedModel, head: nn.Module, last_hidden: Tensor) -> Tensor:
+    """``lm_head(final_norm(last_hidden))``: the logits the online forward gives, recomputed."""
+    logits: Tensor = head(final_norm(model)(last_hidden))
+    return logits
+
+
+def load_target_without_decoder(plan: RunPlan) -> PreTrainedModel:
+    """The target with its embeddings, final norm and ``lm_head`` only (no decoder layers).
+
+    The layers' tensors are never read. ``config.num_hidden_layers`` keeps the checkpoint's
+    value so the model still describes the checkpoint it came from.
+    """
+    base = plan.base_model
+    path = Path(base.path)
+    facts = base.facts
+    if facts is None or not (path / CONFIG_FILE).is_file():
+        msg = f"base model directory {path} has no config.json (or the plan no target facts)"
+        raise CheckpointError(msg)
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    # The loader reports every skipped layer tensor as "unexpected": that is the point here.
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    try:
+        config = AutoConfig.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=base.trust_remote_code
+        )
+        text = config.get_text_config()
+        text.num_hidden_layers = 0
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = []
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            config=config,
+            local_files_only=True,
+            trust_remote_code=base.trust_remote_code,
+            dtype=torch_dtype(base.dtype),
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        msg = f"cannot load the base model's embeddings and lm_head from {path}: {exc}"
+        raise CheckpointError(msg) from exc
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    assert isinstance(model, PreTrainedModel)
+    model.config.get_text_config().num_hidden_layers = facts.num_hidden_layers
+    nn.Module.eval(model)
+    return model
+
+
+class CaptureReader:
+    """Lazy access to a capture's samples (one ``safe_open`` handle per shard, opened on use)."""
+
+    def __init__(self, directory: Path, manifest: CaptureManifest) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._starts = [entry.first_sample for entry in manifest.shards]
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def close(self) -> None:
+        """Close the shard handles."""
+        self._stack.close()
+        self._handles.clear()
+
+    def _shard(self, index: int) -> ShardEntry:
+        if not 0 <= index < self.manifest.num_samples:
+            msg = f"sample {index} is outside the capture's {self.manifest.num_samples} samples"
+            raise IndexError(msg)
+        lo, hi = 0, len(self._starts) - 1
+        while lo < hi:  # last shard whose first sample <= index
+            mid = (lo + hi + 1) // 2
+            if self._starts[mid] <= index:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self.manifest.shards[lo]
+
+    def _tensor(self, index: int, part: int) -> Tensor:
+        entry = self._shard(index)
+        handle = self._handles.get(entry.file)
+        path = self.directory / entry.file
+        try:
+            if handle is None:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+                self._handles[entry.file] = handle
+            name = sample_tensor_names(index, last_hidden=self.manifest.last_hidden_state)[part]
+            tensor: Tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+        except (OSError, RuntimeError, KeyError, SafetensorError) as exc:
+            msg = (
+                f"cannot read sample {index} from capture shard {path}: {exc}; the shard changed "
+                "after compile: rerun `dflash-recipe capture` for this recipe"
+            )
+            raise DataError(msg) from exc
+        return tensor
+
+    def example(self, index: int) -> TokenizedExample:
+        """Token ids and loss mask of sample `index`."""
+        ids = self._tensor(index, 0).long().tolist()
+        mask = self._tensor(index, 1).long().tolist()
+        return TokenizedExample(ids, mask)
+
+    def states(self, indices: Sequence[int], length: int, device: torch.device) -> CapturedStates:
+        """The captured states of samples `indices` as batch rows padded to `length`."""
+        first = self._tensor(indices[0], 2)
+        _, n_taps, hidden = first.shape
+        tapped = torch.zeros(len(indices), length, n_taps * hidden, dtype=torch.float32)
+        last: Tensor | None = None
+        if self.manifest.last_hidden_state:
+            last = torch.zeros(len(indices), length, hidden, dtype=first.dtype)
+        for row, index in enumerate(indices):
+            taps = first if row == 0 else self._tensor(index, 2)
+            n = int(taps.shape[0])
+            tapped[row, :n] = taps.reshape(n, n_taps * hidden).float()
+            if last is not None:
+                last[row, :n] = self._tensor(index, 3)
+        return CapturedStates(
+            tapped.to(device), None if last is None else last.to(device, non_blocking=True)
+        )
+
+
+def open_capture(plan: RunPlan) -> tuple[CaptureReader, CaptureManifest]:
+    """Open the plan's capture and re-check what training relies on (compile checked it all)."""
+    raw = plan.data.hidden_states_path
+    if raw is None:
+        msg = "the plan has no data.hidden_states_path"
+        raise DataError(msg)
+    directory = Path(raw)
+    manifest = read_manifest(directory)
+    spec = plan.resolved_draft()
+    objective = plan.draft.objective
+    wanted = tuple(spec.target_layer_ids)
+    problems = []
+    if not manifest.complete:
+        problems.append("it is incomplete (rerun `dflash-recipe capture` to finish it)")
+    if manifest.target_layer_ids != wanted:
+        problems.append(
+            f"it holds target layers {list(manifest.target_layer_ids)}, the plan taps "
+            f"{list(wanted)}"
+        )
+    if manifest.dtype != plan.base_model.dtype:
+        problems.append(f"it holds {manifest.dtype}, the plan runs {plan.base_model.dtype}")
+    teacher = needs_teacher(
+        self_logit_distillation=objective.self_logit_distillation,
+        projector_type=spec.projector_type,
+        dspark_tv_weight=objective.dspark_tv_weight,
+    )
+    if teacher and not manifest.last_hidden_state:
+        problems.append("the objective needs teacher logits and it holds no last hidden state")
+    if problems:
+        msg = (
+            f"the capture {directory} does not fit this plan: {'; '.join(problems)}; "
+            "recompile the recipe (`dflash-recipe compile`) to see every difference with its fix"
+        )
+        raise DataError(msg)
+    return CaptureReader(directory, manifest), manifest
+
+
+def capture_dataset(
+    reader: CaptureReader, manifest: CaptureManifest, tokenizer: PreTrainedTokenizerBase
+) -> TrainDataset:
+    """The capture's samples as a dataset (ids and loss masks only; states stay on disk)."""
+    examples = tuple(reader.example(index) for index in range(manifest.num_samples))
+    if not examples:
+        msg = f"the capture {reader.directory} holds no samples; capture a non-empty data file"
+        raise DataError(msg)
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    stats = DatasetStats(
+        conversations_used=len(examples),
+        skipped=(),
+        num_tokens=sum(len(e.input_ids) for e in examples),
+        num_supervised_tokens=sum(sum(e.loss_mask) for e in examples),
+        num_truncated=manifest.num_truncated,
+    )
+    return TrainDataset(examples, int(pad), stats, reader.directory)
+
+
+__all__ = [
+    "CaptureReader",
+    "CapturedStates",
+    "capture_dataset",
+    "final_norm",
+    "load_target_without_decoder",
+    "open_capture",
+    "teacher_logits",
+]

@@ -1,0 +1,1 @@
+"""The embedded tiny default and the `demo` command."""

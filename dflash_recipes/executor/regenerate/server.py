@@ -1,0 +1,294 @@
+"""The server backend of `regenerate`: any OpenAI-compatible ``/v1/chat/completions``.
+
+vLLM (``vllm serve``) and SGLang (``python -m sglang.launch_server``) serve this API. One
+httpx.AsyncClient keeps ``max_concurrency`` requests in flight (that many workers, each
+answering one conversation turn by turn). A request that fails with 429, a 5xx, a timeout or
+a connection error is retried ``max_retries`` times with exponential backoff (jittered; a
+numeric ``Retry-After`` is honoured); then its conversation is recorded as failed and the run
+goes on. Another 4xx fails the conversation at once.
+
+The first request is a probe: if the server is unreachable, answers it with a 4xx (wrong model
+name, bad key), or answers with something that is not a chat completion, the run stops with one
+clear error naming the URL and the fix, before any more work is sent. The API key is read from
+the environment variable named by ``regenerate.api_key_env``; it is never in a recipe or plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Callable, Sequence
+
+import httpx
+
+from dflash_recipes.compiler.regenerate_checks import chat_completions_url, models_url
+from dflash_recipes.errors import RegenerateError
+from dflash_recipes.executor.regenerate.job import (
+    Answer,
+    Job,
+    Outcome,
+    TurnFailed,
+    apply_reasoning,
+    finished_outcome,
+)
+from dflash_recipes.plan.run_plan import RegeneratePlan
+
+#: Longest wait between two attempts of one request.
+_MAX_BACKOFF_S = 60.0
+#: How much of an error body a message quotes.
+_BODY_SHOWN = 300
+_START_HINT = (
+    "start the server first (e.g. `vllm serve MODEL --port 8000` or `python -m "
+    "sglang.launch_server --model-path MODEL --port 30000`), or fix regenerate.base_url"
+)
+
+
+class _BadResponse(Exception):
+    """A 200 answer that is not a chat completion."""
+
+
+def _excerpt(response: httpx.Response) -> str:
+    text = response.text.strip().replace("\n", " ")
+    return text[:_BODY_SHOWN] + ("..." if len(text) > _BODY_SHOWN else "") or "(empty body)"
+
+
+def parse_completion(payload: object, policy: str) -> Answer:
+    """The Answer in a chat-completion JSON; _BadResponse says what is missing."""
+    if not isinstance(payload, dict):
+        msg = f"the JSON is a {type(payload).__name__}, not an object"
+        raise _BadResponse(msg)
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        msg = "the JSON has no 'choices' list"
+        raise _BadResponse(msg)
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        msg = "choices[0] has no 'message' object"
+        raise _BadResponse(msg)
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        msg = f"choices[0].message.content is a {type(content).__name__}, not text"
+        raise _BadResponse(msg)
+    # vLLM's reasoning parsers return `reasoning_content` (newer versions: `reasoning`).
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    usage = payload.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return Answer(
+        content=apply_reasoning(
+            content or "", reasoning if isinstance(reasoning, str) else None, policy
+        ),
+        tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0,
+        truncated=choice.get("finish_reason") == "length",
+    )
+
+
+class ServerClient:
+    """Chat requests to one server with the plan's settings, retries and the probe rule."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, settings: RegeneratePlan, *, backoff_base_s: float
+    ) -> None:
+        assert settings.base_url is not None
+        self.client = client
+        self.settings = settings
+        self.url = chat_completions_url(settings.base_url)
+        self.model = settings.model or ""
+        self.backoff_base_s = backoff_base_s
+
+    async def first_model(self) -> str:
+        """The first model the server lists (regenerate.model unset); RegenerateError."""
+        url = models_url(self.settings.base_url or "")
+        try:
+            response = await self.client.get(url)
+        except httpx.HTTPError as exc:
+            msg = f"cannot reach the generation server at {url} ({exc!r}); {_START_HINT}"
+            raise RegenerateError(msg) from exc
+        try:
+            model: object = response.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            model = None
+        if response.is_error or not isinstance(model, str):
+            msg = (
+                f"{url} did not list a model (HTTP {response.status_code}: "
+                f"{_excerpt(response)}); set regenerate.model to the served model name"
+            )
+            raise RegenerateError(msg)
+        return model
+
+    def _delay(self, attempt: int, response: httpx.Response | None) -> float:
+        if response is not None:
+            try:
+                stated = float(response.headers.get("retry-after", ""))
+            except ValueError:
+                stated = -1.0
+            if 0 <= stated <= _MAX_BACKOFF_S:
+                return stated
+        base = min(_MAX_BACKOFF_S, self.backoff_base_s * 2.0**attempt)
+        return base * (0.5 + random.random())
+
+    async def answer(self, messages: list[dict[str, str]], *, strict: bool) -> Answer:
+        """One assistant turn; TurnFailed after the retries (RegenerateError when `strict`)."""
+        s = self.settings
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = await self.client.post(self.url, json=body)
+            except httpx.ConnectError as exc:
+                if strict:
+                    msg = f"cannot reach the generation server at {self.url} ({exc}); {_START_HINT}"
+                    raise RegenerateError(msg) from exc
+                problem = f"connection error: {exc}"
+            except httpx.TimeoutException:
+                problem = f"timeout: no answer within request_timeout_s={s.request_timeout_s:g}"
+            except httpx.TransportError as exc:
+                problem = f"connection error: {type(exc).__name__}: {exc}"
+            else:
+                code = response.status_code
+                if code == 429 or code >= 500:
+                    problem = f"HTTP {code}: {_excerpt(response)}"
+                elif code >= 400:
+                    if strict:
+                        raise RegenerateError(self._client_error(response))
+                    raise TurnFailed(f"HTTP {code}: {_excerpt(response)}")
+                else:
+                    try:
+                        return parse_completion(response.json(), s.reasoning)
+                    except (ValueError, _BadResponse) as exc:
+                        why = (
+                            str(exc)
+                            if isinstance(exc, _BadResponse)
+                            else "the body is not JSON: " + _excerpt(response)
+                        )
+                        if strict:
+                            msg = (
+                                f"{self.url} answered HTTP {code} but not with a chat "
+                                f"completion ({why}); point regenerate.base_url at an "
+                                "OpenAI-compatible API such as http://localhost:8000/v1"
+                            )
+                            raise RegenerateError(msg) from None
+                        problem = f"bad response: {why}"
+            if attempt >= s.max_retries:
+                tries = f"{attempt + 1} attempt{'s' if attempt else ''}"
+                if strict:
+                    msg = (
+                        f"the first request to {self.url} failed ({tries}): {problem}; check "
+                        "the server's log, or raise regenerate.max_retries if it is still "
+                        "starting"
+                    )
+                    raise RegenerateError(msg)
+                raise TurnFailed(f"{problem} (after {tries})")
+            await asyncio.sleep(self._delay(attempt, response))
+            attempt += 1
+
+    def _client_error(self, response: httpx.Response) -> str:
+        code = response.status_code
+        said = f"{self.url} refused the first request with HTTP {code}: {_excerpt(response)}"
+        if code in (401, 403):
+            key = self.settings.api_key_env
+            fix = (
+                f"check the key in ${key}"
+                if key
+                else "set regenerate.api_key_env to the NAME of the variable holding the key "
+                "and export it"
+            )
+            return f"{said}; the server wants an API key: {fix}"
+        if code == 404:
+            return (
+                f"{said}; check regenerate.model {self.model!r} (the name the server serves: "
+                "the model given to `vllm serve`, or --served-model-name) and that "
+                "regenerate.base_url ends with /v1"
+            )
+        return (
+            f"{said}; fix the request settings the server rejects (regenerate.model, "
+            "max_new_tokens, temperature, top_p)"
+        )
+
+    async def conversation(self, job: Job, *, strict: bool) -> Outcome:
+        """Answer every assistant turn of `job` in order, feeding earlier answers back."""
+        history: list[dict[str, str]] = []
+        answers: list[Answer] = []
+        for message in job.messages:
+            if message.role != "assistant":
+                history.append({"role": message.role, "content": message.content})
+                continue
+            try:
+                answer = await self.answer(history, strict=strict and not answers)
+            except TurnFailed as exc:
+                return Outcome(job=job, failure=str(exc))
+            answers.append(answer)
+            history.append({"role": "assistant", "content": answer.content})
+        return finished_outcome(job, answers)
+
+
+def api_key(settings: RegeneratePlan) -> str | None:
+    """The API key from the environment variable the recipe names; RegenerateError if unset."""
+    name = settings.api_key_env
+    if name is None:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        msg = (
+            f"regenerate.api_key_env names the environment variable {name}, which is not set; "
+            f"export {name}=<key> before `dflash-recipe regenerate`, or set "
+            "regenerate.api_key_env: null for a server without a key"
+        )
+        raise RegenerateError(msg)
+    return value
+
+
+async def _regenerate(
+    settings: RegeneratePlan,
+    todo: Sequence[Job],
+    done: Callable[[Outcome], None],
+    key: str | None,
+    backoff_base_s: float,
+) -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    n = settings.max_concurrency
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    timeout = httpx.Timeout(settings.request_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        server = ServerClient(client, settings, backoff_base_s=backoff_base_s)
+        if not server.model:
+            server.model = await server.first_model()
+        jobs = iter(todo)
+        first = next(jobs, None)
+        if first is None:
+            return server.model
+        done(await server.conversation(first, strict=True))
+
+        async def worker() -> None:
+            for job in jobs:  # one shared iterator: each job goes to exactly one worker
+                done(await server.conversation(job, strict=False))
+
+        await asyncio.gather(*(worker() for _ in range(min(n, len(todo) - 1))))
+        return server.model
+
+
+def regenerate_with_server(
+    settings: RegeneratePlan,
+    todo: Sequence[Job],
+    done: Callable[[Outcome], None],
+    *,
+    backoff_base_s: float = 0.5,
+) -> str:
+    """Answer `todo` through the server; `done` gets every finished conversation at once.
+
+    Returns the model name used. Raises RegenerateError when the first request shows the
+    server cannot be used (module docstring).
+    """
+    key = api_key(settings)
+    return asyncio.run(_regenerate(settings, todo, done, key, backoff_base_s))
+
+
+__all__ = ["ServerClient", "api_key", "parse_completion", "regenerate_with_server"]

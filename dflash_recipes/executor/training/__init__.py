@@ -1,0 +1,2 @@
+"""The trainer: the loop, the micro-step, objectives, anchors, optimiser, metrics, resume and
+checkpoints."""

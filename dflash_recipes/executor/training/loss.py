@@ -1,0 +1,480 @@
+"""Training objectives of DFlash drafters and their head variants, and the acceptance metrics.
+
+Shapes: logits ``[..., K, V]`` with labels and label_mask ``[..., K]``, where ``K`` is the block
+size and the leading dims are anything (``[B, N]`` for the packed blocks of a batch, ``[N*B]``
+for a head's flattened blocks). Labels come from
+:func:`~dflash_recipes.executor.training.anchors.block_labels`: position k predicts the token at
+``anchor + k`` and position 0 is never supervised.
+
+Every term is a weighted mean over supervised positions, ``sum(w * term) / sum(w)`` with the
+sum over positions where ``label_mask`` is true; a batch with no supervised position gives a
+zero loss that still back-propagates (zeros), never NaN. Log-probabilities are computed in
+float32 whatever the logits' dtype.
+
+**Position weights** (``objective.loss_objective``):
+
+- ``decay``: ``w_0 = 0``, ``w_k = exp(-(k-1)/gamma)`` for k >= 1 (gamma =
+  ``loss_decay_factor``).
+- ``dpace``: a drafted token at position k is only accepted if positions 1..k-1 were, so its
+  loss is weighted by the probability that the draft survives to k, estimated from the model's
+  own detached probabilities of the correct tokens: ``S_k = prod_{j=1}^{k-1} p_j`` (``S_1 = 1``;
+  an unsupervised position contributes ``p_j = 1``), smoothed towards uniform so no position
+  ever loses its gradient: ``w_k = (1 - alpha) + alpha * S_k``, ``w_0 = 0``. Weights lie in
+  ``[1 - alpha, 1]``, ``w_1 = 1``, are non-increasing in k, carry no gradient and, like the
+  decay weights, are normalised by their sum.
+
+**Self-distillation** (``objective.self_logit_distillation``): the loss becomes
+``weighted_mean(CE(draft, label)) + weighted_mean(softCE(target, draft))`` with the same
+weights, where ``softCE = -sum_v q_v log p_v``, q the target's softmax at ``anchor + k - 1``
+(see :func:`~dflash_recipes.executor.training.anchors.gather_teacher_logits`). Its gradient equals
+that
+of KL(q || p); the reported value includes the target's entropy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash_recipes.executor.training.anchors import IGNORE_INDEX
+from dflash_recipes.plan.run_plan import ObjectivePlan
+
+
+@attrs.frozen(eq=False)
+class LossOutput:
+    """A differentiable loss, its detached parts and the per-position accuracy counts."""
+
+    #: Scalar to back-propagate.
+    loss: Tensor
+    #: Detached weighted cross-entropy on the labels (of the final logits).
+    ce: Tensor
+    #: [K] long: supervised positions whose top-1 prediction equals the label.
+    per_position_correct: Tensor
+    #: [K] long: supervised positions (entry 0 is always 0).
+    per_position_count: Tensor
+    #: Detached sum of the position weights over supervised positions: the denominator of
+    #: the weighted means (a data-parallel trainer normalises by its global sum).
+    weight_sum: Tensor
+    #: Detached soft cross-entropy against the target, when self-distillation is on.
+    distill: Tensor | None = None
+    #: Domino: detached cross-entropy of the backbone logits (before its weight).
+    backbone_ce: Tensor | None = None
+    #: DSpark: detached total-variation distance to the target (before its weight).
+    tv: Tensor | None = None
+    #: DSpark: detached confidence BCE (before its weight).
+    confidence_bce: Tensor | None = None
+    #: The differentiable part of `loss` that is a mean over supervised positions rather than
+    #: a weighted mean (DSpark's weighted confidence BCE); None when there is none. Lets
+    #: :func:`combine_losses` rebuild the exact loss of a whole batch from its chunks.
+    count_normalized: Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# position weights
+# ---------------------------------------------------------------------------------------------
+
+
+def decay_weights(
+    block_size: int,
+    gamma: float,
+    *,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """[block_size] float32: ``w_0 = 0`` and ``w_k = exp(-(k-1)/gamma)`` for k >= 1."""
+    if block_size < 2:
+        msg = f"block_size must be >= 2, got {block_size}"
+        raise ValueError(msg)
+    if not gamma > 0 or not math.isfinite(gamma):
+        msg = f"gamma (loss_decay_factor) must be a finite number > 0, got {gamma}"
+        raise ValueError(msg)
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def dpace_weights(logits: Tensor, labels: Tensor, label_mask: Tensor, *, alpha: float) -> Tensor:
+    """[..., K] detached D-PACE weights ``(1 - alpha) + alpha * prod_{j<k} p_j`` (module doc)."""
+    if not 0 < alpha <= 1:
+        msg = f"dpace_alpha must be in (0, 1], got {alpha}"
+        raise ValueError(msg)
+    _check_shapes(logits, labels, label_mask)
+    label_mask = _without_anchor(label_mask)
+    with torch.no_grad():
+        p_correct = torch.exp(-_token_ce(logits, labels, label_mask))
+        p_correct = torch.where(label_mask, p_correct, torch.ones_like(p_correct))
+        reach = torch.cumprod(p_correct, dim=-1)
+        # S_k is the product over positions strictly before k (S_0 = S_1 = 1).
+        survival = torch.cat([torch.ones_like(reach[..., :1]), reach[..., :-1]], dim=-1)
+        weights = (1.0 - alpha) + alpha * survival
+        weights[..., 0] = 0.0
+    return weights
+
+
+def objective_weights(
+    logits: Tensor, labels: Tensor, label_mask: Tensor, *, objective: ObjectivePlan
+) -> Tensor:
+    """The position weights `objective` asks for, broadcastable to `labels` (module doc)."""
+    if objective.loss_objective == "dpace":
+        return dpace_weights(logits, labels, label_mask, alpha=objective.dpace_alpha)
+    return decay_weights(labels.shape[-1], objective.loss_decay_factor, device=logits.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# objectives
+# ---------------------------------------------------------------------------------------------
+
+
+def dflash_loss(
+    logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    *,
+    objective: ObjectivePlan,
+    teacher_logits: Tensor | None = None,
+) -> LossOutput:
+    """Weighted cross-entropy of a plain DFlash drafter, plus optional self-distillation.
+
+    `teacher_logits` (same shape as `logits`) is required exactly when
+    ``objective.self_logit_distillation`` is on.
+    """
+    _check_shapes(logits, labels, label_mask)
+    label_mask = _without_anchor(label_mask)
+    if objective.self_logit_distillation and teacher_logits is None:
+        msg = "self_logit_distillation is on but no teacher_logits were passed"
+        raise ValueError(msg)
+    if not objective.self_logit_distillation and teacher_logits is not None:
+        msg = "teacher_logits were passed but self_logit_distillation is off"
+        raise ValueError(msg)
+    weights = objective_weights(logits, labels, label_mask, objective=objective)
+    ce = _weighted_mean(_token_ce(logits, labels, label_mask), weights, label_mask)
+    loss = ce
+    distill: Tensor | None = None
+    if teacher_logits is not None:
+        distill = _weighted_mean(_soft_ce(logits, teacher_logits), weights, label_mask)
+        loss = loss + distill
+    return _output(loss, ce, logits, labels, label_mask, weights, distill=distill)
+
+
+def domino_backbone_weight(step: int, total_steps: int, initial: float) -> float:
+    """Backbone CE weight of Domino at `step`: `initial` at step 0, linearly to 0 at the end."""
+    if total_steps < 1:
+        msg = f"total_steps must be >= 1, got {total_steps}"
+        raise ValueError(msg)
+    if step < 0:
+        msg = f"step must be >= 0, got {step}"
+        raise ValueError(msg)
+    return initial * max(0.0, 1.0 - step / total_steps)
+
+
+def domino_loss(
+    corrected_logits: Tensor,
+    backbone_logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    *,
+    weights: Tensor,
+    backbone_weight: float,
+    teacher_logits: Tensor | None = None,
+) -> LossOutput:
+    """Domino: ``CE(corrected) + backbone_weight * CE(backbone)`` [+ softCE(corrected)].
+
+    Both CEs use the same position `weights` (broadcastable to `labels`, e.g. from
+    :func:`objective_weights`). Accuracy counts are of the corrected logits, the ones served.
+    With `teacher_logits` the self-distillation term of the module doc is added on the
+    corrected logits.
+    """
+    _check_shapes(corrected_logits, labels, label_mask)
+    _check_shapes(backbone_logits, labels, label_mask)
+    label_mask = _without_anchor(label_mask)
+    ce = _weighted_mean(_token_ce(corrected_logits, labels, label_mask), weights, label_mask)
+    backbone_ce = _weighted_mean(
+        _token_ce(backbone_logits, labels, label_mask), weights, label_mask
+    )
+    loss = ce + backbone_weight * backbone_ce
+    distill: Tensor | None = None
+    if teacher_logits is not None:
+        distill = _weighted_mean(_soft_ce(corrected_logits, teacher_logits), weights, label_mask)
+        loss = loss + distill
+    return _output(
+        loss,
+        ce,
+        corrected_logits,
+        labels,
+        label_mask,
+        weights,
+        distill=distill,
+        backbone_ce=backbone_ce,
+    )
+
+
+def dspark_loss(
+    logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    *,
+    weights: Tensor,
+    teacher_logits: Tensor | None,
+    confidence_logit: Tensor | None,
+    tv_weight: float,
+    confidence_weight: float,
+) -> LossOutput:
+    """DSpark: ``CE + tv_weight * TV(p, q) + confidence_weight * BCE(confidence, correct)``.
+
+    - CE and TV (``0.5 * sum_v |p_v - q_v|``, p the draft's softmax, q the target's) are
+      weighted means with the position `weights`; TV is present only with `teacher_logits`.
+    - The confidence head learns whether the draft's top-1 token equals the label; its BCE is a
+      plain mean over supervised positions (a confidence must be calibrated at every position,
+      also those the decay weights play down). `confidence_logit` is ``[..., K]`` or
+      ``[..., K, 1]``; present only when the head has one.
+    """
+    _check_shapes(logits, labels, label_mask)
+    label_mask = _without_anchor(label_mask)
+    ce = _weighted_mean(_token_ce(logits, labels, label_mask), weights, label_mask)
+    loss = ce
+    tv: Tensor | None = None
+    if teacher_logits is not None:
+        if teacher_logits.shape != logits.shape:
+            msg = (
+                f"teacher_logits {tuple(teacher_logits.shape)} must have the shape of the "
+                f"logits {tuple(logits.shape)}"
+            )
+            raise ValueError(msg)
+        p = torch.softmax(logits.float(), dim=-1)
+        q = torch.softmax(teacher_logits.detach().float(), dim=-1)
+        per_token_tv = 0.5 * (p - q).abs().sum(dim=-1)
+        tv = _weighted_mean(per_token_tv, weights, label_mask)
+        loss = loss + tv_weight * tv
+    confidence_bce: Tensor | None = None
+    if confidence_logit is not None:
+        conf = confidence_logit
+        if conf.shape == (*labels.shape, 1):
+            conf = conf.squeeze(-1)
+        if conf.shape != labels.shape:
+            msg = (
+                f"confidence_logit {tuple(confidence_logit.shape)} must have the shape of the "
+                f"labels {tuple(labels.shape)} (optionally with a trailing 1)"
+            )
+            raise ValueError(msg)
+        with torch.no_grad():
+            is_correct = (logits.argmax(dim=-1) == labels).float()
+        per_token_bce = F.binary_cross_entropy_with_logits(
+            conf.float(), is_correct, reduction="none"
+        )
+        confidence_bce = _weighted_mean(per_token_bce, torch.ones_like(per_token_bce), label_mask)
+        loss = loss + confidence_weight * confidence_bce
+    return _output(
+        loss,
+        ce,
+        logits,
+        labels,
+        label_mask,
+        weights,
+        count_normalized=(None if confidence_bce is None else confidence_weight * confidence_bce),
+        tv=tv,
+        confidence_bce=confidence_bce,
+    )
+
+
+def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
+    """The :class:`LossOutput` of a whole batch from those of disjoint chunks of its blocks.
+
+    Exact, gradients included, because every term is a sum over positions divided by a
+    normaliser: each chunk's weighted means are scaled back to sums with its ``weight_sum``
+    (and its count-normalised part with its supervised count), summed, and divided by the
+    totals. Chunks must come from the same objective call pattern (the same optional parts).
+    """
+    if not parts:
+        msg = "combine_losses needs at least one chunk"
+        raise ValueError(msg)
+    if len(parts) == 1:
+        return parts[0]
+    weights = [part.weight_sum for part in parts]
+    counts = [part.per_position_count.sum().float() for part in parts]
+    w_total = torch.stack(weights).sum()
+    n_total = torch.stack(counts).sum()
+    w_norm = w_total.clamp_min(torch.finfo(w_total.dtype).tiny)
+    n_norm = n_total.clamp_min(1.0)
+
+    def weighted(values: Sequence[Tensor]) -> Tensor:
+        return torch.stack([v * w for v, w in zip(values, weights, strict=True)]).sum() / w_norm
+
+    def counted(values: Sequence[Tensor]) -> Tensor:
+        return torch.stack([v * n for v, n in zip(values, counts, strict=True)]).sum() / n_norm
+
+    def optional(name: str, combine: Callable[[Sequence[Tensor]], Tensor]) -> Tensor | None:
+        values = [getattr(part, name) for part in parts]
+        if all(v is None for v in values):
+            return None
+        if any(v is None for v in values):
+            msg = f"combine_losses: chunk outputs disagree on whether {name} is present"
+            raise ValueError(msg)
+        return combine(values)
+
+    count_loss = optional("count_normalized", counted)
+    weighted_loss = weighted(
+        [p.loss if p.count_normalized is None else p.loss - p.count_normalized for p in parts]
+    )
+    return LossOutput(
+        loss=weighted_loss if count_loss is None else weighted_loss + count_loss,
+        ce=weighted([p.ce for p in parts]),
+        per_position_correct=torch.stack([p.per_position_correct for p in parts]).sum(dim=0),
+        per_position_count=torch.stack([p.per_position_count for p in parts]).sum(dim=0),
+        weight_sum=w_total,
+        distill=optional("distill", weighted),
+        backbone_ce=optional("backbone_ce", weighted),
+        tv=optional("tv", weighted),
+        confidence_bce=optional("confidence_bce", counted),
+        count_normalized=count_loss,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def per_position_accuracy(
+    correct: Tensor | Sequence[int], count: Tensor | Sequence[int]
+) -> list[float]:
+    """Top-1 accuracy per block position; 0.0 where nothing was supervised (always position 0).
+
+    Counts may be summed over steps or processes before calling.
+    """
+    correct_list = [int(c) for c in (correct.tolist() if isinstance(correct, Tensor) else correct)]
+    count_list = [int(c) for c in (count.tolist() if isinstance(count, Tensor) else count)]
+    if len(correct_list) != len(count_list):
+        msg = f"correct has {len(correct_list)} positions but count has {len(count_list)}"
+        raise ValueError(msg)
+    return [c / n if n > 0 else 0.0 for c, n in zip(correct_list, count_list, strict=True)]
+
+
+def estimated_acceptance_length(acc: Sequence[float]) -> float:
+    """``1 + sum_{k=1}^{K-1} prod_{j=1}^{k} acc_j`` for per-position accuracies ``acc[0..K-1]``.
+
+    The drafted tokens 1..K-1 are accepted up to the first mistake, so the expected accepted
+    prefix is the sum of the probabilities that positions 1..k are all right (treating positions
+    as independent); verification always commits one more token (the target's bonus or
+    correction). ``acc[0]`` (the anchor, never drafted) is ignored. All-correct gives K.
+    """
+    tau = 1.0
+    survive = 1.0
+    for a in list(acc)[1:]:
+        survive *= a
+        tau += survive
+    return tau
+
+
+# ---------------------------------------------------------------------------------------------
+# internals
+# ---------------------------------------------------------------------------------------------
+
+
+def _output(
+    loss: Tensor,
+    ce: Tensor,
+    served_logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    weights: Tensor,
+    *,
+    count_normalized: Tensor | None = None,
+    **parts: Tensor | None,
+) -> LossOutput:
+    """A :class:`LossOutput`: accuracy counts of `served_logits`, every reported part detached."""
+    correct, count = _position_counts(served_logits, labels, label_mask)
+    return LossOutput(
+        loss=loss,
+        ce=ce.detach(),
+        per_position_correct=correct,
+        per_position_count=count,
+        weight_sum=_weight_sum(weights, label_mask),
+        count_normalized=count_normalized,
+        **{name: None if part is None else part.detach() for name, part in parts.items()},
+    )
+
+
+def _check_shapes(logits: Tensor, labels: Tensor, label_mask: Tensor) -> None:
+    if logits.dim() < 2 or logits.shape[:-1] != labels.shape or labels.shape != label_mask.shape:
+        msg = (
+            f"logits {tuple(logits.shape)} must be [..., K, V] with labels and label_mask "
+            f"[..., K]; got labels {tuple(labels.shape)}, label_mask {tuple(label_mask.shape)}"
+        )
+        raise ValueError(msg)
+    if label_mask.dtype != torch.bool:
+        msg = f"label_mask must be a bool tensor, got {label_mask.dtype}"
+        raise ValueError(msg)
+
+
+def _without_anchor(label_mask: Tensor) -> Tensor:
+    """Block position 0 (the given anchor) is never supervised, whatever the caller's mask."""
+    keep = torch.ones(label_mask.shape[-1], dtype=torch.bool, device=label_mask.device)
+    keep[0] = False
+    return label_mask & keep
+
+
+def _token_ce(logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
+    """[..., K] float32 cross-entropy per position; 0 where label_mask is false."""
+    # cross_entropy is log_softmax + the label's negative log-probability in one call; ignored
+    # positions come out as exactly 0.
+    ignored = torch.where(label_mask, labels, IGNORE_INDEX)
+    flat = logits.float().flatten(0, -2)
+    nll = F.cross_entropy(flat, ignored.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+    return nll.view(labels.shape)
+
+
+def _soft_ce(logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """[..., K] float32 ``-sum_v q_v log p_v``, q the (detached) teacher softmax."""
+    if teacher_logits.shape != logits.shape:
+        msg = (
+            f"teacher_logits {tuple(teacher_logits.shape)} must have the shape of the logits "
+            f"{tuple(logits.shape)}"
+        )
+        raise ValueError(msg)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.softmax(teacher_logits.detach().float(), dim=-1)
+    return -(target * log_probs).sum(dim=-1)
+
+
+def _weight_sum(weights: Tensor, label_mask: Tensor) -> Tensor:
+    """Detached ``sum(w)`` over supervised positions, the weighted means' denominator."""
+    w = torch.broadcast_to(weights.detach().float(), label_mask.shape) * label_mask
+    return w.sum()
+
+
+def _weighted_mean(values: Tensor, weights: Tensor, label_mask: Tensor) -> Tensor:
+    """``sum(w * v) / sum(w)`` over supervised positions; 0 (with zero gradient) if none."""
+    w = torch.broadcast_to(weights.to(values.dtype), values.shape) * label_mask
+    total = (torch.where(label_mask, values, torch.zeros_like(values)) * w).sum()
+    return total / w.sum().clamp_min(torch.finfo(values.dtype).tiny)
+
+
+def _position_counts(logits: Tensor, labels: Tensor, label_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """[K] correct and [K] supervised counts, summed over every leading dim."""
+    with torch.no_grad():
+        # max().indices: argmax's first-maximum rule, several times faster than argmax on CPU.
+        hit = (logits.max(dim=-1).indices == labels) & label_mask
+        k = labels.shape[-1]
+        correct = hit.reshape(-1, k).sum(dim=0)
+        count = label_mask.reshape(-1, k).sum(dim=0)
+    return correct.long(), count.long()
+
+
+__all__ = [
+    "LossOutput",
+    "combine_losses",
+    "decay_weights",
+    "dflash_loss",
+    "domino_backbone_weight",
+    "domino_loss",
+    "dpace_weights",
+    "dspark_loss",
+    "estimated_acceptance_length",
+    "objective_weights",
+    "per_position_accuracy",
+]

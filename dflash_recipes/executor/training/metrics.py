@@ -1,0 +1,167 @@
+"""Training metrics: the window of steps between two logging steps and the rows of metrics.jsonl.
+
+:class:`MetricWindow` accumulates a window's loss, per-position accuracy counts and tokens on
+the step's device; :func:`log_train_window` reduces it over the ranks and appends one ``train``
+row (``report.train_row``); :func:`append_jsonl` writes the other rows (eval, summary) as strict
+JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dflash_recipes.executor.distributed import DistEnv, all_reduce_sum, is_main
+from dflash_recipes.executor.training.loss import (
+    LossOutput,
+    estimated_acceptance_length,
+    per_position_accuracy,
+)
+from dflash_recipes.report import metrics_json_line, train_row
+
+logger = logging.getLogger("dflash_recipes.train")
+
+
+class MetricWindow:
+    """Accumulates loss and per-position counts between logging steps.
+
+    Everything stays a tensor on the step's device until :meth:`settle` (called only at a
+    logging step), so a step that logs nothing makes no host sync and no host copy.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.micro = 0
+        self._loss: Tensor | None = None
+        self._correct: Tensor | None = None
+        self._count: Tensor | None = None
+        self._tokens: Tensor | None = None
+        self._grad_norm: Tensor | None = None
+        self.loss_sum = 0.0
+        self.correct = torch.zeros(self.block_size, dtype=torch.long)
+        self.count = torch.zeros(self.block_size, dtype=torch.long)
+        self.tokens = 0
+        self.grad_norm: float | None = None
+        self.started = time.perf_counter()
+
+    def add_grad_norm(self, norm: Tensor) -> None:
+        self._grad_norm = norm.detach()
+
+    def add(self, out: LossOutput, tokens: Tensor) -> None:
+        self.micro += 1
+        self._loss = _accumulate(self._loss, out.loss.detach())
+        self._correct = _accumulate(self._correct, out.per_position_correct.detach())
+        self._count = _accumulate(self._count, out.per_position_count.detach())
+        self._tokens = _accumulate(self._tokens, tokens)
+
+    def settle(self) -> None:
+        """Bring the accumulated tensors to Python numbers (the one host sync of a window)."""
+        if self._loss is not None:
+            self.loss_sum = float(self._loss)
+        if self._correct is not None and self._count is not None:
+            self.correct = self._correct.cpu().long()
+            self.count = self._count.cpu().long()
+        if self._tokens is not None:
+            self.tokens = int(self._tokens)
+        if self._grad_norm is not None:
+            self.grad_norm = float(self._grad_norm)
+
+
+def _accumulate(total: Tensor | None, value: Tensor) -> Tensor:
+    return value.clone() if total is None else total.add_(value)
+
+
+def log_train_window(
+    window: MetricWindow, *, step: int, lr: float, path: Path, env: DistEnv
+) -> dict[str, object]:
+    """Reduce a settled window over the ranks; rank 0 appends its ``train`` row to `path` and
+    logs one line. Returns the row (every rank gets the same numbers)."""
+    correct = all_reduce_sum(window.correct.to(env.device).float(), env).cpu()
+    count = all_reduce_sum(window.count.to(env.device).float(), env).cpu()
+    tokens = float(all_reduce_sum(torch.tensor(float(window.tokens), device=env.device), env))
+    loss_mean = (
+        float(
+            all_reduce_sum(
+                torch.tensor(window.loss_sum / max(1, window.micro), device=env.device), env
+            )
+        )
+        / env.world_size
+    )
+    acc = per_position_accuracy(correct.long(), count.long())
+    elapsed = max(1e-9, time.perf_counter() - window.started)
+    row: dict[str, object] = {
+        "kind": "train",
+        "step": step,
+        "loss": loss_mean,
+        "lr": lr,
+        "accuracy_by_position": acc,
+        "acceptance_length_estimate": estimated_acceptance_length(acc),
+        "tokens_per_second": tokens / elapsed,
+    }
+    if is_main(env):
+        line = metrics_json_line(
+            train_row(
+                step=step,
+                loss=loss_mean,
+                lr=lr,
+                # Position 0 (the anchor) carries no loss: null, not a 0.0 accuracy.
+                accuracy_by_position=[None, *acc[1:]],
+                acceptance_length_estimate=estimated_acceptance_length(acc),
+                tokens_per_second=tokens / elapsed,
+                grad_norm=window.grad_norm,
+            )
+        )
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(line)
+        accs = " ".join(f"{a:.2f}" for a in acc[1:])
+        logger.info(
+            "step %d loss %.4f lr %.3g acc[1..] %s tau~%.2f tok/s %.0f",
+            step,
+            row["loss"],
+            lr,
+            accs,
+            row["acceptance_length_estimate"],
+            row["tokens_per_second"],
+        )
+    return row
+
+
+def accuracies(value: object) -> list[float]:
+    """Accuracy by position from a metrics row (read back, position 0 is null)."""
+    if not isinstance(value, (list, tuple)):
+        return []
+    return [float(a) if isinstance(a, (int, float)) else 0.0 for a in value]
+
+
+def _strict(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
+
+
+def append_jsonl(path: Path, row: Mapping[str, object]) -> None:
+    """One strict-JSON line (non-finite numbers as null), like the report's rows."""
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(_strict(dict(row)), allow_nan=False, sort_keys=True) + "\n")
+
+
+__all__ = [
+    "MetricWindow",
+    "accuracies",
+    "append_jsonl",
+    "log_train_window",
+]

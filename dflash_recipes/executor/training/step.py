@@ -1,0 +1,335 @@
+"""The training micro-step: what one batch feeds the drafter, and the drafter's loss on it.
+
+:func:`step_inputs` runs the frozen target on a batch (or reads the captured states of offline
+training) and packs the sampled blocks: their embeddings, positions, block mask and labels, as
+one frozen :class:`StepInputs`. :class:`DraftStep` (the module DDP wraps) takes that object,
+fuses the taps, runs the drafter over all blocks at once, then the target's ``lm_head``, the
+head and the plan's objective, per chunk of blocks when the logits are large.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.offline import CapturedStates, teacher_logits
+from dflash_recipes.executor.model.convert import (
+    ConvertedModel,
+    embed_tokens,
+    lm_head,
+    target_forward,
+)
+from dflash_recipes.executor.model.draft import (
+    DFlashDraftModel,
+    build_flex_block_mask,
+    build_split_block_mask,
+    taps_from_hidden_states,
+)
+from dflash_recipes.executor.training.anchors import (
+    AnchorBatch,
+    block_inputs,
+    block_labels,
+    gather_teacher_logits,
+)
+from dflash_recipes.executor.training.loss import (
+    LossOutput,
+    combine_losses,
+    dflash_loss,
+    domino_backbone_weight,
+    domino_loss,
+    dspark_loss,
+    objective_weights,
+)
+from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.plan.run_plan import ObjectivePlan
+
+#: Most logits one chunk of blocks may hold (elements of ``[B, n, K, vocab]``, 2**26 = 256 MiB
+#: in float32). A batch whose logits exceed it computes lm_head, head and loss per chunk of
+#: blocks under activation checkpointing (see :class:`DraftStep`).
+MAX_CHUNK_LOGITS = 2**26
+
+
+@attrs.frozen(eq=False)
+class LossTargets:
+    """What the objective compares the drafter's blocks with (all per block, ``[B, N, ...]``)."""
+
+    #: ``[B, N, K]`` labels and supervision mask (:func:`block_labels`).
+    labels: Tensor
+    label_mask: Tensor
+    #: ``[B, N]`` anchors, to gather the target's logits per chunk of blocks.
+    anchors: Tensor
+    #: ``[B, S, V]`` the target's logits when the objective needs a teacher, else None.
+    target_logits: Tensor | None
+    #: Optimiser step and total, for Domino's decaying backbone weight.
+    step: int
+    total_steps: int
+
+
+class DraftStep(nn.Module):
+    """Fuse taps, run the drafter over packed blocks, then lm_head, head and loss.
+
+    Returns the objective's :class:`LossOutput`. The target's ``lm_head`` is held outside the
+    module tree (frozen, shared, never part of the drafter's parameters), so wrapping this
+    module in DDP reduces only drafter gradients.
+
+    Memory: the drafter runs once over all blocks (one packed forward). Its logits
+    ``[B, N, K, vocab]`` are the largest tensors of a step (5 GB in float32 for 512 blocks of
+    16 at a 152k vocabulary, and the loss keeps copies for backward), so when they exceed
+    `max_chunk_logits` elements (default :data:`MAX_CHUNK_LOGITS`), lm_head, head and loss run
+    per chunk of blocks under non-reentrant activation checkpointing: a chunk's logits are freed
+    after its loss and recomputed during backward, and :func:`combine_losses` makes the
+    batch's loss exactly the unchunked one. The price is a second lm_head/loss forward.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        output_head: nn.Module,
+        objective: ObjectivePlan,
+        *,
+        max_chunk_logits: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.objective = objective
+        self.max_chunk_logits = max_chunk_logits
+        object.__setattr__(self, "_lm_head", output_head)
+
+    def blocks_per_chunk(self, batch: int, n_blocks: int) -> int:
+        """How many blocks (per row) one chunk of lm_head + loss holds (all of them if they fit)."""
+        spec = self.drafter.spec
+        budget = self.max_chunk_logits or MAX_CHUNK_LOGITS
+        per_block = max(1, batch * spec.block_size * spec.vocab_size)
+        return max(1, min(n_blocks, budget // per_block))
+
+    def forward(self, inputs: StepInputs) -> LossOutput:
+        """The objective's loss over the blocks of `inputs` (built by :func:`step_inputs`)."""
+        prefix_embeds, prefix_tokens, targets = (
+            inputs.prefix_embeds,
+            inputs.prefix_tokens,
+            inputs.targets,
+        )
+        drafter = self.drafter
+        context = drafter.fuse_context(inputs.tapped)
+        hidden = drafter(
+            inputs.block_embeds, context, inputs.q_positions, inputs.ctx_positions, inputs.mask
+        )
+        batch, q_len, width = hidden.shape
+        block = drafter.spec.block_size
+        n_blocks = q_len // block
+        hidden = hidden.view(batch, n_blocks, block, width)
+        if prefix_embeds is not None:
+            prefix_embeds = prefix_embeds.view(batch, n_blocks, block, -1)
+        per_chunk = self.blocks_per_chunk(batch, n_blocks)
+        if per_chunk >= n_blocks:
+            return self._objective(hidden, prefix_embeds, prefix_tokens, targets, 0)
+        # split, not slicing, for the states that carry gradients: its backward is one
+        # concatenation, not a zero-filled full-size gradient per chunk. The other inputs carry
+        # none and are sliced.
+        parts = []
+        for index, hidden_c in enumerate(torch.split(hidden, per_chunk, dim=1)):
+            chunk = slice(index * per_chunk, (index + 1) * per_chunk)
+            part = checkpoint(
+                self._objective,
+                hidden_c,
+                None if prefix_embeds is None else prefix_embeds[:, chunk],
+                None if prefix_tokens is None else prefix_tokens[:, chunk],
+                targets,
+                chunk.start,
+                use_reentrant=False,
+            )
+            assert isinstance(part, LossOutput)
+            parts.append(part)
+        return combine_losses(parts)
+
+    def _objective(
+        self,
+        hidden: Tensor,
+        prefix_embeds: Tensor | None,
+        prefix_tokens: Tensor | None,
+        targets: LossTargets,
+        first: int,
+    ) -> LossOutput:
+        """lm_head, head and loss of blocks ``first .. first + n - 1``: ``hidden [B, n, K, H]``."""
+        batch, n, block, width = hidden.shape
+        objective = self.objective
+        head: nn.Module = self._lm_head  # type: ignore[assignment]
+        labels = targets.labels[:, first : first + n]
+        label_mask = targets.label_mask[:, first : first + n]
+        teacher: Tensor | None = None
+        if targets.target_logits is not None:
+            anchors = targets.anchors[:, first : first + n]
+            teacher = gather_teacher_logits(
+                targets.target_logits, anchors, block_size=block
+            ).float()
+        distill_teacher = teacher if objective.self_logit_distillation else None
+        logits: Tensor = head(hidden.to(_weight_dtype(head))).float()
+        kind = self.drafter.spec.projector_type
+        if kind == "dflash":
+            return dflash_loss(
+                logits, labels, label_mask, objective=objective, teacher_logits=distill_teacher
+            )
+        flat_hidden = hidden.reshape(batch * n, block, width)
+        flat_logits = logits.reshape(batch * n, block, -1)
+        if kind == "domino":
+            assert prefix_embeds is not None
+            corrected = self.drafter.domino_head(
+                flat_hidden, prefix_embeds.reshape(batch * n, block, -1), flat_logits
+            ).view_as(logits)
+            return domino_loss(
+                corrected,
+                logits,
+                labels,
+                label_mask,
+                weights=objective_weights(
+                    corrected.detach(), labels, label_mask, objective=objective
+                ),
+                backbone_weight=domino_backbone_weight(
+                    targets.step, targets.total_steps, objective.domino_backbone_loss_weight
+                ),
+                teacher_logits=distill_teacher,
+            )
+        assert prefix_tokens is not None
+        out, confidence = self.drafter.dspark_head(
+            flat_hidden, prefix_tokens.reshape(batch * n, block), flat_logits
+        )
+        out = out.view_as(logits)
+        return dspark_loss(
+            out,
+            labels,
+            label_mask,
+            weights=objective_weights(out.detach(), labels, label_mask, objective=objective),
+            teacher_logits=teacher,
+            confidence_logit=None if confidence is None else confidence.view(batch, n, block),
+            tv_weight=objective.dspark_tv_weight,
+            confidence_weight=objective.dspark_confidence_weight,
+        )
+
+
+@attrs.frozen(eq=False)
+class StepInputs:
+    """The arguments of one :class:`DraftStep` call (see :func:`step_inputs`)."""
+
+    tapped: Tensor
+    block_embeds: Tensor
+    q_positions: Tensor
+    ctx_positions: Tensor
+    mask: object
+    prefix_embeds: Tensor | None
+    #: The tokens before each block position (Domino and DSpark heads only, else None).
+    prefix_tokens: Tensor | None
+    targets: LossTargets
+
+
+def step_inputs(
+    target: ConvertedModel,
+    spec: ResolvedDraft,
+    objective: ObjectivePlan,
+    batch: Batch,
+    drawn: AnchorBatch,
+    *,
+    step: int = 0,
+    total_steps: int = 1,
+    captured: CapturedStates | None = None,
+) -> StepInputs:
+    """Everything a micro-step feeds the drafter, from a batch and its anchors (on one device).
+
+    `batch` and `drawn` must already be on the target's device; `step` and `total_steps` (the
+    optimiser step and the run's total) only feed Domino's decaying backbone weight.
+
+    Runs the frozen target (its logits only when the objective needs a teacher) and builds
+    the packed blocks, their positions, the block mask (flex on CUDA, the split form on CPU)
+    and the labels. Fusing the taps is left to the step, which trains ``fc``. With `captured`
+    (offline training) the taps come from the capture and the target's decoder does not run;
+    teacher logits are recomputed from the captured last hidden state.
+    """
+    ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
+    anchors, valid = drawn.anchors, drawn.valid
+    embeddings = embed_tokens(target)
+    device = ids.device
+    needs_teacher = objective.self_logit_distillation or (
+        spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
+    )
+    with torch.no_grad():
+        if captured is None:
+            out = target_forward(target, ids, attention, with_logits=needs_teacher)
+            tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+            # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
+            target_logits = out.logits
+            del out
+        else:
+            tapped, target_logits = captured.tapped, None
+            if needs_teacher:
+                if captured.last_hidden is None:
+                    msg = "the objective needs teacher logits; the capture has no last hidden state"
+                    raise DataError(msg)
+                target_logits = teacher_logits(target, lm_head(target), captured.last_hidden)
+        block_ids, q_positions = block_inputs(
+            ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
+        )
+        block_embeds = embeddings(block_ids).float()
+        prefix_tokens = (
+            _prefix_tokens(ids, anchors, spec.block_size)
+            if spec.projector_type in ("domino", "dspark")
+            else None
+        )
+        prefix_embeds = (
+            embeddings(prefix_tokens.flatten(1)).float()
+            if prefix_tokens is not None and spec.projector_type == "domino"
+            else None
+        )
+    ctx_len = int(ids.shape[1])
+    ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
+    mask: object
+    if device.type == "cuda":
+        mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
+    else:
+        # CPU: the split form of the dense mask (no blocks x blocks part).
+        mask = build_split_block_mask(
+            anchors, spec.block_size, ctx_len, valid, heads=spec.num_attention_heads
+        )
+    labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=spec.block_size)
+    return StepInputs(
+        tapped=tapped,
+        block_embeds=block_embeds,
+        q_positions=q_positions,
+        ctx_positions=ctx_positions,
+        mask=mask,
+        prefix_embeds=prefix_embeds,
+        prefix_tokens=prefix_tokens,
+        targets=LossTargets(
+            labels=labels,
+            label_mask=label_mask,
+            anchors=anchors,
+            target_logits=target_logits,
+            step=step,
+            total_steps=total_steps,
+        ),
+    )
+
+
+def _weight_dtype(module: nn.Module) -> torch.dtype:
+    for parameter in module.parameters():
+        return parameter.dtype
+    return torch.float32
+
+
+def _prefix_tokens(ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """``[B, N, K]``: index k holds the token at anchor + k - 1 (index 0: the anchor)."""
+    offsets = torch.arange(block_size, device=anchors.device) - 1
+    positions = (anchors.unsqueeze(-1) + offsets).clamp(min=0, max=ids.shape[1] - 1)
+    flat = torch.gather(ids, 1, positions.flatten(1))
+    return flat.view_as(positions)
+
+
+__all__ = [
+    "MAX_CHUNK_LOGITS",
+    "DraftStep",
+    "LossTargets",
+    "StepInputs",
+    "step_inputs",
+]

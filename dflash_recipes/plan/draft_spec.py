@@ -1,0 +1,142 @@
+"""The drafter's complete specification, resolved from a run plan: what the executor builds.
+
+A :class:`~dflash_recipes.plan.run_plan.RunPlan` stores what the compiler decided, section by
+section,
+with optional fields where a recipe may leave a value to the checkpoint or the base model.
+:class:`ResolvedDraft` is the executor's view of it: every dimension, tap, mask id, head and
+layer type of the drafter, none optional (``RunPlan.resolved_draft()`` builds it, or raises
+PlanError naming what the plan leaves unresolved). Pure data, no torch; the compile path does
+not import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from dflash_recipes.errors import PlanError
+from dflash_recipes.plan.run_plan import ArchitecturePlan, RopePlan, RunPlan
+from dflash_recipes.records import Record
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ResolvedDraft(Record):
+    """The drafter's complete, non-optional specification (built from a resolved plan)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    num_target_layers: int
+    max_position_embeddings: int
+    rope: RopePlan
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    projector_type: Literal["dflash", "domino", "dspark"]
+    emb_dim: int | None
+    gru_hidden_dim: int | None
+    markov_rank: int | None
+    use_confidence_head: bool
+    attention_sink: bool
+    #: One of full_attention | sliding_attention per draft layer; None: full attention in all.
+    layer_types: tuple[str, ...] | None = None
+    #: Keys a sliding_attention query sees, itself included (None without sliding layers).
+    sliding_window: int | None = None
+
+    def layer_type(self, index: int) -> str:
+        """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
+        return self.layer_types[index] if self.layer_types is not None else "full_attention"
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of draft layer `index`, or None for a full-attention layer."""
+        return self.sliding_window if self.layer_type(index) == "sliding_attention" else None
+
+
+def resolve_draft(plan: RunPlan) -> ResolvedDraft:
+    """Collect the drafter spec from a plan; PlanError lists every unresolved field."""
+    arch = plan.draft.architecture
+    facts = plan.base_model.facts
+    missing: list[str] = []
+    for name in (
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+    ):
+        if getattr(arch, name) is None:
+            missing.append(f"draft.architecture.{name}")
+    if plan.draft.mask_token_id is None:
+        missing.append("draft.mask_token_id")
+    if plan.draft.target_layer_ids is None:
+        missing.append("draft.target_layer_ids")
+    if facts is None:
+        missing.append("base_model.facts")
+    if missing or facts is None:
+        msg = (
+            "the run plan is not resolved (" + ", ".join(missing) + "); compile it with "
+            "`dflash-recipe compile RECIPE -o plan.json` so config.json and the checkpoint "
+            "are read"
+        )
+        raise PlanError(msg)
+    assert arch.num_hidden_layers is not None
+    assert arch.num_attention_heads is not None
+    assert arch.num_key_value_heads is not None
+    assert arch.head_dim is not None
+    assert arch.intermediate_size is not None
+    assert plan.draft.mask_token_id is not None
+    assert plan.draft.target_layer_ids is not None
+    _check_layer_types(arch)
+    return ResolvedDraft(
+        hidden_size=facts.hidden_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size,
+        rms_norm_eps=arch.rms_norm_eps,
+        vocab_size=facts.vocab_size,
+        num_target_layers=facts.num_hidden_layers,
+        max_position_embeddings=facts.max_position_embeddings,
+        rope=facts.rope,
+        block_size=plan.draft.block_size,
+        mask_token_id=plan.draft.mask_token_id,
+        target_layer_ids=plan.draft.target_layer_ids,
+        projector_type=arch.projector_type,
+        emb_dim=arch.emb_dim,
+        gru_hidden_dim=arch.gru_hidden_dim,
+        markov_rank=arch.markov_rank,
+        use_confidence_head=arch.use_confidence_head,
+        attention_sink=arch.attention_sink,
+        layer_types=arch.layer_types,
+        sliding_window=arch.sliding_window,
+    )
+
+
+def _check_layer_types(arch: ArchitecturePlan) -> None:
+    """PlanError unless the layer types name one kind per layer and sliding layers have a window."""
+    types = arch.layer_types
+    if types is None:
+        return
+    problem = None
+    if len(types) != arch.num_hidden_layers:
+        problem = f"has {len(types)} layer_types for {arch.num_hidden_layers} draft layers"
+    elif "sliding_attention" in types and arch.sliding_window is None:
+        problem = "has sliding_attention layers but no sliding_window"
+    elif any(t not in ("full_attention", "sliding_attention") for t in types):
+        problem = f"names an unknown layer type in {list(types)}"
+    if problem is not None:
+        msg = (
+            f"the run plan {problem}; recompile the recipe with `dflash-recipe compile` "
+            "instead of editing the plan"
+        )
+        raise PlanError(msg)
+
+
+__all__ = ["ResolvedDraft", "resolve_draft"]

@@ -1,0 +1,424 @@
+"""The run plan: a frozen, fingerprinted, JSON-serialisable description of one run.
+
+The compiler writes it, the executor reads only it. Everything the executor needs is here,
+resolved: absolute paths, defaults, taps, the mask id, RoPE settings taken from the target and
+the facts of the init checkpoint. Canonical JSON bytes are identical across processes and hash
+seeds; the fingerprint is the sha256 of the canonical JSON of the plan without its fingerprint.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import attr
+import attrs
+
+from dflash_recipes.errors import PlanError
+from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
+from dflash_recipes.records import Record
+
+if TYPE_CHECKING:
+    import cattrs
+
+    from dflash_recipes.plan.draft_spec import ResolvedDraft
+
+
+def _sha256_hex(data: bytes) -> str:
+    """SHA-256 of `data` as hex."""
+    digest: str = _sha256_constructor()(data).hexdigest()
+    return digest
+
+
+@functools.cache
+def _sha256_constructor() -> Callable[[bytes], Any]:
+    """CPython's built-in SHA-256 when there is one, else hashlib's; chosen once per process.
+
+    ``import hashlib`` loads OpenSSL's libcrypto first (2-4 ms per process); CPython's built-in
+    SHA-256 module (``_sha2`` from 3.12, ``_sha256`` before) gives the same digest for a
+    fingerprint of a few kilobytes. The stdlib's `random` module imports its SHA-512 the same way.
+    """
+    for name in ("_sha2", "_sha256"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        constructor: Callable[[bytes], Any] = module.sha256
+        return constructor
+    import hashlib  # another interpreter: the portable module
+
+    return hashlib.sha256
+
+
+#: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
+#: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
+#: hint to recompile, not as an edited file).
+PLAN_FORMAT_VERSION = 2
+#: What to do about a plan that is refused.
+RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
+#: Integers in a plan file are read up to this many digits, so an absurd value reaches the
+#: validators (which name its dotted path) instead of failing Python's int conversion.
+_PLAN_INT_DIGITS = 4000
+
+#: Scalars allowed inside free-form RoPE scaling mappings (flat, as in HF configs).
+RopeValue = Union[float, int, str, bool, None]  # noqa: UP007 (cattrs needs a runtime Union)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class RopePlan(Record):
+    """RoPE settings, always taken from the target model's config.json."""
+
+    rope_theta: float
+    #: `default`, `llama3`, `linear`, `yarn`, ... (HF rope_type).
+    rope_type: str = "default"
+    #: Extra scaling parameters besides rope_type/rope_theta (e.g. llama3 factors), or None.
+    rope_scaling: Mapping[str, RopeValue] | None = None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class TargetFacts(Record):
+    """Facts read from the base model's config.json."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope: RopePlan
+    rms_norm_eps: float | None = None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class BaseModelPlan(Record):
+    """The frozen target: where it is and how to load it."""
+
+    path: str
+    dtype: Literal["bfloat16", "float16", "float32"]
+    trust_remote_code: bool
+    #: None until the compiler has read config.json (schema-level compile leaves it None).
+    facts: TargetFacts | None = None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DataPlan(Record):
+    """Training data locations (absolute) and supervision policy."""
+
+    data_path: str | None
+    chat_template: str | None
+    answer_only_loss: bool
+    eval_data_path: str | None = None
+    #: A `dflash-recipe capture` directory to train from offline (None: run the target).
+    hidden_states_path: str | None = None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class TrainingPlan(Record):
+    """Optimiser, schedule and bookkeeping, with defaults resolved."""
+
+    output_dir: str
+    learning_rate: float
+    num_train_epochs: int
+    max_steps: int | None
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    training_seq_len: int
+    warmup_ratio: float
+    lr_scheduler_type: Literal["cosine", "linear", "constant"]
+    max_grad_norm: float
+    weight_decay: float
+    seed: int
+    save_steps: int
+    save_total_limit: int | None
+    logging_steps: int
+    eval_steps: int | None
+    device: Literal["auto", "cpu", "cuda"]
+    fsdp: bool
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ArchitecturePlan(Record):
+    """The drafter's dimensions. Recipe fields may be None in a schema-level plan."""
+
+    num_hidden_layers: int | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    head_dim: int | None
+    intermediate_size: int | None
+    rms_norm_eps: float
+    projector_type: Literal["dflash", "domino", "dspark"]
+    emb_dim: int | None
+    gru_hidden_dim: int | None
+    markov_rank: int | None
+    use_confidence_head: bool
+    attention_sink: bool
+    #: One of full_attention | sliding_attention per draft layer; None: full attention in all.
+    layer_types: tuple[str, ...] | None = None
+    #: Keys a sliding_attention query sees (itself included); None without sliding layers.
+    sliding_window: int | None = None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ObjectivePlan(Record):
+    """The training loss, with defaults resolved."""
+
+    num_anchors: int
+    loss_objective: Literal["decay", "dpace"]
+    #: gamma of exp(-(k-1)/gamma), resolved from the block size when the recipe left it null.
+    loss_decay_factor: float
+    dpace_alpha: float
+    self_logit_distillation: bool
+    domino_backbone_loss_weight: float
+    dspark_tv_weight: float
+    dspark_confidence_weight: float
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DraftPlan(Record):
+    """What to build and how to train it."""
+
+    block_size: int
+    #: None until resolved (from the recipe, else from the checkpoint's config.json).
+    mask_token_id: int | None
+    #: None until resolved (recipe, else the checkpoint's, else the default formula).
+    target_layer_ids: tuple[int, ...] | None
+    architecture: ArchitecturePlan
+    objective: ObjectivePlan
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class InitCheckpointPlan(Record):
+    """The warm-start checkpoint and what its header and config.json said."""
+
+    path: str
+    #: Weight files relative to `path` (one file, or the shards of an index).
+    weight_files: tuple[str, ...] = ()
+    tensor_count: int | None = None
+    #: Safetensors dtypes present, sorted (e.g. ("BF16",)).
+    dtypes: tuple[str, ...] = ()
+    config_present: bool = False
+    #: The block size the checkpoint was trained with (its config.json), if stated.
+    trained_block_size: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    #: Head submodules absent from the checkpoint that train from fresh initialisation.
+    heads_from_scratch: tuple[str, ...] = ()
+    #: The compiler's warnings about this warm start (a degraded start, heads from scratch),
+    #: which `run` logs again when it loads the checkpoint instead of deciding anew.
+    warnings: tuple[str, ...] = ()
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ResumePlan(Record):
+    """A complete training checkpoint found in output_dir: the run continues from it."""
+
+    checkpoint_dir: str
+    step: int
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class RegeneratePlan(Record):
+    """`dflash-recipe regenerate` settings (the recipe's `regenerate:` section, resolved)."""
+
+    #: OpenAI-compatible base URL (server backend), or None: local transformers generation.
+    base_url: str | None
+    model: str | None
+    #: Name of the environment variable holding the API key (the key is never in a plan).
+    api_key_env: str | None
+    max_concurrency: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    request_timeout_s: float
+    max_retries: int
+    reasoning: Literal["keep", "drop"]
+    first_turn_only: bool
+    #: Absolute path of the regenerated JSONL, or None (then `--output` is required).
+    output_path: str | None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class RunPlan(Record):
+    """Everything the executor needs for one run, resolved and fingerprinted."""
+
+    base_model: BaseModelPlan
+    data: DataPlan
+    training: TrainingPlan
+    draft: DraftPlan
+    init_checkpoint: InitCheckpointPlan | None = None
+    resume: ResumePlan | None = None
+    #: The recipe file this plan came from (absolute), or None for a Python-built recipe.
+    recipe_file: str | None = None
+    #: Command-line overrides applied, in order.
+    overrides: tuple[str, ...] = ()
+    #: The recipe's `regenerate:` section; None when the recipe left it at its defaults.
+    regenerate: RegeneratePlan | None = None
+    #: True when the compiler read config.json/headers (not just the schema).
+    resolved: bool = False
+    format_version: int = PLAN_FORMAT_VERSION
+
+    # -- serialisation ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-compatible dict including `fingerprint`."""
+        data = self._plain()
+        data["fingerprint"] = _sha256_hex(_canonical(data))
+        return data
+
+    def _plain(self) -> dict[str, object]:
+        # attrs' reflective asdict, not a cattrs unstructure hook: the plan holds only attrs
+        # classes, tuples and JSON scalars, and cattrs would generate (compile) one function
+        # per plan class in every process, a third of `compile`'s own time.
+        return attr.asdict(self, retain_collection_types=False)
+
+    def canonical_json(self) -> bytes:
+        """Canonical bytes (sorted keys, no whitespace) of the plan without the fingerprint."""
+        return _canonical(self._plain())
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of :meth:`canonical_json`, hex."""
+        return _sha256_hex(self.canonical_json())
+
+    def to_json(self) -> str:
+        """Pretty JSON for humans and files; keys sorted, fingerprint included."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunPlan:
+        """Parse a plan written by :meth:`to_json`; see :meth:`from_dict` for what is checked."""
+        try:
+            data = parse_json(text, max_int_digits=_PLAN_INT_DIGITS)
+        except JsonProblem as exc:
+            msg = f"run plan is not valid JSON ({exc.reason}); {RECOMPILE_HINT}"
+            raise PlanError(msg) from None
+        if not isinstance(data, dict):
+            msg = f"run plan must be a JSON object; {RECOMPILE_HINT}"
+            raise PlanError(msg)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> RunPlan:
+        """Structure a plan dict, checked rather than trusted.
+
+        Refused with PlanError: another format version, a missing fingerprint, a fingerprint
+        that does not match the content (the file was edited), values of the wrong type, and
+        values the recipe's validators reject (bounds included), each by its dotted path.
+        The fingerprint proves integrity, not authorship: whoever can write the file can
+        recompute it.
+        """
+        payload = dict(data)
+        stated = payload.pop("fingerprint", None)
+        version = payload.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            msg = (
+                f"run plan format_version is {shorten(version)}, this dflash-recipes reads "
+                f"{PLAN_FORMAT_VERSION}; {RECOMPILE_HINT}"
+            )
+            raise PlanError(msg)
+        if stated is None:
+            msg = f"run plan has no fingerprint, so it cannot be checked; {RECOMPILE_HINT}"
+            raise PlanError(msg)
+        try:
+            plan = _plan_converter().structure(payload, cls)
+        except Exception as exc:  # cattrs raises ExceptionGroups of many kinds
+            msg = f"run plan does not match the plan schema: {_flatten(exc)}; {RECOMPILE_HINT}"
+            raise PlanError(msg) from exc
+        if stated != plan.fingerprint:
+            msg = (
+                "run plan fingerprint does not match its content (the file was edited by hand); "
+                f"{RECOMPILE_HINT} instead of editing the plan"
+            )
+            raise PlanError(msg)
+        from dflash_recipes.plan.value_checks import plan_value_problems
+
+        problems = plan_value_problems(plan)
+        if problems:
+            listed = "\n".join(f"  {problem}" for problem in problems)
+            msg = f"run plan has values no recipe can produce; {RECOMPILE_HINT}:\n{listed}"
+            raise PlanError(msg)
+        return plan
+
+    # -- what the executor asks for ---------------------------------------------------------
+
+    def resolved_draft(self) -> ResolvedDraft:
+        """Every value needed to build the drafter, or PlanError naming what is unresolved."""
+        from dflash_recipes.plan.draft_spec import resolve_draft
+
+        return resolve_draft(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON policy for plans (plans are machine-written: strict, no coercion, no extra keys)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _plan_converter() -> cattrs.Converter:
+    """The strict converter that structures plan JSON (built on the first plan read)."""
+    import cattrs  # only where a plan is read: `compile` and `lint` never import it
+
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+    def structure_scalar(value: object, _type: object) -> RopeValue:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        msg = f"expected a JSON scalar, got {type(value).__name__}"
+        raise TypeError(msg)
+
+    conv.register_structure_hook(RopeValue, structure_scalar)
+
+    def structure_strict(kind: type) -> Callable[[object, object], object]:
+        def hook(value: object, _type: object) -> object:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if type(value) is not kind:
+                msg = f"expected {kind.__name__}, got {type(value).__name__} {shorten(value)}"
+                raise TypeError(msg)
+            return value
+
+        return hook
+
+    for kind in (int, float, str, bool):
+        conv.register_structure_hook(kind, structure_strict(kind))
+    return conv
+
+
+def _flatten(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        notes = []
+        for sub in exc.exceptions:
+            notes.append(_flatten(sub))
+        return "; ".join(notes)
+    where = " ".join(getattr(exc, "__notes__", []))
+    return f"{exc} ({where})" if where else str(exc)
+
+
+def _canonical(data: object) -> bytes:
+    # Encoding policy (docs/dflash.md, "Text that is not Unicode"): paths are str as os.fsdecode
+    # gives them, so an undecodable byte is a lone surrogate; surrogatepass hashes any str
+    # deterministically, and text without lone surrogates hashes exactly as plain UTF-8.
+    return json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8", errors="surrogatepass")
+
+
+__all__ = [
+    "PLAN_FORMAT_VERSION",
+    "RECOMPILE_HINT",
+    "ArchitecturePlan",
+    "BaseModelPlan",
+    "DataPlan",
+    "DraftPlan",
+    "InitCheckpointPlan",
+    "ObjectivePlan",
+    "RegeneratePlan",
+    "ResumePlan",
+    "RopePlan",
+    "RunPlan",
+    "TargetFacts",
+    "TrainingPlan",
+]

@@ -1,0 +1,140 @@
+"""Re-validating a run plan's values with the recipe's own single-field validators.
+
+A plan is machine-written, but it is a file: it can be edited, truncated or forged. Before the
+executor trusts one, :func:`plan_value_problems` runs every value that came from a recipe field
+through that field's validator (the same rule, the same bounds), and checks the facts the
+compiler read (target config, checkpoint header, resume step) against plain bounds. Each
+problem names the plan's dotted path, so a tampered `draft.block_size: 1` is refused before a
+model is loaded rather than crashing at the first training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from dflash_recipes.recipe import sections as recipe_module
+from dflash_recipes.recipe.sections import (
+    DataSection,
+    DFlashArchitectureConfig,
+    DFlashSection,
+    IntRange,
+    ModelSection,
+    RegenerateSection,
+    TrainingSection,
+)
+
+if TYPE_CHECKING:
+    from dflash_recipes.plan.run_plan import RunPlan
+
+_Rule = Any  # an attrs validator: (instance, attribute, value) -> None, raising ValueError
+
+#: Sizes read from a config.json or header (vocab, widths, positions): positive int32.
+_FACT = IntRange(1, 2**31 - 1)
+#: Counts that may be zero.
+_COUNT0 = IntRange(0, 2**31 - 1)
+#: A resume step (checkpoint directories hold up to 12 digits).
+_STEP = IntRange(0, 10**12 - 1)
+
+
+def _recipe_rule(cls: type, name: str) -> _Rule:
+    return attrs.fields_dict(cls)[name].validator
+
+
+def _section_rules(plan_obj: object, recipe_cls: type, prefix: str = "") -> dict[str, _Rule]:
+    """Plan field -> validator of the recipe field `prefix + name` (same name otherwise)."""
+    known = attrs.fields_dict(recipe_cls)
+    rules: dict[str, _Rule] = {}
+    for field in attrs.fields(type(plan_obj)):  # type: ignore[arg-type]
+        name = prefix + field.name
+        if name in known and known[name].validator is not None:
+            rules[field.name] = known[name].validator
+    return rules
+
+
+def _run(
+    path: str, rule: _Rule, value: object, label: str, *, optional: bool = False
+) -> Iterator[str]:
+    if value is None and optional:
+        return
+    # The recipe's validators read only the attribute's name, for their messages.
+    attribute = SimpleNamespace(name=label)
+    try:
+        rule(None, attribute, value)
+    except (ValueError, TypeError) as exc:
+        yield f"{path}: {exc}"
+
+
+def _check_section(path: str, obj: object, rules: dict[str, _Rule]) -> Iterator[str]:
+    for name, rule in rules.items():
+        yield from _run(f"{path}.{name}", rule, getattr(obj, name), name)
+
+
+def plan_value_problems(plan: RunPlan) -> list[str]:
+    """Every value of `plan` that breaks its rule, as `dotted.path: message` (empty: fine)."""
+    problems: list[str] = []
+    base = plan.base_model
+    model_path_rule = _recipe_rule(ModelSection, "model_name_or_path")
+    dtype_rule = _recipe_rule(ModelSection, "dtype")
+    problems += _run("base_model.path", model_path_rule, base.path, "path")
+    problems += _run("base_model.dtype", dtype_rule, base.dtype, "dtype")
+    if base.facts is not None:
+        facts = base.facts
+        for name in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
+            problems += _run(f"base_model.facts.{name}", _FACT, getattr(facts, name), name)
+        positive = recipe_module.positive_float
+        problems += _run("base_model.facts.rope.rope_theta", positive, facts.rope.rope_theta, "")
+        problems += _run(
+            "base_model.facts.rms_norm_eps", positive, facts.rms_norm_eps, "", optional=True
+        )
+    problems += _check_section("data", plan.data, _section_rules(plan.data, DataSection))
+    problems += _check_section(
+        "training", plan.training, _section_rules(plan.training, TrainingSection)
+    )
+    draft = plan.draft
+    draft_rules = {
+        "block_size": attrs.fields_dict(DFlashSection)["dflash_block_size"].validator,
+        "mask_token_id": attrs.fields_dict(DFlashSection)["dflash_mask_token_id"].validator,
+        "target_layer_ids": attrs.fields_dict(DFlashArchitectureConfig)[
+            "target_layer_ids"
+        ].validator,
+    }
+    problems += _check_section("draft", draft, draft_rules)
+    problems += _check_section(
+        "draft.architecture",
+        draft.architecture,
+        _section_rules(draft.architecture, DFlashArchitectureConfig),
+    )
+    problems += _check_section(
+        "draft.objective",
+        draft.objective,
+        _section_rules(draft.objective, DFlashSection, prefix="dflash_"),
+    )
+    init = plan.init_checkpoint
+    if init is not None:
+        problems += _run("init_checkpoint.path", model_path_rule, init.path, "path")
+        init_rules: dict[str, _Rule] = {
+            "tensor_count": _COUNT0,
+            "trained_block_size": draft_rules["block_size"],
+            "target_layer_ids": draft_rules["target_layer_ids"],
+            "mask_token_id": draft_rules["mask_token_id"],
+        }
+        for name, rule in init_rules.items():
+            value = getattr(init, name)
+            problems += _run(f"init_checkpoint.{name}", rule, value, name, optional=True)
+    if plan.regenerate is not None:
+        problems += _check_section(
+            "regenerate", plan.regenerate, _section_rules(plan.regenerate, RegenerateSection)
+        )
+    if plan.resume is not None:
+        problems += _run("resume.step", _STEP, plan.resume.step, "step")
+        problems += _run(
+            "resume.checkpoint_dir", model_path_rule, plan.resume.checkpoint_dir, "checkpoint_dir"
+        )
+    return problems
+
+
+__all__ = ["plan_value_problems"]

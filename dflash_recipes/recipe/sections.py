@@ -1,0 +1,458 @@
+"""The recipe: frozen attrs classes a user writes in YAML or constructs in Python.
+
+Only single-field validation lives here (positive sizes, ranges, enumerations). Cross-field
+checks, file checks and checkpoint checks belong to the compiler. The `#:` comment above each
+field is its documentation; the JSON Schema and the docs are generated from these comments.
+
+Field names follow the layout DFlash users already write (ModelOpt's recipes).
+
+Annotations here are evaluated when the classes are made (no ``from __future__ import
+annotations``): the converter then reads type objects instead of compiling a string per field in
+every process, part of keeping `dflash-recipe compile` start-up low (issue 15).
+"""
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+
+from dflash_recipes.files.jsonio import shorten
+from dflash_recipes.records import Record
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+SchedulerType = Literal["cosine", "linear", "constant"]
+LossObjective = Literal["decay", "dpace"]
+ProjectorType = Literal["dflash", "domino", "dspark"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+ReasoningPolicy = Literal["keep", "drop"]
+
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+SCHEDULERS: tuple[str, ...] = ("cosine", "linear", "constant")
+LOSS_OBJECTIVES: tuple[str, ...] = ("decay", "dpace")
+PROJECTOR_TYPES: tuple[str, ...] = ("dflash", "domino", "dspark")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+#: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+REASONING_POLICIES: tuple[str, ...] = ("keep", "drop")
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+#: No integer field accepts more than this (int64: what tensors, seeds and counters hold).
+INT_FIELD_MAX = 2**63 - 1
+#: The largest target layer index a tap may name.
+MAX_LAYER_ID = 4095
+
+
+# ---------------------------------------------------------------------------------------------
+# single-field validators: each raises ValueError with a message that names the rule
+# ---------------------------------------------------------------------------------------------
+
+
+def _name(attribute: "attrs.Attribute[Any]") -> str:
+    return attribute.name
+
+
+def positive_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must be an int > 0 (None passes; use on Optional fields too)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT_FIELD_MAX:
+        msg = f"{_name(attribute)} must be a positive integer, got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def non_negative_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must be an int >= 0 (None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT_FIELD_MAX:
+        msg = f"{_name(attribute)} must be an integer >= 0, got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def positive_float(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must be a finite number > 0 (None passes)."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        msg = f"{_name(attribute)} must be a finite number > 0, got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def non_negative_float(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must be a finite number >= 0."""
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        msg = f"{_name(attribute)} must be a finite number >= 0, got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def fraction_half_open(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must lie in [0, 1)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        msg = f"{_name(attribute)} must be in [0, 1), got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def fraction_open_closed(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must lie in (0, 1]."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        msg = f"{_name(attribute)} must be in (0, 1], got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def one_of(choices: tuple[str, ...]) -> Validator:
+    """Validator: the value must be one of `choices` (None passes)."""
+
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value is None:
+            return
+        if value not in choices:
+            msg = f"{_name(attribute)} must be one of {', '.join(choices)}; got {shorten(value)}"
+            raise ValueError(msg)
+
+    return check
+
+
+def even_positive_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """Value must be a positive even int (RoPE rotates pairs of dimensions)."""
+    positive_int(instance, attribute, value)
+    if value is not None and isinstance(value, int) and value % 2 != 0:
+        msg = (
+            f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), "
+            f"got {shorten(value)}"
+        )
+        raise ValueError(msg)
+
+
+def layer_id_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A non-empty tuple of integers >= 0 (None passes: resolved by the compiler)."""
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        msg = f"{_name(attribute)} must be a non-empty list of layer indices, got {shorten(value)}"
+        raise ValueError(msg)
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool) or not 0 <= item <= MAX_LAYER_ID:
+            msg = (
+                f"{_name(attribute)} entries must be integers in [0, {MAX_LAYER_ID}], "
+                f"got {shorten(item)}"
+            )
+            raise ValueError(msg)
+
+
+def layer_type_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A non-empty tuple of LAYER_TYPES names (None passes: resolved by the compiler)."""
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        msg = (
+            f"{_name(attribute)} must be a non-empty list with one of "
+            f"{' | '.join(LAYER_TYPES)} per draft layer, got {value!r}"
+        )
+        raise ValueError(msg)
+    for index, item in enumerate(value):
+        if item not in LAYER_TYPES:
+            msg = (
+                f"{_name(attribute)}[{index}] is {item!r}; each entry must be one of "
+                f"{', '.join(LAYER_TYPES)}"
+            )
+            raise ValueError(msg)
+
+
+def block_size_range(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A DFlash block needs the anchor plus at least one masked position."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 128:
+        msg = f"{_name(attribute)} must be an integer in [2, 128], got {shorten(value)}"
+        raise ValueError(msg)
+
+
+def non_empty_str(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A non-empty string (None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value.strip():
+        msg = f"{_name(attribute)} must be a non-empty string, got {shorten(value)}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class IntRange(Record):
+    """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.
+
+    The JSON Schema takes its bounds from the attributes, so schema and loader agree.
+    """
+
+    minimum: int
+    maximum: int
+    even: bool = False
+
+    def __call__(self, instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value is None:
+            return
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or not self.minimum <= value <= self.maximum
+        ):
+            lower = "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
+            msg = (
+                f"{_name(attribute)} must be {lower} no larger than {self.maximum}, "
+                f"got {shorten(value)}"
+            )
+            raise ValueError(msg)
+        if self.even and value % 2:
+            msg = (
+                f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), "
+                f"got {shorten(value)}"
+            )
+            raise ValueError(msg)
+
+
+#: Optimiser steps, and step intervals (a billion steps is far beyond any run).
+_STEPS = IntRange(1, 10**9)
+#: Widths of the drafter (hidden widths, heads, ranks).
+_WIDTH = IntRange(1, 2**20)
+#: Counts of heads and layers.
+_COUNT = IntRange(1, 4096)
+
+
+def env_var_name(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """The name of an environment variable (letters, digits, underscores; None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not re.fullmatch(_ENV_NAME, value):
+        msg = (
+            f"{_name(attribute)} must be the NAME of an environment variable (letters, digits "
+            f"and underscores, e.g. OPENAI_API_KEY), never the key itself; got {value!r}"
+        )
+        raise ValueError(msg)
+
+
+_ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ModelSection(Record):
+    """The frozen target (base) model the drafter is trained against."""
+
+    #: Local Hugging Face model directory (needs config.json; weights are needed only to run).
+    model_name_or_path: str = attrs.field(validator=non_empty_str)
+    #: Training/compute dtype of the target: bfloat16 | float16 | float32.
+    dtype: Dtype = attrs.field(default="bfloat16", validator=one_of(DTYPES))
+    #: Allow custom modelling code from the model directory. Never on by default.
+    trust_remote_code: bool = False
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DataSection(Record):
+    """Training data: JSONL conversations (OpenAI `messages` or ShareGPT `conversations`)."""
+
+    #: JSONL file, one conversation per line. Required to run; compile warns when unset.
+    data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Optional .jinja chat template file; default: the tokenizer's own template.
+    chat_template: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Supervise only assistant tokens (prompt tokens get no loss and open no blocks).
+    answer_only_loss: bool = True
+    #: Optional JSONL of held-out conversations for `eval` and `training.eval_steps`.
+    eval_data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Directory written by `dflash-recipe capture`: train offline from its safetensors shards
+    #: (the target's decoder is not run); compile checks it against the plan.
+    hidden_states_path: str | None = attrs.field(default=None, validator=non_empty_str)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class TrainingSection(Record):
+    """Optimiser, schedule, checkpointing and logging."""
+
+    #: Where checkpoints, metrics.jsonl and the final export go. A rerun resumes from here.
+    output_dir: str = attrs.field(default="outputs/dflash", validator=non_empty_str)
+    #: Peak AdamW learning rate (about 6e-4 from scratch, 1e-4 to fine-tune a released drafter).
+    learning_rate: float = attrs.field(default=1.0e-4, validator=positive_float)
+    #: Passes over the data (ignored when max_steps is set).
+    num_train_epochs: int = attrs.field(default=1, validator=IntRange(1, 10**6))
+    #: Stop after this many optimiser steps; null: run num_train_epochs.
+    max_steps: int | None = attrs.field(default=None, validator=_STEPS)
+    #: Sequences per device per micro-batch.
+    per_device_train_batch_size: int = attrs.field(default=1, validator=IntRange(1, 2**16))
+    #: Micro-batches accumulated into one optimiser step.
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=IntRange(1, 2**16))
+    #: Tokens per training sequence (longer conversations are truncated).
+    training_seq_len: int = attrs.field(default=4096, validator=IntRange(1, 2**24))
+    #: Fraction of the steps spent in linear warmup, in [0, 1).
+    warmup_ratio: float = attrs.field(default=0.04, validator=fraction_half_open)
+    #: Learning-rate schedule after warmup: cosine | linear | constant.
+    lr_scheduler_type: SchedulerType = attrs.field(default="cosine", validator=one_of(SCHEDULERS))
+    #: Gradient clipping threshold (global L2 norm).
+    max_grad_norm: float = attrs.field(default=1.0, validator=positive_float)
+    #: AdamW weight decay.
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
+    #: Seed for initialisation, anchor sampling and data order.
+    seed: int = attrs.field(default=0, validator=IntRange(0, 2**32 - 1))
+    #: Save a training checkpoint every this many optimiser steps (and at the end).
+    save_steps: int = attrs.field(default=500, validator=_STEPS)
+    #: Keep at most this many training checkpoints (oldest deleted first); null: keep all.
+    save_total_limit: int | None = attrs.field(default=2, validator=IntRange(1, 10**6))
+    #: Log metrics every this many optimiser steps.
+    logging_steps: int = attrs.field(default=10, validator=_STEPS)
+    #: Measure real acceptance on held-out conversations every this many steps; null: never.
+    eval_steps: int | None = attrs.field(default=None, validator=_STEPS)
+    #: Compute device: auto (CUDA when available) | cpu | cuda.
+    device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
+    #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
+    fsdp: bool = False
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DFlashArchitectureConfig(Record):
+    """The drafter's own dimensions. They never inherit from the base model."""
+
+    #: Draft decoder layers (must match the init checkpoint).
+    num_hidden_layers: int | None = attrs.field(default=None, validator=_COUNT)
+    #: Query heads per draft layer.
+    num_attention_heads: int | None = attrs.field(default=None, validator=_COUNT)
+    #: Key/value heads per draft layer (GQA); must divide num_attention_heads.
+    num_key_value_heads: int | None = attrs.field(default=None, validator=_COUNT)
+    #: Width of one attention head (even).
+    head_dim: int | None = attrs.field(default=None, validator=IntRange(1, 4096, even=True))
+    #: SwiGLU MLP width.
+    intermediate_size: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: RMSNorm epsilon.
+    rms_norm_eps: float = attrs.field(default=1.0e-6, validator=positive_float)
+    #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]).
+    #: null: the checkpoint's taps, else the default formula.
+    target_layer_ids: tuple[int, ...] | None = attrs.field(default=None, validator=layer_id_list)
+    #: Head variant: dflash (plain) | domino (GRU correction head) | dspark (Markov bias head).
+    projector_type: ProjectorType = attrs.field(default="dflash", validator=one_of(PROJECTOR_TYPES))
+    #: Domino: width of the correction embedding.
+    emb_dim: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: Domino: hidden width of the prefix GRU.
+    gru_hidden_dim: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: DSpark: rank of the low-rank Markov transition bias.
+    markov_rank: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: DSpark: add the confidence head (confidence_proj).
+    use_confidence_head: bool = False
+    #: Add a learnable attention sink per head (layers.{i}.self_attn.attention_sink_bias).
+    attention_sink: bool = False
+    #: Attention kind per draft layer: full_attention | sliding_attention (causal, windowed).
+    #: null: the init checkpoint's layer_types, else full attention in every layer.
+    layer_types: tuple[str, ...] | None = attrs.field(default=None, validator=layer_type_list)
+    #: Keys a sliding_attention query sees, itself included (Hugging Face's sliding_window).
+    #: null: the init checkpoint's.
+    sliding_window: int | None = attrs.field(default=None, validator=positive_int)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DFlashSection(Record):
+    """DFlash training: block drafting, the warm start and the loss."""
+
+    #: Local directory of an exported drafter (model.safetensors + config.json) to fine-tune.
+    #: Hub ids are not fetched: stage it with `hf download <repo> --local-dir <dir>` first.
+    dflash_init_checkpoint: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Tokens drafted per block (the anchor plus block_size - 1 masked positions).
+    dflash_block_size: int = attrs.field(default=16, validator=block_size_range)
+    #: Token id used for masked block positions (Qwen3: 151669). null: the checkpoint's.
+    dflash_mask_token_id: int | None = attrs.field(default=None, validator=IntRange(0, 2**31 - 1))
+    #: Blocks (anchors) sampled per training sequence each step.
+    dflash_num_anchors: int = attrs.field(default=512, validator=IntRange(1, 2**20))
+    #: Position weighting of the loss: decay (exp(-(k-1)/gamma)) | dpace (confidence-based).
+    dflash_loss_objective: LossObjective = attrs.field(
+        default="decay", validator=one_of(LOSS_OBJECTIVES)
+    )
+    #: gamma of the decay weights; null: 7 for B=16, 5 for B=10, 4 for B=8, otherwise
+    #: interpolated linearly through those points (extrapolated from the nearest pair, >= 1).
+    dflash_loss_decay_factor: float | None = attrs.field(default=None, validator=positive_float)
+    #: D-PACE smoothing alpha, in (0, 1].
+    dflash_dpace_alpha: float = attrs.field(default=0.5, validator=fraction_open_closed)
+    #: Add soft cross-entropy against the target's own next-token distribution.
+    dflash_self_logit_distillation: bool = False
+    #: Domino: initial weight of the backbone-logit CE; decays linearly to 0 over training.
+    dflash_domino_backbone_loss_weight: float = attrs.field(
+        default=1.0, validator=non_negative_float
+    )
+    #: DSpark: weight of the total-variation distance to the target distribution.
+    dflash_dspark_tv_weight: float = attrs.field(default=1.0, validator=non_negative_float)
+    #: DSpark: weight of the confidence-head BCE (needs use_confidence_head).
+    dflash_dspark_confidence_weight: float = attrs.field(default=0.1, validator=non_negative_float)
+    #: The drafter's architecture; must match dflash_init_checkpoint when one is given.
+    dflash_architecture_config: DFlashArchitectureConfig = attrs.field(
+        factory=DFlashArchitectureConfig
+    )
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class RegenerateSection(Record):
+    """`dflash-recipe regenerate`: answer the training prompts with the target itself."""
+
+    #: OpenAI-compatible server (vLLM, SGLang), e.g. http://localhost:8000/v1. null: generate
+    #: locally with transformers and model.model_name_or_path (small targets only).
+    base_url: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Model name sent to the server; null: the first model the server lists (GET /v1/models).
+    model: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: NAME of the environment variable holding the server's API key (never the key itself).
+    api_key_env: str | None = attrs.field(default=None, validator=env_var_name)
+    #: Requests in flight at once (server), or conversations per generate batch (local).
+    max_concurrency: int = attrs.field(default=32, validator=IntRange(1, 4096))
+    #: Sampling temperature; 0: greedy (the answers the target gives most often).
+    temperature: float = attrs.field(default=0.0, validator=non_negative_float)
+    #: Nucleus sampling threshold, in (0, 1].
+    top_p: float = attrs.field(default=1.0, validator=fraction_open_closed)
+    #: Most tokens generated per answer (at most training.training_seq_len); null: that length.
+    max_new_tokens: int | None = attrs.field(default=None, validator=IntRange(1, 2**24))
+    #: Seconds one request may take before it is retried.
+    request_timeout_s: float = attrs.field(default=600.0, validator=positive_float)
+    #: Retries of a request after 429/5xx/connection errors, with exponential backoff.
+    max_retries: int = attrs.field(default=5, validator=IntRange(0, 1000))
+    #: keep: the thinking stays in the answer as a <think>...</think> block (how Qwen3 chat
+    #: templates read it) | drop: reasoning_content and <think> blocks are removed.
+    reasoning: ReasoningPolicy = attrs.field(default="keep", validator=one_of(REASONING_POLICIES))
+    #: Regenerate only up to the first assistant turn (later turns are dropped).
+    first_turn_only: bool = False
+    #: Where the regenerated JSONL goes (shards in OUTPUT.parts/); `--output` overrides it.
+    output_path: str | None = attrs.field(default=None, validator=non_empty_str)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class Recipe(Record):
+    """A whole recipe: target model, data, training and DFlash settings."""
+
+    #: The frozen target model.
+    model: ModelSection
+    #: The DFlash drafter and its warm start.
+    dflash: DFlashSection = attrs.field(factory=DFlashSection)
+    #: Training data.
+    data: DataSection = attrs.field(factory=DataSection)
+    #: Optimiser, schedule, checkpoints.
+    training: TrainingSection = attrs.field(factory=TrainingSection)
+    #: `dflash-recipe regenerate`: the target answers the training prompts itself.
+    regenerate: RegenerateSection = attrs.field(factory=RegenerateSection)
+
+
+__all__ = [
+    "INT_FIELD_MAX",
+    "MAX_LAYER_ID",
+    "DFlashArchitectureConfig",
+    "DFlashSection",
+    "DataSection",
+    "IntRange",
+    "ModelSection",
+    "Recipe",
+    "RegenerateSection",
+    "TrainingSection",
+]
