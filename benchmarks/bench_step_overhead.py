@@ -59,11 +59,11 @@ from dflash_recipes.executor.model.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.model.draft import (
+from dflash_recipes.executor.model.draft import taps_from_hidden_states
+from dflash_recipes.executor.model.masks import (
     build_dense_block_mask,
     build_split_block_mask,
     split_chunk_count,
-    taps_from_hidden_states,
 )
 from dflash_recipes.executor.training import loss as loss_module
 from dflash_recipes.executor.training import metrics as metrics_module

@@ -72,11 +72,10 @@ from dflash_recipes.executor.model.convert import (
 )
 from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
-    build_dense_block_mask,
-    build_flex_block_mask,
     rope_parameters,
     taps_from_hidden_states,
 )
+from dflash_recipes.executor.model.masks import build_dense_block_mask, build_flex_block_mask
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs

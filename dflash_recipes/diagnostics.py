@@ -57,11 +57,11 @@ CODE_MODULES: tuple[str, ...] = (
     "dflash_recipes.recipe.converter",
     "dflash_recipes.recipe.loader",
     "dflash_recipes.checkpoint.hfconfig",
-    "dflash_recipes.checkpoint.config_fields",
+    "dflash_recipes.compiler.field_checks",
     "dflash_recipes.compiler.capture_checks",
     "dflash_recipes.compiler.regenerate_checks",
     "dflash_recipes.compiler.codes",
-    "dflash_recipes.cli",
+    "dflash_recipes.cli.group",
 )
 
 

@@ -15,14 +15,10 @@ import pytest
 from testkit.compiling import only
 from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
-from dflash_recipes.checkpoint.config_fields import (
-    CHECKPOINT_FIELDS,
-    check_checkpoint_fields,
-    field_entry,
-    unknown_fields,
-)
+from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS, field_entry, unknown_fields
 from dflash_recipes.checkpoint.hfconfig import checkpoint_config_from_mapping
 from dflash_recipes.compiler.compilation import CompileResult, compile_recipe
+from dflash_recipes.compiler.field_checks import check_checkpoint_fields
 from dflash_recipes.diagnostics import Severity, registered_codes
 from dflash_recipes.recipe.sections import Recipe
 

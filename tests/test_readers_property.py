@@ -25,9 +25,9 @@ from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config, read_targ
 from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.files.metrics_rows import read_metrics
 from dflash_recipes.plan.run_plan import RunPlan, _canonical
 from dflash_recipes.recipe.loader import load_recipe, load_recipe_with_diagnostics
-from dflash_recipes.report import read_metrics
 
 #: Raw bytes, JSON text of any value, and a few shapes known to break naive parsers.
 file_bytes = st.one_of(

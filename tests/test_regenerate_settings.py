@@ -14,10 +14,10 @@ from dflash_recipes.compiler.regenerate_checks import (
     base_url_problem,
     chat_completions_url,
     models_url,
-    prompt_key,
 )
 from dflash_recipes.diagnostics import Diagnostic
 from dflash_recipes.errors import RecipeError
+from dflash_recipes.files.regenerate_output import prompt_key
 from dflash_recipes.recipe.loader import load_recipe
 from dflash_recipes.recipe.sections import Recipe, RegenerateSection
 

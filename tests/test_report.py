@@ -148,7 +148,7 @@ def test_missing_metrics_file(tmp_path: Path) -> None:
 
 def test_schema_helpers_round_trip(tmp_path: Path) -> None:
     """Rows built with the schema helpers are what the reader reads back (NaN -> missing)."""
-    from dflash_recipes.report import (
+    from dflash_recipes.files.metrics_rows import (
         KIND_TRAIN,
         TRAIN_KEYS,
         eval_row,

@@ -29,6 +29,7 @@ from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.files.jsonio import shorten
 from dflash_recipes.plan.run_plan import RopePlan, RopeValue, TargetFacts
+from dflash_recipes.recipe.choices import PROJECTOR_TYPES
 from dflash_recipes.records import Record
 
 TARGET_CONFIG_UNREADABLE = register_code(
@@ -550,7 +551,7 @@ def checkpoint_config_from_mapping(
     raw_projector = dflash.raw("projector_type")
     if raw_projector is not None:
         value, where = raw_projector
-        if value in ("dflash", "domino", "dspark"):
+        if value in PROJECTOR_TYPES:
             projector = str(value)
         else:
             dflash.bad(code, severity, where, "one of dflash, domino, dspark", value)

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence, Set
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
+from dflash_recipes.recipe.choices import PROJECTOR_TYPES, ProjectorType
 from dflash_recipes.records import Record
 
 Shape = tuple[int, ...]
-ProjectorType = Literal["dflash", "domino", "dspark"]
 
-_PROJECTORS: tuple[str, ...] = ("dflash", "domino", "dspark")
+_PROJECTORS: tuple[str, ...] = PROJECTOR_TYPES
 
 #: The draft dims every drafter sets (recipe names under dflash_architecture_config); never
 #: inherited from the base model.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-from dflash_recipes.checkpoint.config_fields import CHECKPOINT_DFLASH2, check_checkpoint_fields
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
 from dflash_recipes.checkpoint.tensor_layout import (
     ARCHITECTURE_FIELDS,
@@ -37,6 +36,7 @@ from dflash_recipes.compiler.codes import (
     MASK_TOKEN_OUT_OF_RANGE,
     TAPS_OUT_OF_RANGE,
 )
+from dflash_recipes.compiler.field_checks import CHECKPOINT_DFLASH2, check_checkpoint_fields
 from dflash_recipes.compiler.model_paths import inspect_checkpoint_dir
 from dflash_recipes.compiler.state import (
     ARCH_PATH,

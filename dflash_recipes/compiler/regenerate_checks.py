@@ -12,16 +12,20 @@ is ``OUTPUT.summary.json``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import attrs
 
 from dflash_recipes.diagnostics import Severity, register_code
+from dflash_recipes.files.regenerate_output import (
+    PARTS_SUFFIX,
+    SUMMARY_SUFFIX,
+    parts_dir,
+    prompt_key,
+    summary_path,
+)
 from dflash_recipes.plan.run_plan import RegeneratePlan
 from dflash_recipes.recipe.sections import RegenerateSection
 from dflash_recipes.records import Record
@@ -63,10 +67,6 @@ REGENERATE_SERVER_FIELD_UNUSED = register_code(
     _W,
     "a server-only regenerate field is set but base_url is not (local generation ignores it)",
 )
-
-#: Suffixes of the files that belong to an output (shards folder, summary sidecar).
-PARTS_SUFFIX = ".parts"
-SUMMARY_SUFFIX = ".summary.json"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -124,16 +124,6 @@ def models_url(base_url: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # the output
 # ---------------------------------------------------------------------------------------------
-
-
-def parts_dir(output: Path) -> Path:
-    """The folder of `output`'s shards (and its lock)."""
-    return output.with_name(output.name + PARTS_SUFFIX)
-
-
-def summary_path(output: Path) -> Path:
-    """The JSON sidecar with `output`'s summary."""
-    return output.with_name(output.name + SUMMARY_SUFFIX)
 
 
 def output_problem(output: Path, source: Path | None) -> tuple[str, str, str] | None:
@@ -296,18 +286,6 @@ def default_regenerate_plan(training_seq_len: int) -> RegeneratePlan:
 # ---------------------------------------------------------------------------------------------
 # resume keys
 # ---------------------------------------------------------------------------------------------
-
-
-def prompt_key(turns: Sequence[tuple[str, str | None]]) -> str:
-    """Content hash of a conversation's prompt turns: (role, content) pairs, where assistant
-    turns (the part regenerate replaces) are given with content None.
-
-    The same prompts give the same key in any file order, so a reordered input still resumes.
-    """
-    canonical = json.dumps(
-        [[role, content] for role, content in turns], ensure_ascii=False, separators=(",", ":")
-    )
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 __all__ = [

@@ -13,15 +13,14 @@ from dflash_recipes.executor.model.convert import (
     lm_head,
     load_base_model,
 )
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
+from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
+from dflash_recipes.executor.model.masks import (
     DraftMask,
     build_dense_block_mask,
     build_flex_block_mask,
-    taps_from_hidden_states,
 )
-from dflash_recipes.executor.model.export import export_drafter
-from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
 from dflash_recipes.executor.model.warmstart import WarmStartReport, load_init_checkpoint
 from dflash_recipes.executor.training.anchors import block_positions
 from dflash_recipes.executor.training.checkpoints import (

@@ -403,7 +403,10 @@ def _shard_header_problem(
 def needs_teacher(
     *, self_logit_distillation: bool, projector_type: str, dspark_tv_weight: float
 ) -> bool:
-    """Whether the objective compares the drafter with the target's logits (same rule as train)."""
+    """Whether the objective compares the drafter with the target's logits: the one rule.
+
+    The training step, capture, offline reading and the compiler's capture checks all ask here.
+    """
     return self_logit_distillation or (projector_type == "dspark" and dspark_tv_weight > 0)
 
 

@@ -11,13 +11,16 @@ not import it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import attrs
 
 from dflash_recipes.errors import PlanError
-from dflash_recipes.plan.run_plan import ArchitecturePlan, RopePlan, RunPlan
+from dflash_recipes.recipe.choices import ProjectorType
 from dflash_recipes.records import Record
+
+if TYPE_CHECKING:  # run_plan imports this module to resolve a plan
+    from dflash_recipes.plan.run_plan import ArchitecturePlan, RopePlan, RunPlan
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -38,7 +41,7 @@ class ResolvedDraft(Record):
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    projector_type: Literal["dflash", "domino", "dspark"]
+    projector_type: ProjectorType
     emb_dim: int | None
     gru_hidden_dim: int | None
     markov_rank: int | None

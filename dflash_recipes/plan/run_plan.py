@@ -19,6 +19,7 @@ import attrs
 
 from dflash_recipes.errors import PlanError
 from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
+from dflash_recipes.recipe.choices import Dtype, ProjectorType, SchedulerType
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class BaseModelPlan(Record):
     """The frozen target: where it is and how to load it."""
 
     path: str
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: Dtype
     trust_remote_code: bool
     #: None until the compiler has read config.json (schema-level compile leaves it None).
     facts: TargetFacts | None = None
@@ -127,7 +128,7 @@ class TrainingPlan(Record):
     gradient_accumulation_steps: int
     training_seq_len: int
     warmup_ratio: float
-    lr_scheduler_type: Literal["cosine", "linear", "constant"]
+    lr_scheduler_type: SchedulerType
     max_grad_norm: float
     weight_decay: float
     seed: int
@@ -149,7 +150,7 @@ class ArchitecturePlan(Record):
     head_dim: int | None
     intermediate_size: int | None
     rms_norm_eps: float
-    projector_type: Literal["dflash", "domino", "dspark"]
+    projector_type: ProjectorType
     emb_dim: int | None
     gru_hidden_dim: int | None
     markov_rank: int | None

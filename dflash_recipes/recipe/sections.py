@@ -14,28 +14,27 @@ every process, part of keeping `dflash-recipe compile` start-up low (issue 15).
 import math
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
 from dflash_recipes.files.jsonio import shorten
+from dflash_recipes.recipe.choices import (
+    DEVICES,
+    DTYPES,
+    LAYER_TYPES,
+    LOSS_OBJECTIVES,
+    PROJECTOR_TYPES,
+    REASONING_POLICIES,
+    SCHEDULERS,
+    DeviceChoice,
+    Dtype,
+    LossObjective,
+    ProjectorType,
+    ReasoningPolicy,
+    SchedulerType,
+)
 from dflash_recipes.records import Record
-
-Dtype = Literal["bfloat16", "float16", "float32"]
-SchedulerType = Literal["cosine", "linear", "constant"]
-LossObjective = Literal["decay", "dpace"]
-ProjectorType = Literal["dflash", "domino", "dspark"]
-DeviceChoice = Literal["auto", "cpu", "cuda"]
-ReasoningPolicy = Literal["keep", "drop"]
-
-DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
-SCHEDULERS: tuple[str, ...] = ("cosine", "linear", "constant")
-LOSS_OBJECTIVES: tuple[str, ...] = ("decay", "dpace")
-PROJECTOR_TYPES: tuple[str, ...] = ("dflash", "domino", "dspark")
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-#: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
-LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
-REASONING_POLICIES: tuple[str, ...] = ("keep", "drop")
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 

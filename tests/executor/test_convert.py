@@ -17,10 +17,8 @@ from dflash_recipes.executor.model.convert import (
     load_base_model,
     target_forward,
 )
-from dflash_recipes.executor.model.draft import (
-    build_dense_block_mask,
-    taps_from_hidden_states,
-)
+from dflash_recipes.executor.model.draft import taps_from_hidden_states
+from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.executor.training.anchors import block_positions
 
 

@@ -11,11 +11,8 @@ from testkit.tiny import randomize, tiny_plan, tiny_target
 from torch import Tensor
 
 from dflash_recipes.checkpoint.tensor_layout import expected_layout
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
-    build_dense_block_mask,
-    taps_from_hidden_states,
-)
+from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
+from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.executor.model.warmstart import layout_spec
 from dflash_recipes.executor.training.anchors import block_positions
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from testkit.tiny import tiny_plan
 
-from dflash_recipes.checkpoint.config_fields import check_checkpoint_fields, unknown_fields
+from dflash_recipes.checkpoint.config_fields import unknown_fields
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.compiler.field_checks import check_checkpoint_fields
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.model.heads import DominoHead

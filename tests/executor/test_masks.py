@@ -13,8 +13,8 @@ from testkit.tiny import randomize, tiny_plan
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.masks import (
     SplitBlockMask,
     build_dense_block_mask,
     build_flex_block_mask,

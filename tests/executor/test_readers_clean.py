@@ -26,7 +26,7 @@ from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from dflash_recipes.report import read_metrics
+from dflash_recipes.files.metrics_rows import read_metrics
 
 GOOD = json.dumps(
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}

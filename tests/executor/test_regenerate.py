@@ -23,11 +23,8 @@ from openai_test_server import DEFAULT_KNOBS
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.errors import DataError, DirectoryLockedError, RegenerateError
-from dflash_recipes.executor.regenerate.job import (
-    RegenerateSummary,
-    apply_reasoning,
-    run_regenerate,
-)
+from dflash_recipes.executor.regenerate.job import RegenerateSummary, run_regenerate
+from dflash_recipes.executor.regenerate.types import apply_reasoning
 from dflash_recipes.files.locking import hold_directory_lock
 from dflash_recipes.plan.run_plan import RunPlan
 

@@ -18,8 +18,9 @@ from testkit.tiny import TINY_HIDDEN, randomize, tiny_plan
 from transformers import Qwen3Config
 
 from dflash_recipes.executor.model import export
-from dflash_recipes.executor.model.draft import DFlashDraftModel, build_dense_block_mask
+from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.masks import build_dense_block_mask
 
 _LOADER = r"""
 import json, sys

@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
 
 from dflash_recipes.executor.evaluation.speculative import DFlashBlockDrafter, DraftContext
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.masks import (
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,

@@ -21,7 +21,6 @@ from dflash_recipes.executor.evaluation.evaluate import (
     acceptance_from_steps,
     evaluate_acceptance,
     evaluate_on_plan_data,
-    load_drafter_weights,
     prompts_from_conversations,
     run_eval,
 )
@@ -39,12 +38,10 @@ from dflash_recipes.executor.model.convert import (
     lm_head,
     load_base_model,
 )
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
-    build_dense_block_mask,
-    taps_from_hidden_states,
-)
+from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
 from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.masks import build_dense_block_mask
+from dflash_recipes.executor.model.weights import load_drafter_weights
 from dflash_recipes.executor.training.anchors import block_positions
 from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
 from dflash_recipes.plan.draft_spec import ResolvedDraft

@@ -27,9 +27,7 @@ import attrs
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE
-from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
-from dflash_recipes.errors import CheckpointError, DataError
+from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.conversations import (
     Conversation,
     read_chat_template,
@@ -42,8 +40,7 @@ from dflash_recipes.executor.evaluation.speculative import (
 )
 from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, torch_dtype
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.model.warmstart import load_exact_weights
-from dflash_recipes.files.run_dir import EXPORT_DIR, complete_checkpoints
+from dflash_recipes.executor.model.weights import load_drafter_weights
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
@@ -279,36 +276,6 @@ def load_prompts(
 # ---------------------------------------------------------------------------------------------
 # The CLI's library call
 # ---------------------------------------------------------------------------------------------
-
-
-def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int:
-    """Copy the z-lab weights of ``checkpoint_dir`` into ``drafter`` exactly; the tensor count.
-
-    ``checkpoint_dir`` is an export or a training checkpoint (``model.safetensors`` or shards).
-    CheckpointError when the weights are missing, any tensor name or shape differs from the
-    drafter's, or a dtype would round (load before casting the drafter).
-    """
-    if not checkpoint_dir.is_dir():
-        msg = f"checkpoint directory {checkpoint_dir} does not exist"
-        raise CheckpointError(msg)
-    if not (checkpoint_dir / WEIGHTS_FILE).is_file():
-        candidates = [checkpoint_dir / EXPORT_DIR] if (checkpoint_dir / EXPORT_DIR).is_dir() else []
-        candidates += [path for _, path in complete_checkpoints(checkpoint_dir)][-1:]
-        if candidates:
-            msg = (
-                f"{checkpoint_dir} holds no {WEIGHTS_FILE}; it looks like a run's "
-                "output_dir: pass " + " or ".join(str(c) for c in candidates)
-            )
-            raise CheckpointError(msg)
-    weights = read_checkpoint_weights(checkpoint_dir)
-    return load_exact_weights(
-        drafter,
-        weights,
-        mismatch=(
-            f"{checkpoint_dir} does not hold the drafter the plan describes; evaluate it with "
-            "the plan (or recipe) it was trained with"
-        ),
-    )
 
 
 def evaluate_on_plan_data(

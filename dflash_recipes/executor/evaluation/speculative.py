@@ -32,12 +32,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from dflash_recipes.executor.model.convert import dflash_module, embed_tokens, lm_head
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
-    build_dense_block_mask,
-    taps_from_hidden_states,
-)
+from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
 from dflash_recipes.executor.model.heads import DominoHead
+from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.records import Record
 

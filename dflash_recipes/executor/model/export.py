@@ -235,8 +235,8 @@ def export_checkpoint(
     The target is checked (see :func:`export_drafter`) before the checkpoint is read.
     """
     check_export_target(Path(out_dir), force=force, sources=(Path(checkpoint_dir),))
-    from dflash_recipes.executor.evaluation.evaluate import load_drafter_weights
     from dflash_recipes.executor.model.draft import DFlashDraftModel
+    from dflash_recipes.executor.model.weights import load_drafter_weights
 
     drafter = DFlashDraftModel(plan.resolved_draft())
     load_drafter_weights(drafter, Path(checkpoint_dir))

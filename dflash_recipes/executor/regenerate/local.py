@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dflash_recipes.executor.regenerate.job import (
+from dflash_recipes.executor.regenerate.types import (
     Answer,
     Job,
     Outcome,

@@ -24,7 +24,7 @@ import httpx
 
 from dflash_recipes.compiler.regenerate_checks import chat_completions_url, models_url
 from dflash_recipes.errors import RegenerateError
-from dflash_recipes.executor.regenerate.job import (
+from dflash_recipes.executor.regenerate.types import (
     Answer,
     Job,
     Outcome,

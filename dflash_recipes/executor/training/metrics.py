@@ -24,7 +24,7 @@ from dflash_recipes.executor.training.loss import (
     estimated_acceptance_length,
     per_position_accuracy,
 )
-from dflash_recipes.report import metrics_json_line, train_row
+from dflash_recipes.files.metrics_rows import metrics_json_line, train_row
 
 logger = logging.getLogger("dflash_recipes.train")
 

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -25,9 +24,9 @@ from torch import nn
 
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.executor.training.checkpoints import Stateful, restore_training_checkpoint
-from dflash_recipes.files.crashsafe import write_bytes_atomic
 from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.files.locking import LOCK_FILE, hold_directory_lock
+from dflash_recipes.files.metrics_rows import drop_metrics_after, last_train_row
 from dflash_recipes.files.run_dir import (
     TRAINER_STATE,
     checkpoint_step,
@@ -40,9 +39,6 @@ if TYPE_CHECKING:
     from dflash_recipes.plan.run_plan import RunPlan
 
 logger = logging.getLogger("dflash_recipes.train")
-
-#: metrics.jsonl larger than this is not rewritten on resume (rows are then left as they are).
-_MAX_METRICS_REWRITE_BYTES = 512 * 2**20
 
 
 @contextlib.contextmanager
@@ -117,53 +113,6 @@ def restore_newest_readable(
         + "); delete the unreadable checkpoint directories to start afresh, or restore them"
     )
     raise CheckpointError(msg)
-
-
-def _parse_row(line: bytes) -> dict[str, object] | None:
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return row if isinstance(row, dict) else None
-
-
-def _row_step(row: dict[str, object] | None) -> int | None:
-    step = row.get("step") if row is not None else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _read_lines(path: Path) -> list[bytes]:
-    try:
-        if not path.is_file() or path.stat().st_size > _MAX_METRICS_REWRITE_BYTES:
-            return []
-        return path.read_bytes().splitlines(keepends=True)
-    except OSError:
-        return []
-
-
-def drop_metrics_after(path: Path, step: int) -> int:
-    """Remove the rows of steps after `step` from a metrics file, atomically; how many.
-
-    A resumed run redoes those steps and logs them again. Lines without a step (summaries,
-    lines that do not parse) are kept byte for byte.
-    """
-    lines = _read_lines(path)
-    kept = [line for line in lines if (_row_step(_parse_row(line)) or 0) <= step]
-    removed = len(lines) - len(kept)
-    if removed:
-        write_bytes_atomic(path, b"".join(kept))
-    return removed
-
-
-def last_train_row(path: Path, up_to: int) -> dict[str, object] | None:
-    """The last ``kind: train`` row of a metrics file at a step <= `up_to` (None if none)."""
-    found: dict[str, object] | None = None
-    for line in _read_lines(path):
-        row = _parse_row(line)
-        step = _row_step(row)
-        if row is not None and step is not None and step <= up_to and row.get("kind") == "train":
-            found = row
-    return found
 
 
 def summary_line(summary: TrainSummary) -> str:

@@ -23,12 +23,8 @@ from dflash_recipes.executor.model.convert import (
     lm_head,
     target_forward,
 )
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
-    build_flex_block_mask,
-    build_split_block_mask,
-    taps_from_hidden_states,
-)
+from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
+from dflash_recipes.executor.model.masks import build_flex_block_mask, build_split_block_mask
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
     block_inputs,
@@ -44,6 +40,7 @@ from dflash_recipes.executor.training.loss import (
     dspark_loss,
     objective_weights,
 )
+from dflash_recipes.files.capture_manifest import needs_teacher
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import ObjectivePlan
 
@@ -251,19 +248,21 @@ def step_inputs(
     anchors, valid = drawn.anchors, drawn.valid
     embeddings = embed_tokens(target)
     device = ids.device
-    needs_teacher = objective.self_logit_distillation or (
-        spec.projector_type == "dspark" and objective.dspark_tv_weight > 0
+    teacher = needs_teacher(
+        self_logit_distillation=objective.self_logit_distillation,
+        projector_type=spec.projector_type,
+        dspark_tv_weight=objective.dspark_tv_weight,
     )
     with torch.no_grad():
         if captured is None:
-            out = target_forward(target, ids, attention, with_logits=needs_teacher)
+            out = target_forward(target, ids, attention, with_logits=teacher)
             tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
             # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
             target_logits = out.logits
             del out
         else:
             tapped, target_logits = captured.tapped, None
-            if needs_teacher:
+            if teacher:
                 if captured.last_hidden is None:
                     msg = "the objective needs teacher logits; the capture has no last hidden state"
                     raise DataError(msg)
@@ -274,7 +273,7 @@ def step_inputs(
         block_embeds = embeddings(block_ids).float()
         prefix_tokens = (
             _prefix_tokens(ids, anchors, spec.block_size)
-            if spec.projector_type in ("domino", "dspark")
+            if spec.projector_type != "dflash"
             else None
         )
         prefix_embeds = (

@@ -79,14 +79,13 @@ from dflash_recipes.executor.training.optimizer import (
 )
 from dflash_recipes.executor.training.resume import (
     checkpoint_to_resume,
-    drop_metrics_after,
-    last_train_row,
     locked_run_directory,
     restore_newest_readable,
 )
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 from dflash_recipes.files.crashsafe import write_text_atomic
 from dflash_recipes.files.export_target import check_export_target
+from dflash_recipes.files.metrics_rows import drop_metrics_after, eval_row, last_train_row
 from dflash_recipes.files.run_dir import (
     EXPORT_DIR,
     METRICS_FILE,
@@ -95,7 +94,6 @@ from dflash_recipes.files.run_dir import (
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
-from dflash_recipes.report import eval_row
 
 logger = logging.getLogger("dflash_recipes.train")
 

@@ -1,0 +1,424 @@
+"""The checks the checkpoint field inventory drives: every config.json field refused, compared or
+read.
+
+The inventory itself (which fields exist and what each means) is
+:mod:`dflash_recipes.checkpoint.config_fields`; this module turns a checkpoint's config.json
+into findings against the recipe and the base model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from dflash_recipes.checkpoint.config_fields import (
+    _DC,
+    _DFLASH2_FIELDS,
+    _DFLASH2_TENSOR_MARKERS,
+    unknown_fields,
+)
+from dflash_recipes.checkpoint.tensor_layout import infer_architecture
+from dflash_recipes.diagnostics import Severity, register_code
+from dflash_recipes.records import Record
+
+CHECKPOINT_FIELD_UNKNOWN = register_code(
+    "checkpoint-field-unknown",
+    Severity.INFO,
+    "the init checkpoint's config.json has a field that no entry of the field inventory covers",
+)
+
+
+CHECKPOINT_FIELD_REFUSED = register_code(
+    "checkpoint-field-refused",
+    Severity.ERROR,
+    "the init checkpoint's config.json asks for a computation dflash-recipes does not implement "
+    "(another activation, causal blocks, attention biases, ...)",
+)
+
+
+CHECKPOINT_DFLASH2 = register_code(
+    "checkpoint-dflash2",
+    Severity.ERROR,
+    "the init checkpoint is a DFlash 2 drafter; dflash-recipes trains DFlash 1 drafters",
+)
+
+
+CHECKPOINT_HEADER_CONTRADICTION = register_code(
+    "checkpoint-config-contradicts-header",
+    Severity.WARNING,
+    "the init checkpoint's config.json states a size its safetensors header contradicts",
+)
+
+
+CHECKPOINT_POSITIONS_SHORT = register_code(
+    "checkpoint-positions-short",
+    Severity.WARNING,
+    "the init checkpoint's max_position_embeddings is below training.training_seq_len",
+)
+
+
+CHECKPOINT_FIELD_DIFFERS = register_code(
+    "checkpoint-field-differs",
+    Severity.WARNING,
+    "a field of the init checkpoint's config.json means another computation than the plan's "
+    "(head alignment, taps an engine would read instead)",
+)
+
+
+_INIT = "dflash.dflash_init_checkpoint"
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class FieldFinding(Record):
+    """One finding of :func:`check_checkpoint_fields`, at a dotted recipe path."""
+
+    code: str
+    severity: Severity
+    path: str
+    message: str
+    hint: str
+
+
+def _stated(config: Mapping[str, object], key: str) -> tuple[object, str] | None:
+    """(value, dotted key) of `key`: `text_config` first, then the top level."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping) and text.get(key) is not None:
+        return text[key], f"text_config.{key}"
+    if config.get(key) is not None:
+        return config[key], key
+    return None
+
+
+def _nested(config: Mapping[str, object]) -> Mapping[str, object]:
+    nested = config.get("dflash_config")
+    return nested if isinstance(nested, Mapping) else {}
+
+
+def _dflash_field(config: Mapping[str, object], key: str) -> tuple[object, str] | None:
+    """(value, dotted key) of a DFlash field: `dflash_config` first, then the top level."""
+    nested = _nested(config)
+    if nested.get(key) is not None:
+        return nested[key], _DC + key
+    if config.get(key) is not None:
+        return config[key], key
+    return None
+
+
+def _names(items: list[str], limit: int = 4) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+class _Checker:
+    def __init__(self, config: Mapping[str, object], where: str) -> None:
+        self.config = config
+        self.where = where
+        self.findings: list[FieldFinding] = []
+
+    def add(self, code: str, severity: Severity, path: str, message: str, hint: str) -> None:
+        self.findings.append(FieldFinding(code, severity, path, f"{self.where}: {message}", hint))
+
+    def refuse(self, key: str, value: object, why: str, fix: str) -> None:
+        message = f"`{key}: {_json(value)}` {why}; dflash-recipes never ignores it"
+        self.add(CHECKPOINT_FIELD_REFUSED, Severity.ERROR, _INIT, message, fix)
+
+    def refusals(self) -> None:
+        config = self.config
+        act = _stated(config, "hidden_act")
+        if act is not None and act[0] != "silu":
+            self.refuse(
+                act[1],
+                act[0],
+                "asks for another MLP activation than the SwiGLU (SiLU) the drafter computes",
+                "warm-start from a drafter trained with hidden_act silu (every DFlash release), "
+                "or train without dflash_init_checkpoint",
+            )
+        for found in (
+            _stated(config, "is_causal"),
+            _at(_nested(config), "is_causal"),
+            _at(_nested(config), "causal"),
+        ):
+            if found is not None and found[0] is True:
+                self.refuse(
+                    found[1],
+                    True,
+                    "asks for causal attention inside the draft block; dflash-recipes trains "
+                    "DFlash 1 drafters, whose blocks are bidirectional",
+                    "warm-start from a non-causal DFlash 1 drafter (is_causal false or absent), "
+                    "or train without dflash_init_checkpoint",
+                )
+        bias = _stated(config, "attention_bias")
+        if bias is not None and bias[0] is True:
+            self.refuse(
+                bias[1],
+                True,
+                "asks for q/k/v/o projection biases, which the drafter does not have",
+                "warm-start from a drafter without attention biases (attention_bias false, as "
+                "every DFlash release), or train without dflash_init_checkpoint",
+            )
+        neox = _stated(config, "is_neox_style")
+        if neox is not None and neox[0] is False:
+            self.refuse(
+                neox[1],
+                False,
+                "asks for interleaved RoPE; the drafter rotates in the neox (rotate-half) layout",
+                "warm-start from a drafter trained with neox-style RoPE, or train from scratch",
+            )
+        scale = _stated(config, "logit_scale")
+        if scale is not None and scale[0] != 1 and scale[0] != 1.0:
+            self.refuse(
+                scale[1],
+                scale[0],
+                "scales the draft logits; the drafter uses the target's lm_head unscaled",
+                "warm-start from a drafter without logit_scale, or train from scratch",
+            )
+        for found in (
+            _stated(config, "use_aux_hidden_state"),
+            _at(_nested(config), "use_aux_hidden_state"),
+        ):
+            if found is not None and found[0] is False:
+                self.refuse(
+                    found[1],
+                    False,
+                    "drops the fc fusion of tapped target states that every DFlash drafter has",
+                    "warm-start from a DFlash drafter with an fc layer, or train from scratch",
+                )
+        draft_vocab = _stated(config, "draft_vocab_size")
+        vocab = _stated(config, "vocab_size")
+        if draft_vocab is not None and (vocab is None or draft_vocab[0] != vocab[0]):
+            self.refuse(
+                draft_vocab[1],
+                draft_vocab[0],
+                "asks for a reduced draft vocabulary, which dflash-recipes does not train",
+                "warm-start from a full-vocabulary drafter, or train from scratch",
+            )
+        quant = _stated(config, "quantization_config")
+        if quant is not None:
+            self.refuse(
+                quant[1],
+                quant[0],
+                "marks a quantized drafter, which cannot be fine-tuned here",
+                "warm-start from the unquantized release of the drafter",
+            )
+        swa = _at(_nested(config), "use_swa", _DC)
+        if swa is not None and swa[0] is True:
+            self.refuse(
+                swa[1],
+                True,
+                "asks for sliding-window attention in every layer in ModelOpt's spelling",
+                "state the windows as layer_types (one sliding_attention per layer) and "
+                "sliding_window in config.json, or in the recipe's dflash_architecture_config",
+            )
+        head = _at(_nested(config), "markov_head_type")
+        if head is not None and head[0] != "vanilla":
+            self.refuse(
+                head[1],
+                head[0],
+                "asks for a DSpark Markov head dflash-recipes does not implement (only vanilla)",
+                "warm-start from a vanilla DSpark drafter or a plain DFlash drafter",
+            )
+
+    def differences(self, projector_type: str) -> None:
+        config = self.config
+        aux = _stated(config, "eagle_aux_hidden_state_layer_ids")
+        if aux is not None:
+            self.add(
+                CHECKPOINT_FIELD_DIFFERS,
+                Severity.WARNING,
+                _INIT,
+                f"`{aux[1]}: {_json(aux[0])}` is the list of taps vLLM reads in place of "
+                "target_layer_ids; dflash-recipes trains with target_layer_ids and its export "
+                "does not write this field",
+                "check that both name the same target layers (vLLM's ids are target_layer_ids + 1)",
+            )
+        window = _at(_nested(config), "swa_window_size", _DC)
+        sliding = _stated(config, "sliding_window")
+        if window is not None and sliding is not None and window[0] != sliding[0]:
+            self.add(
+                CHECKPOINT_FIELD_DIFFERS,
+                Severity.WARNING,
+                _INIT,
+                f"`{window[1]}: {_json(window[0])}` differs from `{sliding[1]}: "
+                f"{_json(sliding[0])}`; vLLM uses the first, transformers and dflash-recipes the "
+                "second",
+                "correct config.json so both state the window the drafter was trained with",
+            )
+        if projector_type == "dflash":
+            return
+        shift = _at(_nested(config), "shift_label")
+        if shift is not None and shift[0] is not False:
+            self.add(
+                CHECKPOINT_FIELD_DIFFERS,
+                Severity.WARNING,
+                "dflash.dflash_architecture_config.projector_type",
+                f"`{shift[1]}: {_json(shift[0])}`: the checkpoint's head predicts the token "
+                "after each block position (anchor + k + 1); dflash-recipes' heads predict "
+                "anchor + k at position k, so the warm-started head starts misaligned",
+                "warm-start the head from a checkpoint with shift_label false, or let it train "
+                "from scratch from a plain DFlash checkpoint",
+            )
+        prefix = _at(_nested(config), "pure_draft_prefix_len")
+        if projector_type == "domino" and prefix is not None and prefix[0] != 0:
+            self.add(
+                CHECKPOINT_FIELD_DIFFERS,
+                Severity.WARNING,
+                "dflash.dflash_architecture_config.projector_type",
+                f"`{prefix[1]}: {_json(prefix[0])}`: the checkpoint's Domino head leaves the "
+                "first proposals uncorrected; dflash-recipes' Domino corrects every proposal "
+                "(pure_draft_prefix_len 0), so the warm-started head starts on positions it "
+                "never learned",
+                "expect the head to need more steps, or warm-start it from a checkpoint with "
+                "pure_draft_prefix_len 0",
+            )
+
+    def positions(self, training_seq_len: int) -> None:
+        found = _stated(self.config, "max_position_embeddings")
+        if found is None or type(found[0]) is not int or found[0] >= training_seq_len:
+            return
+        self.add(
+            CHECKPOINT_POSITIONS_SHORT,
+            Severity.WARNING,
+            "training.training_seq_len",
+            f"`{found[1]}: {found[0]}` is below training.training_seq_len {training_seq_len}: "
+            f"the drafter was built for positions below {found[0]} and will be trained on "
+            "positions it never saw (the run and the export use the base model's limit)",
+            f"set training.training_seq_len: {found[0]} or less, or accept that the warm "
+            "start begins weaker on long sequences",
+        )
+
+    def header(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        shown = infer_architecture(shapes)
+        contradictions: list[str] = []
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+        ):
+            found = _stated(self.config, key)
+            if found is None or key not in shown or found[0] == shown[key]:
+                continue
+            contradictions.append(
+                f"`{found[1]}: {_json(found[0])}` but the tensors show {shown[key]}"
+            )
+        fc = shapes.get("fc.weight")
+        target_hidden = _dflash_field(self.config, "target_hidden_size")
+        taps = _dflash_field(self.config, "target_layer_ids")
+        if fc is not None and len(fc) == 2 and target_hidden is not None:
+            value = target_hidden[0]
+            n_taps = len(taps[0]) if taps is not None and isinstance(taps[0], list) else None
+            fc_in = fc[1]
+            wrong = (
+                type(value) is not int
+                or value <= 0
+                or (n_taps is not None and value * n_taps != fc_in)
+                or (n_taps is None and fc_in % value != 0)
+            )
+            if wrong:
+                per_tap = f" ({fc_in // n_taps} per tap for {n_taps} taps)" if n_taps else ""
+                contradictions.append(
+                    f"`{target_hidden[1]}: {_json(value)}` but fc.weight takes {fc_in} "
+                    f"inputs{per_tap}"
+                )
+        if not contradictions:
+            return
+        self.add(
+            CHECKPOINT_HEADER_CONTRADICTION,
+            Severity.WARNING,
+            _INIT,
+            "config.json contradicts the safetensors header: "
+            + "; ".join(contradictions)
+            + ". The tensors are what loads; engines that size the model from config.json "
+            "would build another drafter",
+            "re-export the checkpoint, or correct config.json to the tensors' sizes",
+        )
+
+
+def _at(section: Mapping[str, object], key: str, prefix: str = _DC) -> tuple[object, str] | None:
+    if section.get(key) is None:
+        return None
+    return section[key], prefix + key
+
+
+def _json(value: object) -> str:
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_checkpoint_fields(
+    config: Mapping[str, object],
+    shapes: Mapping[str, tuple[int, ...]] | None,
+    *,
+    where: str,
+    training_seq_len: int,
+    projector_type: str,
+) -> list[FieldFinding]:
+    """Every finding the inventory calls for on an init checkpoint's parsed config.json.
+
+    `shapes` is the safetensors header (None when it could not be read); `where` names the
+    config file in messages. A DFlash 2 checkpoint gives one `checkpoint-dflash2` error and
+    nothing else. Fields in no inventory entry give one `checkpoint-field-unknown` info.
+    """
+    checker = _Checker(config, where)
+    tensors, fields = dflash2_markers(config, shapes or {})
+    if tensors or fields:
+        found = []
+        if tensors:
+            found.append(f"{len(tensors)} DFlash 2 tensor(s) ({_names(tensors)})")
+        if fields:
+            found.append(f"DFlash 2 config field(s) {_names(fields)}")
+        checker.add(
+            CHECKPOINT_DFLASH2,
+            Severity.ERROR,
+            _INIT,
+            "this is a DFlash 2 checkpoint: it holds " + " and ".join(found) + "; "
+            "dflash-recipes trains DFlash 1 drafters and cannot load its convolution and "
+            "candidate-selector modules",
+            "warm-start from a DFlash 1 drafter (for example z-lab/Qwen3-8B-DFlash-b16), or "
+            "train without dflash_init_checkpoint",
+        )
+        return checker.findings
+    checker.refusals()
+    checker.differences(projector_type)
+    checker.positions(training_seq_len)
+    if shapes is not None:
+        checker.header(shapes)
+    unknown = unknown_fields(config)
+    if unknown:
+        checker.add(
+            CHECKPOINT_FIELD_UNKNOWN,
+            Severity.INFO,
+            _INIT,
+            f"config.json has {len(unknown)} field(s) no entry of the checkpoint field "
+            f"inventory covers: {', '.join(unknown)}; they are not read, so whatever they ask "
+            "for is not trained or exported",
+            "check what the field does in the drafter's model card; if it changes the "
+            "computation, report it so the inventory can honor or refuse it",
+        )
+    return checker.findings
+
+
+def dflash2_markers(
+    config: Mapping[str, object], tensor_names: Iterable[str]
+) -> tuple[list[str], list[str]]:
+    """(DFlash 2 tensors, DFlash 2 config fields) found in a checkpoint; both empty for DFlash 1."""
+    tensors = sorted(n for n in tensor_names if any(m in n for m in _DFLASH2_TENSOR_MARKERS))
+    fields = [_DC + n for n in _DFLASH2_FIELDS if n in _nested(config)]
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and any(
+        isinstance(a, str) and a.startswith("DFlash2") for a in architectures
+    ):
+        fields.insert(0, "architectures")
+    return tensors, fields

@@ -1,0 +1,46 @@
+"""Every enumeration of the recipe, written once: dtypes, schedulers, objectives, heads, ...
+
+Each choice is a ``Literal`` type (what mypy checks and the plan's fields are typed with) and
+a tuple of its values derived from it with :func:`typing.get_args` (what validators, the JSON
+Schema, the CLI's choices and the compiler's checks iterate). Adding a value here is the one
+edit that makes it a valid recipe value; the modules that act on a value (the executor's dtype
+map, the head builder) have tests that fail for a value they do not handle.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+SchedulerType = Literal["cosine", "linear", "constant"]
+LossObjective = Literal["decay", "dpace"]
+ProjectorType = Literal["dflash", "domino", "dspark"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+ReasoningPolicy = Literal["keep", "drop"]
+#: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
+LayerType = Literal["full_attention", "sliding_attention"]
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+SCHEDULERS: tuple[str, ...] = get_args(SchedulerType)
+LOSS_OBJECTIVES: tuple[str, ...] = get_args(LossObjective)
+PROJECTOR_TYPES: tuple[str, ...] = get_args(ProjectorType)
+DEVICES: tuple[str, ...] = get_args(DeviceChoice)
+LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
+REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
+
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "LAYER_TYPES",
+    "LOSS_OBJECTIVES",
+    "PROJECTOR_TYPES",
+    "REASONING_POLICIES",
+    "SCHEDULERS",
+    "DeviceChoice",
+    "Dtype",
+    "LayerType",
+    "LossObjective",
+    "ProjectorType",
+    "ReasoningPolicy",
+    "SchedulerType",
+]

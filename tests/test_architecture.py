@@ -1,0 +1,151 @@
+"""The package's shape: folder sizes, module lengths, no import circles, tests that mirror it.
+
+These are the properties a newcomer relies on to find a concern in one obvious place
+(docs/dflash.md, "Architecture"); each test names the module that breaks the rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dflash_recipes"
+MAX_MODULES_PER_FOLDER = 12
+MAX_MODULE_LINES = 700
+
+
+def _modules() -> Iterator[Path]:
+    yield from sorted(p for p in PACKAGE.rglob("*.py") if "remote_code" not in p.parts)
+
+
+def _dotted(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every project module `path` imports, at the top or inside functions, TYPE_CHECKING aside."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {name for name in found if name in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {_dotted(p): p for p in _modules()}
+    known = set(paths)
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges = _imports(path, known) - {name}
+        # importing `a.b.c` runs `a/__init__` and `a.b/__init__`: those are edges too, but a
+        # package's own modules importing their package is not a circle worth naming
+        graph[name] = {e for e in edges if not name.startswith(e + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := walk(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circle_between_modules() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_sees_a_circle_through_a_function_import(tmp_path: Path) -> None:
+    # the rule's own guard: an import inside a function closes a circle too
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    lazy = tmp_path / "m.py"
+    lazy.write_text("def f():\n    import dflash_recipes.errors\n")
+    assert _imports(lazy, {"dflash_recipes.errors"}) == {"dflash_recipes.errors"}
+    guarded = tmp_path / "g.py"
+    guarded.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x.y\n")
+    assert _imports(guarded, {"x.y"}) == set()
+
+
+@pytest.mark.parametrize(
+    "folder", sorted({p.parent for p in _modules()}), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_no_folder_holds_more_than_twelve_modules(folder: Path) -> None:
+    modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+    assert len(modules) <= MAX_MODULES_PER_FOLDER, f"{folder}: {sorted(modules)}"
+
+
+def test_no_module_is_longer_than_700_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in _modules()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_package_init_files_stay_light() -> None:
+    # a subpackage __init__ runs on every import below it: the compile path's start-up budget
+    heavy = [
+        str(p.relative_to(ROOT))
+        for p in PACKAGE.rglob("__init__.py")
+        if p.parent != PACKAGE
+        and any(isinstance(n, ast.Import | ast.ImportFrom) for n in ast.parse(p.read_text()).body)
+        and p.parent.name != "cli"
+    ]
+    assert not heavy, f"subpackage __init__ files that import: {heavy}"
+
+
+def test_most_modules_have_a_test_file_in_the_mirrored_folder() -> None:
+    big = [
+        p for p in _modules() if p.name != "__init__.py" and len(p.read_text().splitlines()) > 100
+    ]
+    mirrored = [
+        p
+        for p in big
+        if (ROOT / "tests" / p.parent.relative_to(PACKAGE) / f"test_{p.stem}.py").is_file()
+    ]
+    missing = sorted(str(p.relative_to(ROOT)) for p in set(big) - set(mirrored))
+    assert len(mirrored) >= 0.8 * len(big), (
+        f"{len(mirrored)}/{len(big)} mirrored; without: {missing}"
+    )
