@@ -1,18 +1,8 @@
-"""`dflash-recipe report`: the metrics schema a run writes, and a PNG drawn from one or more runs.
+"""`dflash-recipe report`: a PNG drawn from the `metrics.jsonl` of one or more runs.
 
-The trainer appends one JSON object per line to `output_dir/metrics.jsonl`
-(:data:`dflash_recipes.files.run_dir.METRICS_FILE`). The row schema lives here so writer and
-reader share it (build rows with :func:`train_row` / :func:`eval_row`, serialise them with
-:func:`metrics_json_line`):
-
-- a training row (:class:`MetricsRow`, `"kind": "train"`) every `logging_steps`;
-- an evaluation row (:class:`EvalMetricsRow`, `"kind": "eval"`) whenever acceptance is measured
-  by drafting and greedy verification (tau); extra keys (the full eval report) are allowed;
-- rows of other kinds (the trainer's final `"summary"`) are not plotted.
-
-`accuracy_by_position[k]` is the top-1 accuracy at block position `k`. Position 0 is the anchor
-(given, never predicted) and is not plotted; positions without supervision may be null.
-Non-finite numbers (NaN) read as missing points.
+The rows are read with :func:`dflash_recipes.files.metrics_rows.read_metrics` (their schema
+lives there, shared with the trainer that writes them); rows of other kinds than train and
+eval (the trainer's final `"summary"`) are not plotted.
 
 :func:`render_report` draws loss, estimated and measured acceptance length over steps, and
 accuracy by block position at the last logged step, one line per run (two runs: a warm-start

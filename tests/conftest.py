@@ -7,7 +7,7 @@ Everything is generated into `tmp_path` (no downloads, no torch). The default si
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +158,14 @@ def plan_dict(make_recipe: RecipeFactory, drafter: Path, tmp_path: Path) -> dict
     result = compile_recipe(make_recipe(), base_dir=tmp_path)
     assert result.plan is not None
     return result.plan.to_dict()
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Many tiny forwards: one torch thread avoids OpenMP waits on busy shared cores."""
+    import torch  # only the executor tests ask for this fixture; the rest stay torch-free
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -124,6 +124,11 @@ def test_no_module_is_longer_than_700_lines() -> None:
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
+#: Package files that are an API surface on purpose: the executor's public names (torch is
+#: loaded with it anyway) and the CLI, whose __init__ registers the commands.
+_INIT_WITH_IMPORTS = {"executor", "cli"}
+
+
 def test_package_init_files_stay_light() -> None:
     # a subpackage __init__ runs on every import below it: the compile path's start-up budget
     heavy = [
@@ -131,7 +136,7 @@ def test_package_init_files_stay_light() -> None:
         for p in PACKAGE.rglob("__init__.py")
         if p.parent != PACKAGE
         and any(isinstance(n, ast.Import | ast.ImportFrom) for n in ast.parse(p.read_text()).body)
-        and p.parent.name != "cli"
+        and p.parent.name not in _INIT_WITH_IMPORTS
     ]
     assert not heavy, f"subpackage __init__ files that import: {heavy}"
 
@@ -149,3 +154,54 @@ def test_most_modules_have_a_test_file_in_the_mirrored_folder() -> None:
     assert len(mirrored) >= 0.8 * len(big), (
         f"{len(mirrored)}/{len(big)} mirrored; without: {missing}"
     )
+
+
+def _enumerations(path: Path, values: frozenset[str]) -> list[tuple[int, set[str]]]:
+    """(line, values) of each tuple/list/set/Literal[...] in `path` naming 2+ of `values`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        elements: list[ast.expr] = []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            elements = list(node.elts)
+        strings = {e.value for e in elements if isinstance(e, ast.Constant)}
+        named = {s for s in strings if isinstance(s, str)} & values
+        if len(named) >= 2:
+            found.append((node.lineno, named))
+    return found
+
+
+def _choice(name: str) -> frozenset[str]:
+    from dflash_recipes.recipe import choices
+
+    return frozenset(getattr(choices, name))
+
+
+@pytest.mark.parametrize("choice", ["PROJECTOR_TYPES", "DTYPES", "SCHEDULERS", "LOSS_OBJECTIVES"])
+def test_each_enumeration_is_written_in_exactly_one_module(choice: str) -> None:
+    values = _choice(choice)
+    homes = {
+        str(p.relative_to(ROOT)): hits for p in _modules() if (hits := _enumerations(p, values))
+    }
+    assert list(homes) == ["dflash_recipes/recipe/choices.py"], homes
+
+
+def test_every_map_keyed_by_dtype_names_covers_every_dtype() -> None:
+    # the dtype maps (torch dtypes, safetensors codes) translate a choice; a new dtype in
+    # choices.py without its translation is found here, not in a run
+    dtypes = _choice("DTYPES")
+    maps = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Dict):
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                if len(keys & dtypes) >= 2:
+                    maps.append((str(path.relative_to(ROOT)), node.lineno, keys))
+    assert maps, "no dtype map found: the scan itself is broken"
+    incomplete = [(p, line) for p, line, keys in maps if keys != dtypes]
+    assert not incomplete, incomplete
+
+
+def test_the_enumeration_scan_finds_a_second_home(tmp_path: Path) -> None:
+    copy = tmp_path / "m.py"
+    copy.write_text('X = ("dflash", "domino")\nY: "Literal[1]"\n')
+    assert _enumerations(copy, _choice("PROJECTOR_TYPES")) == [(1, {"dflash", "domino"})]

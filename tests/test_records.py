@@ -99,6 +99,8 @@ def test_an_unhashable_field_value_makes_hash_fail_like_attrs() -> None:
 def _package_attrs_classes() -> list[type]:
     found: dict[str, type] = {}
     for module_info in pkgutil.walk_packages(dflash_recipes.__path__, "dflash_recipes."):
+        if module_info.name.endswith(".__main__"):
+            continue  # a program, not a library module: importing it runs the CLI
         module = importlib.import_module(module_info.name)
         for value in vars(module).values():
             if isinstance(value, type) and attrs.has(value) and value.__module__ == module.__name__:

@@ -3,7 +3,7 @@
     python tools/gen_docs.py            # rewrite the generated regions in place
     python tools/gen_docs.py --check    # exit 1 if docs/dflash.md is out of date (CI, tests)
 
-Two regions are generated, each between its markers:
+The regions generated are, each between its markers:
 
 - `<!-- codes:start -->` .. `<!-- codes:end -->`: every diagnostic code, from
   `dflash_recipes.diagnostics.registered_codes()` (code | severity | meaning);
@@ -15,12 +15,16 @@ Two regions are generated, each between its markers:
   config.json field of the inventory `dflash_recipes.checkpoint.config_fields.CHECKPOINT_FIELDS`
   (field | status | what dflash-recipes does and why).
 
+- `<!-- architecture:start -->` .. `<!-- architecture:end -->`: the package tree, one table per
+  folder, each module with the first paragraph of its docstring (read with `ast`).
+
 Text outside the markers is never touched.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from collections.abc import Iterator, Mapping
@@ -35,6 +39,7 @@ CODES_START, CODES_END = "<!-- codes:start -->", "<!-- codes:end -->"
 FIELDS_START, FIELDS_END = "<!-- fields:start -->", "<!-- fields:end -->"
 INVENTORY_START = "<!-- checkpoint-fields:start -->"
 INVENTORY_END = "<!-- checkpoint-fields:end -->"
+ARCH_START, ARCH_END = "<!-- architecture:start -->", "<!-- architecture:end -->"
 
 JsonObject = Mapping[str, object]
 
@@ -211,11 +216,43 @@ def replace_region(text: str, start: str, end: str, content: str) -> str:
     return f"{head}{start}\n{content}\n{end}{tail}"
 
 
+# ---------------------------------------------------------------------------------------------
+# architecture: the package tree from its docstrings
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_paragraph(path: Path) -> str:
+    """The first paragraph of a module's docstring, on one line (read with ast, not imported)."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    return " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
+
+
+def render_architecture() -> str:
+    """One table per folder of the package: each module and the first paragraph of its docstring."""
+    out: list[str] = []
+    folders = sorted(
+        {p.parent for p in PACKAGE_DIR.rglob("*.py") if "remote_code" not in p.parts},
+        key=lambda d: d.relative_to(ROOT).parts,
+    )
+    for folder in folders:
+        rel = folder.relative_to(ROOT).as_posix()
+        init = folder / "__init__.py"
+        summary = _first_paragraph(init) if init.is_file() else ""
+        out += [f"**`{rel}/`**: {summary}" if summary else f"**`{rel}/`**", ""]
+        out += ["| module | what it holds |", "| --- | --- |"]
+        for module in sorted(folder.glob("*.py")):
+            if module.name != "__init__.py":
+                out.append(f"| `{module.name}` | {_first_paragraph(module)} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
 def render_docs(text: str) -> str:
     """`text` (the docs file) with every generated region brought up to date."""
     text = replace_region(text, CODES_START, CODES_END, render_codes_table())
     text = replace_region(text, INVENTORY_START, INVENTORY_END, render_checkpoint_fields_table())
-    return replace_region(text, FIELDS_START, FIELDS_END, render_fields_tables())
+    text = replace_region(text, FIELDS_START, FIELDS_END, render_fields_tables())
+    return replace_region(text, ARCH_START, ARCH_END, render_architecture())
 
 
 def main(argv: list[str] | None = None) -> int:

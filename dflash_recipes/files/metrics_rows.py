@@ -1,8 +1,18 @@
-"""The rows of a run's `metrics.jsonl`: their schema, how the trainer writes them, how they are read
-back.
+"""The rows of a run's `metrics.jsonl`: their schema, and how they are written and read back.
 
-One home for the keys: the trainer's writer (:mod:`dflash_recipes.executor.training.metrics`),
-resume's rewrite of the file and `dflash-recipe report` all go through this module. No torch.
+The trainer appends one JSON object per line to `output_dir/metrics.jsonl`
+(:data:`dflash_recipes.files.run_dir.METRICS_FILE`); build rows with :func:`train_row` /
+:func:`eval_row` and serialise them with :func:`metrics_json_line`:
+
+- a training row (:class:`MetricsRow`, `"kind": "train"`) every `logging_steps`;
+- an evaluation row (:class:`EvalMetricsRow`, `"kind": "eval"`) whenever acceptance is measured
+  by drafting and greedy verification (tau); extra keys (the full eval report) are allowed;
+- the trainer's final `"summary"` row.
+
+`accuracy_by_position[k]` is the top-1 accuracy at block position `k`. Position 0 is the anchor
+(given, never predicted); positions without supervision may be null. Non-finite numbers (NaN)
+read as missing points. A resumed run drops the rows after its checkpoint
+(:func:`drop_metrics_after`) before it redoes those steps. No torch.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import attrs
 
 from dflash_recipes.errors import PlanError
 from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
-from dflash_recipes.recipe.choices import Dtype, ProjectorType, SchedulerType
+from dflash_recipes.recipe.choices import Dtype, LossObjective, ProjectorType, SchedulerType
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class ObjectivePlan(Record):
     """The training loss, with defaults resolved."""
 
     num_anchors: int
-    loss_objective: Literal["decay", "dpace"]
+    loss_objective: LossObjective
     #: gamma of exp(-(k-1)/gamma), resolved from the block size when the recipe left it null.
     loss_decay_factor: float
     dpace_alpha: float

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -16,12 +15,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from testkit.st_fixtures import (
-    drafter_tensors,
     write_drafter_checkpoint,
-    write_json,
     write_raw_safetensors,
     write_safetensors,
-    write_sharded_safetensors,
 )
 
 from dflash_recipes.checkpoint import safetensors_header
@@ -31,11 +27,8 @@ from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.compiler.model_paths import (
     CheckpointDirProblem,
     inspect_checkpoint_dir,
-    inspect_model_dir,
-    resolve_checkpoint_dir,
-    resolve_local_path,
 )
-from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
+from dflash_recipes.errors import SafetensorsHeaderError
 
 ALL_DTYPES = sorted(safetensors_header.DTYPE_BITS)
 
@@ -443,216 +436,9 @@ def test_safetensors_library_also_rejects_what_we_call_trailing_bytes(tmp_path: 
 # ---------------------------------------------------------------------------------------------
 
 
-def test_single_file_checkpoint(tmp_path: Path) -> None:
-    directory = write_drafter_checkpoint(tmp_path / "ck", layers=5)
-    weights = read_checkpoint_weights(directory)
-    assert weights.weight_files == ("model.safetensors",)
-    assert len(weights.tensors) == 58
-    assert set(weights.tensor_files.values()) == {"model.safetensors"}
-    assert weights.dtypes == ("BF16",)
-    assert weights.total_bytes == sum(
-        2 * int(np.prod(shape)) for _, shape in drafter_tensors(layers=5).values()
-    )
-    assert weights.shapes["fc.weight"] == (32, 64)
-
-
-def test_sharded_checkpoint_merges_shards_like_the_library(tmp_path: Path) -> None:
-    directory = write_drafter_checkpoint(tmp_path / "ck", layers=3, shards=3)
-    weights = read_checkpoint_weights(directory)
-
-    assert weights.weight_files == (
-        "model-00001-of-00003.safetensors",
-        "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors",
-    )
-    oracle: dict[str, tuple[str, list[int]]] = {}
-    for shard in weights.weight_files:
-        with safe_open(directory / shard, framework="np") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                oracle[name] = (shard, list(f.get_slice(name).get_shape()))
-    assert {n: (weights.tensor_files[n], list(t.shape)) for n, t in weights.tensors.items()} == (
-        oracle
-    )
-    assert weights.tensors.keys() == drafter_tensors(layers=3).keys()
-
-
-def test_single_file_wins_over_an_index(tmp_path: Path) -> None:
-    directory = write_drafter_checkpoint(tmp_path / "ck")
-    write_json(directory / "model.safetensors.index.json", {"weight_map": {"x": "gone"}})
-    assert read_checkpoint_weights(directory).weight_files == ("model.safetensors",)
-
-
-def test_directory_without_weights_lists_what_it_holds(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(tmp_path)
-    message = str(caught.value)
-    assert "no model.safetensors or model.safetensors.index.json" in message
-    assert "config.json, pytorch_model.bin" in message
-
-
-def test_a_bad_header_surfaces_as_checkpoint_error_caused_by_the_header_error(
-    tmp_path: Path,
-) -> None:
-    write_raw_safetensors(tmp_path / "model.safetensors", b"[]")
-    with pytest.raises(CheckpointError, match="must be a JSON object") as caught:
-        read_checkpoint_weights(tmp_path)
-    assert isinstance(caught.value.__cause__, SafetensorsHeaderError)
-
-
-def _sharded(tmp_path: Path) -> Path:
-    tensors = drafter_tensors(layers=1)
-    write_sharded_safetensors(tmp_path, tensors, shards=2)
-    return tmp_path
-
-
-def _rewrite_index(directory: Path, weight_map: dict[str, object]) -> None:
-    write_json(directory / "model.safetensors.index.json", {"weight_map": weight_map})
-
-
-def _weight_map(directory: Path) -> dict[str, object]:
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
-    weight_map: dict[str, object] = index["weight_map"]
-    return weight_map
-
-
-@pytest.mark.parametrize(
-    ("shard", "why"),
-    [
-        ("sub/model-00001-of-00002.safetensors", "not a plain file name"),
-        ("../model-00001-of-00002.safetensors", "not a plain file name"),
-        ("..", "not a plain file name"),
-        ("/etc/passwd", "not a plain file name"),
-        ("", "not a plain file name"),
-        (7, "must be a shard file name"),
-    ],
-)
-def test_shard_names_must_be_plain_basenames(tmp_path: Path, shard: object, why: str) -> None:
-    directory = _sharded(tmp_path)
-    weight_map = _weight_map(directory)
-    weight_map["fc.weight"] = shard
-    _rewrite_index(directory, weight_map)
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(directory)
-    assert why in str(caught.value)
-    assert "'fc.weight'" in str(caught.value)
-
-
-def test_index_tensor_missing_from_its_shard(tmp_path: Path) -> None:
-    directory = _sharded(tmp_path)
-    weight_map = _weight_map(directory)
-    weight_map["layers.7.ghost.weight"] = "model-00002-of-00002.safetensors"
-    _rewrite_index(directory, weight_map)
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(directory)
-    message = str(caught.value)
-    assert "1 tensor(s) the index places in model-00002-of-00002.safetensors" in message
-    assert "not in its header: layers.7.ghost.weight" in message
-
-
-def test_shard_tensor_missing_from_the_index(tmp_path: Path) -> None:
-    directory = _sharded(tmp_path)
-    weight_map = _weight_map(directory)
-    del weight_map["norm.weight"]
-    _rewrite_index(directory, weight_map)
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(directory)
-    assert "holds tensor 'norm.weight', which the index does not list" in str(caught.value)
-
-
-def test_tensor_stored_in_two_shards(tmp_path: Path) -> None:
-    tensors = {"a": ("F32", [2]), "b": ("F32", [2])}
-    write_safetensors(tmp_path / "s1.safetensors", tensors)
-    write_safetensors(tmp_path / "s2.safetensors", {"b": ("F32", [2])})
-    _rewrite_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(tmp_path)
-    assert "tensor 'b' is stored in two shards, s1.safetensors and s2.safetensors" in str(
-        caught.value
-    )
-
-
-def test_shard_file_named_by_the_index_is_missing(tmp_path: Path) -> None:
-    directory = _sharded(tmp_path)
-    (directory / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(directory)
-    message = str(caught.value)
-    assert "model-00002-of-00002.safetensors named by the index are missing" in message
-    assert "model-00001-of-00002.safetensors" in message  # what the directory does hold
-
-
-@pytest.mark.parametrize(
-    ("index_text", "fragment"),
-    [
-        ('{"weight_map": {"a": "s.safetensors"', "invalid JSON"),
-        ('{"weight_map": {"a": "s1", "a": "s2"}}', "duplicate key 'a'"),
-        ('{"metadata": {"total_size": NaN}, "weight_map": {}}', "NaN"),
-        ("[]", "must be a JSON object"),
-        ('{"metadata": {}}', "must have a weight_map object"),
-        ('{"weight_map": {}}', "weight_map is empty"),
-    ],
-)
-def test_malformed_index(tmp_path: Path, index_text: str, fragment: str) -> None:
-    (tmp_path / "model.safetensors.index.json").write_text(index_text)
-    with pytest.raises(CheckpointError) as caught:
-        read_checkpoint_weights(tmp_path)
-    assert fragment in str(caught.value)
-    assert "model.safetensors.index.json" in str(caught.value)
-
-
-def test_index_size_is_bounded(tmp_path: Path) -> None:
-    _sharded(tmp_path)
-    with pytest.raises(CheckpointError, match="larger than the limit of 64 bytes"):
-        read_checkpoint_weights(tmp_path, max_index_bytes=64)
-
-
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
-
-
-def test_read_json_config_returns_the_object(tmp_path: Path) -> None:
-    path = write_json(tmp_path / "config.json", {"hidden_size": 4096, "rope_theta": 1e6})
-    assert read_json_config(path) == {"hidden_size": 4096, "rope_theta": 1e6}
-
-
-def test_read_json_config_accepts_a_byte_order_mark(tmp_path: Path) -> None:
-    path = tmp_path / "config.json"
-    path.write_bytes(b'\xef\xbb\xbf{"a": 1}')
-    assert read_json_config(path) == {"a": 1}
-
-
-@pytest.mark.parametrize(
-    ("raw", "fragment"),
-    [
-        (b'{"rope_theta": NaN}', "NaN is not valid JSON"),
-        (b'{"rope_theta": Infinity}', "Infinity is not valid JSON"),
-        (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
-        (b"[1, 2]", "must be a JSON object, got list"),
-        (b'{"a": ', "invalid JSON at line 1"),
-        (b'{"a": "\xff"}', "not valid UTF-8"),
-    ],
-)
-def test_read_json_config_rejects(tmp_path: Path, raw: bytes, fragment: str) -> None:
-    path = tmp_path / "config.json"
-    path.write_bytes(raw)
-    with pytest.raises(CheckpointError) as caught:
-        read_json_config(path)
-    assert str(caught.value).startswith(f"{path}: ")
-    assert fragment in str(caught.value)
-
-
-def test_read_json_config_is_bounded(tmp_path: Path) -> None:
-    path = write_json(tmp_path / "config.json", {"pad": "x" * 200})
-    with pytest.raises(CheckpointError, match="larger than the limit of 100 bytes"):
-        read_json_config(path, max_bytes=100)
-
-
-def test_read_json_config_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="cannot read the config"):
-        read_json_config(tmp_path / "config.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,176 +450,6 @@ def _problem(value: str, base: Path | None) -> CheckpointDirProblem:
     problem = inspect_checkpoint_dir(value, base_dir=base)
     assert problem is not None
     return problem
-
-
-def test_a_valid_checkpoint_has_no_problem(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "ck")
-    assert inspect_checkpoint_dir(str(tmp_path / "ck"), base_dir=None) is None
-
-
-def test_a_sharded_checkpoint_is_accepted(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "ck", shards=2)
-    assert inspect_checkpoint_dir("ck", base_dir=tmp_path) is None
-
-
-def test_relative_paths_resolve_against_the_recipe_folder_not_the_cwd(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    recipes = tmp_path / "recipes"
-    write_drafter_checkpoint(recipes / "drafters" / "b16")
-    monkeypatch.chdir(tmp_path)
-    assert inspect_checkpoint_dir("drafters/b16", base_dir=recipes) is None
-    assert resolve_checkpoint_dir("drafters/b16", base_dir=recipes, role="x") == (
-        recipes / "drafters" / "b16"
-    )
-    # Without a recipe folder (a recipe built in Python) the working directory is the base.
-    assert resolve_local_path("drafters/b16", base_dir=None) == tmp_path / "drafters" / "b16"
-
-
-def test_home_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path))
-    write_drafter_checkpoint(tmp_path / "ck")
-    assert inspect_checkpoint_dir("~/ck", base_dir=Path("/elsewhere")) is None
-    assert resolve_local_path("~/ck", base_dir=Path("/elsewhere")) == tmp_path / "ck"
-
-
-def test_hub_id_says_it_is_not_fetched_and_gives_the_staging_command(tmp_path: Path) -> None:
-    problem = _problem("z-lab/Qwen3-8B-DFlash-b16", tmp_path)
-    assert problem.kind == "hub-id"
-    assert "hub ids are not fetched" in problem.message
-    assert "hf download z-lab/Qwen3-8B-DFlash-b16 --local-dir <dir>" in problem.hint
-
-
-def test_a_local_directory_named_like_a_hub_id_is_used(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "z-lab" / "Qwen3-8B-DFlash-b16")
-    assert inspect_checkpoint_dir("z-lab/Qwen3-8B-DFlash-b16", base_dir=tmp_path) is None
-
-
-def test_not_found_suggests_a_close_sibling(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "drafter-b16")
-    problem = _problem(str(tmp_path / "drafter-b61"), None)
-    assert problem.kind == "not-found"
-    assert f"{tmp_path / 'drafter-b61'} does not exist" in problem.message
-    assert f"did you mean {tmp_path / 'drafter-b16'}?" in problem.hint
-
-
-def test_not_a_directory(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "ck")
-    problem = _problem(str(tmp_path / "ck" / "model.safetensors"), None)
-    assert problem.kind == "not-a-directory"
-    assert "is a file, not a directory" in problem.message
-    assert f"point it at the directory {tmp_path / 'ck'}" in problem.hint
-
-
-def test_empty_directory(tmp_path: Path) -> None:
-    (tmp_path / "ck").mkdir()
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "empty-directory"
-    assert "is empty" in problem.message
-    assert "model.safetensors" in problem.message
-
-
-def test_directory_without_weights_lists_its_files_and_what_is_expected(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
-    write_json(ck / "config.json", {})
-    (ck / "pytorch_model.bin").write_bytes(b"")
-    (ck / "runs").mkdir()
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "no-weights"
-    assert "has no model.safetensors or model.safetensors.index.json" in problem.message
-    assert "3 entries: config.json, pytorch_model.bin, runs/" in problem.message
-    assert "expected an exported DFlash drafter: model.safetensors" in problem.hint
-
-
-def test_weights_one_level_down_are_suggested(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "stage" / "export")
-    problem = _problem("stage", tmp_path)
-    assert problem.kind == "no-weights"
-    assert f"did you mean {tmp_path / 'stage' / 'export'}?" in problem.hint
-
-
-def test_broken_symlink_to_the_directory(tmp_path: Path) -> None:
-    (tmp_path / "ck").symlink_to(tmp_path / "deleted")
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "broken-symlink"
-    assert f"symbolic link to {tmp_path / 'deleted'}, which does not exist" in problem.message
-
-
-def test_broken_symlink_for_the_weights_file(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    (ck / "model.safetensors").symlink_to("../blobs/abc123")
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "broken-symlink"
-    assert "model.safetensors is a symbolic link to ../blobs/abc123" in problem.message
-
-
-def test_unlistable_directory_is_unreadable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "ck").mkdir()
-
-    def refuse(self: Path) -> object:
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(Path, "iterdir", refuse)
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "unreadable"
-    assert "cannot be listed: Permission denied" in problem.message
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
-def test_unreadable_weights_file(tmp_path: Path) -> None:
-    write_drafter_checkpoint(tmp_path / "ck")
-    (tmp_path / "ck" / "model.safetensors").chmod(0)
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "unreadable"
-    assert "chmod a+r" in problem.hint
-
-
-def test_unreadable_weights_file_as_seen_by_access(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_drafter_checkpoint(tmp_path / "ck")
-    real_access = os.access
-
-    def no_read_for_weights(path: object, mode: int) -> bool:
-        if str(path).endswith("model.safetensors"):
-            return False
-        return real_access(path, mode)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "access", no_read_for_weights)
-    problem = _problem("ck", tmp_path)
-    assert problem.kind == "unreadable"
-    assert "is not readable by this user" in problem.message
-
-
-def test_model_dir_needs_config_json(tmp_path: Path) -> None:
-    (tmp_path / "base").mkdir()
-    (tmp_path / "base" / "model.safetensors").write_bytes(b"")
-    problem = inspect_model_dir("base", base_dir=tmp_path)
-    assert problem is not None
-    assert problem.kind == "no-config"
-    assert "has no config.json" in problem.message
-    write_json(tmp_path / "base" / "config.json", {})
-    assert inspect_model_dir("base", base_dir=tmp_path) is None
-
-
-def test_model_hub_id(tmp_path: Path) -> None:
-    problem = inspect_model_dir("Qwen/Qwen3-8B", base_dir=tmp_path)
-    assert problem is not None
-    assert problem.kind == "hub-id"
-    assert "hf download Qwen/Qwen3-8B --local-dir <dir>" in problem.hint
-
-
-def test_resolve_checkpoint_dir_raises_with_role_and_fix(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError) as caught:
-        resolve_checkpoint_dir(
-            "z-lab/Qwen3-8B-DFlash-b16", base_dir=tmp_path, role="dflash.dflash_init_checkpoint"
-        )
-    message = str(caught.value)
-    assert message.startswith("dflash.dflash_init_checkpoint: ")
-    assert "\nfix: stage the drafter first: hf download z-lab/Qwen3-8B-DFlash-b16" in message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -881,7 +497,7 @@ def test_leading_whitespace_is_accepted_like_the_library_does(tmp_path: Path) ->
 def test_make_8b_fixture_writes_the_qwen3_8b_drafter_layout_sparsely(tmp_path: Path) -> None:
     import yaml
 
-    tool = Path(__file__).resolve().parents[1] / "benchmarks" / "make_8b_fixture.py"
+    tool = Path(__file__).resolve().parents[2] / "benchmarks" / "make_8b_fixture.py"
     result = subprocess.run(
         [sys.executable, str(tool), str(tmp_path / "fx")],
         capture_output=True,
@@ -935,9 +551,3 @@ def test_shape_larger_than_the_whole_file_is_reported_without_a_bogus_size(tmp_p
     message = str(caught.value)
     assert "tensor 'w': shape [10000000000, 10000000000, 10000000000] of F32" in message
     assert "needs more bytes than the whole data region of the file (8)" in message
-
-
-def test_broken_weights_symlink_is_reported_by_read_checkpoint_weights(tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blob")
-    with pytest.raises(CheckpointError, match="cannot read the safetensors file"):
-        read_checkpoint_weights(tmp_path)

@@ -13,121 +13,27 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from openai_test_server import DEFAULT_KNOBS
+from testkit.regenerating import (
+    ROOT,
+    Server,
+    _conversations,
+    _plan,
+    _read,
+    _recipe,
+    _write_jsonl,
+)
 
-from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.errors import DataError, DirectoryLockedError, RegenerateError
 from dflash_recipes.executor.regenerate.job import RegenerateSummary, run_regenerate
-from dflash_recipes.executor.regenerate.types import apply_reasoning
 from dflash_recipes.files.locking import hold_directory_lock
 from dflash_recipes.plan.run_plan import RunPlan
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGET = ROOT / "dflash_recipes" / "demo_data" / "target"
-DOMAIN = ROOT / "dflash_recipes" / "demo_data" / "data" / "domain.jsonl"
-SERVER = ROOT / "tools" / "openai_test_server.py"
 _CLI = (sys.executable, "-m", "dflash_recipes.cli")
-
-
-class Server:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def control(self, **knobs: object) -> None:
-        httpx.post(f"{self.url}/control", json=knobs).raise_for_status()
-
-    def stats(self) -> dict[str, int]:
-        data = httpx.get(f"{self.url}/stats").json()
-        assert isinstance(data, dict)
-        return data
-
-
-@pytest.fixture(scope="module")
-def server_process() -> Iterator[Server]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(SERVER), "--model-dir", str(TARGET), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("PORT "), f"the test server did not start: {line!r}"
-        yield Server(f"http://127.0.0.1:{int(line.split()[1])}")
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def server(server_process: Server) -> Server:
-    server_process.control(**DEFAULT_KNOBS)
-    httpx.post(f"{server_process.url}/reset").raise_for_status()
-    return server_process
-
-
-def _conversations(n: int) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in DOMAIN.read_text().splitlines()[:n]]
-    for row in rows:  # the original answers, which the target would not give
-        row["messages"][1]["content"] = "an answer from some other model"
-    return rows
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _recipe(tmp_path: Path, data: Path, *, name: str = "recipe.yaml", **regenerate: object) -> Path:
-    lines = [f"    {k}: {json.dumps(v)}" for k, v in regenerate.items()]
-    text = f"""
-model: {{model_name_or_path: {TARGET}, dtype: float32}}
-data: {{data_path: {data}}}
-training:
-  output_dir: {tmp_path / "run"}
-  max_steps: 1
-  per_device_train_batch_size: 2
-  training_seq_len: 128
-  device: cpu
-  save_steps: 1
-  logging_steps: 1
-dflash:
-  dflash_block_size: 4
-  dflash_mask_token_id: 384
-  dflash_num_anchors: 4
-  dflash_architecture_config:
-    num_hidden_layers: 1
-    num_attention_heads: 4
-    num_key_value_heads: 2
-    head_dim: 32
-    intermediate_size: 128
-    target_layer_ids: [3]
-regenerate:
-    max_new_tokens: 48
-{chr(10).join(lines)}
-"""
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def _plan(recipe: Path, *overrides: str) -> RunPlan:
-    result = compile_file(recipe, overrides)
-    assert result.plan is not None, result.diagnostics
-    return result.plan
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _assistant(row: dict[str, Any]) -> list[str]:
@@ -206,101 +112,6 @@ def test_first_turn_only_keeps_the_conversation_up_to_its_first_answer(tmp_path:
     assert [m["role"] for m in got["messages"]] == ["user", "assistant"]
 
 
-def test_requests_are_in_flight_at_once_up_to_max_concurrency(
-    tmp_path: Path, server: Server
-) -> None:
-    server.control(latency_ms=400)
-    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(13))
-    plan = _plan(_recipe(tmp_path, data, base_url=server.url, max_concurrency=4))
-    _run(plan, tmp_path / "out.jsonl")
-    # the server saw 4 requests at once, never more (the probe goes alone, then 4 workers)
-    assert server.stats()["max_in_flight"] == 4
-    assert len(_read(tmp_path / "out.jsonl")) == 13
-
-
-def test_503s_and_dropped_connections_are_retried(tmp_path: Path, server: Server) -> None:
-    server.control(fail_503=3, drop=2)
-    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(4))
-    plan = _plan(_recipe(tmp_path, data, base_url=server.url, max_concurrency=2, max_retries=6))
-    summary = _run(plan, tmp_path / "out.jsonl", backoff_base_s=0.01)
-    assert summary.answered == 4 and summary.failed == 0
-    assert server.stats()["requests"] == 4 + 3 + 2
-    assert len(_read(tmp_path / "out.jsonl")) == 4
-
-
-def test_a_request_failing_past_its_retries_is_recorded_and_the_run_goes_on(
-    tmp_path: Path, server: Server
-) -> None:
-    rows = _conversations(4)
-    server.control(fail_503_on=rows[2]["messages"][0]["content"])
-    data = _write_jsonl(tmp_path / "in.jsonl", rows)
-    plan = _plan(_recipe(tmp_path, data, base_url=server.url, max_concurrency=1, max_retries=2))
-    summary = _run(plan, tmp_path / "out.jsonl", backoff_base_s=0.01)
-    assert summary.answered == 3 and summary.failed == 1
-    assert summary.failures == [
-        {
-            "line": 3,
-            "reason": 'HTTP 503: {"error": {"message": "injected overload"}} (after 3 attempts)',
-        }
-    ]
-    assert len(_read(tmp_path / "out.jsonl")) == 3
-    # a rerun retries only the failed conversation
-    server.control(fail_503_on="")
-    httpx.post(f"{server.url}/reset")
-    again = _run(plan, tmp_path / "out.jsonl")
-    assert again.skipped == 3 and again.answered == 1
-    assert server.stats()["requests"] == 1
-    assert len(_read(tmp_path / "out.jsonl")) == 4
-
-
-def test_a_4xx_on_the_first_request_stops_with_one_clear_error(
-    tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(5))
-    out = tmp_path / "out.jsonl"
-    wrong_model = _plan(_recipe(tmp_path, data, base_url=server.url + "/v1", model="Qwen3-8B"))
-    with pytest.raises(RegenerateError) as info:
-        _run(wrong_model, out)
-    message = str(info.value)
-    assert f"{server.url}/v1/chat/completions refused the first request with HTTP 404" in message
-    assert "The model `Qwen3-8B` does not exist" in message
-    assert "check regenerate.model 'Qwen3-8B'" in message
-    assert server.stats()["requests"] == 1  # nothing more was sent
-    assert not out.exists() and not (tmp_path / "out.jsonl.summary.json").exists()
-
-    monkeypatch.delenv("MY_KEY", raising=False)
-    unset = _plan(_recipe(tmp_path, data, base_url=server.url, api_key_env="MY_KEY"))
-    with pytest.raises(RegenerateError, match="names the environment variable MY_KEY, which is"):
-        _run(unset, out)
-    assert server.stats()["requests"] == 1  # refused before any request
-
-    server.control(api_key="right")
-    monkeypatch.setenv("MY_KEY", "wrong")
-    bad_key = _plan(_recipe(tmp_path, data, base_url=server.url, api_key_env="MY_KEY"))
-    with pytest.raises(
-        RegenerateError, match=r"HTTP 401.*wants an API key: check the key in \$MY_KEY"
-    ):
-        _run(bad_key, out)
-    monkeypatch.setenv("MY_KEY", "right")  # the key goes out as a bearer token
-    assert _run(bad_key, tmp_path / "keyed.jsonl").answered == 5
-    server.control(api_key="")
-
-    server.control(status_4xx=0, not_json=True)
-    with pytest.raises(RegenerateError, match=r"not with a chat completion \(the body is not JSON"):
-        _run(_plan(_recipe(tmp_path, data, base_url=server.url)), out)
-
-
-def test_an_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
-    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(2))
-    plan = _plan(_recipe(tmp_path, data, base_url="http://127.0.0.1:9/v1", model="m"))
-    with pytest.raises(RegenerateError) as info:
-        _run(plan, tmp_path / "out.jsonl")
-    assert "cannot reach the generation server at http://127.0.0.1:9/v1/chat/completions" in str(
-        info.value
-    )
-    assert "vllm serve" in str(info.value)
-
-
 def test_reasoning_drop_removes_the_thinking_and_keep_keeps_it(
     tmp_path: Path, server: Server
 ) -> None:
@@ -314,14 +125,6 @@ def test_reasoning_drop_removes_the_thinking_and_keep_keeps_it(
     assert all(a and "think" not in a for a in dropped)
     assert all(a.startswith("<think>let me think</think>") for a in kept)
     assert [k.split("</think>", 1)[1].strip() for k in kept] == dropped
-
-
-def test_apply_reasoning_policies() -> None:
-    assert apply_reasoning("answer", "because", "keep") == "<think>\nbecause\n</think>\n\nanswer"
-    assert apply_reasoning("answer", "because", "drop") == "answer"
-    assert apply_reasoning("<think>a</think>\n\nb <think>c</think>d", None, "drop") == "b d"
-    assert apply_reasoning("half a thought</think>answer", None, "drop") == "answer"
-    assert apply_reasoning("answer <think>cut off", None, "drop") == "answer"
 
 
 def test_bad_input_lines_are_reported_by_line_number(tmp_path: Path) -> None:
@@ -472,18 +275,3 @@ def test_ctrl_c_stops_cleanly_and_keeps_every_answer(tmp_path: Path, server: Ser
     parts = sorted((tmp_path / "out.jsonl.parts").glob("part-*.jsonl"))
     assert sum(p.read_text().count("\n") for p in parts) == sidecar["answered"]
     assert not out.exists()
-
-
-def test_local_backend_fails_only_the_conversation_too_long_for_the_target(
-    tmp_path: Path,
-) -> None:
-    rows = _conversations(2)
-    rows.insert(1, {"messages": [{"role": "user", "content": "give me " * 400}]})
-    data = _write_jsonl(tmp_path / "in.jsonl", rows)
-    summary = _run(_plan(_recipe(tmp_path, data)), tmp_path / "out.jsonl")
-    assert (summary.answered, summary.failed) == (2, 1)
-    assert summary.failures[0]["line"] == 2
-    assert "prompt too long" in str(summary.failures[0]["reason"])
-    assert "max_position_embeddings=512" in str(summary.failures[0]["reason"])
-    assert summary.failure_reasons == {"prompt too long": 1}
-    assert len(_read(tmp_path / "out.jsonl")) == 2

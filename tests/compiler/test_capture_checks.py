@@ -14,7 +14,7 @@ from dflash_recipes.compiler.compilation import CompileResult, compile_file
 from dflash_recipes.diagnostics import Diagnostic, Severity
 from dflash_recipes.files.capture_manifest import MANIFEST_FILE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
 COMMON = (
     "training.training_seq_len=64",

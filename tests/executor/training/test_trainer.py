@@ -23,7 +23,7 @@ from dflash_recipes.executor.training.trainer import run_plan
 from dflash_recipes.files.run_dir import complete_checkpoints
 from dflash_recipes.plan.run_plan import RunPlan
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

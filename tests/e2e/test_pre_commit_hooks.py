@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from dflash_recipes.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def hook() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import pytest
 from dflash_recipes.errors import DirectoryLockedError
 from dflash_recipes.files.locking import LOCK_FILE, describe_holder, hold_directory_lock
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 HOLDER = """
 import sys, time

@@ -26,7 +26,7 @@ from dflash_recipes.recipe.json_schema import recipe_json_schema
 from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
 from dflash_recipes.recipe.yamlio import load_yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 RECIPE_FILES = sorted(p for p in RECIPES.rglob("*") if p.suffix in (".yaml", ".yml"))
 RECIPE_IDS = [p.relative_to(ROOT).as_posix() for p in RECIPE_FILES]

@@ -13,7 +13,7 @@ from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 from dflash_recipes.cli import main
 from dflash_recipes.plan.run_plan import RunPlan
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FINETUNE = REPO / "recipes" / "tiny" / "tiny_finetune.yaml"
 ARCH = "dflash.dflash_architecture_config"
 SHORT = [

@@ -17,7 +17,7 @@ from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 from dflash_recipes.cli import main
 from dflash_recipes.files.locking import LOCK_FILE
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ from dflash_recipes.compiler.compilation import CompileResult, compile_file
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.plan.run_plan import RunPlan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _launcher() -> ModuleType:

@@ -7,49 +7,25 @@ has an inventory entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit.checkpoint_fields import compile_with_config, nested
 from testkit.compiling import only
 from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
-from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS, field_entry, unknown_fields
 from dflash_recipes.checkpoint.hfconfig import checkpoint_config_from_mapping
 from dflash_recipes.compiler.compilation import CompileResult, compile_recipe
-from dflash_recipes.compiler.field_checks import check_checkpoint_fields
-from dflash_recipes.diagnostics import Severity, registered_codes
+from dflash_recipes.diagnostics import Severity
 from dflash_recipes.recipe.sections import Recipe
 
 RecipeFactory = Callable[..., Recipe]
-REGISTERED = {info.code: info.severity for info in registered_codes()}
-
-
-def compile_with_config(
-    tmp_path: Path,
-    make_recipe: RecipeFactory,
-    edit: Callable[[dict[str, Any]], None],
-    **recipe: Any,
-) -> CompileResult:
-    """Compile the tiny warm start after `edit` changed the drafter's config.json."""
-    config = drafter_config()
-    edit(config)
-    write_drafter_checkpoint(tmp_path / "drafter", config=config)
-    result = compile_recipe(make_recipe(**recipe), base_dir=tmp_path)
-    for d in result.diagnostics:
-        assert REGISTERED.get(d.code) is d.severity, d
-        assert d.path and d.message and d.hint, d
-    return result
 
 
 def not_info(result: CompileResult) -> list[str]:
     return [d.code for d in result.diagnostics if d.severity is not Severity.INFO]
-
-
-def nested(config: dict[str, Any]) -> dict[str, Any]:
-    section: dict[str, Any] = config["dflash_config"]
-    return section
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,99 +207,6 @@ def test_use_swa_true_is_refused_with_the_layer_types_fix(
 # ---------------------------------------------------------------------------------------------
 # unknown fields and the inventory itself
 # ---------------------------------------------------------------------------------------------
-
-
-def test_a_field_in_no_entry_gets_one_info_naming_it(
-    tmp_path: Path, make_recipe: RecipeFactory
-) -> None:
-    def edit(config: dict[str, Any]) -> None:
-        config["draft_temperature"] = 0.7
-        nested(config)["fancy_new_head"] = True
-
-    result = compile_with_config(tmp_path, make_recipe, edit)
-    assert result.ok
-    d = only(result, "checkpoint-field-unknown")
-    assert d.severity is Severity.INFO
-    assert "2 field(s)" in d.message
-    assert "dflash_config.fancy_new_head, draft_temperature" in d.message
-
-
-def test_every_entry_has_one_status_a_reason_and_a_unique_key() -> None:
-    keys = [field.key for field in CHECKPOINT_FIELDS]
-    assert len(keys) == len(set(keys))
-    for field in CHECKPOINT_FIELDS:
-        assert field.status in ("honored", "refused", "compared", "irrelevant")
-        assert len(field.reason) > 10, field
-
-
-class _Recording(dict[str, Any]):
-    """A config section that records every key the code looks up (get, [], in)."""
-
-    def __init__(self, data: Mapping[str, Any], prefix: str, seen: set[str]) -> None:
-        super().__init__(
-            {
-                k: _Recording(v, "dflash_config.", seen) if k == "dflash_config" else v
-                for k, v in data.items()
-            }
-        )
-        self.prefix = prefix
-        self.seen = seen
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.seen.add(self.prefix + key)
-        return super().get(key, default)
-
-    def __getitem__(self, key: Any) -> Any:
-        self.seen.add(self.prefix + key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key: object) -> bool:
-        if isinstance(key, str):
-            self.seen.add(self.prefix + key)
-        return super().__contains__(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return super().__iter__()
-
-
-def _keys_the_code_reads(config: Mapping[str, Any]) -> set[str]:
-    seen: set[str] = set()
-    recording = _Recording(config, "", seen)
-    checkpoint_config_from_mapping(recording, "config.json")
-    for projector in ("dflash", "domino", "dspark"):
-        check_checkpoint_fields(
-            recording, {}, where="config.json", training_seq_len=4096, projector_type=projector
-        )
-    return seen
-
-
-def _every_known_field() -> dict[str, Any]:
-    """A config.json with every inventory field set (benign values)."""
-    config: dict[str, Any] = drafter_config()
-    section = nested(config)
-    for field in CHECKPOINT_FIELDS:
-        top, _, inner = field.key.partition(".")
-        if inner:
-            section.setdefault(inner, 1)
-        else:
-            config.setdefault(top, 1)
-    return config
-
-
-def test_every_field_the_code_reads_has_an_inventory_entry() -> None:
-    # An empty config makes every reader probe each place it looks (nested, then flat);
-    # a full one makes them read every value.
-    read = _keys_the_code_reads({"dflash_config": {}}) | _keys_the_code_reads(_every_known_field())
-    assert "hidden_act" in read and "dflash_config.is_causal" in read  # the recorder works
-    missing = sorted(key for key in read if field_entry(key) is None)
-    assert missing == [], f"fields read by the code without an inventory entry: {missing}"
-
-
-def test_a_config_with_every_known_field_has_no_unknown_field() -> None:
-    config = _every_known_field()
-    assert unknown_fields(config) == []
-    config["brand_new"] = 1
-    assert unknown_fields(config) == ["brand_new"]
 
 
 def test_the_old_sink_key_still_loads_and_the_new_one_wins() -> None:

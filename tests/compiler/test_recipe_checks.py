@@ -1,0 +1,137 @@
+"""Schema-level checks: cross-field rules on the recipe alone, no file read (what lint runs)."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from testkit.compiling import only
+
+from dflash_recipes.compiler.compilation import (
+    CompileResult,
+    compile_recipe,
+)
+from dflash_recipes.diagnostics import (
+    Severity,
+)
+from dflash_recipes.recipe.sections import Recipe
+
+RecipeFactory = Callable[..., Recipe]
+
+
+ARCH = "dflash.dflash_architecture_config"
+
+
+def lint(recipe: Recipe, **kwargs: object) -> CompileResult:
+    return compile_recipe(recipe, resolve=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_schema_level_compile_touches_no_file(
+    monkeypatch: pytest.MonkeyPatch, make_recipe: RecipeFactory
+) -> None:
+    recipe = make_recipe(
+        model="/nowhere/base",
+        init="z-lab/Qwen3-8B-DFlash-b16",
+        data={"data_path": "/nowhere/train.jsonl"},
+    )
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("schema-level compile touched the file system")
+
+    for name in ("exists", "is_dir", "is_file", "iterdir", "stat", "open", "read_bytes"):
+        monkeypatch.setattr(pathlib.Path, name, forbidden)
+    monkeypatch.setattr("builtins.open", forbidden)
+    result = lint(recipe, base_dir=Path("/recipes"))
+    assert result.ok, result.diagnostics
+    plan = result.plan
+    assert plan is not None
+    assert not plan.resolved
+    assert plan.base_model.facts is None
+    assert plan.draft.target_layer_ids is None and plan.draft.mask_token_id is None
+    assert plan.init_checkpoint is not None
+    assert plan.init_checkpoint.path == "/recipes/z-lab/Qwen3-8B-DFlash-b16"
+    assert plan.init_checkpoint.tensor_count is None
+
+
+def test_missing_dims_are_errors_at_schema_level(make_recipe: RecipeFactory) -> None:
+    result = lint(make_recipe(arch={"num_hidden_layers": None, "intermediate_size": None}))
+    assert result.plan is None
+    paths = sorted(d.path for d in result.errors)
+    assert paths == [f"{ARCH}.intermediate_size", f"{ARCH}.num_hidden_layers"]
+    for d in result.errors:
+        field = d.path.rsplit(".", 1)[1]
+        assert d.code == "arch-dim-missing"
+        assert f"dims never inherit: set dflash_architecture_config.{field}" in d.message
+
+
+def test_kv_heads_must_divide_heads(make_recipe: RecipeFactory) -> None:
+    result = lint(make_recipe(arch={"num_attention_heads": 12, "num_key_value_heads": 5}))
+    d = only(result, "kv-heads-not-divisor")
+    assert d.path == f"{ARCH}.num_key_value_heads"
+    assert "5" in d.message and "12" in d.message
+    assert d.hint is not None and "e.g. 4" in d.hint
+
+
+@pytest.mark.parametrize(
+    ("arch", "missing"),
+    [
+        ({"projector_type": "domino"}, {"emb_dim", "gru_hidden_dim"}),
+        ({"projector_type": "domino", "emb_dim": 8}, {"gru_hidden_dim"}),
+        ({"projector_type": "dspark"}, {"markov_rank"}),
+    ],
+)
+def test_head_variants_need_their_sizes(
+    make_recipe: RecipeFactory, arch: dict[str, object], missing: set[str]
+) -> None:
+    result = lint(make_recipe(arch=arch))
+    found = {
+        d.path.rsplit(".", 1)[1]: d for d in result.diagnostics if d.code == "head-field-missing"
+    }
+    assert set(found) == missing
+    for name, d in found.items():
+        assert d.severity is Severity.ERROR
+        assert f"set dflash_architecture_config.{name}" in (d.hint or "")
+
+
+@pytest.mark.parametrize(
+    ("arch", "unused"),
+    [
+        ({"emb_dim": 8, "markov_rank": 2}, {"emb_dim", "markov_rank"}),
+        (
+            {"projector_type": "domino", "emb_dim": 8, "gru_hidden_dim": 8, "markov_rank": 2},
+            {"markov_rank"},
+        ),
+        ({"projector_type": "dspark", "markov_rank": 2, "gru_hidden_dim": 4}, {"gru_hidden_dim"}),
+        ({"use_confidence_head": True}, {"use_confidence_head"}),
+    ],
+)
+def test_head_fields_of_another_projector_warn(
+    make_recipe: RecipeFactory, arch: dict[str, object], unused: set[str]
+) -> None:
+    result = lint(make_recipe(arch=arch, dflash={"dflash_mask_token_id": 1}))
+    assert result.ok
+    warned = {d.path.rsplit(".", 1)[1] for d in result.diagnostics if d.code == "head-field-unused"}
+    assert warned == unused
+
+
+def test_duplicate_taps_are_an_error(make_recipe: RecipeFactory) -> None:
+    result = lint(make_recipe(arch={"target_layer_ids": (1, 5, 1)}))
+    d = only(result, "taps-duplicate")
+    assert d.path == f"{ARCH}.target_layer_ids"
+    assert "[1]" in d.message and d.hint is not None and "[1, 5]" in d.hint
+
+
+def test_eval_steps_without_eval_data_warns(make_recipe: RecipeFactory) -> None:
+    result = lint(make_recipe(training={"eval_steps": 50}, dflash={"dflash_mask_token_id": 1}))
+    assert result.ok
+    assert only(result, "eval-data-unset").path == "training.eval_steps"
+
+
+def test_schema_level_mask_is_required_only_without_a_checkpoint(
+    make_recipe: RecipeFactory,
+) -> None:
+    assert lint(make_recipe(init="drafter")).ok  # the checkpoint's config may state it
+    result = lint(make_recipe(init=None))
+    assert only(result, "mask-token-missing").severity is Severity.ERROR
