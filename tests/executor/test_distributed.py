@@ -23,6 +23,7 @@ from torch import nn
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.executor.distributed import (
     DEFAULT_RDZV_ID,
+    WORKER_SHUTDOWN_TIMEOUT_S,
     DistEnv,
     barrier,
     build_torchrun_argv,
@@ -151,6 +152,8 @@ def test_single_node_command_is_standalone() -> None:
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
+        "--shutdown-timeout",
+        str(WORKER_SHUTDOWN_TIMEOUT_S),
         "--standalone",
         "-m",
         "dflash_recipes.cli",
@@ -159,6 +162,7 @@ def test_single_node_command_is_standalone() -> None:
     ]
     args = _parse_as_torchrun(argv)
     assert args["standalone"] is True
+    assert args["shutdown_timeout"] == WORKER_SHUTDOWN_TIMEOUT_S
     assert args["nproc_per_node"] == "2"
     assert args["module"] is True
     assert args["training_script"] == "dflash_recipes.cli"

@@ -62,6 +62,13 @@ from dflash_recipes.executor.model.convert import (
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
+from dflash_recipes.executor.signals import (
+    Abandoned,
+    SignalWatch,
+    StepVote,
+    abandoned_run,
+    stopped_run,
+)
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
 from dflash_recipes.executor.training.loss import LossOutput
@@ -180,6 +187,8 @@ class Trainer:
         self.capture: CaptureReader | None = None
         self._order: list[int] = []
         self._order_key: tuple[int, int] | None = None
+        #: SIGTERM / SIGINT / SIGUSR1 while the run is in :meth:`run` (docs/dflash.md).
+        self.signals = SignalWatch()
 
     # -- main entry -------------------------------------------------------------------------
 
@@ -187,13 +196,18 @@ class Trainer:
         """Train under the run directory's lock (rank 0); OSError becomes one RunIOError."""
         env = self.env
         try:
-            with locked_run_directory(self.output_dir, main=is_main(env)):
+            with (
+                SignalWatch() as self.signals,
+                locked_run_directory(self.output_dir, main=is_main(env)),
+            ):
                 init_distributed(env)
                 try:
                     setup = self._setup()
                     return self._finish(setup, self._train(setup))
                 finally:
                     shutdown_distributed()
+        except Abandoned as exc:
+            raise abandoned_run(exc, self.output_dir) from None
         except OSError as exc:
             where = f" {exc.filename}" if exc.filename else f" in {self.output_dir}"
             msg = (
@@ -320,6 +334,7 @@ class Trainer:
         )
         position = (run.epoch, run.next_index)
         _training_modes(model, drafter)
+        vote = StepVote(self.signals, distributed=env.is_distributed)
         for step in range(run.start_step, run.total_steps):
             run.optimizer.zero_grad(set_to_none=True)
             for micro in range(training.gradient_accumulation_steps):
@@ -355,16 +370,28 @@ class Trainer:
                         tau=f"{progress.last_row['acceptance_length_estimate']:.2f}",
                     )
                 window.reset()
-            if training.eval_steps is not None and done % training.eval_steps == 0:
+            stop_signal, checkpoint_now = vote.decide()  # the same on every rank
+            evaluating = training.eval_steps is not None and done % training.eval_steps == 0
+            if evaluating and not stop_signal:
                 progress.last_eval_tau = self._maybe_eval(
                     model, run.tokenizer, done, run.metrics_path
                 )
                 _training_modes(model, drafter)
             stopping = self.stop_after is not None and done >= self.stop_after
-            if done % training.save_steps == 0 or done == run.total_steps or stopping:
+            if (
+                done % training.save_steps == 0
+                or done == run.total_steps
+                or stopping
+                or stop_signal
+                or checkpoint_now
+            ):
                 self._save(drafter, run.optimizer, run.scheduler, done, position)
+            if stop_signal:
+                vote.close()
+                raise stopped_run(stop_signal, done, run.total_steps, self.output_dir)
             if stopping:
                 break
+        vote.close()
         if bar is not None:
             bar.close()
         return progress
