@@ -232,6 +232,66 @@ def abandoned_run(exc: Abandoned, output_dir: Path) -> Interrupted:
     return Interrupted(msg, signum=exc.signum)
 
 
+def stopped_capture(signum: int, output: Path, *, abandoned: bool) -> Interrupted:
+    """`capture` stopped by `signum`: the whole shards are kept, a rerun writes the rest."""
+    how = (
+        "the shard being written was dropped"
+        if abandoned
+        else "the shard being written was finished"
+    )
+    msg = f"stopped by {signal_name(signum)}: {how}; every whole shard in {output} is kept; {RERUN}"
+    return Interrupted(msg, signum=signum)
+
+
+def stopped_regenerate(exc: KeyboardInterrupt) -> Interrupted:
+    """`regenerate` stopped by a signal (Ctrl-C: SIGINT): its journal is sealed into a part."""
+    signum = exc.signum if isinstance(exc, StopRequested) else int(signal.SIGINT)
+    msg = (
+        f"stopped by {signal_name(signum)}: every answered conversation is kept (the journal "
+        f"was sealed into the output's parts); {RERUN}"
+    )
+    return Interrupted(msg, signum=signum)
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGTERM or SIGINT, raised where the main thread is (as Ctrl-C raises KeyboardInterrupt).
+
+    For loops that already seal their work on KeyboardInterrupt (``regenerate``'s journal):
+    SIGTERM then takes the same path; ``signum`` says which signal it was.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+class RaiseOnStopSignals:
+    """While installed, SIGTERM and SIGINT raise :class:`StopRequested` (main thread only)."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Handler] = {}
+
+    def __enter__(self) -> RaiseOnStopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    @staticmethod
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        raise StopRequested(signum)
+
+
 # ---------------------------------------------------------------------------------------------
 # the launcher's side
 # ---------------------------------------------------------------------------------------------
@@ -299,12 +359,16 @@ __all__ = [
     "DUPLICATE_WINDOW_S",
     "STOP_SIGNALS",
     "Abandoned",
+    "RaiseOnStopSignals",
     "SignalWatch",
     "StepVote",
+    "StopRequested",
     "abandoned_run",
     "child_pids",
     "exit_status",
     "run_forwarding_signals",
     "signal_name",
+    "stopped_capture",
+    "stopped_regenerate",
     "stopped_run",
 ]
