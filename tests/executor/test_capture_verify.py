@@ -153,3 +153,15 @@ def test_a_version_1_manifest_without_hashes_is_still_read(tmp_path: Path) -> No
     manifest = read_manifest(capture)
     assert all(e.sha256 is None and e.token_ids_sha256 is None for e in manifest.shards)
     assert run_plan(_offline(tmp_path, capture), progress=False).steps == 2
+
+
+def test_verify_capture_hashes_every_shard_before_the_first_step(tmp_path: Path) -> None:
+    capture = _captured(tmp_path, "capture")
+    last = read_manifest(capture).shards[-1]
+    path = capture / last.file
+    raw = bytearray(path.read_bytes())
+    raw[-40] ^= 0x01  # one bit of the last tensor's data
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=f"capture shard {path} is not the one"):
+        run_plan(_offline(tmp_path, capture), progress=False, verify_capture=True)
+    assert _train_rows(tmp_path / "offline") == 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from testkit.compiling import tiny_scratch_plan
 
+from dflash_recipes.capture_manifest import read_manifest
 from dflash_recipes.executor.signals import DUPLICATE_WINDOW_S, child_pids
 from dflash_recipes.run_dir import METRICS_FILE, checkpoint_dir_name, complete_checkpoints
 
@@ -66,7 +67,22 @@ def _patch_checkpoints(module):
     module.save_file = slow_save
 
 
+def _patch_capture(module):
+    marker = os.environ.get("DFLASH_TEST_SHARD_MARKER")
+    if not marker:
+        return
+    save = module.save_file
+
+    def slow_save(tensors, path, metadata=None):
+        save(tensors, path, metadata=metadata)
+        Path(marker).touch()  # a shard is being written: its temporary file is complete
+        time.sleep(1.5)
+
+    module.save_file = slow_save
+
+
 _PATCHES = {
+    "dflash_recipes.executor.capture": _patch_capture,
     "dflash_recipes.executor.train": _patch_trainer,
     "dflash_recipes.executor.training_checkpoints": _patch_checkpoints,
 }
@@ -333,6 +349,55 @@ def test_sigterm_to_the_torchrun_launcher_stops_both_ranks_at_one_step(
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _final_loss(run_dir) == expected
     assert _train_steps(run_dir) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_shard_and_the_rerun_completes_the_capture(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    plan_file = _plan_file(tmp_path, "run")
+    straight, parts = tmp_path / "straight", tmp_path / "parts"
+    command = [sys.executable, "-m", "dflash_recipes", "capture", str(plan_file)]
+    options = ["--shard-mib", "1", "--no-progress"]
+    done = subprocess.run(
+        [*command, "--output", str(straight), *options],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = _env(tmp_path)
+    marker = tmp_path / "writing"
+    env["DFLASH_TEST_SHARD_MARKER"] = str(marker)
+    process = subprocess.Popen(
+        [*command, "--output", str(parts), *options], env=env, stderr=subprocess.PIPE, text=True
+    )
+    _wait_for(marker.exists, process, "the first shard")
+    code, err, seconds = _stop(process, signum)
+
+    assert code == 128 + signum, err[-3000:]
+    assert seconds < BOUND_S
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by {signum.name}: the shard being written was finished; every whole shard "
+        f"in {parts} is kept; rerun the same command to resume"
+    )
+    manifest = read_manifest(parts)
+    assert not manifest.complete
+    whole = [e.file for e in manifest.shards if (parts / e.file).is_file()]
+    assert whole == [manifest.shards[0].file]  # the shard in progress, nothing after it
+    assert not [p.name for p in parts.iterdir() if ".tmp" in p.name]
+
+    rerun = subprocess.run(
+        [*command, "--output", str(parts), *options],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert read_manifest(parts).to_dict() == read_manifest(straight).to_dict()
 
 
 def test_child_pids_lists_the_children_of_a_process() -> None:

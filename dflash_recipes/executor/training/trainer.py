@@ -172,8 +172,11 @@ class Trainer:
         progress: bool = True,
         stop_after: int | None = None,
         max_chunk_logits: int | None = None,
+        verify_capture: bool = False,
     ) -> None:
         self.plan = plan
+        #: Hash every capture shard at setup (else each on the first read of its states).
+        self.verify_capture = verify_capture
         #: Stop after this optimiser step (its checkpoint saved), as if the job were killed
         #: there; the schedule still spans the whole run. For tests and preemption drills.
         self.stop_after = stop_after
@@ -224,6 +227,8 @@ class Trainer:
 
         if self.plan.data.hidden_states_path is not None:
             self.capture, manifest = open_capture(self.plan)
+            if self.verify_capture:
+                self.capture.verify_all()
             return capture_dataset(self.capture, manifest, tokenizer)
         if self.plan.data.data_path is None:
             msg = "the plan has no data.data_path; set it in the recipe and recompile"
@@ -606,17 +611,22 @@ def run_plan(
     progress: bool = True,
     stop_after: int | None = None,
     max_chunk_logits: int | None = None,
+    verify_capture: bool = False,
 ) -> TrainSummary:
     """Train as the plan says and return the summary (rank 0's view under torchrun).
 
     `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
     would; rerunning the recipe then resumes. `max_chunk_logits` bounds the logits one chunk
-    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`); the
-    loss
-    is the same, only the memory and the time change.
+    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`);
+    the loss is the same, only the memory and the time change. `verify_capture` hashes every
+    shard of the plan's capture before the first step (otherwise each is checked on first use).
     """
     trainer = Trainer(
-        plan, progress=progress, stop_after=stop_after, max_chunk_logits=max_chunk_logits
+        plan,
+        progress=progress,
+        stop_after=stop_after,
+        max_chunk_logits=max_chunk_logits,
+        verify_capture=verify_capture,
     )
     return trainer.run()
 
