@@ -169,15 +169,17 @@ class StepVote:
 
     def decide(self) -> tuple[int, bool]:
         watch = self._watch
-        local = (watch.stop_signal or 0, int(watch.take_checkpoint_request()))
         if not self._distributed:
-            return local[0], bool(local[1])
+            return watch.stop_signal or 0, watch.take_checkpoint_request()
         import torch
         import torch.distributed as dist
 
         agreed = (0, 0)
         if self._pending is not None:
             agreed = self._collect()
+            if agreed[1]:  # the same SIGUSR1 reaching this rank a step later: one checkpoint
+                watch.take_checkpoint_request()
+        local = (watch.stop_signal or 0, int(watch.take_checkpoint_request()))
         flags = torch.tensor(local, dtype=torch.int64)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         assert work is not None  # async_op=True always returns the handle
@@ -226,8 +228,8 @@ def abandoned_run(exc: Abandoned, output_dir: Path) -> Interrupted:
         else f"no checkpoint was saved in {output_dir} yet"
     )
     msg = (
-        f"stopped by a second {signal_name(exc.signum)}: the save in progress was abandoned "
-        f"and left nothing behind; {newest}; {RERUN}"
+        f"stopped at once by a second {signal_name(exc.signum)}: the step or save in progress "
+        f"was abandoned and left nothing half-written; {newest}; {RERUN}"
     )
     return Interrupted(msg, signum=exc.signum)
 

@@ -23,7 +23,12 @@ import pytest
 from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.capture_manifest import read_manifest
-from dflash_recipes.executor.signals import DUPLICATE_WINDOW_S, child_pids
+from dflash_recipes.executor.signals import (
+    DUPLICATE_WINDOW_S,
+    Abandoned,
+    SignalWatch,
+    child_pids,
+)
 from dflash_recipes.run_dir import METRICS_FILE, checkpoint_dir_name, complete_checkpoints
 
 STEPS = 12
@@ -295,14 +300,15 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_the_newe
     assert [p.name for p in run_dir.iterdir() if p.name.startswith(".tmp")] == []
     newest = run_dir / checkpoint_dir_name(2)
     assert err.strip().splitlines()[-1] == (
-        "stopped by a second SIGTERM: the save in progress was abandoned and left nothing "
-        f"behind; the newest valid checkpoint is {newest}; rerun the same command to resume"
+        "stopped at once by a second SIGTERM: the step or save in progress was abandoned and "
+        f"left nothing half-written; the newest valid checkpoint is {newest}; rerun the same "
+        "command to resume"
     )
     _assert_resumes_exactly(tmp_path, plan_file, run_dir, uninterrupted)
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_torchrun_launcher_stops_both_ranks_at_one_step(
+def test_usr1_then_sigterm_to_the_torchrun_launcher_reach_both_ranks(
     tmp_path: Path,
 ) -> None:
     straight = _plan_file(tmp_path, "straight", "training.per_device_train_batch_size=1")
@@ -325,13 +331,17 @@ def test_sigterm_to_the_torchrun_launcher_stops_both_ranks_at_one_step(
         text=True,
     )
     _wait_for(lambda: len(_train_steps(run_dir)) >= 3, launcher, "step 3")
+    launcher.send_signal(signal.SIGUSR1)  # passed on to the workers: a checkpoint, then on
+    _wait_for(lambda: bool(complete_checkpoints(run_dir)), launcher, "the USR1 checkpoint")
+    requested = complete_checkpoints(run_dir)[0][0]
+    _wait_for(lambda: _train_steps(run_dir)[-1] > requested, launcher, "a step after it")
     code, err, seconds = _stop(launcher, signal.SIGTERM)
 
     assert code == 143, err[-3000:]
     assert seconds < BOUND_S
     saved = [step for step, _ in complete_checkpoints(run_dir)]
-    assert len(saved) == 1 and 3 <= saved[0] < STEPS, (saved, err[-3000:])
-    step = saved[0]
+    assert len(saved) == 2 and saved[0] == requested and saved[1] < STEPS, (saved, err[-3000:])
+    step = saved[1]
     line = (
         f"stopped by SIGTERM after step {step} of {STEPS}: saved "
         f"{run_dir / checkpoint_dir_name(step)}; rerun the same command to resume"
@@ -398,6 +408,21 @@ def test_a_stop_signal_finishes_the_shard_and_the_rerun_completes_the_capture(
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert read_manifest(parts).to_dict() == read_manifest(straight).to_dict()
+
+
+def test_the_same_signal_twice_at_once_is_one_stop_and_later_it_abandons() -> None:
+    with SignalWatch() as watch:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # Slurm's and torchrun's copies of one signal
+        assert watch.stop_signal == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watch.take_checkpoint_request() and not watch.take_checkpoint_request()
+        time.sleep(DUPLICATE_WINDOW_S)
+        with pytest.raises(Abandoned) as info:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here at the latest
+        assert info.value.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
 
 
 def test_child_pids_lists_the_children_of_a_process() -> None:
