@@ -200,7 +200,7 @@ class Trainer:
         env = self.env
         try:
             with (
-                SignalWatch() as self.signals,
+                self.signals,
                 locked_run_directory(self.output_dir, main=is_main(env)),
             ):
                 init_distributed(env)
