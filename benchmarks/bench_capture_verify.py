@@ -2,7 +2,7 @@
 
 Writes one 256 MiB shard-sized file, then, round by round (interleaved, medians): reads it in
 1 MiB chunks (the baseline: the bytes training reads anyway), and hashes it with
-:func:`~dflash_recipes.capture_manifest.file_sha256` (what a shard's first use, `run
+:func:`~dflash_recipes.files.capture_manifest.file_sha256` (what a shard's first use, `run
 --verify-capture` and a capture's completion do). Both read from the page cache, so the ratio
 is the hash's own CPU cost. Also times :func:`token_ids_sha256` over the token ids a 10 GB
 capture at the Qwen3-8B shape holds. Prints the figures extrapolated to a 10 GB capture.
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_recipes.capture_manifest import bytes_per_token, file_sha256, token_ids_sha256
+from dflash_recipes.files.capture_manifest import bytes_per_token, file_sha256, token_ids_sha256
 
 SIZE = 256 * 2**20
 ROUNDS = 5

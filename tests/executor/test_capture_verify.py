@@ -17,17 +17,17 @@ import pytest
 import torch
 from testkit.compiling import tiny_scratch_plan
 
-from dflash_recipes.capture_manifest import (
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.capture import capture_plan
+from dflash_recipes.executor.data.offline import CaptureReader
+from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.files.capture_manifest import (
     MANIFEST_FILE,
     RECAPTURE_SHARD,
     file_sha256,
     read_manifest,
 )
-from dflash_recipes.errors import DataError
-from dflash_recipes.executor.capture import capture_plan
-from dflash_recipes.executor.offline import CaptureReader
-from dflash_recipes.executor.train import run_plan
-from dflash_recipes.plan import RunPlan
+from dflash_recipes.plan.run_plan import RunPlan
 
 DOMAIN = Path(__file__).resolve().parents[2] / "dflash_recipes" / "demo_data" / "data"
 SHARD_BYTES = 2**19

@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 from testkit.compiling import tiny_scratch_plan
 
-from dflash_recipes.capture_manifest import read_manifest
 from dflash_recipes.executor.signals import (
     DUPLICATE_WINDOW_S,
     Abandoned,
     SignalWatch,
     child_pids,
 )
-from dflash_recipes.run_dir import METRICS_FILE, checkpoint_dir_name, complete_checkpoints
+from dflash_recipes.files.capture_manifest import read_manifest
+from dflash_recipes.files.run_dir import METRICS_FILE, checkpoint_dir_name, complete_checkpoints
 
 STEPS = 12
 #: Seconds from the signal to the exit at the tiny shape (the issue's bound).
@@ -87,9 +87,9 @@ def _patch_capture(module):
 
 
 _PATCHES = {
-    "dflash_recipes.executor.capture": _patch_capture,
-    "dflash_recipes.executor.train": _patch_trainer,
-    "dflash_recipes.executor.training_checkpoints": _patch_checkpoints,
+    "dflash_recipes.executor.data.capture": _patch_capture,
+    "dflash_recipes.executor.training.trainer": _patch_trainer,
+    "dflash_recipes.executor.training.checkpoints": _patch_checkpoints,
 }
 
 
