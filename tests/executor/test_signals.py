@@ -81,7 +81,7 @@ def _patch_capture(module):
     def slow_save(tensors, path, metadata=None):
         save(tensors, path, metadata=metadata)
         Path(marker).touch()  # a shard is being written: its temporary file is complete
-        time.sleep(1.5)
+        time.sleep(float(os.environ.get("DFLASH_TEST_SHARD_SLEEP", "1.5")))
 
     module.save_file = slow_save
 
@@ -408,6 +408,37 @@ def test_a_stop_signal_finishes_the_shard_and_the_rerun_completes_the_capture(
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert read_manifest(parts).to_dict() == read_manifest(straight).to_dict()
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_a_shard_drops_it_and_leaves_nothing_half_written(
+    tmp_path: Path,
+) -> None:
+    plan_file = _plan_file(tmp_path, "run")
+    parts, marker = tmp_path / "parts", tmp_path / "writing"
+    env = {**_env(tmp_path), "DFLASH_TEST_SHARD_MARKER": str(marker)}
+    env["DFLASH_TEST_SHARD_SLEEP"] = "30"
+    command = [sys.executable, "-m", "dflash_recipes", "capture", str(plan_file)]
+    process = subprocess.Popen(
+        [*command, "--output", str(parts), "--shard-mib", "1", "--no-progress"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(marker.exists, process, "the first shard")
+    process.send_signal(signal.SIGTERM)  # finish this shard, then stop...
+    time.sleep(DUPLICATE_WINDOW_S + 0.2)
+    code, err, seconds = _stop(process, signal.SIGTERM)  # ...no: stop now
+
+    assert code == 143, err[-3000:]
+    assert seconds < 10
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM: the shard being written was dropped; every whole shard in "
+        f"{parts} is kept; rerun the same command to resume"
+    )
+    manifest = read_manifest(parts)
+    assert not [e.file for e in manifest.shards if (parts / e.file).exists()]
+    assert not [p.name for p in parts.iterdir() if ".tmp" in p.name]
 
 
 def test_the_same_signal_twice_at_once_is_one_stop_and_later_it_abandons() -> None:
