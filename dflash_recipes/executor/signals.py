@@ -19,9 +19,11 @@ this module:
   started at the previous boundary, long finished. No device sync, no blocking collective on
   a step without a signal; the price is that the ranks stop one step after the step in which
   the signal arrived.
-- :func:`forward_to_children` is the launcher's side (``--nproc-per-node``): it passes the
+- :func:`run_forwarding_signals` is the launcher's side (``--nproc-per-node``): it passes the
   signals a scheduler sends to the launcher on to torchrun (stop) or to the workers (SIGUSR1,
   which torchrun would treat as a death signal).
+- :class:`RaiseOnStopSignals` turns SIGTERM into what Ctrl-C is (a KeyboardInterrupt,
+  :class:`StopRequested`) for loops that already seal their work on it (``regenerate``).
 
 :class:`Interrupted` (:mod:`dflash_recipes.errors`) carries the one line a stopped command
 prints and its exit status, 128 + the signal number (143 for SIGTERM, 130 for SIGINT).
@@ -30,7 +32,6 @@ prints and its exit status, 128 + the signal number (143 for SIGTERM, 130 for SI
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -47,8 +48,6 @@ from dflash_recipes.files.run_dir import checkpoint_dir_name, complete_checkpoin
 if TYPE_CHECKING:  # torch is imported only by the ranks of a distributed run
     from torch import Tensor
     from torch.distributed import ProcessGroup, Work
-
-logger = logging.getLogger("dflash_recipes.signals")
 
 #: The signals that stop a run at its next boundary.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)

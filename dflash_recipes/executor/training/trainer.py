@@ -393,6 +393,8 @@ class Trainer:
                 self._save(drafter, run.optimizer, run.scheduler, done, position)
             if stop_signal:
                 vote.close()
+                if bar is not None:
+                    bar.close()
                 raise stopped_run(stop_signal, done, run.total_steps, self.output_dir)
             if stopping:
                 break
