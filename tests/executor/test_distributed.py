@@ -140,7 +140,7 @@ def _parse_as_torchrun(argv: list[str]) -> dict[str, object]:
     """Parse our command with torchrun's own parser, so the flags are ones torchrun accepts."""
     from torch.distributed.run import get_args_parser
 
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "dflash_recipes.executor.torchrun"]
     return vars(get_args_parser().parse_args(argv[3:]))
 
 
@@ -149,7 +149,7 @@ def test_single_node_command_is_standalone() -> None:
     assert argv == [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "dflash_recipes.executor.torchrun",
         "--nproc-per-node",
         "2",
         "--shutdown-timeout",

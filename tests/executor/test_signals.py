@@ -347,6 +347,8 @@ def test_usr1_then_sigterm_to_the_torchrun_launcher_reach_both_ranks(
         f"{run_dir / checkpoint_dir_name(step)}; rerun the same command to resume"
     )
     assert err.count(line) == 1, err[-3000:]  # rank 0's line only
+    assert err.strip().splitlines()[-1] == line  # torchrun ends quietly: no traceback
+    assert "Traceback" not in err
     assert _train_steps(run_dir) == list(range(1, step + 1))
 
     rerun = subprocess.run(
