@@ -4,7 +4,7 @@ Writes one 256 MiB shard-sized file, then, round by round (interleaved, medians)
 1 MiB chunks (the baseline: the bytes training reads anyway), and hashes it with
 :func:`~dflash_recipes.files.capture_manifest.file_sha256` (what a shard's first use, `run
 --verify-capture` and a capture's completion do). Both read from the page cache, so the ratio
-is the hash's own CPU cost. Also times :func:`token_ids_sha256` over the token ids a 10 GB
+is the hash's own CPU cost. Also times :func:`samples_sha256` over the token ids and masks a 10 GB
 capture at the Qwen3-8B shape holds. Prints the figures extrapolated to a 10 GB capture.
 
     python benchmarks/bench_capture_verify.py
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_recipes.files.capture_manifest import bytes_per_token, file_sha256, token_ids_sha256
+from dflash_recipes.files.capture_manifest import bytes_per_token, file_sha256, samples_sha256
 
 SIZE = 256 * 2**20
 ROUNDS = 5
@@ -53,8 +53,8 @@ def main() -> None:
     # Qwen3-8B: 5 taps of hidden size 4096 in bfloat16 (no teacher state).
     per_token = bytes_per_token(5, 4096, "bfloat16", last_hidden=False)
     tokens = CAPTURE_BYTES // per_token
-    ids = [list(range(i, i + 2048)) for i in range(0, tokens, 2048)]
-    token_s = _timed(token_ids_sha256, ids)
+    ids = [(list(range(i, i + 2048)), [1] * 2048) for i in range(0, tokens, 2048)]
+    token_s = _timed(samples_sha256, ids)
     scale = CAPTURE_BYTES / SIZE
     print(f"read from page cache : {SIZE / read_s / 2**30:6.2f} GiB/s")
     print(f"sha256 (file_sha256) : {SIZE / hash_s / 2**30:6.2f} GiB/s")
@@ -64,7 +64,7 @@ def main() -> None:
         f"(reading it from cache: {read_s * scale:5.1f} s)"
     )
     print(
-        f"token-id hashes      : {token_s:6.3f} s for the {tokens} tokens of a 10 GB capture at "
+        f"sample hashes       : {token_s:6.3f} s for the {tokens} tokens of a 10 GB capture at "
         f"the Qwen3-8B shape ({per_token} bytes a token)"
     )
 

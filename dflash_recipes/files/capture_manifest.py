@@ -35,7 +35,7 @@ from dflash_recipes.records import Record
 
 MANIFEST_FILE = "manifest.json"
 CAPTURE_FORMAT = "dflash-capture"
-#: Version 2 adds each shard's content hash and the hash of its samples' token ids.
+#: Version 2 adds each shard's content hash and the hash of its samples (ids and loss masks).
 CAPTURE_FORMAT_VERSION = 2
 #: Versions this dflash-recipes reads (a version-1 capture trains unverified, with a warning).
 READABLE_FORMAT_VERSIONS = (1, 2)
@@ -121,19 +121,21 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def token_ids_sha256(samples: Iterable[Sequence[int]]) -> str:
-    """sha256 of samples' token ids: per sample its length, then its ids (int32 little-endian).
+def samples_sha256(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> str:
+    """sha256 of samples given as (token ids, loss mask): per sample its length, its ids
+    (int32 little-endian) and its mask (one byte a token).
 
     What a shard's samples are: the same at capture time (from the tokenized conversations)
-    and at train time (from the shard's ``input_ids`` tensors).
+    and at train time (from the shard's ``input_ids`` and ``loss_mask`` tensors).
     """
     digest = hashlib.sha256()
-    for ids in samples:
+    for ids, mask in samples:
         values = array("i", ids)
         if sys.byteorder == "big":
             values.byteswap()
         digest.update(len(values).to_bytes(8, "little"))
         digest.update(values.tobytes())
+        digest.update(bytes(mask))
     return digest.hexdigest()
 
 
@@ -224,8 +226,8 @@ class ShardEntry(Record):
     bytes: int | None = None
     #: sha256 of the file, recorded when the capture completes (None: version 1, unverified).
     sha256: str | None = None
-    #: :func:`token_ids_sha256` of the shard's samples, from the tokenized conversations.
-    token_ids_sha256: str | None = None
+    #: :func:`samples_sha256` of the shard's samples, from the tokenized conversations.
+    samples_sha256: str | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -357,9 +359,9 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
             size is not None and not _int(size)
         ):
             raise bad(f"shards[{number}] needs non-negative integer counts and bytes")
-        hashes = [entry.get(k) for k in ("sha256", "token_ids_sha256")]
+        hashes = [entry.get(k) for k in ("sha256", "samples_sha256")]
         if not all(h is None or _is_sha256(h) for h in hashes):
-            raise bad(f"shards[{number}]'s sha256 and token_ids_sha256 must be 64 hex digits")
+            raise bad(f"shards[{number}]'s sha256 and samples_sha256 must be 64 hex digits")
         shards.append(
             ShardEntry(
                 name,
@@ -368,7 +370,7 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
                 tokens,
                 bytes=size,
                 sha256=hashes[0],
-                token_ids_sha256=hashes[1],
+                samples_sha256=hashes[1],
             )
         )
     return CaptureManifest(
@@ -500,10 +502,10 @@ __all__ = [
     "plan_shards",
     "read_manifest",
     "sample_tensor_names",
+    "samples_sha256",
     "shard_content_problem",
     "shard_file_name",
     "shard_mismatch",
     "shard_problem",
-    "token_ids_sha256",
     "tokenizer_sha256",
 ]

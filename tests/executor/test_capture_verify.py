@@ -2,9 +2,9 @@
 
 A shard whose bytes changed (a flipped byte inside its tensor data, header intact) is refused
 on the first read of its states, and a shard copied in from a capture of other data is refused
-at setup by its token ids, both naming the shard, the two hashes and the fix; rerunning
-`capture` writes that shard again and training then runs. A version-1 manifest (no hashes)
-is still read.
+at setup by its samples (token ids and loss masks), both naming the shard, the two hashes and
+the fix; rerunning `capture` writes that shard again and training then runs. A version-1
+manifest (no hashes) is still read.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def test_the_manifest_records_each_shards_content_and_token_ids(tmp_path: Path) 
     assert json.loads((capture / MANIFEST_FILE).read_text())["format_version"] == 2
     for entry in manifest.shards:
         assert entry.sha256 == file_sha256(capture / entry.file)
-        assert entry.token_ids_sha256 is not None and len(entry.token_ids_sha256) == 64
-    assert len({e.token_ids_sha256 for e in manifest.shards}) == len(manifest.shards)
+        assert entry.samples_sha256 is not None and len(entry.samples_sha256) == 64
+    assert len({e.samples_sha256 for e in manifest.shards}) == len(manifest.shards)
 
 
 def test_a_flipped_byte_is_refused_before_its_states_are_used_then_recapture_trains(
@@ -130,9 +130,9 @@ def test_a_shard_from_a_capture_of_other_data_is_refused_before_any_step(
     message = str(info.value)
     assert message.startswith(
         f"capture shard {capture / entry.file} is not the one the manifest recorded: its "
-        "token ids sha256 is "
+        "samples (token ids and loss masks) sha256 is "
     )
-    assert f"the manifest says {entry.token_ids_sha256}" in message
+    assert f"the manifest says {entry.samples_sha256}" in message
     assert message.endswith(RECAPTURE_SHARD)
     assert _train_rows(tmp_path / "offline") == 0  # refused at setup: no step ran
 
@@ -148,10 +148,10 @@ def test_a_version_1_manifest_without_hashes_is_still_read(tmp_path: Path) -> No
     raw = json.loads((capture / MANIFEST_FILE).read_text())
     raw["format_version"] = 1
     for shard in raw["shards"]:
-        del shard["sha256"], shard["token_ids_sha256"]
+        del shard["sha256"], shard["samples_sha256"]
     (capture / MANIFEST_FILE).write_text(json.dumps(raw))
     manifest = read_manifest(capture)
-    assert all(e.sha256 is None and e.token_ids_sha256 is None for e in manifest.shards)
+    assert all(e.sha256 is None and e.samples_sha256 is None for e in manifest.shards)
     assert run_plan(_offline(tmp_path, capture), progress=False).steps == 2
 
 

@@ -57,10 +57,10 @@ from dflash_recipes.files.capture_manifest import (
     parse_manifest,
     plan_shards,
     sample_tensor_names,
+    samples_sha256,
     shard_content_problem,
     shard_file_name,
     shard_problem,
-    token_ids_sha256,
     tokenizer_sha256,
 )
 from dflash_recipes.files.crashsafe import atomic_replace, write_text_atomic
@@ -139,8 +139,8 @@ def planned_manifest(
                 first,
                 count,
                 sum(counts[first : first + count]),
-                token_ids_sha256=token_ids_sha256(
-                    e.input_ids for e in dataset.examples[first : first + count]
+                samples_sha256=samples_sha256(
+                    (e.input_ids, e.loss_mask) for e in dataset.examples[first : first + count]
                 ),
             )
             for number, (first, count) in enumerate(table)

@@ -8,8 +8,9 @@ sharding and resumption are exactly those of online training. The tapped states 
 token) stay on disk: each micro-batch reads only its rows' tensors through ``safe_open``
 (memory-mapped, no full load) and pads them like the batch.
 
-Nothing in a capture is trusted blindly (manifest format version 2): the token ids read from
-each shard must hash to what the manifest recorded from the tokenized conversations
+Nothing in a capture is trusted blindly (manifest format version 2): the token ids and loss
+masks read from each shard must hash to what the manifest recorded from the tokenized
+conversations
 (checked for every shard at setup, a few bytes a token), and each shard's file must hash to its
 recorded sha256, checked on the first read of its states, before an optimiser step uses them
 (one sequential read of the shard, which leaves it in the page cache for the reads that
@@ -45,9 +46,9 @@ from dflash_recipes.files.capture_manifest import (
     needs_teacher,
     read_manifest,
     sample_tensor_names,
+    samples_sha256,
     shard_content_problem,
     shard_mismatch,
-    token_ids_sha256,
 )
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -259,11 +260,12 @@ def open_capture(plan: RunPlan) -> tuple[CaptureReader, CaptureManifest]:
 def check_token_ids(
     directory: Path, manifest: CaptureManifest, examples: Sequence[TokenizedExample]
 ) -> None:
-    """Each shard's token ids hash to what the capture recorded; DataError naming the shard.
+    """Each shard's token ids and loss masks hash to what the capture recorded; DataError
+    naming the shard.
 
     A version-1 capture records no hashes: it is read unverified, with a warning.
     """
-    unverified = [e.file for e in manifest.shards if e.token_ids_sha256 is None]
+    unverified = [e.file for e in manifest.shards if e.samples_sha256 is None]
     if unverified:
         logger.warning(
             "capture %s records no shard hashes (format version 1): its shards are not "
@@ -271,13 +273,14 @@ def check_token_ids(
             directory,
         )
     for entry in manifest.shards:
-        if entry.token_ids_sha256 is None:
+        if entry.samples_sha256 is None:
             continue
         rows = examples[entry.first_sample : entry.first_sample + entry.num_samples]
-        found = token_ids_sha256(e.input_ids for e in rows)
-        if found != entry.token_ids_sha256:
+        found = samples_sha256((e.input_ids, e.loss_mask) for e in rows)
+        if found != entry.samples_sha256:
             path = directory / entry.file
-            raise DataError(shard_mismatch(path, "token ids", entry.token_ids_sha256, found))
+            what = "samples (token ids and loss masks)"
+            raise DataError(shard_mismatch(path, what, entry.samples_sha256, found))
 
 
 def capture_dataset(
