@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -164,4 +165,19 @@ def test_verify_capture_hashes_every_shard_before_the_first_step(tmp_path: Path)
     path.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=f"capture shard {path} is not the one"):
         run_plan(_offline(tmp_path, capture), progress=False, verify_capture=True)
+    assert _train_rows(tmp_path / "offline") == 0
+
+
+def test_a_flipped_loss_mask_byte_is_refused_at_setup(tmp_path: Path) -> None:
+    capture = _captured(tmp_path, "capture")
+    entry = read_manifest(capture).shards[0]
+    path = capture / entry.file
+    raw = bytearray(path.read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    start, _ = header[f"{entry.first_sample:09d}.loss_mask"]["data_offsets"]
+    raw[8 + size + start] ^= 0x01  # a token's supervision flips: the data summary would lie
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"its samples \(token ids and loss masks\) sha256 is"):
+        run_plan(_offline(tmp_path, capture), progress=False)
     assert _train_rows(tmp_path / "offline") == 0
