@@ -15,6 +15,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── DirectoryLockedError     another process is writing the same output directory
      ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
      ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
+     ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
      └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
@@ -95,12 +96,26 @@ class RunIOError(DFlashRecipeError):
     """Reading or writing a run's files failed at run time (full disk, permissions, I/O)."""
 
 
+class Interrupted(DFlashRecipeError):
+    """A signal (SIGTERM, SIGINT) stopped a command at a boundary; what was complete is kept.
+
+    The message is the one line the command prints (which signal, where it stopped, what was
+    saved, "rerun the same command to resume"); ``exit_code`` is 128 + the signal number.
+    """
+
+    def __init__(self, message: str, *, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
     "DFlashRecipeError",
     "DataError",
     "DirectoryLockedError",
+    "Interrupted",
     "LaunchError",
     "PlanError",
     "RecipeError",

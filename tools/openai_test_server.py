@@ -13,6 +13,9 @@ transformers) or with a fixed text (``--canned``), and lists its one model at
     api_key      require `Authorization: Bearer <api_key>` (401 otherwise; "": no key)
     reasoning    return a `reasoning_content` field and a <think> block in the content
     not_json     answer every chat request with a 200 whose body is not JSON
+    trickle      send the headers of a chat answer, then its body one byte a second
+    hang         read every chat request and never answer it
+    oversized    answer every chat request with a 200 JSON body of this many bytes (0: off)
 
 ``GET /stats`` returns ``{"requests", "in_flight", "max_in_flight"}``; ``POST /reset`` zeroes
 them. The chosen port is printed on stdout as ``PORT <n>`` once the server listens.
@@ -45,6 +48,9 @@ DEFAULT_KNOBS: dict[str, Any] = {
     "api_key": "",
     "reasoning": False,
     "not_json": False,
+    "trickle": False,
+    "hang": False,
+    "oversized": 0,
 }
 
 
@@ -204,6 +210,16 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if knobs["not_json"]:
                 self._send(200, b"<html>not an API</html>", "text/html")
                 return
+            if knobs["hang"]:
+                time.sleep(3600)  # a daemon thread: the server process still ends when killed
+                return
+            if knobs["oversized"]:
+                padding = "x" * int(knobs["oversized"])
+                self._json(200, {"choices": [{"message": {"content": padding}}]})
+                return
+            if knobs["trickle"]:
+                self._trickle()
+                return
             text, tokens, cut = state.generate(body["messages"], int(body.get("max_tokens", 256)))
             reply: dict[str, Any] = {"role": "assistant", "content": text}
             if knobs["reasoning"]:
@@ -225,6 +241,21 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                     "usage": {"completion_tokens": tokens},
                 },
             )
+
+        def _trickle(self) -> None:
+            body = json.dumps({"choices": [{"message": {"content": "ok" * 200}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.flush()
+            for byte in body:
+                try:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                except OSError:  # the client gave up
+                    return
+                time.sleep(1.0)
 
     return Handler
 

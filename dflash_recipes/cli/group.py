@@ -25,7 +25,7 @@ from dflash_recipes.diagnostics import (
     sort_diagnostics,
     summary_line,
 )
-from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.errors import DFlashRecipeError, Interrupted
 
 if TYPE_CHECKING:
     from dflash_recipes.compiler.compilation import CompileResult
@@ -88,6 +88,10 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
+        except Interrupted as exc:  # a signal's one line, from rank 0 only; exit 128 + signum
+            if os.environ.get("RANK", "0") == "0":
+                click.echo(str(exc), err=True)
+            ctx.exit(exc.exit_code)
         except DFlashRecipeError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(EXIT_FINDINGS)

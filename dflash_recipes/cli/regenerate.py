@@ -10,7 +10,6 @@ import click
 from dflash_recipes.cli.group import (
     _ANY_PATH_STR,
     _FILE,
-    _fail,
     _setup_logging,
     load_plan_or_recipe,
     main,
@@ -58,17 +57,16 @@ def regenerate_command(
     plan = load_plan_or_recipe(recipe_or_plan, overrides)
     _setup_logging(False)
     from dflash_recipes.executor.regenerate.job import run_regenerate
+    from dflash_recipes.executor.signals import RaiseOnStopSignals, stopped_regenerate
 
     try:
-        run_regenerate(
-            plan,
-            input_path=input_path,
-            output_path=output_path,
-            progress=not no_progress,
-            echo=lambda line: click.echo(line, err=True),
-        )
-    except KeyboardInterrupt:
-        _fail(
-            "interrupted; every answered conversation is kept: rerun the same command to continue",
-            130,
-        )
+        with RaiseOnStopSignals():  # SIGTERM seals the journal as Ctrl-C does
+            run_regenerate(
+                plan,
+                input_path=input_path,
+                output_path=output_path,
+                progress=not no_progress,
+                echo=lambda line: click.echo(line, err=True),
+            )
+    except KeyboardInterrupt as exc:
+        raise stopped_regenerate(exc) from None

@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--rdzv-endpoint", help="HOST:PORT of the rendezvous for multi-node runs.")
 @click.option("--rdzv-id", help="Rendezvous id shared by all nodes (default: plan fingerprint).")
+@click.option(
+    "--verify-capture",
+    is_flag=True,
+    help="Hash every shard of data.hidden_states_path before the first step "
+    "(otherwise each shard is checked on its first use).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run_command(
@@ -43,6 +49,7 @@ def run_command(
     nnodes: int,
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
+    verify_capture: bool,
     no_progress: bool,
     verbose: bool,
 ) -> None:
@@ -50,6 +57,8 @@ def run_command(
 
     A recipe is compiled first (with OVERRIDEs); a `.json` plan runs as compiled. Rerunning
     with the same training.output_dir resumes from its newest complete checkpoint.
+    SIGTERM or SIGINT (Ctrl-C) stops every process after the step it is in, with a
+    checkpoint of that step (exit 128 + the signal); SIGUSR1 saves a checkpoint and goes on.
 
     \b
     Examples:
@@ -64,7 +73,9 @@ def run_command(
         from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
-            [recipe_or_plan, *overrides] + (["--no-progress"] if no_progress else []),
+            [recipe_or_plan, *overrides]
+            + (["--no-progress"] if no_progress else [])
+            + (["--verify-capture"] if verify_capture else []),
             nproc_per_node=nproc_per_node or 1,
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
@@ -74,7 +85,8 @@ def run_command(
     _setup_logging(verbose)
     from dflash_recipes.executor.training.trainer import run_plan
 
-    summary = run_plan(plan, progress=not no_progress)  # errors: the group's one handler
+    # errors: the group's one handler
+    summary = run_plan(plan, progress=not no_progress, verify_capture=verify_capture)
     if os.environ.get("RANK", "0") == "0":
         from dflash_recipes.executor.training.resume import summary_line as run_summary_line
 

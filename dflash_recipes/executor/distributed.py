@@ -2,9 +2,10 @@
 
 A run is distributed when a launcher has set the torchrun environment (`RANK`, `WORLD_SIZE`,
 `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`): `dflash-recipe run --nproc-per-node N` relaunches
-itself through `torch.distributed.run` (see :func:`build_torchrun_argv`), and any other launcher
-that sets the same variables (Slurm + torchrun, Kubernetes operators) works too. Without those
-variables the run is a single process and every helper here is a cheap no-op.
+itself through `torch.distributed.run` (wrapped by :mod:`dflash_recipes.executor.torchrun`;
+see :func:`build_torchrun_argv`), and any other launcher that sets the same variables (Slurm +
+torchrun, Kubernetes operators) works too. Without those variables the run is a single
+process and every helper here is a cheap no-op.
 
 A trainer uses it like this::
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +56,12 @@ TORCHRUN_ENV_VARS: tuple[str, ...] = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+#: The module that runs torchrun (:mod:`dflash_recipes.executor.torchrun`).
+TORCHRUN_MODULE = "dflash_recipes.executor.torchrun"
+
+#: Seconds torchrun waits for its workers after forwarding a stop signal before SIGKILL.
+WORKER_SHUTDOWN_TIMEOUT_S = 900
 
 #: Rendezvous id used for multi-node runs when none is given (all nodes must agree on it).
 DEFAULT_RDZV_ID = "dflash-recipes"
@@ -507,7 +513,11 @@ def build_torchrun_argv(
             "(they would launch again); pass only the plan or recipe and its overrides"
         )
         raise LaunchError(msg)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
+    # torch.distributed.run itself, minus its traceback when a stop signal ends it
+    argv = [sys.executable, "-m", TORCHRUN_MODULE, "--nproc-per-node", str(nproc_per_node)]
+    # torchrun SIGKILLs its workers this long after forwarding a SIGTERM: longer than any
+    # save, so that the scheduler's own grace period is the one that counts.
+    argv += ["--shutdown-timeout", str(WORKER_SHUTDOWN_TIMEOUT_S)]
     if rdzv_endpoint is None:
         argv.append("--standalone")
     else:
@@ -526,19 +536,26 @@ def build_torchrun_argv(
 
 
 def launch_torchrun(argv: Sequence[str]) -> int:
-    """Run the torchrun command and return its exit code (128+N when killed by signal N)."""
+    """Run the torchrun command and return its exit code (128+N when killed by signal N).
+
+    The signals this launcher receives are passed on
+    (:func:`~dflash_recipes.executor.signals.run_forwarding_signals`): a SIGTERM sent to it
+    stops the workers at a step boundary with a checkpoint, exactly as one sent to a worker.
+    """
+    from dflash_recipes.executor.signals import run_forwarding_signals
+
     try:
-        completed = subprocess.run(list(argv), check=False)
+        return run_forwarding_signals(argv)
     except OSError as exc:
         msg = f"could not start {argv[0] if argv else '(empty command)'}: {exc}"
         raise LaunchError(msg) from exc
-    code = completed.returncode
-    return 128 - code if code < 0 else code
 
 
 __all__ = [
     "DEFAULT_RDZV_ID",
     "TORCHRUN_ENV_VARS",
+    "TORCHRUN_MODULE",
+    "WORKER_SHUTDOWN_TIMEOUT_S",
     "Backend",
     "DevicePreference",
     "DistEnv",

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import sys
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeGuard
 
@@ -33,7 +35,10 @@ from dflash_recipes.records import Record
 
 MANIFEST_FILE = "manifest.json"
 CAPTURE_FORMAT = "dflash-capture"
-CAPTURE_FORMAT_VERSION = 1
+#: Version 2 adds each shard's content hash and the hash of its samples (ids and loss masks).
+CAPTURE_FORMAT_VERSION = 2
+#: Versions this dflash-recipes reads (a version-1 capture trains unverified, with a warning).
+READABLE_FORMAT_VERSIONS = (1, 2)
 #: Largest manifest read back (a manifest lists shards, a few hundred bytes each).
 MAX_MANIFEST_BYTES = 64 * 2**20
 
@@ -45,6 +50,7 @@ SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 HEADER_BYTES_PER_TENSOR = 96
 
 RECAPTURE = "rerun `dflash-recipe capture RECIPE --output DIR` with this recipe"
+RECAPTURE_SHARD = "re-capture this shard with `dflash-recipe capture` (it resumes)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +121,45 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def samples_sha256(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> str:
+    """sha256 of samples given as (token ids, loss mask): per sample its length, its ids
+    (int32 little-endian) and its mask (one byte a token).
+
+    What a shard's samples are: the same at capture time (from the tokenized conversations)
+    and at train time (from the shard's ``input_ids`` and ``loss_mask`` tensors).
+    """
+    digest = hashlib.sha256()
+    for ids, mask in samples:
+        values = array("i", ids)
+        if sys.byteorder == "big":
+            values.byteswap()
+        digest.update(len(values).to_bytes(8, "little"))
+        digest.update(values.tobytes())
+        digest.update(bytes(mask))
+    return digest.hexdigest()
+
+
+def shard_mismatch(path: Path, what: str, expected: str, found: str) -> str:
+    """The message of a shard whose `what` hash is not the manifest's (names the fix)."""
+    return (
+        f"capture shard {path} is not the one the manifest recorded: its {what} sha256 is "
+        f"{found}, the manifest says {expected} (the file changed, or was copied from another "
+        f"capture); {RECAPTURE_SHARD}"
+    )
+
+
+def shard_content_problem(directory: Path, entry: ShardEntry) -> str | None:
+    """Why the shard file does not hash to the manifest's sha256 (None: it does, or the
+    manifest records none). Reads the whole file once."""
+    if entry.sha256 is None:
+        return None
+    path = directory / entry.file
+    found = file_sha256(path)
+    if found == entry.sha256:
+        return None
+    return shard_mismatch(path, "content", entry.sha256, found)
+
+
 def _hash_files(paths: Sequence[Path]) -> str | None:
     digest = hashlib.sha256()
     found = False
@@ -179,6 +224,10 @@ class ShardEntry(Record):
     num_tokens: int
     #: File size in bytes; None while the capture is still being written.
     bytes: int | None = None
+    #: sha256 of the file, recorded when the capture completes (None: version 1, unverified).
+    sha256: str | None = None
+    #: :func:`samples_sha256` of the shard's samples, from the tokenized conversations.
+    samples_sha256: str | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -212,7 +261,11 @@ class CaptureManifest(Record):
         """Everything but the progress fields: two captures with equal identities are equal."""
         data = self.to_dict()
         data.pop("complete")
-        data["shards"] = [{k: v for k, v in s.items() if k != "bytes"} for s in data["shards"]]  # type: ignore[attr-defined]
+        progress = ("bytes", "sha256")
+        data["shards"] = [
+            {k: v for k, v in s.items() if k not in progress}
+            for s in data["shards"]  # type: ignore[attr-defined]
+        ]
         return data
 
     def to_dict(self) -> dict[str, object]:
@@ -250,6 +303,12 @@ def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _is_sha256(value: object) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
 def parse_manifest(text: str, where: str) -> CaptureManifest:
     """A manifest from its JSON text; DataError naming `where` and the bad field otherwise."""
 
@@ -263,10 +322,11 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
     if not isinstance(raw, dict) or raw.get("format") != CAPTURE_FORMAT:
         raise bad(f'not a capture manifest (no "format": "{CAPTURE_FORMAT}")')
     version = raw.get("format_version")
-    if version != CAPTURE_FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
         msg = (
-            f"{where}: capture format version {version!r}, this dflash-recipes reads version "
-            f"{CAPTURE_FORMAT_VERSION}; {RECAPTURE}"
+            f"{where}: capture format version {version!r}, this dflash-recipes reads versions "
+            f"{readable}; {RECAPTURE}"
         )
         raise DataError(msg)
     for name in _INT_FIELDS:
@@ -299,7 +359,20 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
             size is not None and not _int(size)
         ):
             raise bad(f"shards[{number}] needs non-negative integer counts and bytes")
-        shards.append(ShardEntry(name, first, count, tokens, bytes=size))
+        hashes = [entry.get(k) for k in ("sha256", "samples_sha256")]
+        if not all(h is None or _is_sha256(h) for h in hashes):
+            raise bad(f"shards[{number}]'s sha256 and samples_sha256 must be 64 hex digits")
+        shards.append(
+            ShardEntry(
+                name,
+                first,
+                count,
+                tokens,
+                bytes=size,
+                sha256=hashes[0],
+                samples_sha256=hashes[1],
+            )
+        )
     return CaptureManifest(
         base_model_path=raw["base_model_path"],
         base_config_sha256=raw.get("base_config_sha256"),
@@ -414,7 +487,9 @@ __all__ = [
     "CAPTURE_FORMAT",
     "CAPTURE_FORMAT_VERSION",
     "MANIFEST_FILE",
+    "READABLE_FORMAT_VERSIONS",
     "RECAPTURE",
+    "RECAPTURE_SHARD",
     "CaptureManifest",
     "ShardEntry",
     "base_config_sha256",
@@ -427,7 +502,10 @@ __all__ = [
     "plan_shards",
     "read_manifest",
     "sample_tensor_names",
+    "samples_sha256",
+    "shard_content_problem",
     "shard_file_name",
+    "shard_mismatch",
     "shard_problem",
     "tokenizer_sha256",
 ]

@@ -150,3 +150,60 @@ def test_yes_submits_the_written_script(tmp_path: Path, monkeypatch: pytest.Monk
     assert code == 0
     assert calls == [["sbatch", str(script)]]
     assert RunPlan.from_json((tmp_path / "job.plan.json").read_text()) == plan
+
+
+_FAKE_SRUN = """#!/bin/bash
+# Stands in for srun: records the USR1 the batch shell passes on, ends when the job is requeued.
+trap 'echo USR1 >> "$FAKE_LOG"' USR1
+echo started >> "$FAKE_LOG"
+while [ ! -f "$FAKE_LOG.requeued" ]; do sleep 0.05; done
+exit 143
+"""
+_FAKE_SCONTROL = """#!/bin/bash
+if [ "$1" = show ]; then echo node001; exit 0; fi
+echo "scontrol $*" >> "$FAKE_LOG"
+touch "$FAKE_LOG.requeued"
+"""
+
+
+def test_the_batch_script_passes_usr1_on_to_the_step_and_requeues(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    launch = _launcher()
+    plan = _plan(tmp_path / "out")
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        launch.render_slurm_script(
+            tmp_path / "plan.json", plan.fingerprint, nodes=1, gpus_per_node=2
+        )
+    )
+    assert "#SBATCH --signal=B:USR1@120\n" in script.read_text()
+    assert "#SBATCH --requeue\n" in script.read_text()
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    for name, text in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_LOG": str(log),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node001",
+    }
+    shell = subprocess.Popen(["bash", str(script)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.is_file() and "started" in log.read_text()):
+            assert shell.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        shell.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends to the batch shell
+        assert shell.wait(timeout=30) == 143  # the step's status: Slurm sees the stop
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+    lines = log.read_text().splitlines()  # (the fake srun's trap runs after its sleep)
+    assert lines[0] == "started"
+    assert sorted(lines[1:]) == ["USR1", "scontrol requeue 4242"]

@@ -23,6 +23,7 @@ from torch import nn
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.executor.distributed import (
     DEFAULT_RDZV_ID,
+    WORKER_SHUTDOWN_TIMEOUT_S,
     DistEnv,
     barrier,
     build_torchrun_argv,
@@ -139,7 +140,7 @@ def _parse_as_torchrun(argv: list[str]) -> dict[str, object]:
     """Parse our command with torchrun's own parser, so the flags are ones torchrun accepts."""
     from torch.distributed.run import get_args_parser
 
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "dflash_recipes.executor.torchrun"]
     return vars(get_args_parser().parse_args(argv[3:]))
 
 
@@ -148,9 +149,11 @@ def test_single_node_command_is_standalone() -> None:
     assert argv == [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "dflash_recipes.executor.torchrun",
         "--nproc-per-node",
         "2",
+        "--shutdown-timeout",
+        str(WORKER_SHUTDOWN_TIMEOUT_S),
         "--standalone",
         "-m",
         "dflash_recipes.cli",
@@ -159,6 +162,7 @@ def test_single_node_command_is_standalone() -> None:
     ]
     args = _parse_as_torchrun(argv)
     assert args["standalone"] is True
+    assert args["shutdown_timeout"] == WORKER_SHUTDOWN_TIMEOUT_S
     assert args["nproc_per_node"] == "2"
     assert args["module"] is True
     assert args["training_script"] == "dflash_recipes.cli"

@@ -70,6 +70,10 @@ def render_slurm_script(
         f"#SBATCH --gpus-per-node={gpus_per_node}",
         f"#SBATCH --cpus-per-task={cpus_per_task}",
         f"#SBATCH --output=dflash-{fingerprint[:12]}-%j.log",
+        # USR1 to this shell 120 s before the time limit (trapped below); a preempted or
+        # requeued job goes back to the queue and its rerun resumes from the last checkpoint.
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --requeue",
     ]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
@@ -84,9 +88,18 @@ def render_slurm_script(
         "# The first node of the allocation hosts the c10d rendezvous.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"# Plan fingerprint {fingerprint}",
+        "# 120 s before the time limit: every process saves a checkpoint now (USR1, passed on",
+        "# by srun and by each node's launcher), then the job is requeued: Slurm stops it with",
+        "# SIGTERM (each process finishes its step and saves) and the requeued job resumes.",
+        'trap \'kill -USR1 "$SRUN_PID" 2>/dev/null || true; '
+        'scontrol requeue "$SLURM_JOB_ID" || true\' USR1',
         "srun --kill-on-bad-exit=1 dflash-recipe run "
         f"{plan} --nproc-per-node {gpus_per_node} --nnodes {nodes} "
-        f'--rdzv-endpoint "$HEAD_NODE:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" --no-progress',
+        f'--rdzv-endpoint "$HEAD_NODE:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" --no-progress &',
+        "SRUN_PID=$!",
+        "# A trap interrupts `wait`: wait again until srun has ended, and exit as it did.",
+        'while true; do wait "$SRUN_PID" && exit 0 || STATUS=$?; '
+        'kill -0 "$SRUN_PID" 2>/dev/null || exit "$STATUS"; done',
         "",
     ]
     return "\n".join(lines)

@@ -43,6 +43,7 @@ from dflash_recipes.executor.distributed import (
     shutdown_distributed,
 )
 from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, target_forward
+from dflash_recipes.executor.signals import Abandoned, SignalWatch, stopped_capture
 from dflash_recipes.files.capture_manifest import (
     MANIFEST_FILE,
     CaptureManifest,
@@ -56,6 +57,8 @@ from dflash_recipes.files.capture_manifest import (
     parse_manifest,
     plan_shards,
     sample_tensor_names,
+    samples_sha256,
+    shard_content_problem,
     shard_file_name,
     shard_problem,
     tokenizer_sha256,
@@ -136,10 +139,36 @@ def planned_manifest(
                 first,
                 count,
                 sum(counts[first : first + count]),
+                samples_sha256=samples_sha256(
+                    (e.input_ids, e.loss_mask) for e in dataset.examples[first : first + count]
+                ),
             )
             for number, (first, count) in enumerate(table)
         ),
     )
+
+
+def _recorded_shards(directory: Path) -> dict[str, ShardEntry]:
+    """The shards of the manifest on disk that carry a content hash (a complete capture)."""
+    path = directory / MANIFEST_FILE
+    try:
+        previous = parse_manifest(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, DataError):
+        return {}
+    return {e.file: e for e in previous.shards if e.sha256 is not None}
+
+
+def _changed_since_recorded(
+    directory: Path, entry: ShardEntry, recorded: dict[str, ShardEntry]
+) -> bool:
+    """Whether a shard whose content hash was recorded no longer has it: it is written again."""
+    known = recorded.get(entry.file)
+    if known is None:
+        return False
+    problem = shard_content_problem(directory, known)
+    if problem is not None:
+        logger.warning("%s: capturing it again", problem)
+    return problem is not None
 
 
 class _Capture:
@@ -158,6 +187,8 @@ class _Capture:
         self.progress = progress
         self.stop_after_shards = stop_after_shards
         self.env: DistEnv = detect_dist_env(plan.training.device)
+        #: SIGTERM / SIGINT: finish the shard being written, then stop (the rest on a rerun).
+        self.signals = SignalWatch(checkpoint_signal=False)
 
     def run(self) -> CaptureSummary:
         import time
@@ -167,9 +198,12 @@ class _Capture:
         init_distributed(env)
         try:
             with ExitStack() as stack:
+                stack.enter_context(self.signals)
                 if is_main(env):
                     stack.enter_context(hold_directory_lock(self.output, purpose="capture"))
                 return self._run(started)
+        except Abandoned as exc:  # a second signal: the shard being written is dropped
+            raise stopped_capture(exc.signum, self.output, abandoned=True) from None
         except OSError as exc:
             msg = (
                 f"capture into {self.output} failed: {exc}; fix the directory (a writable folder "
@@ -198,7 +232,13 @@ class _Capture:
             for number, entry in enumerate(manifest.shards)
             if number % env.world_size == env.rank
         ]
-        todo = [(n, e) for n, e in mine if shard_problem(self.output, e, manifest) is not None]
+        recorded = _recorded_shards(self.output)
+        todo = [
+            (n, e)
+            for n, e in mine
+            if shard_problem(self.output, e, manifest) is not None
+            or _changed_since_recorded(self.output, e, recorded)
+        ]
         written = 0
         if todo:
             model = load_base_model(plan)
@@ -207,21 +247,31 @@ class _Capture:
             for _, entry in todo:
                 if self.stop_after_shards is not None and written >= self.stop_after_shards:
                     break
+                if self.signals.stopping:
+                    break
                 self._write_shard(model, dataset.examples, entry, manifest)
                 written += 1
                 if bar is not None:
                     bar.update(entry.num_tokens)
             if bar is not None:
                 bar.close()
-        stopped = self.stop_after_shards is not None and written < len(todo)
+        stopped = (self.stop_after_shards is not None or self.signals.stopping) and written < len(
+            todo
+        )
         barrier(env)
         complete = False
         on_disk = 0
         if is_main(env) and not stopped:
             missing = [e.file for e in manifest.shards if shard_problem(self.output, e, manifest)]
             if not missing:
+                # One read of each shard (from the page cache when just written): the hashes
+                # every later read is checked against.
                 sized = tuple(
-                    attrs.evolve(e, bytes=(self.output / e.file).stat().st_size)
+                    attrs.evolve(
+                        e,
+                        bytes=(self.output / e.file).stat().st_size,
+                        sha256=file_sha256(self.output / e.file),
+                    )
                     for e in manifest.shards
                 )
                 final = attrs.evolve(manifest, shards=sized, complete=True)
@@ -239,6 +289,8 @@ class _Capture:
                 written,
                 "complete" if complete else "incomplete: rerun to finish",
             )
+        if stopped and self.signals.stop_signal is not None:
+            raise stopped_capture(self.signals.stop_signal, self.output, abandoned=False)
         return CaptureSummary(
             directory=str(self.output),
             num_samples=manifest.num_samples,

@@ -8,6 +8,15 @@ sharding and resumption are exactly those of online training. The tapped states 
 token) stay on disk: each micro-batch reads only its rows' tensors through ``safe_open``
 (memory-mapped, no full load) and pads them like the batch.
 
+Nothing in a capture is trusted blindly (manifest format version 2): the token ids and loss
+masks read from each shard must hash to what the manifest recorded from the tokenized
+conversations
+(checked for every shard at setup, a few bytes a token), and each shard's file must hash to its
+recorded sha256, checked on the first read of its states, before an optimiser step uses them
+(one sequential read of the shard, which leaves it in the page cache for the reads that
+follow; :meth:`CaptureReader.verify_all` checks every shard up front). A mismatch is a
+DataError naming the shard, both hashes and the fix.
+
 Teacher logits (self-distillation, DSpark's TV term) are recomputed from the stored input of the
 target's final norm, through that norm and ``lm_head``: the same modules and dtype as the online
 forward, never stored logits. Only the target's embeddings, final norm and ``lm_head`` are
@@ -37,6 +46,9 @@ from dflash_recipes.files.capture_manifest import (
     needs_teacher,
     read_manifest,
     sample_tensor_names,
+    samples_sha256,
+    shard_content_problem,
+    shard_mismatch,
 )
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -124,6 +136,8 @@ class CaptureReader:
         self._starts = [entry.first_sample for entry in manifest.shards]
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
+        #: Shards whose file was hashed and matched the manifest.
+        self._verified: set[str] = set()
 
     def close(self) -> None:
         """Close the shard handles."""
@@ -143,8 +157,28 @@ class CaptureReader:
                 hi = mid - 1
         return self.manifest.shards[lo]
 
+    def verify(self, entry: ShardEntry) -> None:
+        """Check the shard's file against its recorded sha256 (once); DataError on mismatch."""
+        if entry.file in self._verified:
+            return
+        try:
+            problem = shard_content_problem(self.directory, entry)
+        except OSError as exc:
+            msg = f"cannot read capture shard {self.directory / entry.file}: {exc}"
+            raise DataError(msg) from exc
+        if problem is not None:
+            raise DataError(problem)
+        self._verified.add(entry.file)
+
+    def verify_all(self) -> None:
+        """Check every shard's file now (``dflash-recipe run --verify-capture``)."""
+        for entry in self.manifest.shards:
+            self.verify(entry)
+
     def _tensor(self, index: int, part: int) -> Tensor:
         entry = self._shard(index)
+        if part >= 2:  # the states: never used from a shard that does not hash right
+            self.verify(entry)
         handle = self._handles.get(entry.file)
         path = self.directory / entry.file
         try:
@@ -223,6 +257,32 @@ def open_capture(plan: RunPlan) -> tuple[CaptureReader, CaptureManifest]:
     return CaptureReader(directory, manifest), manifest
 
 
+def check_token_ids(
+    directory: Path, manifest: CaptureManifest, examples: Sequence[TokenizedExample]
+) -> None:
+    """Each shard's token ids and loss masks hash to what the capture recorded; DataError
+    naming the shard.
+
+    A version-1 capture records no hashes: it is read unverified, with a warning.
+    """
+    unverified = [e.file for e in manifest.shards if e.samples_sha256 is None]
+    if unverified:
+        logger.warning(
+            "capture %s records no shard hashes (format version 1): its shards are not "
+            "verified; capture it again with this version to have them checked",
+            directory,
+        )
+    for entry in manifest.shards:
+        if entry.samples_sha256 is None:
+            continue
+        rows = examples[entry.first_sample : entry.first_sample + entry.num_samples]
+        found = samples_sha256((e.input_ids, e.loss_mask) for e in rows)
+        if found != entry.samples_sha256:
+            path = directory / entry.file
+            what = "samples (token ids and loss masks)"
+            raise DataError(shard_mismatch(path, what, entry.samples_sha256, found))
+
+
 def capture_dataset(
     reader: CaptureReader, manifest: CaptureManifest, tokenizer: PreTrainedTokenizerBase
 ) -> TrainDataset:
@@ -231,6 +291,7 @@ def capture_dataset(
     if not examples:
         msg = f"the capture {reader.directory} holds no samples; capture a non-empty data file"
         raise DataError(msg)
+    check_token_ids(reader.directory, manifest, examples)
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -248,6 +309,7 @@ __all__ = [
     "CaptureReader",
     "CapturedStates",
     "capture_dataset",
+    "check_token_ids",
     "final_norm",
     "load_target_without_decoder",
     "open_capture",

@@ -7,6 +7,12 @@ a connection error is retried ``max_retries`` times with exponential backoff (ji
 numeric ``Retry-After`` is honoured); then its conversation is recorded as failed and the run
 goes on. Another 4xx fails the conversation at once.
 
+``request_timeout_s`` is a deadline for the whole request (connect, send, the first byte and
+the whole body), not for each read: a server that trickles its answer a byte at a time is cut
+off there like one that never answers, and retried. The body is bounded by what a chat
+completion of ``max_new_tokens`` tokens can be (:func:`max_body_bytes`); a larger one is
+refused (the conversation fails, or the run stops on the first request) without reading on.
+
 The first request is a probe: if the server is unreachable, answers it with a 4xx (wrong model
 name, bad key), or answers with something that is not a chat completion, the run stops with one
 clear error naming the URL and the fix, before any more work is sent. The API key is read from
@@ -38,6 +44,12 @@ from dflash_recipes.plan.run_plan import RegeneratePlan
 _MAX_BACKOFF_S = 60.0
 #: How much of an error body a message quotes.
 _BODY_SHOWN = 300
+#: Room for the JSON around the answer (ids, usage, logprobs a server adds unasked).
+_BODY_OVERHEAD = 64 * 1024
+#: The most bytes one generated token can take in the JSON body: a token is at most a few
+#: characters, each at most a 6-byte ``\uXXXX`` escape, and a reasoning parser may return the
+#: thinking twice (``reasoning_content`` and the content).
+_BYTES_PER_TOKEN = 256
 _START_HINT = (
     "start the server first (e.g. `vllm serve MODEL --port 8000` or `python -m "
     "sglang.launch_server --model-path MODEL --port 30000`), or fix regenerate.base_url"
@@ -46,6 +58,42 @@ _START_HINT = (
 
 class _BadResponse(Exception):
     """A 200 answer that is not a chat completion."""
+
+
+class _TooLarge(Exception):
+    """A body longer than a chat completion of max_new_tokens tokens can be."""
+
+
+def max_body_bytes(max_new_tokens: int) -> int:
+    """The largest response body accepted for a completion of `max_new_tokens` tokens."""
+    return _BODY_OVERHEAD + _BYTES_PER_TOKEN * max_new_tokens
+
+
+async def _bounded(
+    client: httpx.AsyncClient, method: str, url: str, limit: int, **kwargs: object
+) -> httpx.Response:
+    """One request read to its end, at most `limit` body bytes (_TooLarge beyond that)."""
+    async with client.stream(method, url, **kwargs) as streamed:  # type: ignore[arg-type]
+        declared = streamed.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            msg = f"it declares a body of {declared} bytes"
+            raise _TooLarge(msg)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in streamed.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                msg = f"its body passed {limit} bytes"
+                raise _TooLarge(msg)
+            chunks.append(chunk)
+    headers = [
+        (k, v)
+        for k, v in streamed.headers.multi_items()
+        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+    ]
+    return httpx.Response(
+        streamed.status_code, headers=headers, content=b"".join(chunks), request=streamed.request
+    )
 
 
 def _excerpt(response: httpx.Response) -> str:
@@ -100,10 +148,18 @@ class ServerClient:
     async def first_model(self) -> str:
         """The first model the server lists (regenerate.model unset); RegenerateError."""
         url = models_url(self.settings.base_url or "")
+        deadline = self.settings.request_timeout_s
         try:
-            response = await self.client.get(url)
-        except httpx.HTTPError as exc:
-            msg = f"cannot reach the generation server at {url} ({exc!r}); {_START_HINT}"
+            response = await asyncio.wait_for(
+                _bounded(self.client, "GET", url, _BODY_OVERHEAD * 16), deadline
+            )
+        except (httpx.HTTPError, TimeoutError, _TooLarge) as exc:
+            why = (
+                f"no complete answer within request_timeout_s={deadline:g}"
+                if isinstance(exc, TimeoutError)
+                else repr(exc)
+            )
+            msg = f"cannot reach the generation server at {url} ({why}); {_START_HINT}"
             raise RegenerateError(msg) from exc
         try:
             model: object = response.json()["data"][0]["id"]
@@ -139,17 +195,37 @@ class ServerClient:
             "top_p": s.top_p,
         }
         attempt = 0
+        limit = max_body_bytes(s.max_new_tokens)
         while True:
             response: httpx.Response | None = None
             try:
-                response = await self.client.post(self.url, json=body)
+                response = await asyncio.wait_for(
+                    _bounded(self.client, "POST", self.url, limit, json=body),
+                    s.request_timeout_s,
+                )
+            except _TooLarge as exc:
+                why = (
+                    f"{self.url} answered with more than a chat completion of "
+                    f"max_new_tokens={s.max_new_tokens} tokens can be ({exc}; at most {limit} "
+                    "bytes are read)"
+                )
+                if strict:
+                    msg = (
+                        f"{why}; point regenerate.base_url at an OpenAI-compatible API such as "
+                        "http://localhost:8000/v1"
+                    )
+                    raise RegenerateError(msg) from None
+                raise TurnFailed(f"refused: {why}") from None
             except httpx.ConnectError as exc:
                 if strict:
                     msg = f"cannot reach the generation server at {self.url} ({exc}); {_START_HINT}"
                     raise RegenerateError(msg) from exc
                 problem = f"connection error: {exc}"
-            except httpx.TimeoutException:
-                problem = f"timeout: no answer within request_timeout_s={s.request_timeout_s:g}"
+            except (httpx.TimeoutException, TimeoutError):
+                problem = (
+                    f"timeout: {self.url} gave no complete answer within "
+                    f"request_timeout_s={s.request_timeout_s:g} (a deadline for the whole request)"
+                )
             except httpx.TransportError as exc:
                 problem = f"connection error: {type(exc).__name__}: {exc}"
             else:
@@ -291,4 +367,10 @@ def regenerate_with_server(
     return asyncio.run(_regenerate(settings, todo, done, key, backoff_base_s))
 
 
-__all__ = ["ServerClient", "api_key", "parse_completion", "regenerate_with_server"]
+__all__ = [
+    "ServerClient",
+    "api_key",
+    "max_body_bytes",
+    "parse_completion",
+    "regenerate_with_server",
+]

@@ -62,6 +62,13 @@ from dflash_recipes.executor.model.convert import (
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
+from dflash_recipes.executor.signals import (
+    Abandoned,
+    SignalWatch,
+    StepVote,
+    abandoned_run,
+    stopped_run,
+)
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
 from dflash_recipes.executor.training.loss import LossOutput
@@ -165,8 +172,11 @@ class Trainer:
         progress: bool = True,
         stop_after: int | None = None,
         max_chunk_logits: int | None = None,
+        verify_capture: bool = False,
     ) -> None:
         self.plan = plan
+        #: Hash every capture shard at setup (else each on the first read of its states).
+        self.verify_capture = verify_capture
         #: Stop after this optimiser step (its checkpoint saved), as if the job were killed
         #: there; the schedule still spans the whole run. For tests and preemption drills.
         self.stop_after = stop_after
@@ -180,6 +190,8 @@ class Trainer:
         self.capture: CaptureReader | None = None
         self._order: list[int] = []
         self._order_key: tuple[int, int] | None = None
+        #: SIGTERM / SIGINT / SIGUSR1 while the run is in :meth:`run` (docs/dflash.md).
+        self.signals = SignalWatch()
 
     # -- main entry -------------------------------------------------------------------------
 
@@ -187,13 +199,18 @@ class Trainer:
         """Train under the run directory's lock (rank 0); OSError becomes one RunIOError."""
         env = self.env
         try:
-            with locked_run_directory(self.output_dir, main=is_main(env)):
+            with (
+                self.signals,
+                locked_run_directory(self.output_dir, main=is_main(env)),
+            ):
                 init_distributed(env)
                 try:
                     setup = self._setup()
                     return self._finish(setup, self._train(setup))
                 finally:
                     shutdown_distributed()
+        except Abandoned as exc:
+            raise abandoned_run(exc, self.output_dir) from None
         except OSError as exc:
             where = f" {exc.filename}" if exc.filename else f" in {self.output_dir}"
             msg = (
@@ -210,6 +227,8 @@ class Trainer:
 
         if self.plan.data.hidden_states_path is not None:
             self.capture, manifest = open_capture(self.plan)
+            if self.verify_capture:
+                self.capture.verify_all()
             return capture_dataset(self.capture, manifest, tokenizer)
         if self.plan.data.data_path is None:
             msg = "the plan has no data.data_path; set it in the recipe and recompile"
@@ -320,6 +339,7 @@ class Trainer:
         )
         position = (run.epoch, run.next_index)
         _training_modes(model, drafter)
+        vote = StepVote(self.signals, distributed=env.is_distributed)
         for step in range(run.start_step, run.total_steps):
             run.optimizer.zero_grad(set_to_none=True)
             for micro in range(training.gradient_accumulation_steps):
@@ -355,16 +375,30 @@ class Trainer:
                         tau=f"{progress.last_row['acceptance_length_estimate']:.2f}",
                     )
                 window.reset()
-            if training.eval_steps is not None and done % training.eval_steps == 0:
+            stop_signal, checkpoint_now = vote.decide()  # the same on every rank
+            evaluating = training.eval_steps is not None and done % training.eval_steps == 0
+            if evaluating and not stop_signal:
                 progress.last_eval_tau = self._maybe_eval(
                     model, run.tokenizer, done, run.metrics_path
                 )
                 _training_modes(model, drafter)
             stopping = self.stop_after is not None and done >= self.stop_after
-            if done % training.save_steps == 0 or done == run.total_steps or stopping:
+            if (
+                done % training.save_steps == 0
+                or done == run.total_steps
+                or stopping
+                or stop_signal
+                or checkpoint_now
+            ):
                 self._save(drafter, run.optimizer, run.scheduler, done, position)
+            if stop_signal:
+                vote.close()
+                if bar is not None:
+                    bar.close()
+                raise stopped_run(stop_signal, done, run.total_steps, self.output_dir)
             if stopping:
                 break
+        vote.close()
         if bar is not None:
             bar.close()
         return progress
@@ -579,17 +613,22 @@ def run_plan(
     progress: bool = True,
     stop_after: int | None = None,
     max_chunk_logits: int | None = None,
+    verify_capture: bool = False,
 ) -> TrainSummary:
     """Train as the plan says and return the summary (rank 0's view under torchrun).
 
     `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
     would; rerunning the recipe then resumes. `max_chunk_logits` bounds the logits one chunk
-    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`); the
-    loss
-    is the same, only the memory and the time change.
+    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`);
+    the loss is the same, only the memory and the time change. `verify_capture` hashes every
+    shard of the plan's capture before the first step (otherwise each is checked on first use).
     """
     trainer = Trainer(
-        plan, progress=progress, stop_after=stop_after, max_chunk_logits=max_chunk_logits
+        plan,
+        progress=progress,
+        stop_after=stop_after,
+        max_chunk_logits=max_chunk_logits,
+        verify_capture=verify_capture,
     )
     return trainer.run()
 

@@ -161,7 +161,7 @@ def test_capture_writes_only_safetensors_and_json(tmp_path: Path) -> None:
         else:
             json.loads(raw)  # manifest.json and the lock's holder record are JSON
     manifest = json.loads((out / MANIFEST_FILE).read_text())
-    assert manifest["format"] == "dflash-capture" and manifest["format_version"] == 1
+    assert manifest["format"] == "dflash-capture" and manifest["format_version"] == 2
     assert manifest["target_layer_ids"] == list(plan.resolved_draft().target_layer_ids)
     assert manifest["last_hidden_state"] is True
 

@@ -245,7 +245,10 @@ def test_the_cli_command_reads_input_and_output_from_options(tmp_path: Path) -> 
     assert len(_read(out)) == 1
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_every_answer(tmp_path: Path, server: Server) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_seals_the_journal_and_keeps_every_answer(
+    tmp_path: Path, server: Server, signum: signal.Signals
+) -> None:
     data = _write_jsonl(tmp_path / "in.jsonl", _conversations(12))
     out = tmp_path / "out.jsonl"
     recipe = _recipe(tmp_path, data, base_url=server.url, max_concurrency=2, model="tiny-target")
@@ -264,10 +267,13 @@ def test_ctrl_c_stops_cleanly_and_keeps_every_answer(tmp_path: Path, server: Ser
         if journal.is_file() and journal.read_bytes().count(b"\n") >= 2:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
-    assert "error: interrupted; every answered conversation is kept: rerun the same command" in err
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by {signum.name}: every answered conversation is kept (the journal was "
+        "sealed into the output's parts); rerun the same command to resume"
+    )
     assert "Traceback" not in err
     sidecar = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert sidecar["interrupted"] is True and sidecar["answered"] >= 2

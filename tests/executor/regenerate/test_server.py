@@ -3,6 +3,7 @@ retries, failures."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -120,3 +121,59 @@ def test_an_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
         info.value
     )
     assert "vllm serve" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# every request bounded: a deadline for the whole request, a bounded body
+# ---------------------------------------------------------------------------------------------
+
+#: What a run needs besides its requests (reading the data, the lock, the output folder).
+_RUN_OVERHEAD_S = 3.0
+
+
+@pytest.mark.parametrize("knob", ["trickle", "hang"])
+def test_a_trickling_or_silent_server_is_cut_off_at_the_request_deadline(
+    tmp_path: Path, server: Server, knob: str
+) -> None:
+    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(2))
+    timeout, retries, backoff = 1.0, 1, 0.1
+    plan = _plan(
+        _recipe(
+            tmp_path,
+            data,
+            base_url=server.url,
+            model="tiny-target",
+            request_timeout_s=timeout,
+            max_retries=retries,
+        )
+    )
+    server.control(**{knob: True})
+    started = time.monotonic()
+    with pytest.raises(RegenerateError) as info:
+        _run(plan, tmp_path / "out.jsonl", backoff_base_s=backoff)
+    elapsed = time.monotonic() - started
+    # Each attempt ends at its deadline; the backoff between two is at most 1.5 x its base.
+    assert elapsed < timeout * (retries + 1) + 1.5 * backoff + _RUN_OVERHEAD_S
+    message = str(info.value)
+    assert f"the first request to {server.url}/v1/chat/completions failed (2 attempts)" in message
+    assert "no complete answer within request_timeout_s=1 (a deadline for the whole request)" in (
+        message
+    )
+    assert server.stats()["requests"] == retries + 1
+
+
+def test_a_body_longer_than_any_completion_is_refused_without_reading_it(
+    tmp_path: Path, server: Server
+) -> None:
+    data = _write_jsonl(tmp_path / "in.jsonl", _conversations(2))
+    plan = _plan(_recipe(tmp_path, data, base_url=server.url, model="tiny-target"))
+    server.control(oversized=4 * 2**20)
+    with pytest.raises(RegenerateError) as info:
+        _run(plan, tmp_path / "out.jsonl")
+    message = str(info.value)
+    assert (
+        f"{server.url}/v1/chat/completions answered with more than a chat completion of "
+        "max_new_tokens=48 tokens can be"
+    ) in message
+    assert "at most 77824 bytes are read" in message
+    assert server.stats()["requests"] == 1  # refused, not retried

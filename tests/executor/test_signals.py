@@ -1,0 +1,468 @@
+"""Signals to a real `dflash-recipe run`: SIGTERM / SIGINT stop at a step boundary with a
+checkpoint and the rerun continues exactly; SIGUSR1 checkpoints and training goes on; a second
+signal during the save leaves the previous checkpoint the newest valid one; under torchrun a
+SIGTERM to the launcher stops both ranks the same way.
+
+The runs are separate interpreters. A ``sitecustomize`` in a folder put on their PYTHONPATH
+slows each optimiser step (so that a signal lands mid-run, long before the end) and, when
+asked, each checkpoint's weights write (so that a second signal lands during a save); it
+patches the trainer's modules as they are imported, in those processes only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from testkit.compiling import tiny_scratch_plan
+
+from dflash_recipes.executor.signals import (
+    DUPLICATE_WINDOW_S,
+    Abandoned,
+    SignalWatch,
+    child_pids,
+)
+from dflash_recipes.files.capture_manifest import read_manifest
+from dflash_recipes.files.run_dir import METRICS_FILE, checkpoint_dir_name, complete_checkpoints
+
+STEPS = 12
+#: Seconds from the signal to the exit at the tiny shape (the issue's bound).
+BOUND_S = 30.0
+
+_HOOKS = """
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _patch_trainer(module):
+    clip = module.clip_gradients
+    pause = float(os.environ.get("DFLASH_TEST_STEP_SLEEP", "0"))
+
+    def slow_clip(params, max_norm):
+        time.sleep(pause)
+        return clip(params, max_norm)
+
+    module.clip_gradients = slow_clip
+
+
+def _patch_checkpoints(module):
+    marker = os.environ.get("DFLASH_TEST_SAVE_MARKER")
+    if not marker:
+        return
+    save = module.save_file
+    after = int(os.environ["DFLASH_TEST_SLOW_SAVES_AFTER"])
+
+    def slow_save(tensors, path, metadata=None):
+        save(tensors, path, metadata=metadata)
+        staging = Path(path).parent.name  # .tmp-checkpoint-00000003-...
+        if staging.startswith(".tmp-checkpoint-") and int(staging.split("-")[2]) > after:
+            Path(marker).touch()  # the weights of a staged checkpoint are on disk
+            time.sleep(60)
+
+    module.save_file = slow_save
+
+
+def _patch_capture(module):
+    marker = os.environ.get("DFLASH_TEST_SHARD_MARKER")
+    if not marker:
+        return
+    save = module.save_file
+
+    def slow_save(tensors, path, metadata=None):
+        save(tensors, path, metadata=metadata)
+        Path(marker).touch()  # a shard is being written: its temporary file is complete
+        time.sleep(float(os.environ.get("DFLASH_TEST_SHARD_SLEEP", "1.5")))
+
+    module.save_file = slow_save
+
+
+_PATCHES = {
+    "dflash_recipes.executor.data.capture": _patch_capture,
+    "dflash_recipes.executor.training.trainer": _patch_trainer,
+    "dflash_recipes.executor.training.checkpoints": _patch_checkpoints,
+}
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _PATCHES[name](module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Hook())
+"""
+
+
+def _env(
+    tmp_path: Path,
+    *,
+    step_sleep: float = 0.0,
+    save_marker: Path | None = None,
+    slow_saves_after: int = 0,
+) -> dict[str, str]:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(_HOOKS, encoding="utf-8")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
+    env["DFLASH_TEST_STEP_SLEEP"] = str(step_sleep)
+    if save_marker is not None:
+        env["DFLASH_TEST_SAVE_MARKER"] = str(save_marker)
+        env["DFLASH_TEST_SLOW_SAVES_AFTER"] = str(slow_saves_after)
+    return env
+
+
+def _plan_file(tmp_path: Path, name: str, *extra: str) -> Path:
+    plan = tiny_scratch_plan(
+        tmp_path / name,
+        f"training.max_steps={STEPS}",
+        "training.save_steps=1000",  # no periodic checkpoint is ever due
+        "training.save_total_limit=null",
+        *extra,
+    )
+    path = tmp_path / f"{name}.json"
+    path.write_text(plan.to_json(), encoding="utf-8")
+    return path
+
+
+def _command(plan_file: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_recipes", "run", str(plan_file), "--no-progress", *extra]
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        return []
+    steps = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row being written
+            continue
+        if row.get("kind") == "train":
+            steps.append(int(row["step"]))
+    return steps
+
+
+def _final_loss(run_dir: Path) -> float:
+    rows = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert rows[-1]["kind"] == "summary"
+    return float(rows[-1]["final_loss"])
+
+
+def _wait_for(condition: object, process: subprocess.Popen[str], what: str) -> None:
+    deadline = time.monotonic() + 180
+    while not condition():  # type: ignore[operator]
+        if process.poll() is not None:
+            _, err = process.communicate()
+            pytest.fail(f"the run ended before {what}: {err[-3000:]}")
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.05)
+
+
+def _stop(process: subprocess.Popen[str], signum: int) -> tuple[int, str, float]:
+    """Send `signum`; return the exit status, stderr and the seconds until the exit."""
+    sent = time.monotonic()
+    process.send_signal(signum)
+    try:
+        _, err = process.communicate(timeout=BOUND_S + 30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err, time.monotonic() - sent
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """The final loss of the same run without a signal."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    plan_file = _plan_file(tmp_path, "straight")
+    done = subprocess.run(
+        _command(plan_file), env=_env(tmp_path), capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _train_steps(tmp_path / "straight") == list(range(1, STEPS + 1))
+    return _final_loss(tmp_path / "straight")
+
+
+def _assert_resumes_exactly(
+    tmp_path: Path, plan_file: Path, run_dir: Path, expected: float
+) -> None:
+    rerun = subprocess.run(
+        _command(plan_file), env=_env(tmp_path), capture_output=True, text=True, check=False
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _final_loss(run_dir) == expected
+    assert _train_steps(run_dir) == list(range(1, STEPS + 1))  # one row per step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_checkpoints_the_step_reached_and_the_rerun_continues_exactly(
+    tmp_path: Path, signum: signal.Signals, uninterrupted: float
+) -> None:
+    plan_file = _plan_file(tmp_path, "run")
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        _command(plan_file), env=_env(tmp_path, step_sleep=0.3), stderr=subprocess.PIPE, text=True
+    )
+    _wait_for(lambda: len(_train_steps(run_dir)) >= 3, process, "step 3")
+    code, err, seconds = _stop(process, signum)
+
+    assert code == 128 + signum, err[-3000:]
+    assert seconds < BOUND_S
+    saved = [step for step, _ in complete_checkpoints(run_dir)]
+    assert len(saved) == 1 and 3 <= saved[0] < STEPS, (saved, err[-2000:])
+    step = saved[0]
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        f"stopped by {signum.name} after step {step} of {STEPS}: saved "
+        f"{run_dir / checkpoint_dir_name(step)}; rerun the same command to resume"
+    )
+    assert _train_steps(run_dir) == list(range(1, step + 1))
+    assert not (run_dir / "export").exists()
+
+    _assert_resumes_exactly(tmp_path, plan_file, run_dir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigusr1_writes_a_checkpoint_and_training_goes_on(
+    tmp_path: Path, uninterrupted: float
+) -> None:
+    plan_file = _plan_file(tmp_path, "run")
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        _command(plan_file), env=_env(tmp_path, step_sleep=0.3), stderr=subprocess.PIPE, text=True
+    )
+    _wait_for(lambda: len(_train_steps(run_dir)) >= 3, process, "step 3")
+    process.send_signal(signal.SIGUSR1)
+    _wait_for(lambda: bool(complete_checkpoints(run_dir)), process, "the requested checkpoint")
+    requested = complete_checkpoints(run_dir)[0][0]
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [requested, STEPS]
+    assert 3 <= requested < STEPS
+    assert _final_loss(run_dir) == uninterrupted
+    assert _train_steps(run_dir) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_the_newest(
+    tmp_path: Path, uninterrupted: float
+) -> None:
+    plan_file = _plan_file(tmp_path, "run", "training.save_steps=2")
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "saving"
+    process = subprocess.Popen(
+        _command(plan_file),
+        env=_env(tmp_path, step_sleep=0.3, save_marker=marker, slow_saves_after=2),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: _train_steps(run_dir)[-1:] >= [3], process, "step 3")
+    process.send_signal(signal.SIGTERM)
+    # The stop's own save: a second SIGTERM in the middle of it abandons it.
+    _wait_for(marker.exists, process, "the stop's save")
+    time.sleep(DUPLICATE_WINDOW_S)
+    code, err, seconds = _stop(process, signal.SIGTERM)
+
+    assert code == 143, err[-3000:]
+    assert seconds < 5
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [2]
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith(".tmp")] == []
+    newest = run_dir / checkpoint_dir_name(2)
+    assert err.strip().splitlines()[-1] == (
+        "stopped at once by a second SIGTERM: the step or save in progress was abandoned and "
+        f"left nothing half-written; the newest valid checkpoint is {newest}; rerun the same "
+        "command to resume"
+    )
+    _assert_resumes_exactly(tmp_path, plan_file, run_dir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_usr1_then_sigterm_to_the_torchrun_launcher_reach_both_ranks(
+    tmp_path: Path,
+) -> None:
+    straight = _plan_file(tmp_path, "straight", "training.per_device_train_batch_size=1")
+    done = subprocess.run(
+        _command(straight, "--nproc-per-node", "2"),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = _final_loss(tmp_path / "straight")
+
+    plan_file = _plan_file(tmp_path, "run", "training.per_device_train_batch_size=1")
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        _command(plan_file, "--nproc-per-node", "2"),
+        env=_env(tmp_path, step_sleep=0.3),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: len(_train_steps(run_dir)) >= 3, launcher, "step 3")
+    launcher.send_signal(signal.SIGUSR1)  # passed on to the workers: a checkpoint, then on
+    _wait_for(lambda: bool(complete_checkpoints(run_dir)), launcher, "the USR1 checkpoint")
+    requested = complete_checkpoints(run_dir)[0][0]
+    _wait_for(lambda: _train_steps(run_dir)[-1] > requested, launcher, "a step after it")
+    code, err, seconds = _stop(launcher, signal.SIGTERM)
+
+    assert code == 143, err[-3000:]
+    assert seconds < BOUND_S
+    saved = [step for step, _ in complete_checkpoints(run_dir)]
+    assert len(saved) == 2 and saved[0] == requested and saved[1] < STEPS, (saved, err[-3000:])
+    step = saved[1]
+    line = (
+        f"stopped by SIGTERM after step {step} of {STEPS}: saved "
+        f"{run_dir / checkpoint_dir_name(step)}; rerun the same command to resume"
+    )
+    assert err.count(line) == 1, err[-3000:]  # rank 0's line only
+    assert err.strip().splitlines()[-1] == line  # torchrun ends quietly: no traceback
+    assert "Traceback" not in err
+    assert _train_steps(run_dir) == list(range(1, step + 1))
+
+    rerun = subprocess.run(
+        _command(plan_file, "--nproc-per-node", "2"),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _final_loss(run_dir) == expected
+    assert _train_steps(run_dir) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_shard_and_the_rerun_completes_the_capture(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    plan_file = _plan_file(tmp_path, "run")
+    straight, parts = tmp_path / "straight", tmp_path / "parts"
+    command = [sys.executable, "-m", "dflash_recipes", "capture", str(plan_file)]
+    options = ["--shard-mib", "1", "--no-progress"]
+    done = subprocess.run(
+        [*command, "--output", str(straight), *options],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = _env(tmp_path)
+    marker = tmp_path / "writing"
+    env["DFLASH_TEST_SHARD_MARKER"] = str(marker)
+    process = subprocess.Popen(
+        [*command, "--output", str(parts), *options], env=env, stderr=subprocess.PIPE, text=True
+    )
+    _wait_for(marker.exists, process, "the first shard")
+    code, err, seconds = _stop(process, signum)
+
+    assert code == 128 + signum, err[-3000:]
+    assert seconds < BOUND_S
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by {signum.name}: the shard being written was finished; every whole shard "
+        f"in {parts} is kept; rerun the same command to resume"
+    )
+    manifest = read_manifest(parts)
+    assert not manifest.complete
+    whole = [e.file for e in manifest.shards if (parts / e.file).is_file()]
+    assert whole == [manifest.shards[0].file]  # the shard in progress, nothing after it
+    assert not [p.name for p in parts.iterdir() if ".tmp" in p.name]
+
+    rerun = subprocess.run(
+        [*command, "--output", str(parts), *options],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert read_manifest(parts).to_dict() == read_manifest(straight).to_dict()
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_a_shard_drops_it_and_leaves_nothing_half_written(
+    tmp_path: Path,
+) -> None:
+    plan_file = _plan_file(tmp_path, "run")
+    parts, marker = tmp_path / "parts", tmp_path / "writing"
+    env = {**_env(tmp_path), "DFLASH_TEST_SHARD_MARKER": str(marker)}
+    env["DFLASH_TEST_SHARD_SLEEP"] = "30"
+    command = [sys.executable, "-m", "dflash_recipes", "capture", str(plan_file)]
+    process = subprocess.Popen(
+        [*command, "--output", str(parts), "--shard-mib", "1", "--no-progress"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(marker.exists, process, "the first shard")
+    process.send_signal(signal.SIGTERM)  # finish this shard, then stop...
+    time.sleep(DUPLICATE_WINDOW_S + 0.2)
+    code, err, seconds = _stop(process, signal.SIGTERM)  # ...no: stop now
+
+    assert code == 143, err[-3000:]
+    assert seconds < 10
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM: the shard being written was dropped; every whole shard in "
+        f"{parts} is kept; rerun the same command to resume"
+    )
+    manifest = read_manifest(parts)
+    assert not [e.file for e in manifest.shards if (parts / e.file).exists()]
+    assert not [p.name for p in parts.iterdir() if ".tmp" in p.name]
+
+
+def test_the_same_signal_twice_at_once_is_one_stop_and_later_it_abandons() -> None:
+    with SignalWatch() as watch:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # Slurm's and torchrun's copies of one signal
+        assert watch.stop_signal == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watch.take_checkpoint_request() and not watch.take_checkpoint_request()
+        time.sleep(DUPLICATE_WINDOW_S)
+        with pytest.raises(Abandoned) as info:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here at the latest
+        assert info.value.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_child_pids_lists_the_children_of_a_process() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in child_pids(os.getpid())
+        assert child_pids(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
