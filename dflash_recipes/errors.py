@@ -15,6 +15,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── DirectoryLockedError     another process is writing the same output directory
      ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
      ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
+     ├── TrackerError             a tracker in training.report_to cannot start (library missing)
      └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
@@ -95,6 +96,10 @@ class RunIOError(DFlashRecipeError):
     """Reading or writing a run's files failed at run time (full disk, permissions, I/O)."""
 
 
+class TrackerError(DFlashRecipeError):
+    """An experiment tracker named in training.report_to cannot start (its library is missing)."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -108,5 +113,6 @@ __all__ = [
     "ReplaceRefusedError",
     "RunIOError",
     "SafetensorsHeaderError",
+    "TrackerError",
     "WarmStartError",
 ]

@@ -65,12 +65,7 @@ from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
 from dflash_recipes.executor.training.loss import LossOutput
-from dflash_recipes.executor.training.metrics import (
-    MetricWindow,
-    accuracies,
-    append_jsonl,
-    log_train_window,
-)
+from dflash_recipes.executor.training.metrics import MetricWindow, accuracies, log_train_window
 from dflash_recipes.executor.training.optimizer import (
     build_optimizer,
     clip_gradients,
@@ -83,6 +78,12 @@ from dflash_recipes.executor.training.resume import (
     restore_newest_readable,
 )
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
+from dflash_recipes.executor.training.trackers import (
+    Outcome,
+    TrackerSet,
+    check_tracker_libraries,
+    open_trackers,
+)
 from dflash_recipes.files.crashsafe import write_text_atomic
 from dflash_recipes.files.export_target import check_export_target
 from dflash_recipes.files.metrics_rows import drop_metrics_after, eval_row, last_train_row
@@ -118,6 +119,8 @@ class TrainSummary(Record):
     last_eval_tau: float | None = None
     planned_steps: int = 0
     steps_this_run: int = 0
+    #: One line per tracker of training.report_to that missed rows in this run.
+    tracker_problems: tuple[str, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -142,6 +145,8 @@ class _Setup:
     epoch: int
     next_index: int
     metrics_path: Path
+    #: Where the metrics rows go: metrics.jsonl and training.report_to (rank 0; else nowhere).
+    trackers: TrackerSet
 
 
 @attrs.define
@@ -186,12 +191,21 @@ class Trainer:
     def run(self) -> TrainSummary:
         """Train under the run directory's lock (rank 0); OSError becomes one RunIOError."""
         env = self.env
+        # A tracker that cannot start stops the run before anything is loaded or written.
+        check_tracker_libraries(self.plan.training.report_to)
         try:
             with locked_run_directory(self.output_dir, main=is_main(env)):
                 init_distributed(env)
                 try:
                     setup = self._setup()
-                    return self._finish(setup, self._train(setup))
+                    outcome: Outcome = "failed"
+                    try:
+                        summary = self._finish(setup, self._train(setup))
+                        done = summary.steps >= summary.planned_steps
+                        outcome = "finished" if done else "stopped"
+                        return summary
+                    finally:
+                        setup.trackers.close(outcome)
                 finally:
                     shutdown_distributed()
         except OSError as exc:
@@ -287,6 +301,13 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
             write_text_atomic(self.output_dir / PLAN_FILE, plan.to_json())
+            trackers = open_trackers(
+                plan,
+                metrics_path,
+                resumed_from=start_step if resume_from is not None else None,
+            )
+        else:
+            trackers = TrackerSet.silent()
         barrier(env)
         return _Setup(
             model=model,
@@ -304,6 +325,7 @@ class Trainer:
             epoch=epoch,
             next_index=next_index,
             metrics_path=metrics_path,
+            trackers=trackers,
         )
 
     # -- train loop -------------------------------------------------------------------------
@@ -345,7 +367,7 @@ class Trainer:
                 window.settle()
                 lr = float(run.scheduler.get_last_lr()[0])
                 progress.last_row = log_train_window(
-                    window, step=done, lr=lr, path=run.metrics_path, env=env
+                    window, step=done, lr=lr, trackers=run.trackers, env=env
                 )
                 progress.tokens += window.tokens
                 progress.seconds += time.perf_counter() - window.started
@@ -356,9 +378,7 @@ class Trainer:
                     )
                 window.reset()
             if training.eval_steps is not None and done % training.eval_steps == 0:
-                progress.last_eval_tau = self._maybe_eval(
-                    model, run.tokenizer, done, run.metrics_path
-                )
+                progress.last_eval_tau = self._maybe_eval(model, run.tokenizer, done, run.trackers)
                 _training_modes(model, drafter)
             stopping = self.stop_after is not None and done >= self.stop_after
             if done % training.save_steps == 0 or done == run.total_steps or stopping:
@@ -400,9 +420,10 @@ class Trainer:
             last_eval_tau=progress.last_eval_tau,
             planned_steps=run.total_steps,
             steps_this_run=done - run.start_step,
+            tracker_problems=run.trackers.problems(),
         )
         if is_main(env):
-            append_jsonl(run.metrics_path, {"kind": "summary", **attrs.asdict(summary)})
+            run.trackers.log_row({"kind": "summary", **attrs.asdict(summary)})
         return summary
 
     # -- pieces ------------------------------------------------------------------------------
@@ -494,7 +515,7 @@ class Trainer:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         step: int,
-        metrics_path: Path,
+        trackers: TrackerSet,
     ) -> float | None:
         if not is_main(self.env) or self.plan.data.eval_data_path is None:
             return None
@@ -506,7 +527,7 @@ class Trainer:
         report = evaluate_on_plan_data(self.plan, model, drafter, tokenizer)
         drafter.train(was_training)
         row = {**report.to_dict(), **eval_row(step=step, tau=report.tau)}
-        append_jsonl(metrics_path, row)
+        trackers.log_row(row)
         logger.info("eval at step %d: tau %.3f (measured)", step, report.tau)
         return report.tau
 
