@@ -25,7 +25,7 @@ from testkit.compiling import SMALL_RUN, TINY_SCRATCH, tiny_scratch_plan
 from testkit.wandb_records import offline_run_files, read_wandb_run
 
 from dflash_recipes.executor.training.resume import summary_line
-from dflash_recipes.executor.training.trackers import TRACKERS_FILE
+from dflash_recipes.executor.training.trackers.fanout import TRACKERS_FILE
 from dflash_recipes.executor.training.trainer import run_plan
 from dflash_recipes.plan.run_plan import RunPlan
 

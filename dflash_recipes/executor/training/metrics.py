@@ -28,7 +28,7 @@ from dflash_recipes.executor.training.loss import (
 from dflash_recipes.files.metrics_rows import train_row
 
 if TYPE_CHECKING:
-    from dflash_recipes.executor.training.trackers import TrackerSet
+    from dflash_recipes.executor.training.trackers.fanout import TrackerSet
 
 logger = logging.getLogger("dflash_recipes.train")
 

@@ -78,12 +78,9 @@ from dflash_recipes.executor.training.resume import (
     restore_newest_readable,
 )
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
-from dflash_recipes.executor.training.trackers import (
-    Outcome,
-    TrackerSet,
-    check_tracker_libraries,
-    open_trackers,
-)
+from dflash_recipes.executor.training.trackers.fanout import TrackerSet, open_trackers
+from dflash_recipes.executor.training.trackers.protocol import Outcome
+from dflash_recipes.executor.training.trackers.registry import check_tracker_libraries
 from dflash_recipes.files.crashsafe import write_text_atomic
 from dflash_recipes.files.export_target import check_export_target
 from dflash_recipes.files.metrics_rows import drop_metrics_after, eval_row, last_train_row
