@@ -417,7 +417,7 @@ class Trainer:
             last_eval_tau=progress.last_eval_tau,
             planned_steps=run.total_steps,
             steps_this_run=done - run.start_step,
-            tracker_problems=run.trackers.problems(),
+            tracker_problems=_tracker_problems(run.trackers),
         )
         if is_main(env):
             run.trackers.log_row({"kind": "summary", **attrs.asdict(summary)})
@@ -575,6 +575,12 @@ class _Bar:
     def update(self, n: int) -> None: ...
     def set_postfix(self, **kwargs: str) -> None: ...
     def close(self) -> None: ...
+
+
+def _tracker_problems(trackers: TrackerSet) -> tuple[str, ...]:
+    """Which trackers missed rows, once what they hold back is delivered."""
+    trackers.flush()
+    return trackers.problems()
 
 
 def _training_modes(model: nn.Module, drafter: nn.Module) -> None:

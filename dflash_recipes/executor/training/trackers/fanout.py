@@ -86,6 +86,15 @@ class TrackerSet:
                 self._fail(tracker, exc, f"step {step}" if step is not None else "a row")
                 self._missed[tracker.name] += exc.rows if isinstance(exc, RowsLost) else 1
 
+    def flush(self) -> None:
+        """Deliver what the trackers hold back (before the summary counts what was missed)."""
+        for tracker in list(self._active):
+            try:
+                tracker.flush()
+            except Exception as exc:  # any tracker failure is contained
+                self._fail(tracker, exc, "the end of the run")
+                self._missed[tracker.name] += exc.rows if isinstance(exc, RowsLost) else 0
+
     def problems(self) -> tuple[str, ...]:
         """One line per tracker that missed rows in this run (for the run's summary)."""
         return tuple(

@@ -34,6 +34,9 @@ class MetricsJsonl:
     def log_row(self, row: Mapping[str, object]) -> None:
         append_jsonl(self.path, row)
 
+    def flush(self) -> None:
+        """Nothing waits: every row is written when it is logged."""
+
     def close(self, outcome: Outcome) -> None:
         """Nothing to flush: every row is written when it is logged."""
 

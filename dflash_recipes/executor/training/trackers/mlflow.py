@@ -137,6 +137,9 @@ class MlflowLogger:
         now = int(time.time() * 1000)
         self._sender.put([Metric(key, value, now, step) for key, value in row_scalars(row).items()])
 
+    def flush(self) -> None:
+        self._sender.flush()
+
     def close(self, outcome: Outcome) -> None:
         try:
             self._sender.close()
@@ -148,54 +151,78 @@ class _BackgroundSender:
     """Sends the rows' metrics on a thread, the rows of about a second in one call, so a step
     never waits for the store (a sqlite commit, a slow or unreachable server).
 
-    After a failed call it sends nothing more: :meth:`put` raises :class:`RowsLost` with the
-    rows that did not arrive.
+    After a failed call it sends nothing more: the next :meth:`put` or :meth:`flush` raises
+    :class:`RowsLost` with the rows that did not arrive (once).
     """
 
     def __init__(self, send: Callable[[Sequence[Metric]], None]) -> None:
         self._send = send
         self._rows: list[list[Metric]] = []
         self._changed = threading.Condition()
+        self._sending = False
+        self._hurry = False
         self._closing = False
         self._error: BaseException | None = None
         self._lost = 0
+        self._reported = False
         self._thread = threading.Thread(target=self._work, name="dflash-mlflow", daemon=True)
         self._thread.start()
 
     def put(self, metrics: list[Metric]) -> None:
         with self._changed:
-            if self._error is not None:
-                raise RowsLost(self._lost + 1, self._error)
+            self._raise_lost(extra=1)
             self._rows.append(metrics)
-            self._changed.notify()
+            self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every row put so far is sent; raises if one did not arrive."""
+        with self._changed:
+            self._hurry = True
+            self._changed.notify_all()
+            self._changed.wait_for(
+                lambda: self._error is not None or not (self._rows or self._sending)
+            )
+            self._hurry = False
+            self._raise_lost(extra=0)
 
     def close(self) -> None:
         """Send what is waiting, then stop; raises if a row did not arrive."""
         with self._changed:
             self._closing = True
-            self._changed.notify()
+            self._changed.notify_all()
         self._thread.join()
+        with self._changed:
+            self._raise_lost(extra=0)
+
+    def _raise_lost(self, *, extra: int) -> None:
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise RowsLost(self._lost + extra, self._error)
         if self._error is not None:
-            raise RowsLost(self._lost, self._error)
+            raise RowsLost(extra, self._error)
 
     def _work(self) -> None:
         while True:
             with self._changed:
-                while not self._rows and not self._closing:
-                    self._changed.wait()
+                self._changed.wait_for(lambda: self._rows or self._closing)
                 # Gather the rows of about a second: one store call for all of them.
-                self._changed.wait_for(lambda: self._closing, timeout=_GATHER_SECONDS)
+                self._changed.wait_for(lambda: self._closing or self._hurry, _GATHER_SECONDS)
                 if not self._rows:
                     return
                 rows, self._rows = self._rows, []
+                self._sending = True
             try:
                 self._send([metric for row in rows for metric in row])
-            except Exception as exc:  # the trainer's next put() reports it
+            except Exception as exc:  # put() or flush() reports it
                 with self._changed:
                     self._error = exc
                     self._lost = len(rows) + len(self._rows)
-                    self._rows = []
+                    self._rows, self._sending = [], False
+                    self._changed.notify_all()
                 return
+            with self._changed:
+                self._sending = False
+                self._changed.notify_all()
 
 
 def _param_text(value: ConfigValue) -> str:

@@ -69,6 +69,10 @@ class MetricLogger(Protocol):
         """Record one metrics row (``kind`` train, eval or summary)."""
         ...
 
+    def flush(self) -> None:
+        """Deliver every row logged so far (a background sender raises :class:`RowsLost`)."""
+        ...
+
     def close(self, outcome: Outcome) -> None:
         """Flush and end the run."""
         ...

@@ -73,6 +73,9 @@ class TensorBoardLogger:
         for key, value in row_scalars(row).items():
             self._writer.add_scalar(key, value, global_step=step)
 
+    def flush(self) -> None:
+        self._writer.flush()
+
     def close(self, outcome: Outcome) -> None:
         self._writer.close()
 

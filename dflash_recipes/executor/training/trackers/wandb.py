@@ -85,6 +85,9 @@ class WandbLogger:
             return
         self._run.log(row_scalars(row), step=step)
 
+    def flush(self) -> None:
+        """Nothing to wait for here: wandb's service holds the rows and writes them."""
+
     def close(self, outcome: Outcome) -> None:
         self._run.finish(exit_code=1 if outcome == "failed" else 0)
 
