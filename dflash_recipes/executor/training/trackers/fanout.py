@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -125,6 +127,74 @@ class TrackerSet:
             tracker.close("failed")
 
 
+class _OnThread:
+    """A tracker whose rows are sent by its own thread, in order: the step only queues them.
+
+    The library's work (protobufs, W&B's serialisation, a store's commit) then overlaps the
+    next step's tensor work instead of adding to it. A failure there is raised, as
+    :class:`RowsLost` with the rows that did not arrive, by the next :meth:`log_row` or
+    :meth:`flush`.
+    """
+
+    def __init__(self, tracker: MetricLogger) -> None:
+        self._tracker = tracker
+        self.name = tracker.name
+        self._rows: queue.Queue[Mapping[str, object] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._lost = 0
+        self._thread = threading.Thread(target=self._work, name=f"dflash-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def resume_state(self) -> Mapping[str, str]:
+        return self._tracker.resume_state
+
+    def log_config(self, config: Mapping[str, ConfigValue], tags: Mapping[str, str]) -> None:
+        self._rows.join()
+        self._tracker.log_config(config, tags)
+
+    def log_row(self, row: Mapping[str, object]) -> None:
+        self._raise_lost(extra=1)
+        self._rows.put(row)
+
+    def flush(self) -> None:
+        self._rows.join()
+        self._raise_lost(extra=0)
+        self._tracker.flush()
+
+    def close(self, outcome: Outcome) -> None:
+        self._rows.join()
+        self._rows.put(None)
+        self._thread.join()
+        try:
+            self._raise_lost(extra=0)
+        finally:
+            self._tracker.close(outcome)
+
+    def _raise_lost(self, *, extra: int) -> None:
+        if self._error is not None:
+            error, lost = self._error, self._lost + extra
+            self._lost = 0  # reported: the caller stops sending to this tracker
+            raise RowsLost(lost, error)
+
+    def _work(self) -> None:
+        while True:
+            row = self._rows.get()
+            try:
+                if row is None:
+                    return
+                if self._error is None:
+                    self._tracker.log_row(row)
+            except Exception as exc:  # the trainer's next call reports it
+                self._error = exc
+                self._lost += exc.rows if isinstance(exc, RowsLost) else 1
+            else:
+                if self._error is not None and row is not None:
+                    self._lost += 1
+            finally:
+                self._rows.task_done()
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     if isinstance(exc, RowsLost):  # its text names the cause already
@@ -155,7 +225,7 @@ def open_trackers(plan: RunPlan, metrics_path: Path, *, resumed_from: int | None
             kept=kept.get(name, {}),
         )
         try:
-            opened.append(tracker_module(name).open_logger(context))
+            opened.append(_OnThread(tracker_module(name).open_logger(context)))
         except Exception as exc:
             failures.append((name, exc))
     states = {t.name: dict(t.resume_state) for t in opened if t.resume_state}
