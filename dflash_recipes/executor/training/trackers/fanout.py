@@ -2,7 +2,8 @@
 
 :func:`open_trackers` opens (rank 0) metrics.jsonl and the trackers of ``training.report_to``,
 continuing the tracker runs kept in ``trackers.json`` when the run resumes, and records the
-plan in them. :class:`TrackerSet` then sends every row to all of them. metrics.jsonl's write
+plan in them. :class:`TrackerSet` then sends every row to all of them, each tracker from its
+own thread (:class:`_OnThread`). metrics.jsonl's write
 errors stop the run as before; a tracker that raises (server gone, disk full) is warned about
 once, gets no further rows in this run (a dead server would stall every step) and is named in
 the run's summary with the rows it missed.
