@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         ReplaceRefusedError,
         RunIOError,
         SafetensorsHeaderError,
+        TrackerError,
         WarmStartError,
     )
     from dflash_recipes.plan.draft_spec import ResolvedDraft
@@ -67,6 +68,7 @@ _HOMES = {
     "ReplaceRefusedError": "errors",
     "RunIOError": "errors",
     "SafetensorsHeaderError": "errors",
+    "TrackerError": "errors",
     "WarmStartError": "errors",
     "LoadResult": "recipe.loader",
     "load_recipe": "recipe.loader",
@@ -123,6 +125,7 @@ __all__ = [
     "RunPlan",
     "SafetensorsHeaderError",
     "Severity",
+    "TrackerError",
     "TrainingSection",
     "WarmStartError",
     "__version__",

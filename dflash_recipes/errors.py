@@ -16,6 +16,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
      ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
      ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
+     ├── TrackerError             a tracker in training.report_to cannot start (library missing)
      └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
@@ -109,6 +110,10 @@ class Interrupted(DFlashRecipeError):
         self.exit_code = 128 + signum
 
 
+class TrackerError(DFlashRecipeError):
+    """An experiment tracker named in training.report_to cannot start (its library is missing)."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -123,5 +128,6 @@ __all__ = [
     "ReplaceRefusedError",
     "RunIOError",
     "SafetensorsHeaderError",
+    "TrackerError",
     "WarmStartError",
 ]

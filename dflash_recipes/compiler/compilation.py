@@ -175,6 +175,13 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                 eval_steps=training.eval_steps,
                 device=training.device,
                 fsdp=training.fsdp,
+                report_to=training.report_to,
+                run_name=training.run_name or self.absolute(training.output_dir).name,
+                logging_dir=str(
+                    self.absolute(training.logging_dir)
+                    if training.logging_dir is not None
+                    else self.absolute(training.output_dir) / "tensorboard"
+                ),
             ),
             draft=DraftPlan(
                 block_size=dflash.dflash_block_size,

@@ -19,7 +19,13 @@ import attrs
 
 from dflash_recipes.errors import PlanError
 from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
-from dflash_recipes.recipe.choices import Dtype, LossObjective, ProjectorType, SchedulerType
+from dflash_recipes.recipe.choices import (
+    Dtype,
+    LossObjective,
+    ProjectorType,
+    SchedulerType,
+    TrackerName,
+)
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
@@ -56,8 +62,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 
 #: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
 #: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
-#: hint to recompile, not as an edited file).
-PLAN_FORMAT_VERSION = 2
+#: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
+#: `logging_dir` (experiment trackers).
+PLAN_FORMAT_VERSION = 3
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -138,6 +145,12 @@ class TrainingPlan(Record):
     eval_steps: int | None
     device: Literal["auto", "cpu", "cuda"]
     fsdp: bool
+    #: Experiment trackers that get the metrics rows besides metrics.jsonl.
+    report_to: tuple[TrackerName, ...]
+    #: The run's name in the trackers (resolved: the output directory's name by default).
+    run_name: str
+    #: TensorBoard's event directory, absolute (resolved: <output_dir>/tensorboard by default).
+    logging_dir: str
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

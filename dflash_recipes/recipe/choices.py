@@ -19,6 +19,9 @@ DeviceChoice = Literal["auto", "cpu", "cuda"]
 ReasoningPolicy = Literal["keep", "drop"]
 #: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
 LayerType = Literal["full_attention", "sliding_attention"]
+#: Experiment trackers `training.report_to` may name (one module each in
+#: dflash_recipes.executor.training.trackers).
+TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 SCHEDULERS: tuple[str, ...] = get_args(SchedulerType)
@@ -27,6 +30,7 @@ PROJECTOR_TYPES: tuple[str, ...] = get_args(ProjectorType)
 DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
 
 __all__ = [
     "DEVICES",
@@ -36,6 +40,7 @@ __all__ = [
     "PROJECTOR_TYPES",
     "REASONING_POLICIES",
     "SCHEDULERS",
+    "TRACKERS",
     "DeviceChoice",
     "Dtype",
     "LayerType",
@@ -43,4 +48,5 @@ __all__ = [
     "ProjectorType",
     "ReasoningPolicy",
     "SchedulerType",
+    "TrackerName",
 ]

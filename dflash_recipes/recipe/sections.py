@@ -33,6 +33,7 @@ from dflash_recipes.recipe.choices import (
     ProjectorType,
     ReasoningPolicy,
     SchedulerType,
+    TrackerName,
 )
 from dflash_recipes.records import Record
 
@@ -186,6 +187,16 @@ def non_empty_str(instance: object, attribute: "attrs.Attribute[Any]", value: An
         raise ValueError(msg)
 
 
+def distinct_items(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A tuple that names nothing twice."""
+    seen: set[object] = set()
+    for item in value:
+        if item in seen:
+            msg = f"{_name(attribute)} names {shorten(item)} twice; list each once"
+            raise ValueError(msg)
+        seen.add(item)
+
+
 @attrs.frozen(repr=False, eq=False, slots=False)
 class IntRange(Record):
     """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.
@@ -316,6 +327,14 @@ class TrainingSection(Record):
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
     #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
     fsdp: bool = False
+    #: Experiment trackers that also get every metrics row: tensorboard | mlflow | wandb
+    #: (metrics.jsonl is always written). Each needs its library: pip install
+    #: 'dflash-recipes[NAME]'.
+    report_to: tuple[TrackerName, ...] = attrs.field(default=(), validator=distinct_items)
+    #: The run's name in the trackers; null: the output directory's name.
+    run_name: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Where TensorBoard event files go; null: <output_dir>/tensorboard.
+    logging_dir: str | None = attrs.field(default=None, validator=non_empty_str)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -158,7 +158,11 @@ def test_an_edited_regenerate_section_is_revalidated(plan_dict: dict[str, Any]) 
 def test_a_plan_of_the_previous_format_is_told_to_recompile(plan_dict: dict[str, Any]) -> None:
     """A plan written before the schema grew is refused as old, not as edited by hand."""
     old = refingerprint({**plan_dict, "format_version": PLAN_FORMAT_VERSION - 1})
-    with pytest.raises(PlanError, match="format_version is 1, this dflash-recipes reads 2") as exc:
+    expected = (
+        f"format_version is {PLAN_FORMAT_VERSION - 1}, this dflash-recipes reads "
+        f"{PLAN_FORMAT_VERSION}"
+    )
+    with pytest.raises(PlanError, match=expected) as exc:
         RunPlan.from_dict(old)
     assert "edited" not in str(exc.value) and "dflash-recipe compile" in str(exc.value)
 

@@ -112,6 +112,9 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "eval_steps": None,
             "device": "cpu",
             "fsdp": False,
+            "report_to": (),
+            "run_name": "out",
+            "logging_dir": str(tmp_path / "out" / "tensorboard"),
         },
         "data": {
             "data_path": str(tmp_path / "data.jsonl"),

@@ -1,9 +1,9 @@
 """Training metrics: the window of steps between two logging steps and the rows of metrics.jsonl.
 
 :class:`MetricWindow` accumulates a window's loss, per-position accuracy counts and tokens on
-the step's device; :func:`log_train_window` reduces it over the ranks and appends one ``train``
-row (``report.train_row``); :func:`append_jsonl` writes the other rows (eval, summary) as strict
-JSON.
+the step's device; :func:`log_train_window` reduces it over the ranks and sends one ``train``
+row (``report.train_row``) to the run's trackers (metrics.jsonl first); :func:`append_jsonl`
+writes a row as one strict-JSON line.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,7 +25,10 @@ from dflash_recipes.executor.training.loss import (
     estimated_acceptance_length,
     per_position_accuracy,
 )
-from dflash_recipes.files.metrics_rows import metrics_json_line, train_row
+from dflash_recipes.files.metrics_rows import train_row
+
+if TYPE_CHECKING:
+    from dflash_recipes.executor.training.trackers.fanout import TrackerSet
 
 logger = logging.getLogger("dflash_recipes.train")
 
@@ -82,10 +86,11 @@ def _accumulate(total: Tensor | None, value: Tensor) -> Tensor:
 
 
 def log_train_window(
-    window: MetricWindow, *, step: int, lr: float, path: Path, env: DistEnv
+    window: MetricWindow, *, step: int, lr: float, trackers: TrackerSet, env: DistEnv
 ) -> dict[str, object]:
-    """Reduce a settled window over the ranks; rank 0 appends its ``train`` row to `path` and
-    logs one line. Returns the row (every rank gets the same numbers)."""
+    """Reduce a settled window over the ranks; rank 0 sends its ``train`` row to `trackers`
+    (metrics.jsonl first) and logs one line. Returns the row (every rank gets the same
+    numbers)."""
     correct = all_reduce_sum(window.correct.to(env.device).float(), env).cpu()
     count = all_reduce_sum(window.count.to(env.device).float(), env).cpu()
     tokens = float(all_reduce_sum(torch.tensor(float(window.tokens), device=env.device), env))
@@ -109,7 +114,7 @@ def log_train_window(
         "tokens_per_second": tokens / elapsed,
     }
     if is_main(env):
-        line = metrics_json_line(
+        trackers.log_row(
             train_row(
                 step=step,
                 loss=loss_mean,
@@ -121,8 +126,6 @@ def log_train_window(
                 grad_norm=window.grad_norm,
             )
         )
-        with path.open("a", encoding="utf-8") as handle:
-            handle.write(line)
         accs = " ".join(f"{a:.2f}" for a in acc[1:])
         logger.info(
             "step %d loss %.4f lr %.3g acc[1..] %s tau~%.2f tok/s %.0f",

@@ -116,7 +116,15 @@ def restore_newest_readable(
 
 
 def summary_line(summary: TrainSummary) -> str:
-    """The one line `dflash-recipe run` prints at the end: finished, resumed-finished, stopped."""
+    """The one line `dflash-recipe run` prints at the end: finished, resumed-finished, stopped;
+    then which trackers missed rows, if any did."""
+    line = _summary_line(summary)
+    if summary.tracker_problems:
+        line += "; trackers: " + "; ".join(summary.tracker_problems) + " (metrics.jsonl has all)"
+    return line
+
+
+def _summary_line(summary: TrainSummary) -> str:
     loss = "n/a" if math.isnan(summary.final_loss) else f"{summary.final_loss:.4f}"
     figures = f"loss {loss}, estimated acceptance length {summary.acceptance_length_estimate:.2f}"
     if summary.steps < summary.planned_steps:

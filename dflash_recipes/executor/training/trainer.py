@@ -72,12 +72,7 @@ from dflash_recipes.executor.signals import (
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
 from dflash_recipes.executor.training.loss import LossOutput
-from dflash_recipes.executor.training.metrics import (
-    MetricWindow,
-    accuracies,
-    append_jsonl,
-    log_train_window,
-)
+from dflash_recipes.executor.training.metrics import MetricWindow, accuracies, log_train_window
 from dflash_recipes.executor.training.optimizer import (
     build_optimizer,
     clip_gradients,
@@ -90,6 +85,9 @@ from dflash_recipes.executor.training.resume import (
     restore_newest_readable,
 )
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
+from dflash_recipes.executor.training.trackers.fanout import TrackerSet, open_trackers
+from dflash_recipes.executor.training.trackers.protocol import Outcome
+from dflash_recipes.executor.training.trackers.registry import check_tracker_libraries
 from dflash_recipes.files.crashsafe import write_text_atomic
 from dflash_recipes.files.export_target import check_export_target
 from dflash_recipes.files.metrics_rows import drop_metrics_after, eval_row, last_train_row
@@ -125,6 +123,8 @@ class TrainSummary(Record):
     last_eval_tau: float | None = None
     planned_steps: int = 0
     steps_this_run: int = 0
+    #: One line per tracker of training.report_to that missed rows in this run.
+    tracker_problems: tuple[str, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -149,6 +149,8 @@ class _Setup:
     epoch: int
     next_index: int
     metrics_path: Path
+    #: Where the metrics rows go: metrics.jsonl and training.report_to (rank 0; else nowhere).
+    trackers: TrackerSet
 
 
 @attrs.define
@@ -198,6 +200,8 @@ class Trainer:
     def run(self) -> TrainSummary:
         """Train under the run directory's lock (rank 0); OSError becomes one RunIOError."""
         env = self.env
+        # A tracker that cannot start stops the run before anything is loaded or written.
+        check_tracker_libraries(self.plan.training.report_to)
         try:
             with (
                 self.signals,
@@ -206,7 +210,14 @@ class Trainer:
                 init_distributed(env)
                 try:
                     setup = self._setup()
-                    return self._finish(setup, self._train(setup))
+                    outcome: Outcome = "failed"
+                    try:
+                        summary = self._finish(setup, self._train(setup))
+                        done = summary.steps >= summary.planned_steps
+                        outcome = "finished" if done else "stopped"
+                        return summary
+                    finally:
+                        setup.trackers.close(outcome)
                 finally:
                     shutdown_distributed()
         except Abandoned as exc:
@@ -306,6 +317,13 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
             write_text_atomic(self.output_dir / PLAN_FILE, plan.to_json())
+            trackers = open_trackers(
+                plan,
+                metrics_path,
+                resumed_from=start_step if resume_from is not None else None,
+            )
+        else:
+            trackers = TrackerSet.silent()
         barrier(env)
         return _Setup(
             model=model,
@@ -323,6 +341,7 @@ class Trainer:
             epoch=epoch,
             next_index=next_index,
             metrics_path=metrics_path,
+            trackers=trackers,
         )
 
     # -- train loop -------------------------------------------------------------------------
@@ -365,7 +384,7 @@ class Trainer:
                 window.settle()
                 lr = float(run.scheduler.get_last_lr()[0])
                 progress.last_row = log_train_window(
-                    window, step=done, lr=lr, path=run.metrics_path, env=env
+                    window, step=done, lr=lr, trackers=run.trackers, env=env
                 )
                 progress.tokens += window.tokens
                 progress.seconds += time.perf_counter() - window.started
@@ -378,9 +397,7 @@ class Trainer:
             stop_signal, checkpoint_now = vote.decide()  # the same on every rank
             evaluating = training.eval_steps is not None and done % training.eval_steps == 0
             if evaluating and not stop_signal:
-                progress.last_eval_tau = self._maybe_eval(
-                    model, run.tokenizer, done, run.metrics_path
-                )
+                progress.last_eval_tau = self._maybe_eval(model, run.tokenizer, done, run.trackers)
                 _training_modes(model, drafter)
             stopping = self.stop_after is not None and done >= self.stop_after
             if (
@@ -434,9 +451,10 @@ class Trainer:
             last_eval_tau=progress.last_eval_tau,
             planned_steps=run.total_steps,
             steps_this_run=done - run.start_step,
+            tracker_problems=_tracker_problems(run.trackers),
         )
         if is_main(env):
-            append_jsonl(run.metrics_path, {"kind": "summary", **attrs.asdict(summary)})
+            run.trackers.log_row({"kind": "summary", **attrs.asdict(summary)})
         return summary
 
     # -- pieces ------------------------------------------------------------------------------
@@ -528,7 +546,7 @@ class Trainer:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         step: int,
-        metrics_path: Path,
+        trackers: TrackerSet,
     ) -> float | None:
         if not is_main(self.env) or self.plan.data.eval_data_path is None:
             return None
@@ -540,7 +558,7 @@ class Trainer:
         report = evaluate_on_plan_data(self.plan, model, drafter, tokenizer)
         drafter.train(was_training)
         row = {**report.to_dict(), **eval_row(step=step, tau=report.tau)}
-        append_jsonl(metrics_path, row)
+        trackers.log_row(row)
         logger.info("eval at step %d: tau %.3f (measured)", step, report.tau)
         return report.tau
 
@@ -591,6 +609,12 @@ class _Bar:
     def update(self, n: int) -> None: ...
     def set_postfix(self, **kwargs: str) -> None: ...
     def close(self) -> None: ...
+
+
+def _tracker_problems(trackers: TrackerSet) -> tuple[str, ...]:
+    """Which trackers missed rows, once what they hold back is delivered."""
+    trackers.flush()
+    return trackers.problems()
 
 
 def _training_modes(model: nn.Module, drafter: nn.Module) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -137,12 +138,16 @@ def test_a_run_stopped_early_reports_the_steps_done(tmp_path: Path) -> None:
 def test_any_other_os_error_during_a_run_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dflash_recipes.executor.training import trainer as train
+    from dflash_recipes.executor.training.trackers import jsonl
 
-    def full(path: Path, row: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    real = jsonl.append_jsonl
 
-    monkeypatch.setattr(train, "append_jsonl", full)  # the final summary row
+    def full(path: Path, row: Mapping[str, object]) -> None:
+        if row.get("kind") == "summary":  # the disk fills up at the final summary row
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, row)
+
+    monkeypatch.setattr(jsonl, "append_jsonl", full)
     out = tmp_path / "run"
     result = _run(out, 1)
     assert result.exit_code == 1
