@@ -259,6 +259,33 @@ class DraftAttention(nn.Module):
         result: Tensor = self.o_proj(out)
         return result
 
+    def context_kv(self, states: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values ``[B, kv_heads, T, d]`` of ``states [B, T, H]`` at
+        the positions of ``cos``/``sin`` ``[B, T, d]``, as :meth:`forward` computes them.
+
+        Per position, so the context's part can be computed once and kept (cached decoding).
+        """
+        batch, length, _ = states.shape
+        k = self.k_norm(self.k_proj(states).view(batch, length, -1, self.head_dim))
+        v = self.v_proj(states).view(batch, length, -1, self.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward_cached(
+        self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
+    ) -> Tensor:
+        """:meth:`forward` with the context's keys and values given (:meth:`context_kv`);
+        ``cos``/``sin [B, Q, d]`` of the block positions only; a dense mask."""
+        batch, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        block_k, block_v = self.context_kv(x, cos, sin)
+        k = torch.cat([ctx_k, block_k], dim=2)
+        v = torch.cat([ctx_v, block_v], dim=2)
+        out = _dense_attention(q, k, v, mask, self.attention_sink_bias)
+        out = out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
+        result: Tensor = self.o_proj(out)
+        return result
+
 
 class DraftMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
@@ -288,6 +315,14 @@ class DraftDecoderLayer(nn.Module):
         self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: DraftMask
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+        result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
+
+    def forward_cached(
+        self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
+    ) -> Tensor:
+        """:meth:`forward` with the context's keys and values given (cached decoding)."""
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
         result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result
 
