@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from testkit.cli_runner import cli
 from testkit.tiny import randomize, tiny_plan, tiny_target
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
@@ -42,7 +43,7 @@ THINKING_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
+def tokenizer() -> PreTrainedTokenizerBase:
     return build_tiny_tokenizer(TEXTS, vocab_size=300)
 
 
@@ -68,7 +69,9 @@ def write_json(path: Path, value: object) -> Path:
     return path
 
 
-def test_json_and_parquet_prompts_give_the_jsonl_prompts(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_json_and_parquet_prompts_give_the_jsonl_prompts(
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(
         json.dumps({"messages": [{"role": "user", "content": TEXTS[0]}]})
@@ -130,7 +133,9 @@ def test_bad_prompt_files_say_where(tmp_path: Path) -> None:
         load_prompts(tmp_path / "prompts.txt", None)  # type: ignore[arg-type]
 
 
-def test_enable_thinking_reaches_the_chat_template(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_enable_thinking_reaches_the_chat_template(
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
     prompts = write_json(tmp_path / "p.json", [TEXTS[1]])
     default = load_prompts(prompts, tokenizer, chat_template=THINKING_TEMPLATE)
     on = load_prompts(prompts, tokenizer, chat_template=THINKING_TEMPLATE, enable_thinking=True)
@@ -155,8 +160,6 @@ def test_run_eval_records_what_makes_tau_comparable(
     assert settings.prompt_file_sha256 == hashlib.sha256(prompts.read_bytes()).hexdigest()
     assert settings.prompt_format == "json"
     assert settings.chat_template_source == "tokenizer"
-    from transformers import AutoTokenizer
-
     template = AutoTokenizer.from_pretrained(plan.base_model.path).chat_template
     assert settings.chat_template_sha256 == hashlib.sha256(template.encode()).hexdigest()
     assert settings.enable_thinking is None and settings.thinking_mode == "template default"
