@@ -29,7 +29,9 @@ Prompts are left-padded; a row that accepts fewer tokens than the batch's longes
 keeps the slots of its rejected proposals as holes, masked out of every later attention (the
 cache is cropped to the longest acceptance). Positions are given explicitly, so a row sees
 exactly the positions and tokens it would see alone. A finished row leaves the batch. With one
-prompt there are no holes and the cache is cropped to exactly the accepted length.
+prompt there are no holes and the cache is cropped to exactly the accepted length. A target
+with sliding-window (or chunked) attention layers, whose windows count cache slots, verifies
+the prompts of a batch one at a time.
 """
 
 from __future__ import annotations
@@ -105,6 +107,22 @@ def _cache_argument(target: PreTrainedModel) -> str:
     except (TypeError, ValueError):
         parameters = {}
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+def has_windowed_layers(target: PreTrainedModel) -> bool:
+    """Whether some target layer attends over a window (``sliding_attention`` / ``chunked``).
+
+    A window counts cache slots, so the holes and left padding of a batch would change what
+    such a layer sees: those targets verify one prompt at a time.
+    """
+    config = getattr(target, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        config = text_config()
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return True
+    return bool(getattr(config, "use_sliding_window", False))
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -184,6 +202,18 @@ def speculative_generate_batch(
     if max_new_tokens <= 0 or not prompts:
         return [SpecResult(tokens=[], accepted_per_step=[], block_size=size) for _ in prompts]
     check_positions(target, prompts, max_new_tokens)
+    if len(prompts) > 1 and has_windowed_layers(target):
+        return [
+            speculative_generate_batch(
+                target,
+                drafter,
+                spec,
+                [prompt],
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+            )[0]
+            for prompt in prompts
+        ]
     block_drafter = as_block_drafter(drafter, target, spec)
     device = _device_of(target)
     state = _Rows(prompts, max_new_tokens, eos_token_id)
@@ -201,6 +231,10 @@ def speculative_generate_batch(
     slot_valid = slots >= pad_t
     positions = (slots - pad_t).clamp(min=0)
     cache = DynamicCache(config=target.config)
+    # Sliding-window layers drop old states unless told to keep them until the next crop.
+    activate = getattr(cache, "activate_past_recording", None)
+    if callable(activate):
+        activate()
     greedy, tapped = _forward(target, cache, ids, positions, slot_valid, 1, taps)
     for row in range(len(prompts)):
         store.extend(row, tapped[row, pads[row] :])
@@ -288,6 +322,7 @@ def speculative_generate(
 
 __all__ = [
     "check_positions",
+    "has_windowed_layers",
     "max_positions",
     "speculative_generate",
     "speculative_generate_batch",

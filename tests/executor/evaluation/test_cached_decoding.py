@@ -11,11 +11,20 @@ from typing import Any
 import pytest
 import torch
 from testkit.reference_loop import uncached_speculative_generate
-from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
-from transformers import DynamicCache, PreTrainedModel
+from testkit.tiny import (
+    MAX_NEW,
+    PROMPTS,
+    TINY_HIDDEN,
+    TINY_VOCAB,
+    randomize,
+    tiny_plan,
+    tiny_target,
+)
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.evaluation.cached_decoding import (
+    has_windowed_layers,
     speculative_generate,
     speculative_generate_batch,
 )
@@ -405,3 +414,44 @@ def test_prompt_longer_than_the_targets_positions_is_refused(tmp_path: Path) -> 
         target, drafter, spec, [3] * 200, max_new_tokens=56, eos_token_id=None
     )
     assert len(result.tokens) == 56
+
+
+def test_sliding_window_target_is_lossless_and_batches_one_at_a_time(tmp_path: Path) -> None:
+    """A target whose windows count cache slots: crops past the window keep working (the
+    cache records past states), and a batch runs its prompts one at a time."""
+    config = Qwen3Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=TINY_HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    randomize(target, seed=1)
+    assert has_windowed_layers(target)
+    spec = spec_for(tmp_path, block_size=4)
+    prompts = [list(p) for p in PROMPTS]
+    n = 60  # well past the window of 8
+    oracle = oracle_for(target, prompts, n, 4)
+    results = speculative_generate_batch(
+        target, oracle, spec, prompts, max_new_tokens=n, eos_token_id=None
+    )
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == oracle.continuations[tuple(prompt)][:n]
+        reference = uncached_speculative_generate(
+            target,
+            oracle_for(target, [prompt], n, 4),
+            spec,
+            prompt,
+            max_new_tokens=n,
+            eos_token_id=None,
+        )
+        assert result.accepted_per_step == reference.accepted_per_step
