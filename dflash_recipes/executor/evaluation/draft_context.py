@@ -31,37 +31,57 @@ _SPARE = 256
 
 
 class GrowingRows:
-    """A ``[R, capacity, D]`` buffer whose rows grow at their own pace (amortised doubling)."""
+    """A buffer of R rows that grow at their own pace along one axis (amortised doubling).
 
-    def __init__(self, rows: int) -> None:
+    A row's values have the shape of ``extend``'s argument, growing along ``axis`` (0 for
+    ``[n, D]`` tapped states; 1 for ``[kv_heads, n, head_dim]`` keys, which stay in the
+    layout attention reads, so a step's view is not copied).
+    """
+
+    def __init__(self, rows: int, axis: int = 0) -> None:
         self.lengths = [0] * rows
+        self.axis = axis
         self._buffer: Tensor | None = None
 
-    def extend(self, row: int, values: Tensor) -> None:
-        """Append ``values [n, D]`` to row ``row``."""
-        n = values.shape[0]
-        start = self.lengths[row]
+    def _room(self, values: Tensor, needed: int) -> Tensor:
+        """The buffer, allocated or grown so that every row holds ``needed`` entries."""
+        grow = self.axis + 1
         if self._buffer is None:
-            rows = len(self.lengths)
-            shape = (rows, n + _SPARE, values.shape[1])
+            shape = [len(self.lengths), *values.shape]
+            shape[grow] = needed + _SPARE
             self._buffer = values.new_zeros(shape)
-        elif start + n > self._buffer.shape[1]:
-            grown = self._buffer.new_zeros(
-                (self._buffer.shape[0], max(start + n, 2 * self._buffer.shape[1]), values.shape[1])
-            )
-            grown[:, : self._buffer.shape[1]] = self._buffer
+        elif needed > self._buffer.shape[grow]:
+            shape = list(self._buffer.shape)
+            old = shape[grow]
+            shape[grow] = max(needed, 2 * old)
+            grown = self._buffer.new_zeros(shape)
+            grown.narrow(grow, 0, old).copy_(self._buffer)
             self._buffer = grown
-        self._buffer[row, start : start + n] = values.to(self._buffer.dtype)
+        return self._buffer
+
+    def extend(self, row: int, values: Tensor) -> None:
+        """Append ``values`` (growing along ``axis``) to row ``row``."""
+        n = values.shape[self.axis]
+        start = self.lengths[row]
+        buffer = self._room(values, start + n)
+        buffer[row].narrow(self.axis, start, n).copy_(values)
         self.lengths[row] = start + n
 
-    def view(self, length: int | None = None) -> Tensor:
-        """``[R, length, D]``: every row's first ``length`` entries (default: the longest row);
-        entries past a row's own length are zeros."""
+    def view(self, length: int | None = None, tail: Tensor | None = None) -> Tensor:
+        """Every row's first ``length`` entries (default: the longest row's length); entries
+        past a row's own length are zeros or stale. ``tail`` (every row's values, as
+        ``extend`` takes them, batched) is written right after, without changing any length,
+        and the view includes it: the context followed by a block, with no copy."""
         if self._buffer is None:
             msg = "the context is empty: extend every row before drafting"
             raise RuntimeError(msg)
         end = max(self.lengths) if length is None else length
-        return self._buffer[:, :end]
+        if tail is None:
+            return self._buffer.narrow(self.axis + 1, 0, end)
+        n = tail.shape[self.axis + 1]
+        buffer = self._room(tail[0], end + n)
+        buffer.narrow(self.axis + 1, end, n).copy_(tail)
+        return buffer.narrow(self.axis + 1, 0, end + n)
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in that order)."""
@@ -100,8 +120,9 @@ class FusedContext:
     def __init__(self, drafter: DFlashBlockDrafter, rows: int) -> None:
         self.drafter = drafter
         self.model = drafter.model
-        self.keys = [GrowingRows(rows) for _ in self.model.layers]
-        self.values = [GrowingRows(rows) for _ in self.model.layers]
+        # [R, kv_heads, positions, head_dim] per layer: the layout attention reads.
+        self.keys = [GrowingRows(rows, axis=1) for _ in self.model.layers]
+        self.values = [GrowingRows(rows, axis=1) for _ in self.model.layers]
 
     def extend(self, row: int, taps: Tensor) -> None:
         fused = self.drafter.fuse(taps.unsqueeze(0))
@@ -111,8 +132,8 @@ class FusedContext:
         for layer, keys, values in zip(self.model.layers, self.keys, self.values, strict=True):
             assert isinstance(layer, DraftDecoderLayer)
             k, v = layer.self_attn.context_kv(fused, cos, sin)
-            keys.extend(row, k[0].transpose(0, 1).flatten(1))
-            values.extend(row, v[0].transpose(0, 1).flatten(1))
+            keys.extend(row, k[0])
+            values.extend(row, v[0])
 
     def keep(self, rows: Sequence[int]) -> None:
         for buffer in (*self.keys, *self.values):
@@ -144,10 +165,17 @@ class FusedContext:
                 assert isinstance(narrowed, Tensor)
                 masks[window] = narrowed
             assert isinstance(layer, DraftDecoderLayer)
-            shape = (rows, ctx_len, layer.self_attn.num_kv_heads, -1)
-            ctx_k = self.keys[index].view(ctx_len).view(shape).transpose(1, 2)
-            ctx_v = self.values[index].view(ctx_len).view(shape).transpose(1, 2)
-            x = layer.forward_cached(x, ctx_k, ctx_v, cos, sin, masks[window])
+            keys, values = self.keys[index], self.values[index]
+
+            def join(
+                block_k: Tensor,
+                block_v: Tensor,
+                keys: GrowingRows = keys,
+                values: GrowingRows = values,
+            ) -> tuple[Tensor, Tensor]:
+                return keys.view(ctx_len, block_k), values.view(ctx_len, block_v)
+
+            x = layer.forward_cached(x, join, cos, sin, masks[window])
         hidden: Tensor = model.norm(x)
         return hidden
 

@@ -52,6 +52,10 @@ from dflash_recipes.executor.model.masks import (
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RopePlan, RopeValue
 
+#: Cached decoding: given the block's keys and values ``[B, kv_heads, Q, d]``, the keys and
+#: values of the kept context followed by the block.
+KVJoin = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
 #: Standard deviation of the normal initialisation of linear and embedding weights (HF default).
 INIT_STD = 0.02
 
@@ -271,16 +275,15 @@ class DraftAttention(nn.Module):
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def forward_cached(
-        self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
+        self, x: Tensor, join: KVJoin, cos: Tensor, sin: Tensor, mask: Tensor
     ) -> Tensor:
-        """:meth:`forward` with the context's keys and values given (:meth:`context_kv`);
+        """:meth:`forward` with the context's keys and values kept (:meth:`context_kv`):
+        ``join(block_k, block_v)`` returns the keys and values of context then block;
         ``cos``/``sin [B, Q, d]`` of the block positions only; a dense mask."""
         batch, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        block_k, block_v = self.context_kv(x, cos, sin)
-        k = torch.cat([ctx_k, block_k], dim=2)
-        v = torch.cat([ctx_v, block_v], dim=2)
+        k, v = join(*self.context_kv(x, cos, sin))
         out = _dense_attention(q, k, v, mask, self.attention_sink_bias)
         out = out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
         result: Tensor = self.o_proj(out)
@@ -319,10 +322,10 @@ class DraftDecoderLayer(nn.Module):
         return result
 
     def forward_cached(
-        self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
+        self, x: Tensor, join: KVJoin, cos: Tensor, sin: Tensor, mask: Tensor
     ) -> Tensor:
-        """:meth:`forward` with the context's keys and values given (cached decoding)."""
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+        """:meth:`forward` with the context's keys and values kept (cached decoding)."""
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), join, cos, sin, mask)
         result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result
 
@@ -444,6 +447,7 @@ __all__ = [
     "DraftDecoderLayer",
     "DraftMLP",
     "DraftMask",
+    "KVJoin",
     "SplitBlockMask",
     "apply_rope",
     "build_dense_block_mask",
