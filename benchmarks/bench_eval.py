@@ -15,7 +15,8 @@ it never stops early: no eos) and, in one process, for each number of new tokens
 - ``old``: the uncached reference loop (tests/testkit/reference_loop.py) with the same
   drafters, at ``--old-lengths`` (it is quadratic: 2,048 tokens take about a minute).
 
-Rounds interleave the commands (median of ``--rounds``; one round for the old loop). Printed:
+Every round runs every length and command in turn, so a change of load on a shared machine
+hits them alike; figures are the best of ``--rounds`` (one round for the old loop). Printed:
 milliseconds per generated token, tokens/s, the ratio to ``generate``, and per loop the
 per-token time at the longest length over the shortest (the cached loop's should stay within
 1.3x: linear in the generated tokens). ``--batch`` adds the cached loop on that many prompts at
@@ -25,7 +26,6 @@ once (tokens/s of all rows together) against one at a time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -119,35 +119,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"random tiny Qwen3 target (4 x 64, vocab 128), block size {args.block_size}, "
         f"{args.threads} thread(s), prompt of {len(PROMPT)} tokens, no eos; "
-        f"median of {args.rounds} rounds (old loop: 1 round)"
+        f"best of {args.rounds} interleaved rounds (old loop: 1 round)"
     )
     per_token: dict[str, dict[int, float]] = {}
-    rows: list[tuple[str, int, float]] = []
-    for n in args.lengths:
-        times: dict[str, list[float]] = {"generate": []}
-        for _ in range(args.rounds):
-            times["generate"].append(timed(lambda n=n: greedy_hf(target, PROMPT, n)))
+    times: dict[tuple[str, int], list[float]] = {}
+    # Every round runs every length and command, so a change of load hits all of them alike.
+    for round_index in range(args.rounds):
+        for n in args.lengths:
+            times.setdefault(("generate", n), []).append(
+                timed(lambda n=n: greedy_hf(target, PROMPT, n))
+            )
             for name, d in drafters.items():
-                times.setdefault(f"cached, {name}", []).append(
+                times.setdefault((f"cached, {name}", n), []).append(
                     timed(
                         lambda n=n, d=d: speculative_generate(
                             target, d, spec, PROMPT, max_new_tokens=n, eos_token_id=None
                         )
                     )
                 )
-        if n in args.old_lengths:
-            for name, d in drafters.items():
-                times[f"old, {name}"] = [
-                    timed(
-                        lambda n=n, d=d: uncached_speculative_generate(
-                            target, d, spec, PROMPT, max_new_tokens=n, eos_token_id=None
+            if round_index == 0 and n in args.old_lengths:
+                for name, d in drafters.items():
+                    times[(f"old, {name}", n)] = [
+                        timed(
+                            lambda n=n, d=d: uncached_speculative_generate(
+                                target, d, spec, PROMPT, max_new_tokens=n, eos_token_id=None
+                            )
                         )
-                    )
-                ]
-        for label, values in times.items():
-            seconds = statistics.median(values)
-            rows.append((label, n, seconds))
-            per_token.setdefault(label, {})[n] = seconds / n
+                    ]
+    rows: list[tuple[str, int, float]] = []
+    for n in args.lengths:
+        for (label, length), values in times.items():
+            if length == n:
+                seconds = min(values)
+                rows.append((label, n, seconds))
+                per_token.setdefault(label, {})[n] = seconds / n
 
     base = {n: s for label, n, s in rows if label == "generate"}
     print(f"\n{'loop':<36} {'new tokens':>10} {'ms/token':>9} {'tokens/s':>9} {'vs generate':>12}")
@@ -174,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch > 1:
         prompts = PROMPTS[: args.batch]
         n = short
-        one = statistics.median(
+        one = min(
             timed(
                 lambda: [
                     speculative_generate(
@@ -185,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for _ in range(args.rounds)
         )
-        together = statistics.median(
+        together = min(
             timed(
                 lambda: speculative_generate_batch(
                     target, drafter, spec, prompts, max_new_tokens=n, eos_token_id=None
