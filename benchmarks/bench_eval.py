@@ -19,7 +19,9 @@ Every round runs every length and command in turn, so a change of load on a shar
 hits them alike; figures are the best of ``--rounds`` (one round for the old loop). Printed:
 milliseconds per generated token, tokens/s, the ratio to ``generate``, and per loop the
 per-token time at the longest length over the shortest (the cached loop's should stay within
-1.3x: linear in the generated tokens). ``--batch`` adds the cached loop on that many prompts at
+1.3x: linear in the generated tokens), also divided by ``generate``'s own growth in the same
+run (attention over a longer cache costs every loop more per token; on a loaded machine the
+memory traffic grows it further, and the division takes out what all loops share). ``--batch`` adds the cached loop on that many prompts at
 once (tokens/s of all rows together) against one at a time.
 """
 
@@ -164,9 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     short, long = min(args.lengths), max(args.lengths)
     if short != long:
         print(f"\nper-token time at {long} over {short} new tokens (linear: about 1.0):")
+        generate = per_token["generate"][long] / per_token["generate"][short]
         for label, figures in per_token.items():
             if short in figures and long in figures:
-                print(f"  {label:<34} {figures[long] / figures[short]:.2f}x")
+                growth = figures[long] / figures[short]
+                print(
+                    f"  {label:<34} {growth:.2f}x  ({growth / generate:.2f}x generate's own "
+                    "growth in this run)"
+                )
         for label in per_token:
             if label.startswith("old") and short in per_token[label]:
                 cached = label.replace("old", "cached", 1)
