@@ -21,8 +21,9 @@ milliseconds per generated token, tokens/s, the ratio to ``generate``, and per l
 per-token time at the longest length over the shortest (the cached loop's should stay within
 1.3x: linear in the generated tokens), also divided by ``generate``'s own growth in the same
 run (attention over a longer cache costs every loop more per token; on a loaded machine the
-memory traffic grows it further, and the division takes out what all loops share). ``--batch`` adds the cached loop on that many prompts at
-once (tokens/s of all rows together) against one at a time.
+memory traffic grows it further, and the division takes out what all loops share).
+``--batch`` adds the cached loop on that many prompts at once (tokens/s of all rows together)
+against one at a time.
 """
 
 from __future__ import annotations
