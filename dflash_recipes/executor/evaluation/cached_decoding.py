@@ -157,6 +157,7 @@ class _Rows:
 
 def _forward(
     target: PreTrainedModel,
+    cache_argument: str,
     cache: DynamicCache,
     input_ids: Tensor,
     positions: Tensor,
@@ -174,7 +175,7 @@ def _forward(
         use_cache=True,
         output_hidden_states=True,
         logits_to_keep=keep_logits,
-        **{_cache_argument(target): cache},
+        **{cache_argument: cache},
     )
     greedy: Tensor = out.logits.argmax(dim=-1)
     return greedy, taps_from_hidden_states(out.hidden_states, taps)
@@ -235,7 +236,8 @@ def speculative_generate_batch(
     activate = getattr(cache, "activate_past_recording", None)
     if callable(activate):
         activate()
-    greedy, tapped = _forward(target, cache, ids, positions, slot_valid, 1, taps)
+    cache_argument = _cache_argument(target)
+    greedy, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
     for row in range(len(prompts)):
         store.extend(row, tapped[row, pads[row] :])
         state.commit(row, [int(greedy[row, -1])])
@@ -268,7 +270,9 @@ def speculative_generate_batch(
         )
         anchors = torch.tensor([len(c) - 1 for c in committed], device=device).unsqueeze(1)
         valid = torch.cat([slot_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
-        greedy, tapped = _forward(target, cache, block, anchors + offsets, valid, size, taps)
+        greedy, tapped = _forward(
+            target, cache_argument, cache, block, anchors + offsets, valid, size, taps
+        )
         # greedy[r, j] is the target's token for position anchor + j + 1 (proposal j).
         verified = greedy.tolist()
         accepted_rows: list[int] = []
