@@ -33,26 +33,51 @@ if TYPE_CHECKING:
 @click.option(
     "--prompts",
     type=_FILE,
-    help="JSONL conversations whose first user turns are the prompts "
+    help="Prompts: .jsonl conversations (the turns before the first assistant turn), "
+    ".json (a list of prompt strings or message lists) or .parquet (--prompt-column) "
     "(default: data.eval_data_path).",
+)
+@click.option(
+    "--prompt-column",
+    help="The Parquet column holding the prompts (default: the first of prompt, messages, "
+    "conversations, question, problem, turns).",
 )
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Prompts verified together as rows of one KV cache (tokens and tau do not change).",
+)
+@click.option(
+    "--enable-thinking/--disable-thinking",
+    default=None,
+    help="Pass enable_thinking to the chat template (Qwen3-style); default: not passed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def eval_command(
     plan_or_recipe: str,
     overrides: tuple[str, ...],
     checkpoint: Path,
     prompts: Path | None,
+    prompt_column: str | None,
     max_new_tokens: int,
     num_prompts: int,
+    batch_size: int,
+    enable_thinking: bool | None,
     as_json: bool,
 ) -> None:
     """Measure real acceptance: block drafting + greedy verification by the target.
 
     Reports the acceptance length tau pooled over all verification steps and as the mean
-    of per-prompt means (z-lab's benchmark figure), the per-position acceptance rate, and
-    checks that the output equals plain greedy decoding of the target (lossless).
+    of per-prompt means (z-lab's benchmark figure), the per-position acceptance rate,
+    tokens/s, and checks that the output equals plain greedy decoding of the target
+    (lossless). The target keeps a KV cache cropped to the accepted tokens, so long
+    generations (2k-16k tokens) cost linear time. Greedy only: sampling (temperature > 0)
+    is not supported. --json also records what makes tau comparable (block size,
+    max_new_tokens, chat template and prompt file sha256, thinking mode, number of prompts).
 
     \b
     Example:
@@ -63,7 +88,14 @@ def eval_command(
     from dflash_recipes.executor.evaluation.evaluate import run_eval
 
     report = run_eval(
-        plan, checkpoint, prompts, max_new_tokens=max_new_tokens, num_prompts=num_prompts
+        plan,
+        checkpoint,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        num_prompts=num_prompts,
+        batch_size=batch_size,
+        enable_thinking=enable_thinking,
+        prompt_column=prompt_column,
     )
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
@@ -82,6 +114,18 @@ def eval_command(
         f"{report.num_prompts} prompts, {report.steps} verification steps, "
         f"{report.tokens} tokens; lossless: {report.lossless}"
     )
+    click.echo(
+        f"{report.tokens_per_second:.1f} tokens/s (max_new_tokens {max_new_tokens}, "
+        f"batch size {batch_size})"
+    )
+    if report.settings is not None:
+        settings = report.settings
+        template = settings.chat_template_sha256 or "none"
+        click.echo(
+            f"thinking mode: {settings.thinking_mode}; chat template "
+            f"({settings.chat_template_source}) sha256 {template[:12]}; "
+            f"prompts sha256 {(settings.prompt_file_sha256 or '-')[:12]}"
+        )
 
 
 @main.command("report")

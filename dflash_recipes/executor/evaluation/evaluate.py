@@ -1,27 +1,31 @@
 """Measured acceptance of a drafter on held-out prompts (library side of ``dflash-recipe eval``).
 
-:func:`evaluate_acceptance` runs
-:func:`~dflash_recipes.executor.evaluation.speculative.speculative_generate`
-on each prompt, reports the acceptance length tau two ways (pooled: the mean over every
-verification step of every prompt; per-prompt mean: the mean of each prompt's own tau, the figure
-z-lab's benchmark publishes), the per-position acceptance rate,
-and checks that every output equals the target's plain greedy decoding (``lossless``).
-:func:`run_eval` loads the target, the drafter weights and the prompts from a plan and a
-checkpoint directory.
+:func:`evaluate_acceptance` runs the KV-cached verification loop
+(:func:`~dflash_recipes.executor.evaluation.cached_decoding.speculative_generate_batch`,
+``batch_size`` prompts at a time) on every prompt, reports the acceptance length tau two ways
+(pooled: the mean over every verification step of every prompt; per-prompt mean: the mean of
+each prompt's own tau, the figure z-lab's benchmark publishes), the per-position acceptance rate and
+tokens/s, and checks that every output equals the target's plain greedy decoding
+(``lossless``). :func:`run_eval` loads the target, the drafter weights and the prompts from a
+plan and a checkpoint directory, and records what makes its tau comparable
+(:class:`~dflash_recipes.executor.evaluation.eval_settings.EvalSettings`).
 
-Prompts are conversations in the training data's JSONL formats (OpenAI ``messages`` or ShareGPT
-``conversations``, read by :func:`~dflash_recipes.executor.data.conversations.read_conversations`);
-a bare
-prompt is a conversation with one user turn. The prompt is the conversation up to, not
-including, its first assistant turn, rendered with the chat template and the generation
-prompt; later turns are ignored.
+Prompts are conversations in the training data's JSONL formats (OpenAI ``messages`` or
+ShareGPT ``conversations``, read by
+:func:`~dflash_recipes.executor.data.conversations.read_conversations`), a JSON list of prompt
+strings or message lists, or a Parquet column
+(:mod:`~dflash_recipes.executor.evaluation.prompt_files`); a bare prompt is a conversation with
+one user turn. The prompt is the conversation up to, not including, its first assistant turn,
+rendered with the chat template and the generation prompt; later turns are ignored.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 from torch import nn
@@ -33,11 +37,18 @@ from dflash_recipes.executor.data.conversations import (
     read_chat_template,
     read_conversations,
 )
-from dflash_recipes.executor.evaluation.speculative import (
-    BlockDrafter,
-    is_greedy_decoding,
-    speculative_generate,
+from dflash_recipes.executor.evaluation.cached_decoding import (
+    check_positions,
+    speculative_generate_batch,
 )
+from dflash_recipes.executor.evaluation.eval_settings import EvalSettings, sha256_file, sha256_text
+from dflash_recipes.executor.evaluation.prompt_files import (
+    UNITS,
+    prompt_format,
+    read_json_prompts,
+    read_parquet_prompts,
+)
+from dflash_recipes.executor.evaluation.speculative import BlockDrafter, is_greedy_decoding
 from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, torch_dtype
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.weights import load_drafter_weights
@@ -73,6 +84,18 @@ class AcceptanceReport(Record):
     #: Each prompt's own tau (mean over its verification steps), in prompt order; prompts whose
     #: generation ended at the prefill (no verification step) have none and are left out.
     tau_per_prompt: list[float] = attrs.field(factory=list)
+    #: The max_new_tokens the prompts were generated with (None: not recorded).
+    max_new_tokens: int | None = None
+    #: Wall-clock seconds of speculative generation (the losslessness check excluded); not
+    #: compared by ``==`` (two runs of the same measurement take different times).
+    generation_seconds: float = attrs.field(default=0.0, eq=False)
+    #: What makes this tau comparable (prompt file, chat template, thinking mode, ...).
+    settings: EvalSettings | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of speculative generation (0.0 when not timed)."""
+        return self.tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
 
     @property
     def tau_pooled(self) -> float:
@@ -101,6 +124,10 @@ class AcceptanceReport(Record):
             "block_size": self.block_size,
             "num_prompts": self.num_prompts,
             "mismatched_prompts": list(self.mismatched_prompts),
+            "max_new_tokens": self.max_new_tokens,
+            "generation_seconds": self.generation_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "settings": self.settings.to_dict() if self.settings is not None else None,
         }
 
 
@@ -129,15 +156,23 @@ def evaluate_acceptance(
     *,
     max_new_tokens: int,
     eos_token_id: int | None,
+    batch_size: int = 1,
+    settings: EvalSettings | None = None,
 ) -> AcceptanceReport:
     """Speculative decoding on every prompt: tau, per-position acceptance, losslessness.
 
-    Safe to call during training: modules are put in eval mode for the measurement and their
-    previous mode is restored. Pass the bare drafter, not a DDP/FSDP wrapper.
+    ``batch_size`` prompts run at a time as rows of one KV cache (1: one at a time); tokens and
+    taus do not depend on it. Safe to call during training: modules are put in eval mode for
+    the measurement and their previous mode is restored. Pass the bare drafter, not a
+    DDP/FSDP wrapper. DataError when a prompt does not fit the target's positions.
     """
     if not prompts:
         msg = "no prompts to evaluate acceptance on"
         raise DataError(msg)
+    if batch_size < 1:
+        msg = f"batch_size must be at least 1, got {batch_size}"
+        raise ValueError(msg)
+    check_positions(target, prompts, max_new_tokens)  # all of them, before any generation
     # Eval mode for the measurement, then every submodule's own mode back (the target may hold
     # the drafter as dflash_module, so whole-module train()/eval() would not restore it).
     modes = {
@@ -152,16 +187,21 @@ def evaluate_acceptance(
     per_prompt: list[float] = []
     tokens = 0
     mismatched: list[int] = []
+    seconds = 0.0
     try:
-        for index, prompt in enumerate(prompts):
-            result = speculative_generate(
+        results = []
+        for first in range(0, len(prompts), batch_size):
+            started = time.perf_counter()
+            results += speculative_generate_batch(
                 target,
                 drafter,
                 spec,
-                prompt,
+                prompts[first : first + batch_size],
                 max_new_tokens=max_new_tokens,
                 eos_token_id=eos_token_id,
             )
+            seconds += time.perf_counter() - started
+        for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
             # One teacher-forced target pass checks the output against greedy decoding.
             if not is_greedy_decoding(target, prompt, result.tokens, max_new_tokens, eos_token_id):
                 mismatched.append(index)
@@ -185,6 +225,9 @@ def evaluate_acceptance(
         num_prompts=len(prompts),
         mismatched_prompts=mismatched,
         tau_per_prompt=per_prompt,
+        max_new_tokens=max_new_tokens,
+        generation_seconds=seconds,
+        settings=settings,
     )
 
 
@@ -209,11 +252,15 @@ def prompts_from_conversations(
     *,
     chat_template: str | None = None,
     limit: int | None = None,
+    enable_thinking: bool | None = None,
+    unit: str = "line",
 ) -> list[list[int]]:
     """Token ids of each conversation's prompt, in order, at most ``limit`` of them.
 
-    ``chat_template`` is template text (None: the tokenizer's own). A conversation that opens
-    with an assistant turn has no prompt and is left out.
+    ``chat_template`` is template text (None: the tokenizer's own). ``enable_thinking`` is
+    passed to the template when not None (Qwen3-style thinking switch). A conversation that
+    opens with an assistant turn has no prompt and is left out. ``unit`` names what a
+    conversation's number counts in error messages (line, item, row).
     """
     template = chat_template if chat_template is not None else tokenizer.chat_template
     if template is None:
@@ -222,6 +269,10 @@ def prompts_from_conversations(
             "renders the conversations"
         )
         raise DataError(msg)
+    # Extra template variables go through apply_chat_template's **kwargs.
+    template_kwargs: dict[str, Any] = {}
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
     prompts: list[list[int]] = []
     for conversation in conversations:
         if limit is not None and len(prompts) >= limit:
@@ -236,13 +287,16 @@ def prompts_from_conversations(
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,
+                **template_kwargs,
             )
         except Exception as exc:  # jinja and templates raise many kinds
-            msg = f"line {conversation.line}: the chat template could not render the prompt: {exc}"
+            msg = (
+                f"{unit} {conversation.line}: the chat template could not render the prompt: {exc}"
+            )
             raise DataError(msg) from exc
         ids = encoded.get("input_ids") if isinstance(encoded, Mapping) else None
         if not isinstance(ids, list) or not ids:
-            msg = f"line {conversation.line}: the chat template rendered no prompt tokens"
+            msg = f"{unit} {conversation.line}: the chat template rendered no prompt tokens"
             raise DataError(msg)
         prompts.append([int(i) for i in ids])
     return prompts
@@ -254,23 +308,80 @@ def load_prompts(
     *,
     chat_template: str | None = None,
     limit: int | None = None,
+    enable_thinking: bool | None = None,
+    column: str | None = None,
 ) -> list[list[int]]:
-    """The first ``limit`` prompts of a JSONL conversation file; DataError when there are none.
+    """The first ``limit`` prompts of a prompt file; DataError when there are none.
 
-    Unusable lines are skipped (and logged with the file's summary), as for training data.
+    The format follows the suffix (:mod:`~dflash_recipes.executor.evaluation.prompt_files`):
+    chat JSONL, whose unusable lines are skipped (and logged with the file's summary) as for
+    training data; a JSON list; a Parquet ``column``.
     """
-    file = read_conversations(
-        path, answer_only_loss=False, setting="--prompts (or data.eval_data_path)"
-    )
-    if file.skipped:
-        logger.warning("%s: %s", path, file.summary)
+    conversations = read_prompt_conversations(path, column=column)
     prompts = prompts_from_conversations(
-        file.conversations, tokenizer, chat_template=chat_template, limit=limit
+        conversations,
+        tokenizer,
+        chat_template=chat_template,
+        limit=limit,
+        enable_thinking=enable_thinking,
+        unit=UNITS[prompt_format(path)],
     )
     if not prompts:
         msg = f"{path} has no conversation with a turn before its first assistant turn"
         raise DataError(msg)
     return prompts
+
+
+def read_prompt_conversations(path: Path, *, column: str | None = None) -> list[Conversation]:
+    """Every conversation of a prompt file, in the format its suffix says."""
+    kind = prompt_format(path)
+    if kind == "json":
+        return read_json_prompts(path)
+    if kind == "parquet":
+        return read_parquet_prompts(path, column)
+    file = read_conversations(
+        path, answer_only_loss=False, setting="--prompts (or data.eval_data_path)"
+    )
+    if file.skipped:
+        logger.warning("%s: %s", path, file.summary)
+    return list(file.conversations)
+
+
+def eval_settings(
+    *,
+    spec: ResolvedDraft,
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template: str | None,
+    chat_template_path: str | None,
+    prompt_file: Path | None,
+    prompt_column: str | None,
+    num_prompts: int,
+    max_new_tokens: int,
+    batch_size: int,
+    enable_thinking: bool | None,
+    eos_token_id: int | None,
+) -> EvalSettings:
+    """The :class:`EvalSettings` of a measurement (file hashes read here)."""
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    text = template if isinstance(template, str) else None
+    kind = prompt_format(prompt_file) if prompt_file is not None else None
+    return EvalSettings(
+        block_size=spec.block_size,
+        max_new_tokens=max_new_tokens,
+        num_prompts=num_prompts,
+        batch_size=batch_size,
+        prompt_file=str(prompt_file) if prompt_file is not None else None,
+        prompt_file_sha256=sha256_file(prompt_file) if prompt_file is not None else None,
+        prompt_format=kind,
+        prompt_column=prompt_column if kind == "parquet" else None,
+        chat_template_source=(
+            f"data.chat_template {chat_template_path}" if chat_template_path else "tokenizer"
+        ),
+        chat_template_sha256=sha256_text(text) if text is not None else None,
+        enable_thinking=enable_thinking,
+        template_reads_enable_thinking=text is not None and "enable_thinking" in text,
+        eos_token_id=eos_token_id,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,20 +406,66 @@ def evaluate_on_plan_data(
     if plan.data.eval_data_path is None:
         msg = "data.eval_data_path is not set: there are no held-out conversations to measure on"
         raise DataError(msg)
-    prompts = load_prompts(
-        Path(plan.data.eval_data_path),
+    return _measure(
+        plan,
+        target,
+        drafter,
         tokenizer,
-        chat_template=read_chat_template(plan.data.chat_template),
-        limit=num_prompts,
+        Path(plan.data.eval_data_path),
+        max_new_tokens=max_new_tokens,
+        num_prompts=num_prompts,
     )
+
+
+def _measure(
+    plan: RunPlan,
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    source: Path,
+    *,
+    max_new_tokens: int,
+    num_prompts: int,
+    batch_size: int = 1,
+    enable_thinking: bool | None = None,
+    prompt_column: str | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
+) -> AcceptanceReport:
+    spec = plan.resolved_draft()
+    chat_template = read_chat_template(plan.data.chat_template)
+    if prompts is None:
+        prompts = load_prompts(
+            source,
+            tokenizer,
+            chat_template=chat_template,
+            limit=num_prompts,
+            enable_thinking=enable_thinking,
+            column=prompt_column,
+        )
     eos = tokenizer.eos_token_id
+    eos_id = int(eos) if eos is not None else None
+    settings = eval_settings(
+        spec=spec,
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        chat_template_path=plan.data.chat_template,
+        prompt_file=source,
+        prompt_column=prompt_column,
+        num_prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        enable_thinking=enable_thinking,
+        eos_token_id=eos_id,
+    )
     return evaluate_acceptance(
         target,
         drafter,
-        plan.resolved_draft(),
+        spec,
         prompts,
         max_new_tokens=max_new_tokens,
-        eos_token_id=int(eos) if eos is not None else None,
+        eos_token_id=eos_id,
+        batch_size=batch_size,
+        settings=settings,
     )
 
 
@@ -319,13 +476,19 @@ def run_eval(
     *,
     max_new_tokens: int = 64,
     num_prompts: int = 8,
+    batch_size: int = 1,
+    enable_thinking: bool | None = None,
+    prompt_column: str | None = None,
 ) -> AcceptanceReport:
     """Measure a saved drafter's acceptance with the plan's target, taps, mask and block size.
 
     Weights come from ``checkpoint_dir`` (an export or a training checkpoint); prompts from
-    ``prompts_file`` or else ``plan.data.eval_data_path`` (the first ``num_prompts``), rendered
-    with ``data.chat_template`` or the base model's tokenizer's template. Generation stops at
-    the tokenizer's eos token. Runs on the CPU in the plan's dtype.
+    ``prompts_file`` or else ``plan.data.eval_data_path`` (the first ``num_prompts``; chat
+    JSONL, a JSON list or a Parquet ``prompt_column``), rendered with ``data.chat_template``
+    or the base model's tokenizer's template (``enable_thinking`` passed to it when not None).
+    Generation stops at the tokenizer's eos token; ``batch_size`` prompts run at a time. Runs
+    on the CPU in the plan's dtype. The report's ``settings`` record what makes its tau
+    comparable.
     """
     spec = plan.resolved_draft()
     source = prompts_file
@@ -345,28 +508,36 @@ def run_eval(
         tokenizer,
         chat_template=read_chat_template(plan.data.chat_template),
         limit=num_prompts,
+        enable_thinking=enable_thinking,
+        column=prompt_column,
     )
     target = load_base_model(plan)
     drafter.to(dtype=torch_dtype(plan.base_model.dtype))
-    eos = tokenizer.eos_token_id
-    return evaluate_acceptance(
+    return _measure(
+        plan,
         target,
         drafter,
-        spec,
-        prompts,
+        tokenizer,
+        source,
         max_new_tokens=max_new_tokens,
-        eos_token_id=int(eos) if eos is not None else None,
+        num_prompts=num_prompts,
+        batch_size=batch_size,
+        enable_thinking=enable_thinking,
+        prompt_column=prompt_column,
+        prompts=prompts,
     )
 
 
 __all__ = [
     "AcceptanceReport",
     "acceptance_from_steps",
+    "eval_settings",
     "evaluate_acceptance",
     "evaluate_on_plan_data",
     "load_drafter_weights",
     "load_prompts",
     "prompt_messages",
     "prompts_from_conversations",
+    "read_prompt_conversations",
     "run_eval",
 ]

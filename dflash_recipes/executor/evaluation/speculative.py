@@ -1,24 +1,16 @@
-"""Block speculative decoding with a DFlash drafter and greedy verification by the target.
+"""The drafter side of speculative decoding, and the greedy references it is checked against.
 
-This is an *evaluation harness* that measures real acceptance, not a serving engine: there is
-no KV cache, and the target runs over the whole sequence at every verification step. That costs
-quadratic time, which tiny and held-out evaluation sets can afford, and it keeps the loop
-obviously lossless: every committed token is the target's own greedy token given everything
-before it, so the output equals :func:`greedy_generate` whatever the drafter proposes.
+A drafter proposes the tokens of block positions ``1 .. B-1`` for a block ``[token at a, mask,
+..., mask]`` anchored at ``a`` (the last committed token), from the target's tapped states at
+positions ``< a``, exactly what a block anchored at ``a`` sees in training.
+:class:`BlockDrafter` is the protocol (one block from a :class:`DraftContext`);
+:class:`DFlashBlockDrafter` wraps a :class:`DFlashDraftModel` with the target's embeddings and
+lm_head and also drafts a batch of rows from fused contexts (:meth:`DFlashBlockDrafter.
+propose_fused`), which the KV-cached loop grows position by position.
 
-One step, with ``B`` the block size and ``a`` the position of the last committed token:
-
-1. the drafter gets the block ``[token at a, mask, ..., mask]`` (positions ``a .. a+B-1``) and
-   the target's tapped states at positions ``< a`` (exactly what a block anchored at ``a`` sees
-   in training) and proposes tokens for block positions ``1 .. B-1`` in one pass;
-2. the target runs once over committed + proposed tokens; proposals are accepted while they
-   equal the target's greedy token, then the target's token at the first mismatch (or after a
-   fully accepted block) is committed as a bonus. The step's acceptance length tau is
-   accepted proposals + 1, so ``1 <= tau <= B``.
-
-The verification pass also yields the tapped states of every newly committed position except
-the bonus token, which is the next block's anchor and is not part of its context: each step
-costs one drafter pass and one target pass (plus one prefill pass per prompt).
+The verification loop itself is :func:`~dflash_recipes.executor.evaluation.cached_decoding.
+speculative_generate`. :func:`greedy_generate` (full recompute per token) and
+:func:`is_greedy_decoding` (one teacher-forced pass) are the lossless references.
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from dflash_recipes.executor.model.convert import dflash_module, embed_tokens, lm_head
-from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
+from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.heads import DominoHead
 from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.plan.draft_spec import ResolvedDraft
@@ -107,25 +99,45 @@ class DFlashBlockDrafter:
     def _dtype(self) -> torch.dtype:
         return self.model.fc.weight.dtype
 
-    def draft_hidden(self, context: DraftContext) -> Tensor:
-        """[1, B, H] final-normed draft states of the block anchored at ``context.anchor``."""
-        anchor = context.anchor
-        size = context.block_size
-        device = context.taps.device
-        ids = [context.committed[-1]] + [self.spec.mask_token_id] * (size - 1)
-        block_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        block_embeds = self.embed_tokens(block_ids).to(self._dtype())
-        fused = self.model.fuse_context(context.taps.to(self._dtype()))
-        q_positions = torch.arange(anchor, anchor + size, device=device).unsqueeze(0)
-        ctx_positions = torch.arange(anchor, device=device).unsqueeze(0)
+    def fuse(self, taps: Tensor) -> Tensor:
+        """``[R, T, n_taps * H]`` tapped target states -> the fused context ``[R, T, H]``.
+
+        Per position (``fc`` then ``hidden_norm``), so a context grows by fusing only its new
+        positions (:mod:`~dflash_recipes.executor.evaluation.draft_context`).
+        """
+        return self.model.fuse_context(taps.to(self._dtype()))
+
+    def draft_hidden_fused(
+        self, fused: Tensor, anchors: Sequence[int], anchor_tokens: Sequence[int]
+    ) -> Tensor:
+        """[R, B, H] final-normed draft states of R blocks, one per row, in one drafter pass.
+
+        ``fused [R, T, H]``: row ``r`` holds its fused context at positions ``0 ..
+        anchors[r] - 1`` (later entries are padding, never seen); ``anchor_tokens[r]`` is the
+        token at ``anchors[r]``. Positions and mask are the training ones for a block anchored
+        at ``anchors[r]``.
+        """
+        size = self.spec.block_size
+        device = fused.device
+        rows = len(anchors)
+        ids = torch.full((rows, size), self.spec.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor(list(anchor_tokens), dtype=torch.long, device=device)
+        block_embeds = self.embed_tokens(ids).to(self._dtype())
+        anchor_t = torch.tensor(list(anchors), dtype=torch.long, device=device).unsqueeze(1)
+        ctx_len = fused.shape[1]
+        q_positions = anchor_t + torch.arange(size, device=device).unsqueeze(0)
+        ctx_positions = torch.arange(ctx_len, device=device).unsqueeze(0).expand(rows, -1)
         mask = build_dense_block_mask(
-            torch.tensor([[anchor]], dtype=torch.long, device=device),
-            size,
-            anchor,
-            torch.ones(1, 1, dtype=torch.bool, device=device),
+            anchor_t, size, ctx_len, torch.ones(rows, 1, dtype=torch.bool, device=device)
         )
         hidden: Tensor = self.model(block_embeds, fused, q_positions, ctx_positions, mask)
         return hidden
+
+    def draft_hidden(self, context: DraftContext) -> Tensor:
+        """[1, B, H] final-normed draft states of the block anchored at ``context.anchor``."""
+        return self.draft_hidden_fused(
+            self.fuse(context.taps), [context.anchor], [context.committed[-1]]
+        )
 
     def _logits(self, hidden: Tensor) -> Tensor:
         weight = getattr(self.lm_head, "weight", None)
@@ -134,31 +146,51 @@ class DFlashBlockDrafter:
         logits: Tensor = self.lm_head(hidden)
         return logits
 
-    def propose(self, context: DraftContext) -> list[int]:
-        """Greedy proposals for block positions ``1 .. B-1``."""
-        hidden = self.draft_hidden(context)
+    def propose_fused(
+        self, fused: Tensor, anchors: Sequence[int], anchor_tokens: Sequence[int]
+    ) -> list[list[int]]:
+        """Greedy proposals for block positions ``1 .. B-1`` of every row (see
+        :meth:`draft_hidden_fused` for the arguments)."""
+        hidden = self.draft_hidden_fused(fused, anchors, anchor_tokens)
+        return self.propose_from_hidden(hidden, anchor_tokens)
+
+    def propose_from_hidden(self, hidden: Tensor, anchor_tokens: Sequence[int]) -> list[list[int]]:
+        """Greedy proposals of every row from its draft states ``[R, B, H]`` (lm_head, then the
+        head variant position by position)."""
         base_logits = self._logits(hidden)
         head = self.model.head
         if head is None:
-            return [int(t) for t in base_logits[0, 1:].argmax(dim=-1).tolist()]
+            return [[int(t) for t in row] for row in base_logits[:, 1:].argmax(dim=-1).tolist()]
         # Prefix index k holds the token at anchor + k - 1: index 1 the anchor, index k >= 2 the
         # proposal for position k - 1 (index 0 is unused). Entries not known yet hold the mask
         # id; position k of either head reads prefix entries <= k only.
-        size = context.block_size
-        prefix = [context.committed[-1]] * 2 + [self.spec.mask_token_id] * (size - 2)
-        proposals: list[int] = []
+        size = self.spec.block_size
+        rows = len(anchor_tokens)
+        prefix = torch.full(
+            (rows, size), self.spec.mask_token_id, dtype=torch.long, device=hidden.device
+        )
+        first = torch.tensor(list(anchor_tokens), dtype=torch.long, device=hidden.device)
+        prefix[:, 0] = first
+        prefix[:, 1] = first
+        columns: list[Tensor] = []
         for k in range(1, size):
-            prefix_tokens = torch.tensor([prefix], dtype=torch.long, device=hidden.device)
             if isinstance(head, DominoHead):
-                prefix_embeds = self.embed_tokens(prefix_tokens).to(hidden.dtype)
+                prefix_embeds = self.embed_tokens(prefix).to(hidden.dtype)
                 logits = head(hidden, prefix_embeds, base_logits)
             else:
-                logits, _confidence = head(hidden, prefix_tokens, base_logits)
-            token = int(logits[0, k].argmax().item())
-            proposals.append(token)
+                logits, _confidence = head(hidden, prefix, base_logits)
+            token = logits[:, k].argmax(dim=-1)
+            columns.append(token)
             if k + 1 < size:
-                prefix[k + 1] = token
-        return proposals
+                prefix = prefix.clone()
+                prefix[:, k + 1] = token
+        proposals = torch.stack(columns, dim=1)
+        return [[int(t) for t in row] for row in proposals.tolist()]
+
+    def propose(self, context: DraftContext) -> list[int]:
+        """Greedy proposals for block positions ``1 .. B-1``."""
+        fused = self.fuse(context.taps)
+        return self.propose_fused(fused, [context.anchor], [context.committed[-1]])[0]
 
 
 def as_block_drafter(
@@ -175,75 +207,11 @@ def _device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def _target_pass(
-    target: PreTrainedModel, ids: Sequence[int], spec: ResolvedDraft
-) -> tuple[Tensor, Tensor]:
-    """Greedy tokens [T] after every position and tapped states [1, T, n_taps * H]."""
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device_of(target))
-    out = target(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    greedy: Tensor = out.logits[0].argmax(dim=-1)
-    taps = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids)
-    return greedy, taps
-
-
-def _check_prompt(prompt_ids: Sequence[int]) -> None:
+def check_prompt(prompt_ids: Sequence[int]) -> None:
+    """ValueError for an empty prompt (a prompt needs at least one token)."""
     if not prompt_ids:
         msg = "prompt_ids is empty; a prompt needs at least one token"
         raise ValueError(msg)
-
-
-@torch.no_grad()
-def speculative_generate(
-    target: PreTrainedModel,
-    drafter: nn.Module | BlockDrafter,
-    spec: ResolvedDraft,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    eos_token_id: int | None,
-) -> SpecResult:
-    """Generate up to ``max_new_tokens`` tokens (stopping after eos) by block drafting.
-
-    ``target`` is a Hugging Face causal LM (called with ``output_hidden_states=True``);
-    ``drafter`` a :class:`DFlashDraftModel` (wrapped with the target's embeddings and lm_head)
-    or any :class:`BlockDrafter`. The tokens equal :func:`greedy_generate`'s.
-    """
-    _check_prompt(prompt_ids)
-    size = spec.block_size
-    block_drafter = as_block_drafter(drafter, target, spec)
-    committed = list(prompt_ids)
-    generated: list[int] = []
-    taus: list[int] = []
-
-    def commit(tokens: Sequence[int]) -> bool:
-        """Append tokens until a stop; True when generation is finished."""
-        for token in tokens:
-            committed.append(token)
-            generated.append(token)
-            if len(generated) >= max_new_tokens or token == eos_token_id:
-                return True
-        return False
-
-    if max_new_tokens <= 0:
-        return SpecResult(tokens=[], accepted_per_step=[], block_size=size)
-    greedy, taps = _target_pass(target, committed, spec)
-    done = commit([int(greedy[-1].item())])
-    while not done:
-        anchor = len(committed) - 1
-        context = DraftContext(committed=tuple(committed), taps=taps[:, :anchor], block_size=size)
-        proposals = block_drafter.propose(context)
-        if len(proposals) != size - 1:
-            msg = f"the drafter proposed {len(proposals)} tokens, not block_size - 1 = {size - 1}"
-            raise ValueError(msg)
-        greedy, taps = _target_pass(target, committed + proposals, spec)
-        # greedy[anchor + j] is the target's token for position anchor + j + 1 (proposal j).
-        verified = [int(t) for t in greedy[anchor : anchor + size].tolist()]
-        accepted = 0
-        while accepted < size - 1 and proposals[accepted] == verified[accepted]:
-            accepted += 1
-        taus.append(accepted + 1)
-        done = commit(verified[: accepted + 1])
-    return SpecResult(tokens=generated, accepted_per_step=taus, block_size=size)
 
 
 @torch.no_grad()
@@ -254,7 +222,7 @@ def greedy_generate(
     eos_token_id: int | None,
 ) -> list[int]:
     """Plain greedy decoding of the target (full recompute per token): the lossless reference."""
-    _check_prompt(prompt_ids)
+    check_prompt(prompt_ids)
     device = _device_of(target)
     sequence = list(prompt_ids)
     generated: list[int] = []
@@ -285,7 +253,7 @@ def is_greedy_decoding(
     prefix and it stops where greedy decoding stops (at `eos_token_id`, or after
     `max_new_tokens`). Costs one pass instead of one per token.
     """
-    _check_prompt(prompt_ids)
+    check_prompt(prompt_ids)
     tokens = list(generated)
     if len(tokens) > max_new_tokens:
         return False
@@ -309,7 +277,7 @@ __all__ = [
     "DraftContext",
     "SpecResult",
     "as_block_drafter",
+    "check_prompt",
     "greedy_generate",
     "is_greedy_decoding",
-    "speculative_generate",
 ]

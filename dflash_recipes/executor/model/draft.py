@@ -52,6 +52,10 @@ from dflash_recipes.executor.model.masks import (
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RopePlan, RopeValue
 
+#: Cached decoding: given the block's keys and values ``[B, kv_heads, Q, d]``, the keys and
+#: values of the kept context followed by the block.
+KVJoin = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
 #: Standard deviation of the normal initialisation of linear and embedding weights (HF default).
 INIT_STD = 0.02
 
@@ -259,6 +263,32 @@ class DraftAttention(nn.Module):
         result: Tensor = self.o_proj(out)
         return result
 
+    def context_kv(self, states: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values ``[B, kv_heads, T, d]`` of ``states [B, T, H]`` at
+        the positions of ``cos``/``sin`` ``[B, T, d]``, as :meth:`forward` computes them.
+
+        Per position, so the context's part can be computed once and kept (cached decoding).
+        """
+        batch, length, _ = states.shape
+        k = self.k_norm(self.k_proj(states).view(batch, length, -1, self.head_dim))
+        v = self.v_proj(states).view(batch, length, -1, self.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward_cached(
+        self, x: Tensor, join: KVJoin, cos: Tensor, sin: Tensor, mask: Tensor
+    ) -> Tensor:
+        """:meth:`forward` with the context's keys and values kept (:meth:`context_kv`):
+        ``join(block_k, block_v)`` returns the keys and values of context then block;
+        ``cos``/``sin [B, Q, d]`` of the block positions only; a dense mask."""
+        batch, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k, v = join(*self.context_kv(x, cos, sin))
+        out = _dense_attention(q, k, v, mask, self.attention_sink_bias)
+        out = out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
+        result: Tensor = self.o_proj(out)
+        return result
+
 
 class DraftMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
@@ -288,6 +318,14 @@ class DraftDecoderLayer(nn.Module):
         self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: DraftMask
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+        result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
+
+    def forward_cached(
+        self, x: Tensor, join: KVJoin, cos: Tensor, sin: Tensor, mask: Tensor
+    ) -> Tensor:
+        """:meth:`forward` with the context's keys and values kept (cached decoding)."""
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), join, cos, sin, mask)
         result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result
 
@@ -409,6 +447,7 @@ __all__ = [
     "DraftDecoderLayer",
     "DraftMLP",
     "DraftMask",
+    "KVJoin",
     "SplitBlockMask",
     "apply_rope",
     "build_dense_block_mask",

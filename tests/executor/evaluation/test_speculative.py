@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from dflash_recipes.errors import CheckpointError, DataError
 from dflash_recipes.executor.data.conversations import Conversation, Message, read_conversations
 from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate
 from dflash_recipes.executor.evaluation.evaluate import (
     acceptance_from_steps,
     evaluate_acceptance,
@@ -29,7 +30,6 @@ from dflash_recipes.executor.evaluation.speculative import (
     DraftContext,
     greedy_generate,
     is_greedy_decoding,
-    speculative_generate,
 )
 from dflash_recipes.executor.model.convert import (
     convert,
@@ -162,10 +162,13 @@ class _WrongCommit:
         self.real = real
 
     def __call__(self, *args: object, **kwargs: object) -> object:
-        result = self.real(*args, **kwargs)  # type: ignore[operator]
-        tokens = list(result.tokens)
-        tokens[-1] = (tokens[-1] + 1) % 100
-        return attrs.evolve(result, tokens=tokens)
+        results = self.real(*args, **kwargs)  # type: ignore[operator]
+        wrong = []
+        for result in results:
+            tokens = list(result.tokens)
+            tokens[-1] = (tokens[-1] + 1) % 100
+            wrong.append(attrs.evolve(result, tokens=tokens))
+        return wrong
 
 
 def test_acceptance_report_flags_output_that_is_not_greedy(
@@ -175,7 +178,7 @@ def test_acceptance_report_flags_output_that_is_not_greedy(
 
     _, spec = make_spec(tmp_path, block_size=4)
     monkeypatch.setattr(
-        evaluate, "speculative_generate", _WrongCommit(evaluate.speculative_generate)
+        evaluate, "speculative_generate_batch", _WrongCommit(evaluate.speculative_generate_batch)
     )
     prompts = [list(p) for p in PROMPTS]
     report = evaluate_acceptance(
@@ -490,7 +493,8 @@ def test_run_eval_measures_the_exported_drafter(
         max_new_tokens=6,
         eos_token_id=tokenizer.eos_token_id,
     )
-    assert again == report
+    assert again.settings is None  # in memory: no file, no template recorded
+    assert attrs.evolve(again, settings=report.settings) == report
 
 
 def test_run_eval_reads_eval_data_path_and_training_checkpoints(

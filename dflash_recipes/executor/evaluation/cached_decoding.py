@@ -1,0 +1,333 @@
+"""Block speculative decoding with KV caches: a DFlash drafter, greedy verification by the target.
+
+An *evaluation harness* that measures real acceptance at the lengths people measure it (2k-16k
+new tokens): each verification step costs one drafter pass and one target pass over the new
+block only, so the time per generated token does not grow with the length (beyond attention
+itself). Every committed token is the target's own greedy token given everything before it, so
+the output equals greedy decoding
+(:func:`~dflash_recipes.executor.evaluation.speculative.greedy_generate`) whatever the drafter
+proposes. Greedy only: sampling (temperature > 0) is out of scope.
+
+One step, with ``B`` the block size and ``a`` the position of the last committed token (the
+anchor):
+
+1. the drafter gets the block ``[token at a, mask, ..., mask]`` (positions ``a .. a+B-1``) and
+   the target's tapped states at positions ``< a`` (:mod:`~dflash_recipes.executor.
+   draft_context`, grown by the positions each step commits) and proposes tokens for block
+   positions ``1 .. B-1`` in one pass;
+2. the target runs once over the block (anchor + proposals) on top of its KV cache
+   (``transformers.DynamicCache``, which holds every committed position before the anchor);
+   proposals are accepted while they equal the target's greedy token, then the target's token
+   at the first mismatch (or after a fully accepted block) is committed as a bonus. The step's
+   acceptance length tau is accepted proposals + 1, so ``1 <= tau <= B``;
+3. the cache is cropped to the accepted positions (anchor + accepted proposals): the bonus
+   token is the next anchor and enters the cache with the next block. The same pass gave the
+   tapped states of those positions, which join the drafter's context.
+
+A batch of prompts runs as rows of one cache, each row accepting its own number of tokens.
+Prompts are left-padded; a row that accepts fewer tokens than the batch's longest acceptance
+keeps the slots of its rejected proposals as holes, masked out of every later attention (the
+cache is cropped to the longest acceptance). Positions are given explicitly, so a row sees
+exactly the positions and tokens it would see alone. A finished row leaves the batch. With one
+prompt there are no holes and the cache is cropped to exactly the accepted length. A target
+with sliding-window (or chunked) attention layers, whose windows count cache slots, verifies
+the prompts of a batch one at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel
+
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.evaluation.draft_context import context_store
+from dflash_recipes.executor.evaluation.speculative import (
+    BlockDrafter,
+    SpecResult,
+    as_block_drafter,
+    check_prompt,
+)
+from dflash_recipes.executor.model.draft import taps_from_hidden_states
+from dflash_recipes.plan.draft_spec import ResolvedDraft
+
+
+def max_positions(target: PreTrainedModel) -> int | None:
+    """The target's ``max_position_embeddings`` (None when its config has none)."""
+    config = getattr(target, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        config = text_config()
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def check_positions(
+    target: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> None:
+    """DataError when a prompt plus ``max_new_tokens`` does not fit the target's positions.
+
+    Names the first such prompt (0-based, in the order given), its length and the limit.
+    """
+    limit = max_positions(target)
+    if limit is None:
+        return
+    for index, prompt in enumerate(prompts):
+        needed = len(prompt) + max(max_new_tokens, 0)
+        if len(prompt) >= limit:
+            msg = (
+                f"prompt {index} has {len(prompt)} tokens, but the target takes at most "
+                f"{limit} positions (max_position_embeddings) and needs room for the answer; "
+                "shorten or drop that prompt"
+            )
+            raise DataError(msg)
+        if needed > limit:
+            msg = (
+                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens "
+                f"{max_new_tokens} it needs {needed} positions, but the target takes at most "
+                f"{limit} (max_position_embeddings); lower max_new_tokens to "
+                f"{limit - len(prompt)} or shorten the prompt"
+            )
+            raise DataError(msg)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _cache_argument(target: PreTrainedModel) -> str:
+    """The forward argument that takes the cache: ``cache`` in newer transformers 5 releases
+    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    forward = getattr(target, "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        parameters = {}
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def has_windowed_layers(target: PreTrainedModel) -> bool:
+    """Whether some target layer attends over a window (``sliding_attention`` / ``chunked``).
+
+    A window counts cache slots, so the holes and left padding of a batch would change what
+    such a layer sees: those targets verify one prompt at a time.
+    """
+    config = getattr(target, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        config = text_config()
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return True
+    return bool(getattr(config, "use_sliding_window", False))
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` slots of every layer (transformers 5 crops by a negative count)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+class _Rows:
+    """The batch's per-row state: committed tokens, generated tokens, taus, done flags."""
+
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: int | None
+    ) -> None:
+        self.committed = [list(p) for p in prompts]
+        self.generated: list[list[int]] = [[] for _ in prompts]
+        self.taus: list[list[int]] = [[] for _ in prompts]
+        self.done = [False] * len(prompts)
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+
+    def commit(self, row: int, tokens: Sequence[int]) -> None:
+        """Append tokens to ``row`` until a stop (eos or max_new_tokens)."""
+        for token in tokens:
+            self.committed[row].append(token)
+            self.generated[row].append(token)
+            if len(self.generated[row]) >= self.max_new_tokens or token == self.eos:
+                self.done[row] = True
+                return
+
+
+def _forward(
+    target: PreTrainedModel,
+    cache_argument: str,
+    cache: DynamicCache,
+    input_ids: Tensor,
+    positions: Tensor,
+    slot_valid: Tensor,
+    keep_logits: int,
+    taps: Sequence[int],
+) -> tuple[Tensor, Tensor]:
+    """One target pass on top of ``cache``: greedy tokens of the last ``keep_logits`` inputs
+    ``[R, keep_logits]`` and tapped states of every input ``[R, n, n_taps * H]``."""
+    mask = None if bool(slot_valid.all()) else slot_valid.long()
+    out = target(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=mask,
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=keep_logits,
+        **{cache_argument: cache},
+    )
+    greedy: Tensor = out.logits.argmax(dim=-1)
+    return greedy, taps_from_hidden_states(out.hidden_states, taps)
+
+
+@torch.no_grad()
+def speculative_generate_batch(
+    target: PreTrainedModel,
+    drafter: nn.Module | BlockDrafter,
+    spec: ResolvedDraft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> list[SpecResult]:
+    """Speculative generation of every prompt as one batch; one result per prompt, in order.
+
+    Each row stops after eos or ``max_new_tokens``; its tokens equal greedy decoding's and its
+    taus are what the row would measure alone. DataError when a prompt plus
+    ``max_new_tokens`` does not fit the target's positions.
+    """
+    for prompt in prompts:
+        check_prompt(prompt)
+    size = spec.block_size
+    if max_new_tokens <= 0 or not prompts:
+        return [SpecResult(tokens=[], accepted_per_step=[], block_size=size) for _ in prompts]
+    check_positions(target, prompts, max_new_tokens)
+    if len(prompts) > 1 and has_windowed_layers(target):
+        return [
+            speculative_generate_batch(
+                target,
+                drafter,
+                spec,
+                [prompt],
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+            )[0]
+            for prompt in prompts
+        ]
+    block_drafter = as_block_drafter(drafter, target, spec)
+    device = _device_of(target)
+    state = _Rows(prompts, max_new_tokens, eos_token_id)
+    store = context_store(block_drafter, len(prompts), size)
+    taps = spec.target_layer_ids
+
+    # Prefill, left-padded: slot s of row r holds position s - pad[r].
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, pads[row] :] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    pad_t = torch.tensor(pads, dtype=torch.long, device=device).unsqueeze(1)
+    slots = torch.arange(width, device=device).unsqueeze(0)
+    slot_valid = slots >= pad_t
+    positions = (slots - pad_t).clamp(min=0)
+    cache = DynamicCache(config=target.config)
+    # Sliding-window layers drop old states unless told to keep them until the next crop.
+    activate = getattr(cache, "activate_past_recording", None)
+    if callable(activate):
+        activate()
+    cache_argument = _cache_argument(target)
+    greedy, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
+    for row in range(len(prompts)):
+        store.extend(row, tapped[row, pads[row] :])
+        state.commit(row, [int(greedy[row, -1])])
+
+    active = list(range(len(prompts)))  # the prompt index of each cache row
+    offsets = torch.arange(size, device=device).unsqueeze(0)
+    while True:
+        still = [i for i, prompt_index in enumerate(active) if not state.done[prompt_index]]
+        if not still:
+            break
+        if len(still) < len(active):
+            keep = torch.tensor(still, dtype=torch.long, device=device)
+            cache.batch_select_indices(keep)
+            slot_valid = slot_valid.index_select(0, keep)
+            store.keep(still)
+            active = [active[i] for i in still]
+        committed = [state.committed[p] for p in active]
+        proposals = store.propose(committed)
+        for row_proposals in proposals:
+            if len(row_proposals) != size - 1:
+                msg = (
+                    f"the drafter proposed {len(row_proposals)} tokens, not block_size - 1 = "
+                    f"{size - 1}"
+                )
+                raise ValueError(msg)
+        block = torch.tensor(
+            [[c[-1], *p] for c, p in zip(committed, proposals, strict=True)],
+            dtype=torch.long,
+            device=device,
+        )
+        anchors = torch.tensor([len(c) - 1 for c in committed], device=device).unsqueeze(1)
+        valid = torch.cat([slot_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
+        greedy, tapped = _forward(
+            target, cache_argument, cache, block, anchors + offsets, valid, size, taps
+        )
+        # greedy[r, j] is the target's token for position anchor + j + 1 (proposal j).
+        verified = greedy.tolist()
+        accepted_rows: list[int] = []
+        for row, prompt_index in enumerate(active):
+            accepted = 0
+            while accepted < size - 1 and proposals[row][accepted] == verified[row][accepted]:
+                accepted += 1
+            state.taus[prompt_index].append(accepted + 1)
+            state.commit(prompt_index, verified[row][: accepted + 1])
+            store.extend(row, tapped[row, : accepted + 1])
+            accepted_rows.append(accepted)
+        # Keep the anchor and the accepted proposals of the longest acceptance; a row that
+        # accepted fewer keeps its rejected slots as holes, masked from now on.
+        kept = max(accepted_rows) + 1
+        start = slot_valid.shape[1]
+        accepted_t = torch.tensor(accepted_rows, device=device).unsqueeze(1)
+        slot_valid = torch.cat([slot_valid, offsets[:, :kept] <= accepted_t], dim=1)
+        _crop(cache, start + kept)
+    return [
+        SpecResult(tokens=state.generated[i], accepted_per_step=state.taus[i], block_size=size)
+        for i in range(len(prompts))
+    ]
+
+
+def speculative_generate(
+    target: PreTrainedModel,
+    drafter: nn.Module | BlockDrafter,
+    spec: ResolvedDraft,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> SpecResult:
+    """Generate up to ``max_new_tokens`` tokens (stopping after eos) by block drafting.
+
+    ``target`` is a Hugging Face causal LM (called with a ``DynamicCache`` and
+    ``output_hidden_states=True``); ``drafter`` a :class:`DFlashDraftModel` (wrapped with the
+    target's embeddings and lm_head) or any :class:`BlockDrafter`. The tokens equal
+    :func:`~dflash_recipes.executor.evaluation.speculative.greedy_generate`'s.
+    """
+    check_prompt(prompt_ids)
+    return speculative_generate_batch(
+        target,
+        drafter,
+        spec,
+        [prompt_ids],
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+    )[0]
+
+
+__all__ = [
+    "check_positions",
+    "has_windowed_layers",
+    "max_positions",
+    "speculative_generate",
+    "speculative_generate_batch",
+]

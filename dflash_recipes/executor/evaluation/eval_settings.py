@@ -1,0 +1,91 @@
+"""What makes a measured tau comparable with another: recorded beside every eval report.
+
+The same checkpoint's tau ranges from about 2.6 to 8 in published trackers depending on the
+engine, the block size, thinking mode, the chat template, the prompts and the generation
+length. :class:`EvalSettings` records each of them (files by sha256), so two ``eval --json``
+reports can be compared field by field before their taus are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import attrs
+
+from dflash_recipes.records import Record
+
+#: How the verification decides: the target's greedy token (the only mode; sampling with
+#: temperature > 0 is out of scope, see docs/dflash.md "Measuring acceptance").
+DECODING = "greedy"
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of ``text`` encoded as UTF-8."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def thinking_mode(enable_thinking: bool | None) -> str:
+    """``on``, ``off`` or ``template default`` (``enable_thinking`` not passed)."""
+    if enable_thinking is None:
+        return "template default"
+    return "on" if enable_thinking else "off"
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class EvalSettings(Record):
+    """The settings of one acceptance measurement that change tau."""
+
+    block_size: int
+    max_new_tokens: int
+    num_prompts: int
+    #: Prompts per batch of the verification loop (does not change tau or the tokens).
+    batch_size: int
+    #: The prompt file (None: prompts given in memory) and the sha256 of its bytes.
+    prompt_file: str | None
+    prompt_file_sha256: str | None
+    #: jsonl, json or parquet (None: prompts given in memory).
+    prompt_format: str | None
+    #: The Parquet column read (None for other formats).
+    prompt_column: str | None
+    #: Where the chat template came from: ``data.chat_template`` (its path) or ``tokenizer``.
+    chat_template_source: str
+    chat_template_sha256: str | None
+    #: The ``enable_thinking`` passed to the chat template (None: not passed).
+    enable_thinking: bool | None
+    #: Whether the chat template mentions ``enable_thinking`` at all.
+    template_reads_enable_thinking: bool
+    #: The first stop token id (None: generation runs to max_new_tokens).
+    eos_token_id: int | None
+    decoding: str = DECODING
+
+    @property
+    def thinking_mode(self) -> str:
+        """``on``, ``off`` or ``template default``."""
+        return thinking_mode(self.enable_thinking)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-compatible dict of every field, and ``thinking_mode``."""
+        row: dict[str, object] = {
+            field.name: getattr(self, field.name) for field in attrs.fields(EvalSettings)
+        }
+        row["thinking_mode"] = self.thinking_mode
+        return row
+
+
+__all__ = [
+    "DECODING",
+    "EvalSettings",
+    "sha256_file",
+    "sha256_text",
+    "thinking_mode",
+]

@@ -1,0 +1,210 @@
+"""Eval prompt files (chat JSONL, JSON lists, Parquet columns), thinking mode, the recorded
+settings that make tau comparable, and the eval command's new options (issue 26)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from testkit.cli_runner import cli
+from testkit.tiny import randomize, tiny_plan, tiny_target
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.executor.evaluation.evaluate import load_prompts, run_eval
+from dflash_recipes.executor.evaluation.prompt_files import read_json_prompts, read_parquet_prompts
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.plan.run_plan import RunPlan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a drafter proposes a block and the target verifies it",
+    "speculative decoding is lossless when verification is greedy",
+]
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "the lazy dog"},
+    {"role": "assistant", "content": "jumps"},
+]
+#: A template that renders differently with enable_thinking false.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    "assistant:"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return build_tiny_tokenizer(TEXTS, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def eval_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunPlan, Path]:
+    root = tmp_path_factory.mktemp("eval_prompts")
+    tokenizer = build_tiny_tokenizer(TEXTS, vocab_size=300)
+    plan = tiny_plan(
+        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
+    )
+    model = tiny_target(plan)
+    randomize(model, seed=4)
+    model.save_pretrained(plan.base_model.path)
+    tokenizer.save_pretrained(plan.base_model.path)
+    drafter = DFlashDraftModel(plan.resolved_draft())
+    randomize(drafter, 2)
+    export_drafter(drafter, plan, root / "export")
+    return plan, root / "export"
+
+
+def write_json(path: Path, value: object) -> Path:
+    path.write_text(json.dumps(value), encoding="utf-8")
+    return path
+
+
+def test_json_and_parquet_prompts_give_the_jsonl_prompts(
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(
+        json.dumps({"messages": [{"role": "user", "content": TEXTS[0]}]})
+        + "\n"
+        + json.dumps({"messages": MESSAGES})
+        + "\n"
+    )
+    as_json = write_json(tmp_path / "p.json", [TEXTS[0], MESSAGES])
+    sharegpt = write_json(
+        tmp_path / "s.json",
+        [
+            [{"from": "human", "value": TEXTS[0]}],
+            [{"from": m["role"], "value": m["content"]} for m in MESSAGES],
+        ],
+    )
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(
+        pa.table(
+            {"id": [1, 2], "prompt": [TEXTS[0], TEXTS[0]], "messages": [MESSAGES[1:2], MESSAGES]}
+        ),
+        parquet,
+    )
+    expected = load_prompts(jsonl, tokenizer)
+    assert len(expected) == 2
+    assert load_prompts(as_json, tokenizer) == expected
+    assert load_prompts(sharegpt, tokenizer) == expected
+    # The default column is "prompt"; a message-list column is read as message lists.
+    assert load_prompts(parquet, tokenizer) == [expected[0], expected[0]]
+    messages = load_prompts(parquet, tokenizer, column="messages")
+    assert messages[1] == expected[1]
+    assert load_prompts(as_json, tokenizer, limit=1) == expected[:1]
+
+
+def test_bad_prompt_files_say_where(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"item 2 must be a prompt string or a non-empty list"):
+        read_json_prompts(write_json(tmp_path / "a.json", ["ok", 3]))
+    with pytest.raises(DataError, match=r"item 1\[0\] needs a role"):
+        read_json_prompts(write_json(tmp_path / "b.json", [[{"role": "robot", "content": "x"}]]))
+    with pytest.raises(DataError, match="must hold a non-empty JSON list"):
+        read_json_prompts(write_json(tmp_path / "c.json", {"prompts": ["x"]}))
+    broken = tmp_path / "d.json"
+    broken.write_text("[1,", encoding="utf-8")
+    with pytest.raises(DataError, match="is not readable JSON"):
+        read_json_prompts(broken)
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": [1], "text": ["x"]}), parquet)
+    with pytest.raises(
+        DataError, match=r"has no any of prompt, .*columns are id, text: pass --prompt-column"
+    ):
+        read_parquet_prompts(parquet)
+    assert read_parquet_prompts(parquet, "text")[0].messages[0].content == "x"
+    with pytest.raises(DataError, match=r"row 1 column 'id' must be a prompt string"):
+        read_parquet_prompts(parquet, "id")
+    not_parquet = tmp_path / "x.parquet"
+    not_parquet.write_text("hello", encoding="utf-8")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        read_parquet_prompts(not_parquet)
+    with pytest.raises(DataError, match=r"cannot tell its format from the suffix '\.txt'"):
+        load_prompts(tmp_path / "prompts.txt", None)  # type: ignore[arg-type]
+
+
+def test_enable_thinking_reaches_the_chat_template(
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    prompts = write_json(tmp_path / "p.json", [TEXTS[1]])
+    default = load_prompts(prompts, tokenizer, chat_template=THINKING_TEMPLATE)
+    on = load_prompts(prompts, tokenizer, chat_template=THINKING_TEMPLATE, enable_thinking=True)
+    off = load_prompts(prompts, tokenizer, chat_template=THINKING_TEMPLATE, enable_thinking=False)
+    assert default == on != off
+    assert "<no-think>" in tokenizer.decode(off[0])
+
+
+def test_run_eval_records_what_makes_tau_comparable(
+    eval_setup: tuple[RunPlan, Path], tmp_path: Path
+) -> None:
+    plan, export = eval_setup
+    prompts = write_json(tmp_path / "bench_prompts.json", [TEXTS[0], MESSAGES, TEXTS[2]])
+    report = run_eval(plan, export, prompts, max_new_tokens=5, num_prompts=8, batch_size=2)
+    settings = report.settings
+    assert settings is not None
+    assert report.lossless
+    assert settings.block_size == plan.draft.block_size
+    assert settings.max_new_tokens == 5 and report.max_new_tokens == 5
+    assert settings.num_prompts == 3 and settings.batch_size == 2
+    assert settings.prompt_file == str(prompts)
+    assert settings.prompt_file_sha256 == hashlib.sha256(prompts.read_bytes()).hexdigest()
+    assert settings.prompt_format == "json"
+    assert settings.chat_template_source == "tokenizer"
+    template = AutoTokenizer.from_pretrained(plan.base_model.path).chat_template
+    assert settings.chat_template_sha256 == hashlib.sha256(template.encode()).hexdigest()
+    assert settings.enable_thinking is None and settings.thinking_mode == "template default"
+    assert report.tokens_per_second > 0
+    # One at a time measures the same (only the recorded batch size and the time differ).
+    alone = run_eval(plan, export, prompts, max_new_tokens=5, num_prompts=8)
+    assert alone.tau_per_prompt == report.tau_per_prompt
+    assert alone.tokens == report.tokens and alone.steps == report.steps
+
+
+def test_eval_command_json_carries_the_settings(
+    eval_setup: tuple[RunPlan, Path], tmp_path: Path
+) -> None:
+    plan, export = eval_setup
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    prompts = write_json(tmp_path / "bench_prompts.json", [TEXTS[0], TEXTS[1], TEXTS[2]])
+    result = cli(
+        "eval",
+        str(plan_file),
+        "--checkpoint",
+        str(export),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "3",
+        "--disable-thinking",
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert row["lossless"] is True
+    assert row["num_prompts"] == 3 and row["max_new_tokens"] == 6
+    assert {"tau_pooled", "tau_per_prompt_mean", "tokens_per_second"} <= set(row)
+    settings = row["settings"]
+    assert settings["enable_thinking"] is False and settings["thinking_mode"] == "off"
+    assert settings["batch_size"] == 3 and settings["decoding"] == "greedy"
+    assert settings["prompt_file_sha256"] == hashlib.sha256(prompts.read_bytes()).hexdigest()
+    assert len(settings["chat_template_sha256"]) == 64
+
+    # A prompt that cannot fit the target's positions: a clean error, no traceback.
+    long = write_json(tmp_path / "long.json", [" ".join(["the"] * 400)])
+    refused = cli("eval", str(plan_file), "--checkpoint", str(export), "--prompts", str(long))
+    assert refused.exit_code != 0
+    assert "max_position_embeddings" in refused.output
+    assert "Traceback" not in refused.output
