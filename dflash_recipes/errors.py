@@ -15,6 +15,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── DirectoryLockedError     another process is writing the same output directory
      ├── ReplaceRefusedError      an output path holds data the tool will not replace or delete
      ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
+ ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
      └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
@@ -95,6 +96,10 @@ class RunIOError(DFlashRecipeError):
     """Reading or writing a run's files failed at run time (full disk, permissions, I/O)."""
 
 
+class ResourceError(DFlashRecipeError):
+    """A plan's memory cannot be estimated, or the estimate exceeds the device it runs on."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -106,6 +111,7 @@ __all__ = [
     "RecipeError",
     "RegenerateError",
     "ReplaceRefusedError",
+    "ResourceError",
     "RunIOError",
     "SafetensorsHeaderError",
     "WarmStartError",
