@@ -25,6 +25,10 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   config, random weights, no download), 4096 tokens, 512 anchors, bf16 target, float32 master
   weights under bf16 autocast, AdamW. Prints tokens/s, peak memory and model FLOPs
   utilisation (formula printed; the peak is ``--peak-tflops``, default H200 bf16 dense).
+  Then the compile-time resource plan (``dflash_recipes.compiler.resources``) of the same shape
+  against the step: its exact parts (target and drafter weights, AdamW states) against the
+  built modules' bytes, and its memory per rank (less the stated allowance) against
+  ``torch.cuda.max_memory_allocated`` of a step, within 15% (exact parts only in a dry run).
 
 Exits 1 when any check fails, 0 otherwise (SKIPs included), 2 when there is no CUDA device and
 no ``--dry-run``.
@@ -56,6 +60,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.compiler.resources.estimate import estimate_resources, target_dims
 from dflash_recipes.executor.data.conversations import Batch as TokenBatch
 from dflash_recipes.executor.distributed import (
     DistEnv,
@@ -809,6 +814,74 @@ def check_step(setup: Setup, report: Report) -> None:
             f"model FLOPs {flops / 1e9:.3f} GFLOP/step (dry run: no peak memory or MFU on the CPU)"
         )
     report.note(f"FLOPs formula: {formula}")
+    peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    compare_memory(plan, dims, model, drafter, optimizer, peak_bytes, report)
+
+
+#: The activation estimate's tolerance against a measured step.
+MEMORY_TOLERANCE = 0.15
+
+
+def compare_memory(
+    plan: RunPlan,
+    dims: Dims,
+    model: nn.Module,
+    drafter: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    peak_bytes: int | None,
+    report: Report,
+) -> None:
+    """The compile-time resource plan of the step's shape against the built modules and the
+    measured peak (`peak_bytes`, None in a dry run)."""
+    training = attrs.evolve(
+        plan.training, per_device_train_batch_size=dims.batch, training_seq_len=dims.seq
+    )
+    sized = attrs.evolve(plan, training=training)
+    config = target_config(dims, plan).to_dict()
+    estimate = estimate_resources(sized, world_size=1, device="cuda", target=target_dims(config))
+    memory = estimate.memory
+    drafter_ids = {id(p) for p in drafter.parameters()}
+    target_bytes = sum(
+        p.numel() * p.element_size() for p in model.parameters() if id(p) not in drafter_ids
+    )
+    drafter_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters())
+    moments = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for k, v in state.items()
+        if k != "step" and isinstance(v, Tensor)
+    )
+    for what, est, real in (
+        ("target weights", memory.target_weights, target_bytes),
+        ("drafter weights", memory.drafter_weights, drafter_bytes),
+        # the timed step's AdamW keeps its step counters on the host
+        ("AdamW moments", memory.optimizer_states - 4 * len(optimizer.state), moments),
+    ):
+        ok = est == real
+        report.note(
+            f"{'ok  ' if ok else 'BAD '} estimate {what}: {est:,} bytes, built {real:,} bytes "
+            "(exact)"
+        )
+        report.failed |= not ok
+    if peak_bytes is None:
+        report.note("memory estimate vs max_memory_allocated: dry run, not measured")
+        return
+    expected = memory.total - memory.allowance
+    ratio = expected / peak_bytes
+    ok = abs(ratio - 1) <= MEMORY_TOLERANCE
+    parts = estimate.activation_parts
+    gib = 2**30
+    split = (
+        f"activations {memory.activations / gib:.2f}: target forward "
+        f"{parts.target_forward_peak / gib:.2f}, drafter saved {parts.drafter_saved / gib:.2f}, "
+        f"loss peak {parts.loss_peak / gib:.2f}"
+    )
+    report.note(
+        f"{'ok  ' if ok else 'BAD '} memory estimate {expected / gib:.2f} GiB (without the "
+        f"{memory.allowance / gib:.2f} GiB allowance; {split}) vs max_memory_allocated "
+        f"{peak_bytes / gib:.2f} GiB: ratio {ratio:.3f} (tolerance +-{MEMORY_TOLERANCE:.0%})"
+    )
+    report.failed |= not ok
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {

@@ -17,6 +17,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
      ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
      ├── TrackerError             a tracker in training.report_to cannot start (library missing)
+ ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
      └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
@@ -114,6 +115,10 @@ class TrackerError(DFlashRecipeError):
     """An experiment tracker named in training.report_to cannot start (its library is missing)."""
 
 
+class ResourceError(DFlashRecipeError):
+    """A plan's memory cannot be estimated, or the estimate exceeds the device it runs on."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -126,6 +131,7 @@ __all__ = [
     "RecipeError",
     "RegenerateError",
     "ReplaceRefusedError",
+    "ResourceError",
     "RunIOError",
     "SafetensorsHeaderError",
     "TrackerError",

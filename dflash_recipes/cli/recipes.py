@@ -59,20 +59,68 @@ if TYPE_CHECKING:
     show_default=True,
     help="text: diagnostics on stderr; json: one object on stdout.",
 )
-def compile_command(recipe: str, overrides: tuple[str, ...], output: Path | None, fmt: str) -> None:
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Ranks the resource plan is sized for (training.fsdp shards the target over them).",
+)
+@click.option(
+    "--device-memory",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="GIB",
+    help="Memory of one device in GiB: a plan needing more per rank is an error.",
+)
+@click.option(
+    "--mfu",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    help="Print time per step and per epoch at this model-FLOPs utilisation (e.g. 0.4).",
+)
+@click.option(
+    "--peak-tflops",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Peak dense TFLOPS of one device, for --mfu (default 989: H100/H200 SXM bf16).",
+)
+def compile_command(
+    recipe: str,
+    overrides: tuple[str, ...],
+    output: Path | None,
+    fmt: str,
+    world_size: int,
+    device_memory: float | None,
+    mfu: float | None,
+    peak_tflops: float | None,
+) -> None:
     """Compile RECIPE (plus a.b.c=value OVERRIDEs) into a fingerprinted run plan.
 
     Reads the base model's config.json and the init checkpoint's config.json and
-    safetensors header (never tensor data) and cross-checks them.
+    safetensors header (never tensor data) and cross-checks them, then estimates memory per
+    rank, FLOPs per step and disk (docs/dflash.md, "Will it fit?").
     Exit 0: plan produced (warnings allowed); 1: the recipe has errors; 2: usage problem.
 
     \b
-    Example:
+    Examples:
       dflash-recipe compile recipe.yaml training.max_steps=100 -o plan.json
+      dflash-recipe compile recipe.yaml --world-size 8 --device-memory 80 --mfu 0.4
     """
     result = _compile(recipe, overrides)
     diagnostics = list(result.diagnostics)
     plan = result.plan
+    compiled, resources, problem = plan, None, None
+    if plan is not None:
+        from dflash_recipes.compiler.resources.text import compile_resources
+
+        resources, target, problem = compile_resources(plan, world_size=world_size)
+        if resources is not None and device_memory is not None:
+            from dflash_recipes.compiler.resources.fit import device_diagnostic
+
+            finding = device_diagnostic(
+                plan, resources, device_memory, recipe_file=recipe, target=target
+            )
+            if finding is not None:
+                diagnostics.append(finding)
+                plan = None
     code = _exit_code_for(diagnostics)
     if plan is None and code == EXIT_OK:
         code = EXIT_FINDINGS
@@ -87,10 +135,18 @@ def compile_command(recipe: str, overrides: tuple[str, ...], output: Path | None
             "ok": plan is not None,
             "diagnostics": [d.to_json() for d in sort_diagnostics(diagnostics)],
             "plan": plan.to_dict() if plan is not None else None,
+            "resources": resources.to_dict() if resources is not None else None,
         }
         click.echo(json.dumps(payload, indent=2, sort_keys=True))
     else:
         _print_diagnostics(diagnostics)
+        if compiled is not None:
+            from dflash_recipes.compiler.resources.text import render_for_compile
+
+            text = render_for_compile(
+                compiled, resources, problem, mfu=mfu, peak_tflops=peak_tflops
+            )
+            click.echo(text, err=True)
         if plan is not None:
             where = f" -> {output}" if output is not None else ""
             click.echo(

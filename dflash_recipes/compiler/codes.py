@@ -177,6 +177,12 @@ CHECKPOINT_LAYER_TYPES_DIFFER = _code(
 )
 
 
+RESOURCES_EXCEED_DEVICE = _code(
+    "resources-exceed-device",
+    _E,
+    "the estimated memory per rank exceeds `compile --device-memory` (docs: Will it fit?)",
+)
+
 __all__ = [
     "ARCH_DIM_MISSING",
     "CHECKPOINT_BLOCK_SIZE_DIFFERS",
@@ -207,6 +213,7 @@ __all__ = [
     "MASK_TOKEN_MISSING",
     "MASK_TOKEN_OUT_OF_RANGE",
     "OUTPUT_DIR_UNUSABLE",
+    "RESOURCES_EXCEED_DEVICE",
     "RESUME_FROM_CHECKPOINT",
     "SLIDING_WINDOW_MISSING",
     "SLIDING_WINDOW_UNUSED",

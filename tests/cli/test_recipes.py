@@ -223,7 +223,7 @@ def test_compile_json_success_is_one_object_with_the_plan(
     assert result.exit_code == 0
     assert result.stderr == ""
     payload = json_out(result)
-    assert set(payload) == {"ok", "diagnostics", "plan"}
+    assert set(payload) == {"ok", "diagnostics", "plan", "resources"}
     assert payload["ok"] is True
     plan = payload["plan"]
     assert re.fullmatch(r"[0-9a-f]{64}", plan["fingerprint"])

@@ -4,6 +4,9 @@
 
 OUT_DIR/
   base/config.json            Qwen3-8B's config (36 layers, hidden 4096, vocab 151936)
+  base/model-0000k-of-00004.safetensors + index
+                              with ``target_weights=True`` only: Qwen3-8B's 399 BF16 tensors
+                              as SPARSE shards (real headers, 16.4 GB of holes)
   drafter/model.safetensors   the 58-tensor BF16 layout of Qwen3-8B-DFlash-b16 as a SPARSE
                               file: a real header, then a hole of the full 2.1 GB data size
   drafter/config.json         the exported drafter's config (as `export` writes it)
@@ -27,6 +30,7 @@ from testkit.st_fixtures import (
     drafter_tensors,
     write_json,
     write_safetensors,
+    write_sharded_safetensors,
 )
 
 # Qwen3-8B (target) and Qwen3-8B-DFlash-b16 (drafter): their published config.json values.
@@ -88,8 +92,38 @@ def _yaml_path(path: Path) -> str:
     return json.dumps(str(path))
 
 
-def make_fixture(out_dir: Path) -> list[str]:
-    """Write the fixture into `out_dir`; return one line per file written."""
+def target_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Qwen3-8B's tensors as its checkpoint stores them (BF16, untied lm_head, q/k norms)."""
+    hidden, inter, vocab, q_rows, kv_rows, head_dim = 4096, 12288, 151936, 4096, 1024, 128
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {
+        "model.embed_tokens.weight": ("BF16", (vocab, hidden))
+    }
+    for i in range(36):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "input_layernorm.weight": ("BF16", (hidden,)),
+                p + "self_attn.q_proj.weight": ("BF16", (q_rows, hidden)),
+                p + "self_attn.k_proj.weight": ("BF16", (kv_rows, hidden)),
+                p + "self_attn.v_proj.weight": ("BF16", (kv_rows, hidden)),
+                p + "self_attn.o_proj.weight": ("BF16", (hidden, q_rows)),
+                p + "self_attn.q_norm.weight": ("BF16", (head_dim,)),
+                p + "self_attn.k_norm.weight": ("BF16", (head_dim,)),
+                p + "post_attention_layernorm.weight": ("BF16", (hidden,)),
+                p + "mlp.gate_proj.weight": ("BF16", (inter, hidden)),
+                p + "mlp.up_proj.weight": ("BF16", (inter, hidden)),
+                p + "mlp.down_proj.weight": ("BF16", (hidden, inter)),
+            }
+        )
+    tensors["model.norm.weight"] = ("BF16", (hidden,))
+    tensors["lm_head.weight"] = ("BF16", (vocab, hidden))
+    return tensors
+
+
+def make_fixture(out_dir: Path, *, target_weights: bool = False) -> list[str]:
+    """Write the fixture into `out_dir`; return one line per file written.
+
+    `target_weights` adds the target's sparse safetensors shards (for the resource plan)."""
     out_dir = out_dir.absolute()
     base = out_dir / "base"
     drafter = out_dir / "drafter"
@@ -111,6 +145,8 @@ def make_fixture(out_dir: Path) -> list[str]:
             rms_norm_eps=1e-6,
         ),
     )
+    if target_weights:
+        write_sharded_safetensors(base, target_tensors(), shards=4, fill="sparse")
     tensors = drafter_tensors(**DRAFTER, n_taps=len(TAPS), vocab=151936, dtype="BF16")
     write_safetensors(
         drafter / "model.safetensors", tensors, fill="sparse", metadata={"format": "pt"}

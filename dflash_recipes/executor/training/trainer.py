@@ -71,6 +71,7 @@ from dflash_recipes.executor.signals import (
 )
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
+from dflash_recipes.executor.training.device_memory import check_device_memory
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.metrics import MetricWindow, accuracies, log_train_window
 from dflash_recipes.executor.training.optimizer import (
@@ -264,6 +265,8 @@ class Trainer:
         needs_decoder = self.capture is None or (
             training.eval_steps is not None and plan.data.eval_data_path is not None
         )
+        # Every rank, before minutes of loading the target: refuse what cannot fit.
+        check_device_memory(plan, device=env.device, world_size=env.world_size, log=is_main(env))
         base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
         model = convert(base, plan, init=False)
         drafter = dflash_module(model)

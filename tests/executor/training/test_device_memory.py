@@ -1,0 +1,101 @@
+"""`run`'s memory check against the device, and the disk estimate against a real checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from testkit.compiling import tiny_scratch_plan
+
+from dflash_recipes.compiler.resources.estimate import GIB, estimate_resources
+from dflash_recipes.errors import ResourceError
+from dflash_recipes.executor.training.device_memory import check_device_memory
+from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.files.run_dir import EXPORT_DIR
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CUDA = torch.device("cuda", 0)
+
+
+def _size(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def test_a_plan_larger_than_the_gpu_is_refused_with_what_would_fit(tmp_path: Path) -> None:
+    plan = tiny_scratch_plan(tmp_path / "run")
+    needed = estimate_resources(plan, device="cuda").memory.total
+    with pytest.raises(ResourceError) as caught:
+        check_device_memory(
+            plan, device=CUDA, world_size=1, total_bytes=needed - 1, label="cuda:0 (test GPU)"
+        )
+    message = str(caught.value)
+    assert "more than cuda:0 (test GPU)" in message
+    assert "recompile with that change" in message
+    # the tiny plan fits 1 byte less with fewer anchors or a shorter sequence
+    assert "dflash.dflash_num_anchors:" in message or "training.training_seq_len:" in message
+
+
+def test_a_plan_that_fits_says_so_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = tiny_scratch_plan(tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.run"):
+        line = check_device_memory(
+            plan, device=CUDA, world_size=1, total_bytes=80 * GIB, label="cuda:0 (test GPU)"
+        )
+    assert line is not None and line.endswith("fits")
+    assert "cuda:0 (test GPU) has 80.00 GiB" in line
+    assert [r.getMessage() for r in caplog.records] == [line]
+
+
+def test_cpu_is_not_checked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    plan = tiny_scratch_plan(tmp_path / "run")
+    with caplog.at_level(logging.DEBUG, logger="dflash_recipes.run"):
+        assert check_device_memory(plan, device=torch.device("cpu"), world_size=1) is None
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+def test_a_real_checkpoint_and_export_are_within_10_percent_of_the_estimate(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    plan = tiny_scratch_plan(
+        out, "training.max_steps=1", "training.save_steps=1", "training.eval_steps=null"
+    )
+    run_plan(plan, progress=False)
+    disk = estimate_resources(plan).disk
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1
+    real = _size(checkpoints[0])
+    assert abs(disk.checkpoint_bytes / real - 1) <= 0.10, (disk.checkpoint_bytes, real)
+    export = _size(out / EXPORT_DIR)
+    assert abs(disk.export_bytes / export - 1) <= 0.10, (disk.export_bytes, export)
+
+
+def test_run_checks_memory_on_every_rank_before_it_loads_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_recipes.executor.training import trainer as train
+
+    plan = tiny_scratch_plan(tmp_path / "run", "training.max_steps=1")
+    asked: list[tuple[str, int, bool]] = []
+    loaded: list[str] = []
+
+    def refuse(plan_: object, *, device: torch.device, world_size: int, log: bool) -> None:
+        asked.append((device.type, world_size, log))
+        msg = "the plan needs about 99 GiB per rank"
+        raise ResourceError(msg)
+
+    def load(*args: object, **kwargs: object) -> None:
+        loaded.append("target")
+
+    monkeypatch.setattr(train, "check_device_memory", refuse)
+    monkeypatch.setattr(train, "load_base_model", load)
+    with pytest.raises(ResourceError, match="99 GiB"):
+        run_plan(plan, progress=False)
+    assert asked == [("cpu", 1, True)]
+    assert loaded == []  # refused before the target was loaded
+    assert not (tmp_path / "run" / "plan.json").exists()
