@@ -90,3 +90,14 @@ def test_a_symlinked_lock_file_is_not_followed(tmp_path: Path) -> None:
     with pytest.raises(OSError), hold_directory_lock(run, purpose="run"):
         pass
     assert victim.read_text(encoding="utf-8") == "keep"
+
+
+def test_a_new_holder_record_leaves_no_tail_of_a_longer_old_one(tmp_path: Path) -> None:
+    # the record is rewritten in place: without truncation a shorter new record keeps the
+    # old one's tail, the file is no longer JSON, and a refused process cannot name the holder
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"purpose": "capture", "pid": 1, "note": "x" * 500}))
+    with hold_directory_lock(tmp_path, purpose="run"):
+        record = json.loads(lock.read_text())
+        assert record["purpose"] == "run" and record["pid"] == os.getpid()
+        assert describe_holder(lock).startswith(f"run (pid {os.getpid()} on host ")

@@ -196,3 +196,11 @@ def test_the_fingerprint_is_the_sha256_of_the_canonical_json(
     assert plan.to_dict()["fingerprint"] == expected
     chosen = _sha256_constructor().__module__
     assert chosen in (("_sha2", "_sha256") if builtin_sha256 else ("_hashlib", "hashlib"))
+
+
+def test_a_hand_added_unknown_key_is_refused_not_dropped(plan_dict: dict[str, Any]) -> None:
+    # a typo such as learning_rat would otherwise be dropped silently and the plan accepted
+    plan_dict["training"]["learning_rat"] = 0.5
+    with pytest.raises(PlanError) as info:
+        RunPlan.from_dict(refingerprint(plan_dict))
+    assert "learning_rat" in str(info.value)
