@@ -551,3 +551,18 @@ def test_shape_larger_than_the_whole_file_is_reported_without_a_bogus_size(tmp_p
     message = str(caught.value)
     assert "tensor 'w': shape [10000000000, 10000000000, 10000000000] of F32" in message
     assert "needs more bytes than the whole data region of the file (8)" in message
+
+
+@pytest.mark.parametrize("past", range(1, 9))
+def test_a_length_prefix_just_past_the_end_names_the_rule_it_breaks(
+    tmp_path: Path, past: int
+) -> None:
+    # the boundary: a header claimed 1-8 bytes longer than what follows the prefix
+    body = b'{"__metadata__":{}}'
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body) + past) + body)
+    with pytest.raises(SafetensorsHeaderError) as info:
+        read_safetensors_header(path)
+    message = str(info.value)
+    assert f"header length {len(body) + past} bytes runs past the end of the file" in message
+    assert f"({len(body) + 8} bytes)" in message and "truncated" in message

@@ -161,6 +161,16 @@ def test_attention_bias_true_is_refused(tmp_path: Path, make_recipe: RecipeFacto
     assert "attention_bias false" in (d.hint or "")
 
 
+def test_a_quantized_checkpoint_is_refused(tmp_path: Path, make_recipe: RecipeFactory) -> None:
+    quantized = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: c.update(quantization_config=quantized)
+    )
+    d = only(result, "checkpoint-field-refused")
+    assert "quantization_config" in d.message and "quantized drafter" in d.message
+    assert "unquantized release" in (d.hint or "")
+
+
 @pytest.mark.parametrize(
     ("tensor", "config_edit"),
     [

@@ -99,3 +99,31 @@ def test_remove_staging_dirs_takes_only_matching_directories(tmp_path: Path) -> 
         ".tmp-checkpoint-note",
         "checkpoint-00000001",
     ]
+
+
+def test_publishing_syncs_each_file_and_the_staging_dir_before_the_rename_then_the_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the order is the guarantee: data on disk before the new name points at it, and the
+    # parent directory (which holds the name) synced after the rename
+    out = tmp_path / "export"
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def rename(src: os.PathLike[str] | str, dst: os.PathLike[str] | str) -> None:
+        events.append(("rename", Path(dst).name))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    with staged_directory(out) as staging:
+        (staging / "model.safetensors").write_bytes(b"weights")
+        (staging / "config.json").write_text("{}")
+    staged = staging.name
+    assert sorted(events[:2]) == [("fsync", "config.json"), ("fsync", "model.safetensors")]
+    assert events[2:] == [("fsync", staged), ("rename", "export"), ("fsync", tmp_path.name)]
+    assert (out / "model.safetensors").read_bytes() == b"weights"
