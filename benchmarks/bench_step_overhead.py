@@ -60,11 +60,7 @@ from dflash_recipes.executor.model.convert import (
     target_forward,
 )
 from dflash_recipes.executor.model.draft import taps_from_hidden_states
-from dflash_recipes.executor.model.masks import (
-    build_dense_block_mask,
-    build_split_block_mask,
-    split_chunk_count,
-)
+from dflash_recipes.executor.model.masks import build_dense_block_mask, build_split_block_mask
 from dflash_recipes.executor.training import loss as loss_module
 from dflash_recipes.executor.training import metrics as metrics_module
 from dflash_recipes.executor.training import step as step_module
@@ -77,6 +73,7 @@ from dflash_recipes.executor.training.anchors import (
 )
 from dflash_recipes.executor.training.optimizer import build_optimizer, clip_gradients
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
+from dflash_recipes.plan.attention_chunks import split_chunk_count
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"

@@ -43,6 +43,7 @@ from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, WEI
 from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
 from dflash_recipes.errors import CheckpointError, ResourceError
 from dflash_recipes.files.jsonio import read_json_object_file
+from dflash_recipes.plan.attention_chunks import split_chunk_count
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
 
@@ -56,10 +57,6 @@ DEFAULT_PEAK_TFLOPS = 989.0
 #: Most logits one chunk of blocks holds (the executor's ``training.step.MAX_CHUNK_LOGITS``; a test
 #: checks the two agree).
 MAX_CHUNK_LOGITS = 2**26
-#: The CPU split attention's chunk limits (the executor's ``model.masks.MAX_CHUNK_QUERIES`` and
-#: ``MAX_SPLIT_SCORES``; a test checks they agree).
-MAX_CHUNK_QUERIES = 128
-MAX_SPLIT_SCORES = 2**24
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _ST_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
@@ -369,28 +366,6 @@ def sharded_numel(shape: Sequence[int], world_size: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _split_chunks(batch: int, n_blocks: int, block: int, ctx: int, heads: int) -> int:
-    """The CPU split attention's chunk count (``draft.split_chunk_count``, same arithmetic)."""
-    if n_blocks <= 0:
-        return 1
-    per_query = max(1, batch * heads)
-
-    def fits(blocks: int) -> bool:
-        q = blocks * block
-        return q <= MAX_CHUNK_QUERIES and per_query * q * (ctx + q) <= MAX_SPLIT_SCORES
-
-    if fits(n_blocks):
-        return 1
-    low, high = 1, n_blocks
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return -(-n_blocks // low)
-
-
 def estimate_resources(
     plan: RunPlan,
     *,
@@ -501,7 +476,7 @@ def estimate_resources(
         # for sorted anchors) and its own blocks into fresh keys and values; SDPA saves them,
         # the queries, its output and log-sum-exp, and the boolean mask made a float one
         # (all in the matmul dtype: CPU autocast casts SDPA's inputs).
-        chunks = _split_chunks(b, n, k, t, nh)
+        chunks = split_chunk_count(b, n, k, t, heads=nh)
         keys = kv_rows if chunks == 1 else t * (chunks + 1) // 2 + q
         attention = b * (
             2 * q * nh * d * mm

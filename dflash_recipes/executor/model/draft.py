@@ -39,14 +39,16 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from dflash_recipes.executor.model.heads import DominoHead, DraftHead, DSparkHead, build_head
 from dflash_recipes.executor.model.masks import (
-    MAX_CHUNK_QUERIES,
-    MAX_SPLIT_SCORES,
     DraftMask,
     SplitBlockMask,
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,
     sliding_window_mask,
+)
+from dflash_recipes.plan.attention_chunks import (
+    MAX_CHUNK_QUERIES,
+    MAX_SPLIT_SCORES,
     split_chunk_count,
 )
 from dflash_recipes.plan.draft_spec import ResolvedDraft

@@ -267,19 +267,6 @@ def test_the_executor_constants_are_the_estimates() -> None:
     torch = pytest.importorskip("torch")
     del torch
     from dflash_recipes.compiler.resources import estimate as resources
-    from dflash_recipes.executor.model import masks
     from dflash_recipes.executor.training import step
 
     assert resources.MAX_CHUNK_LOGITS == step.MAX_CHUNK_LOGITS
-    assert resources.MAX_CHUNK_QUERIES == masks.MAX_CHUNK_QUERIES
-    assert resources.MAX_SPLIT_SCORES == masks.MAX_SPLIT_SCORES
-    for batch, blocks, block, ctx, heads in [
-        (2, 8, 8, 128, 4),
-        (2, 128, 16, 1024, 4),
-        (2, 512, 16, 1024, 4),
-        (1, 512, 16, 4096, 32),
-        (4, 0, 16, 64, 2),
-    ]:
-        assert resources._split_chunks(batch, blocks, block, ctx, heads) == masks.split_chunk_count(
-            batch, blocks, block, ctx, heads=heads
-        )

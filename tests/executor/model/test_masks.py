@@ -19,9 +19,9 @@ from dflash_recipes.executor.model.masks import (
     build_dense_block_mask,
     build_flex_block_mask,
     build_split_block_mask,
-    split_chunk_count,
 )
 from dflash_recipes.executor.training.anchors import block_positions, sample_anchors
+from dflash_recipes.plan.attention_chunks import split_chunk_count
 
 
 def test_dense_mask_by_hand() -> None:
