@@ -85,29 +85,24 @@ def exit_status(signum: int) -> int:
 Handler = Callable[[int, FrameType | None], object] | int | None
 
 
-class SignalWatch:
-    """Records stop and checkpoint signals while installed (a context manager).
+class _InstalledHandlers:
+    """Installs one handler for some signals while entered (a context manager).
 
-    Installs only in the main thread (Python delivers signals there); elsewhere it records
+    Installs only in the main thread (Python delivers signals there); elsewhere it installs
     nothing and the process keeps the handlers it had. Restores the previous handlers on exit.
     """
 
-    def __init__(self, *, checkpoint_signal: bool = True) -> None:
-        self.stop_signal: int | None = None
-        self._stop_time = 0.0
-        self._checkpoint_requested = False
-        self._wants_checkpoints = checkpoint_signal
+    def __init__(self, signals: Sequence[int]) -> None:
+        self._signals = tuple(signals)
         self._previous: dict[int, Handler] = {}
 
-    # -- installation -------------------------------------------------------------------
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        raise NotImplementedError
 
-    def __enter__(self) -> SignalWatch:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        wanted = list(STOP_SIGNALS) + ([CHECKPOINT_SIGNAL] if self._wants_checkpoints else [])
-        for signum in wanted:
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
+    def _install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self._signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def __exit__(
         self,
@@ -118,6 +113,26 @@ class SignalWatch:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class SignalWatch(_InstalledHandlers):
+    """Records stop and checkpoint signals while installed (a context manager).
+
+    Installs only in the main thread (Python delivers signals there); elsewhere it records
+    nothing and the process keeps the handlers it had. Restores the previous handlers on exit.
+    """
+
+    def __init__(self, *, checkpoint_signal: bool = True) -> None:
+        super().__init__(list(STOP_SIGNALS) + ([CHECKPOINT_SIGNAL] if checkpoint_signal else []))
+        self.stop_signal: int | None = None
+        self._stop_time = 0.0
+        self._checkpoint_requested = False
+
+    # -- installation -------------------------------------------------------------------
+
+    def __enter__(self) -> SignalWatch:
+        self._install()
+        return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == CHECKPOINT_SIGNAL:
@@ -266,30 +281,17 @@ class StopRequested(KeyboardInterrupt):
         self.signum = signum
 
 
-class RaiseOnStopSignals:
+class RaiseOnStopSignals(_InstalledHandlers):
     """While installed, SIGTERM and SIGINT raise :class:`StopRequested` (main thread only)."""
 
     def __init__(self) -> None:
-        self._previous: dict[int, Handler] = {}
+        super().__init__(STOP_SIGNALS)
 
     def __enter__(self) -> RaiseOnStopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._raise)
+        self._install()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
-    @staticmethod
-    def _raise(signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         raise StopRequested(signum)
 
 
