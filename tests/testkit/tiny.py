@@ -33,8 +33,8 @@ from transformers import (
 )
 
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
-from dflash_recipes.checkpoint.tensor_layout import head_presence
 from dflash_recipes.checkpoint.known_layouts import canonical_weights
+from dflash_recipes.checkpoint.tensor_layout import head_presence
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.executor.model.draft import rope_parameters
 from dflash_recipes.executor.model.warmstart import layout_spec
