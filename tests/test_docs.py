@@ -174,16 +174,18 @@ def test_text_outside_the_markers_is_kept(tmp_path: Path) -> None:
         "<!-- codes:start -->\nSTALE ROW\n<!-- codes:end -->\n\nbetween\n"
         "<!-- checkpoint-fields:start -->\n<!-- checkpoint-fields:end -->\n"
         "<!-- fields:start -->\n<!-- fields:end -->\nprose after\n"
+        "<!-- known-layouts:start -->\n<!-- known-layouts:end -->\n"
         "<!-- architecture:start -->\n<!-- architecture:end -->\n",
         encoding="utf-8",
     )
     assert gen_docs.main(["--docs", str(docs)]) == 0
     text = docs.read_text(encoding="utf-8")
+    assert "| `museglimmer-assistant` | `encoder.fc.weight` -> `fc.weight`<br>" in text
     assert "<!-- checkpoint-fields:start -->\n| config.json field | status |" in text
     assert text.startswith("# Title\n\nprose before\n\n<!-- codes:start -->\n| code |")
     assert "\n<!-- codes:end -->\n\nbetween\n<!-- checkpoint-fields:start -->" in text
     assert "<!-- checkpoint-fields:end -->\n<!-- fields:start -->\n### `model`" in text
-    assert "<!-- fields:end -->\nprose after\n<!-- architecture:start -->" in text
+    assert "<!-- fields:end -->\nprose after\n<!-- known-layouts:start -->" in text
     assert "| `compilation.py` | Compile a recipe into a frozen" in text
     assert "STALE ROW" not in text
 

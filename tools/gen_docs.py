@@ -15,6 +15,10 @@ The regions generated are, each between its markers:
   config.json field of the inventory `dflash_recipes.checkpoint.config_fields.CHECKPOINT_FIELDS`
   (field | status | what dflash-recipes does and why).
 
+- `<!-- known-layouts:start -->` .. `<!-- known-layouts:end -->`: every checkpoint layout a warm
+  start reads and its renames onto the z-lab names, from
+  `dflash_recipes.checkpoint.known_layouts.KNOWN_LAYOUTS`.
+
 - `<!-- architecture:start -->` .. `<!-- architecture:end -->`: the package tree, one table per
   folder, each module with the first paragraph of its docstring (read with `ast`).
 
@@ -40,6 +44,7 @@ FIELDS_START, FIELDS_END = "<!-- fields:start -->", "<!-- fields:end -->"
 INVENTORY_START = "<!-- checkpoint-fields:start -->"
 INVENTORY_END = "<!-- checkpoint-fields:end -->"
 ARCH_START, ARCH_END = "<!-- architecture:start -->", "<!-- architecture:end -->"
+LAYOUTS_START, LAYOUTS_END = "<!-- known-layouts:start -->", "<!-- known-layouts:end -->"
 
 JsonObject = Mapping[str, object]
 
@@ -190,6 +195,19 @@ def render_checkpoint_fields_table() -> str:
     return "\n".join(lines)
 
 
+def render_known_layouts_table() -> str:
+    """The markdown table of the known checkpoint layouts and their renames, in table order."""
+    from dflash_recipes.checkpoint.known_layouts import KNOWN_LAYOUTS
+
+    lines = ["| layout | stored as -> loaded as | what it is |", "|---|---|---|"]
+    for layout in KNOWN_LAYOUTS:
+        renames = [f"`{old}` -> `{new}`" for old, new in layout.renames.items()]
+        renames += [f"`{layout.prefix}{name}.*` -> `{name}.*`" for name in layout.prefixed]
+        shown = "<br>".join(renames) or "(the names as they are)"
+        lines.append(f"| `{layout.name}` | {shown} | {_cell(layout.description)} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # the docs file
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +270,7 @@ def render_docs(text: str) -> str:
     text = replace_region(text, CODES_START, CODES_END, render_codes_table())
     text = replace_region(text, INVENTORY_START, INVENTORY_END, render_checkpoint_fields_table())
     text = replace_region(text, FIELDS_START, FIELDS_END, render_fields_tables())
+    text = replace_region(text, LAYOUTS_START, LAYOUTS_END, render_known_layouts_table())
     return replace_region(text, ARCH_START, ARCH_END, render_architecture())
 
 

@@ -125,6 +125,8 @@ _NESTED_WITH_FLAT_FALLBACK: tuple[CheckpointField, ...] = (
 _DFLASH2_FIELDS: tuple[str, ...] = (
     "conv_group_size",
     "conv_kernel_size",
+    "final_logit_softcapping",
+    "output_multiplier",
     "selector_rank",
     "selector_top_k",
 )
@@ -210,8 +212,9 @@ CHECKPOINT_FIELDS: tuple[CheckpointField, ...] = (
     ),
     _f(
         "rms_norm_eps",
-        "compared",
-        "warning `checkpoint-rms-norm-eps-differs` when the recipe's differs",
+        "honored",
+        "taken as rms_norm_eps when the recipe sets none (info `rms-norm-eps-from-checkpoint`); "
+        "a different recipe value warns (`checkpoint-rms-norm-eps-differs`)",
     ),
     # -- what the layers compute ------------------------------------------------------------
     _f(

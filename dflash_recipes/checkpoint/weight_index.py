@@ -42,6 +42,9 @@ class CheckpointWeights(Record):
     dtypes: tuple[str, ...]
     #: Bytes of tensor data over all weight files (headers excluded).
     total_bytes: int
+    #: Tensor name -> the name it is stored under, for tensors read under another name
+    #: (:func:`dflash_recipes.checkpoint.known_layouts.canonical_weights`); empty otherwise.
+    stored_names: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.known_layouts import KNOWN_LAYOUTS, canonical_weights
 from dflash_recipes.checkpoint.tensor_layout import (
     ARCHITECTURE_FIELDS,
     LayoutSpec,
@@ -21,11 +22,13 @@ from dflash_recipes.checkpoint.tensor_layout import (
     layout_fixes,
     layout_spec_for,
 )
-from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+from dflash_recipes.checkpoint.weight_index import CheckpointWeights, read_checkpoint_weights
 from dflash_recipes.compiler.codes import (
     CHECKPOINT_BLOCK_SIZE_DIFFERS,
     CHECKPOINT_CONFIG_MISSING,
     CHECKPOINT_LAYOUT_MISMATCH,
+    CHECKPOINT_LAYOUT_RENAMED,
+    CHECKPOINT_NAME_CLASH,
     CHECKPOINT_RMS_NORM_EPS_DIFFERS,
     CHECKPOINT_ROPE_DIFFERS,
     CHECKPOINT_TARGET_DIFFERS,
@@ -63,7 +66,7 @@ class CheckpointChecks(CompileState):
             self.emit(f"init-checkpoint-{problem.kind}", INIT_PATH, problem.message, problem.hint)
             return
         try:
-            self.weights = read_checkpoint_weights(self.checkpoint_dir)
+            self.read_known_layout(read_checkpoint_weights(self.checkpoint_dir))
         except DFlashRecipeError as exc:
             self.checkpoint_broken = True
             self.emit(
@@ -90,6 +93,29 @@ class CheckpointChecks(CompileState):
         found = self.weights.shapes if self.weights is not None else None
         stated = self.config.stated_dims() if self.config.readable else None
         self.dims = checkpoint_dims(stated, found)
+
+    def read_known_layout(self, weights: CheckpointWeights) -> None:
+        """Keep the checkpoint's tensor table under z-lab names (docs: Known checkpoint
+        layouts), saying which renames apply; a clash of two stored tensors is an error."""
+        self.weights, reading = canonical_weights(weights)
+        if reading.renamed:
+            self.emit(
+                CHECKPOINT_LAYOUT_RENAMED,
+                INIT_PATH,
+                f"the init checkpoint is in the known layout {reading.describe()}; its tensors "
+                "load under those names, and the export writes the z-lab layout",
+                "nothing to change",
+            )
+        if reading.clashes:
+            self.emit(
+                CHECKPOINT_NAME_CLASH,
+                INIT_PATH,
+                "two tensors of the init checkpoint would load into the same drafter parameter "
+                f"(names of two known layouts mixed):\n{reading.format_clashes()}\n"
+                f"(checkpoint: {weights.directory})",
+                "keep one tensor per parameter: re-export the checkpoint, or delete the stale "
+                "copy (`safetensors` can rewrite the file without it)",
+            )
 
     # -- checks against the base model ----------------------------------------------------------
 
@@ -140,9 +166,11 @@ class CheckpointChecks(CompileState):
                 f"nothing to change; set dflash_block_size: {config.block_size} to keep the "
                 "trained size",
             )
-        eps = self.arch.rms_norm_eps
-        if config.rms_norm_eps is not None and not math.isclose(
-            config.rms_norm_eps, eps, rel_tol=1e-9
+        eps = self.arch.rms_norm_eps  # unset: the checkpoint's is taken (resolve_rms_norm_eps)
+        if (
+            eps is not None
+            and config.rms_norm_eps is not None
+            and not math.isclose(config.rms_norm_eps, eps, rel_tol=1e-9)
         ):
             self.emit(
                 CHECKPOINT_RMS_NORM_EPS_DIFFERS,
@@ -212,6 +240,8 @@ class CheckpointChecks(CompileState):
         weights, facts = self.weights, self.facts
         if weights is None or facts is None:
             return
+        if any(d.code == CHECKPOINT_NAME_CLASH for d in self.diagnostics):
+            return  # which of the clashing tensors is meant is unknown: said once, above
         found = weights.shapes
         width = self.dims.values.get("hidden_size")
         if width is not None and width != facts.hidden_size:
@@ -245,14 +275,7 @@ class CheckpointChecks(CompileState):
                 stated_taps=config.target_layer_ids if config is not None else None,
                 stated_projector=config.projector_type if config is not None else None,
             )
-            hint = (
-                "\n".join(fixes)
-                if fixes
-                else (
-                    "make dflash_architecture_config match the checkpoint, or use a checkpoint "
-                    "exported for this architecture"
-                )
-            )
+            hint = "\n".join(fixes) if fixes else _unfixable_hint(bool(diff.unexpected))
             self.emit(
                 CHECKPOINT_LAYOUT_MISMATCH,
                 ARCH_PATH,
@@ -292,6 +315,18 @@ class CheckpointChecks(CompileState):
             )
         except ValueError:
             return None  # a head field is missing: reported by check_head_fields
+
+
+def _unfixable_hint(unexpected_names: bool) -> str:
+    """The hint of a layout mismatch no recipe setting fixes."""
+    if not unexpected_names:
+        return "make dflash_architecture_config match the checkpoint's tensors listed above"
+    layouts = ", ".join(layout.name for layout in KNOWN_LAYOUTS)
+    return (
+        "the checkpoint stores tensors under names none of the known checkpoint layouts "
+        f"({layouts}; docs/dflash.md, Known checkpoint layouts) reads: rename them to the z-lab "
+        "names listed as missing, or report the layout so it can be added to that table"
+    )
 
 
 __all__ = ["CheckpointChecks"]

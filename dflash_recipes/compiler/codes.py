@@ -82,6 +82,16 @@ CHECKPOINT_LAYOUT_MISMATCH = _code(
     _E,
     "the init checkpoint's tensors differ from the drafter the recipe describes",
 )
+CHECKPOINT_LAYOUT_RENAMED = _code(
+    "checkpoint-layout-renamed",
+    _I,
+    "the init checkpoint is in a known layout whose tensor names are read as the z-lab names",
+)
+CHECKPOINT_NAME_CLASH = _code(
+    "checkpoint-name-clash",
+    _E,
+    "two tensors of the init checkpoint would load into the same parameter (known layouts)",
+)
 HEAD_PARTLY_PRESENT = _code(
     "head-partly-present", _E, "a head submodule is only partly in the init checkpoint"
 )
@@ -145,6 +155,16 @@ CHECKPOINT_ROPE_DIFFERS = _code(
 CHECKPOINT_RMS_NORM_EPS_DIFFERS = _code(
     "checkpoint-rms-norm-eps-differs", _W, "rms_norm_eps differs from the checkpoint's"
 )
+RMS_NORM_EPS_FROM_CHECKPOINT = _code(
+    "rms-norm-eps-from-checkpoint",
+    _I,
+    "rms_norm_eps taken from the init checkpoint's config.json",
+)
+RMS_NORM_EPS_FROM_PREVIOUS_RUN = _code(
+    "rms-norm-eps-from-previous-run",
+    _I,
+    "rms_norm_eps taken from the plan of the run being resumed",
+)
 CHECKPOINT_BLOCK_SIZE_DIFFERS = _code(
     "checkpoint-block-size-differs",
     _I,
@@ -189,7 +209,9 @@ __all__ = [
     "CHECKPOINT_CONFIG_MISSING",
     "CHECKPOINT_LAYER_TYPES_DIFFER",
     "CHECKPOINT_LAYOUT_MISMATCH",
+    "CHECKPOINT_LAYOUT_RENAMED",
     "CHECKPOINT_MASK_DIFFERS",
+    "CHECKPOINT_NAME_CLASH",
     "CHECKPOINT_RMS_NORM_EPS_DIFFERS",
     "CHECKPOINT_ROPE_DIFFERS",
     "CHECKPOINT_TAPS_DIFFER",
@@ -215,6 +237,8 @@ __all__ = [
     "OUTPUT_DIR_UNUSABLE",
     "RESOURCES_EXCEED_DEVICE",
     "RESUME_FROM_CHECKPOINT",
+    "RMS_NORM_EPS_FROM_CHECKPOINT",
+    "RMS_NORM_EPS_FROM_PREVIOUS_RUN",
     "SLIDING_WINDOW_MISSING",
     "SLIDING_WINDOW_UNUSED",
     "TAPS_DEFAULT",

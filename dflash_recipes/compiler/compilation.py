@@ -24,7 +24,7 @@ from dflash_recipes.compiler.codes import (
     CHECKPOINT_TAPS_DIFFER,
     HEADS_FROM_SCRATCH,
 )
-from dflash_recipes.compiler.id_checks import DraftIdChecks
+from dflash_recipes.compiler.id_checks import DEFAULT_RMS_NORM_EPS, DraftIdChecks
 from dflash_recipes.compiler.input_checks import InputChecks
 from dflash_recipes.compiler.model_paths import resolve_local_path
 from dflash_recipes.compiler.recipe_checks import SchemaChecks
@@ -109,6 +109,7 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
         taps: tuple[int, ...] | None,
         mask: int | None,
         layer_types: tuple[tuple[str, ...] | None, int | None] = (None, None),
+        rms_norm_eps: float = DEFAULT_RMS_NORM_EPS,
         recipe_file: str | None,
         overrides: Sequence[str],
         resolved: bool,
@@ -193,7 +194,7 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                     num_key_value_heads=arch.num_key_value_heads,
                     head_dim=arch.head_dim,
                     intermediate_size=arch.intermediate_size,
-                    rms_norm_eps=float(arch.rms_norm_eps),
+                    rms_norm_eps=rms_norm_eps,
                     projector_type=arch.projector_type,
                     emb_dim=arch.emb_dim,
                     gru_hidden_dim=arch.gru_hidden_dim,
@@ -294,6 +295,7 @@ def compile_recipe(
     taps, mask = recipe.dflash.dflash_architecture_config.target_layer_ids, None
     arch = recipe.dflash.dflash_architecture_config
     layer_types = (arch.layer_types, arch.sliding_window)
+    eps = float(arch.rms_norm_eps) if arch.rms_norm_eps is not None else DEFAULT_RMS_NORM_EPS
     if resolve:
         work.resolve_base_model()
         work.resolve_data()
@@ -306,6 +308,7 @@ def compile_recipe(
         taps = work.resolve_taps()
         mask = work.resolve_mask()
         layer_types = work.resolve_layer_types()
+        eps = work.resolve_rms_norm_eps()
         work.check_against_target(taps, mask)
         work.check_checkpoint_config()
         if work.check_checkpoint_fields():  # a DFlash 2 checkpoint gets one error, no layout diff
@@ -322,6 +325,7 @@ def compile_recipe(
         taps=taps,
         mask=mask,
         layer_types=layer_types,
+        rms_norm_eps=eps,
         recipe_file=recipe_file,
         overrides=overrides,
         resolved=resolve,

@@ -386,8 +386,9 @@ def check_checkpoint_fields(
             "this is a DFlash 2 checkpoint: it holds " + " and ".join(found) + "; "
             "dflash-recipes trains DFlash 1 drafters and cannot load its convolution and "
             "candidate-selector modules",
-            "warm-start from a DFlash 1 drafter (for example z-lab/Qwen3-8B-DFlash-b16), or "
-            "train without dflash_init_checkpoint",
+            "warm-start from a DFlash 1 drafter trained for this base model (in one of the "
+            "known checkpoint layouts of docs/dflash.md), or train without "
+            "dflash_init_checkpoint",
         )
         return checker.findings
     checker.refusals()

@@ -1,5 +1,6 @@
-"""Taps, mask token id and attention kinds: from the recipe, else the resumed run, else the init
-checkpoint, else (taps only) the default formula; never guessed.
+"""Taps, mask token id, attention kinds and rms_norm_eps: from the recipe, else the resumed run,
+else the init checkpoint, else the default formula (taps) or the documented default (rms_norm_eps,
+1e-6); the mask id is never guessed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dflash_recipes.compiler.codes import (
     MASK_FROM_CHECKPOINT,
     MASK_FROM_PREVIOUS_RUN,
     MASK_TOKEN_MISSING,
+    RMS_NORM_EPS_FROM_CHECKPOINT,
+    RMS_NORM_EPS_FROM_PREVIOUS_RUN,
     SLIDING_WINDOW_MISSING,
     SLIDING_WINDOW_UNUSED,
     TAPS_DEFAULT,
@@ -30,9 +33,44 @@ from dflash_recipes.compiler.state import (
     format_ids,
 )
 
+#: rms_norm_eps of a drafter when neither the recipe nor a checkpoint states one (Qwen3's).
+DEFAULT_RMS_NORM_EPS = 1.0e-6
+
 
 class DraftIdChecks(CompileState):
-    """Resolve target_layer_ids, dflash_mask_token_id, layer_types and sliding_window."""
+    """Resolve target_layer_ids, dflash_mask_token_id, layer_types, sliding_window and
+    rms_norm_eps."""
+
+    def resolve_rms_norm_eps(self) -> float:
+        """The plan's rms_norm_eps: recipe, else resumed run, else checkpoint, else 1e-6.
+
+        A recipe value the checkpoint contradicts is warned about by check_checkpoint_config.
+        """
+        eps = self.arch.rms_norm_eps
+        if eps is not None:
+            return float(eps)
+        path = f"{ARCH_PATH}.rms_norm_eps"
+        previous = self.previous_plan.draft.architecture if self.previous_plan else None
+        if self.resume is not None and previous is not None:
+            self.emit(
+                RMS_NORM_EPS_FROM_PREVIOUS_RUN,
+                path,
+                f"rms_norm_eps not set: using {previous.rms_norm_eps!r}, the epsilon of the run "
+                "being resumed (its plan.json)",
+                f"set rms_norm_eps: {previous.rms_norm_eps!r} to pin it in the recipe",
+            )
+            return previous.rms_norm_eps
+        config = self.config if self.config is not None and self.config.readable else None
+        stated = config.rms_norm_eps if config is not None else None
+        if self.resume is None and stated is not None:
+            self.emit(
+                RMS_NORM_EPS_FROM_CHECKPOINT,
+                path,
+                f"rms_norm_eps not set: using the init checkpoint's {stated!r} (its config.json)",
+                f"set rms_norm_eps: {stated!r} to pin it in the recipe",
+            )
+            return stated
+        return DEFAULT_RMS_NORM_EPS
 
     def resolve_taps(self) -> tuple[int, ...] | None:
         taps = self.arch.target_layer_ids
@@ -260,4 +298,4 @@ class DraftIdChecks(CompileState):
         )
 
 
-__all__ = ["DraftIdChecks"]
+__all__ = ["DEFAULT_RMS_NORM_EPS", "DraftIdChecks"]

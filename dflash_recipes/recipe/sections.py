@@ -351,8 +351,8 @@ class DFlashArchitectureConfig(Record):
     head_dim: int | None = attrs.field(default=None, validator=IntRange(1, 4096, even=True))
     #: SwiGLU MLP width.
     intermediate_size: int | None = attrs.field(default=None, validator=_WIDTH)
-    #: RMSNorm epsilon.
-    rms_norm_eps: float = attrs.field(default=1.0e-6, validator=positive_float)
+    #: RMSNorm epsilon. null: the init checkpoint's (or the resumed run's), else 1e-6.
+    rms_norm_eps: float | None = attrs.field(default=None, validator=positive_float)
     #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]).
     #: null: the checkpoint's taps, else the default formula.
     target_layer_ids: tuple[int, ...] | None = attrs.field(default=None, validator=layer_id_list)

@@ -24,6 +24,7 @@ from dflash_recipes.checkpoint.hfconfig import (
     read_checkpoint_config,
     read_target_config,
 )
+from dflash_recipes.checkpoint.known_layouts import canonical_weights
 from dflash_recipes.checkpoint.tensor_layout import (
     ARCHITECTURE_FIELDS,
     HEAD_FIELDS,
@@ -99,7 +100,7 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     if problem is not None:
         raise _fail(problem.message, problem.hint)
     directory = resolve_local_path(str(value), base_dir=None)
-    weights = read_checkpoint_weights(directory)
+    weights, _ = canonical_weights(read_checkpoint_weights(directory))  # compile reads the same
     config = read_checkpoint_config(directory)
     unreadable = [p for p in config.problems if p.severity is Severity.ERROR]
     if unreadable:

@@ -235,6 +235,7 @@ def test_compile_json_success_is_one_object_with_the_plan(
     assert RunPlan.from_json(json.dumps(plan)).fingerprint == plan["fingerprint"]
     assert [d["code"] for d in payload["diagnostics"]] == [
         "mask-from-checkpoint",
+        "rms-norm-eps-from-checkpoint",
         "taps-from-checkpoint",
     ]
     for diagnostic in payload["diagnostics"]:

@@ -653,14 +653,17 @@ def test_rope_mismatch_warns_and_the_plan_keeps_the_targets(
     assert result.plan.base_model.facts.rope.rope_theta == 1_000_000.0
 
 
-def test_rms_norm_eps_mismatch_warns_with_the_fix(
+def test_rms_norm_eps_the_recipe_states_and_the_checkpoint_contradicts_warns_with_the_fix(
     tmp_path: Path, make_recipe: RecipeFactory, base_model: Path
 ) -> None:
     write_drafter_checkpoint(tmp_path / "drafter", config=drafter_config(rms_norm_eps=1e-5))
-    result = compile_in(tmp_path, make_recipe())
+    result = compile_in(tmp_path, make_recipe(arch={"rms_norm_eps": 1e-6}))
     d = only(result, "checkpoint-rms-norm-eps-differs")
-    assert d.path == f"{ARCH}.rms_norm_eps"
+    assert d.severity is Severity.WARNING and d.path == f"{ARCH}.rms_norm_eps"
+    assert "1e-06" in d.message and "1e-05" in d.message
     assert d.hint is not None and "rms_norm_eps: 1e-05" in d.hint
+    assert "rms-norm-eps-from-checkpoint" not in codes(result)
+    assert result.plan is not None and result.plan.draft.architecture.rms_norm_eps == 1e-6
 
 
 def test_other_block_size_is_allowed_with_an_info(

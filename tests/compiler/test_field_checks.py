@@ -178,8 +178,17 @@ def test_a_quantized_checkpoint_is_refused(tmp_path: Path, make_recipe: RecipeFa
         ("layers.1.mlp_conv.weight", None),
         ("candidate_selector.weight", None),
         (None, {"conv_kernel_size": 2, "selector_rank": 4}),
+        (None, {"final_logit_softcapping": 20.0}),
+        (None, {"output_multiplier": 0.19611613513818404}),
     ],
-    ids=["attention_conv", "mlp_conv", "candidate_selector", "config fields"],
+    ids=[
+        "attention_conv",
+        "mlp_conv",
+        "candidate_selector",
+        "config fields",
+        "softcapping",
+        "output multiplier",
+    ],
 )
 def test_a_dflash2_checkpoint_gets_one_error(
     tmp_path: Path,
@@ -199,7 +208,7 @@ def test_a_dflash2_checkpoint_gets_one_error(
     d = result.errors[0]
     assert "this is a DFlash 2 checkpoint" in d.message
     assert "dflash-recipes trains DFlash 1 drafters" in d.message
-    assert (tensor or "dflash_config.conv_kernel_size") in d.message
+    assert (tensor or f"dflash_config.{next(iter(config_edit or {}))}") in d.message
     assert "DFlash 1 drafter" in (d.hint or "")
 
 

@@ -1,5 +1,5 @@
-"""Sliding-window drafter layers at compile time: taken from the checkpoint like the taps,
-compared when the recipe states them, and bad input rejected with one diagnostic each."""
+"""Sliding-window drafter layers and rms_norm_eps at compile time: taken from the checkpoint like
+the taps, compared when the recipe states them, and bad input rejected with one diagnostic each."""
 
 from __future__ import annotations
 
@@ -168,3 +168,65 @@ def test_unreadable_layer_types_in_the_checkpoint_are_named(
     result = compile_in(tmp_path, make_recipe())
     warning = only(result, "checkpoint-config-field")
     assert "`layer_types`" in warning.message and "chunked_attention" in warning.message
+
+
+# ---------------------------------------------------------------------------------------------
+# rms_norm_eps: unset -> the checkpoint's (info); stated and contradicted -> a warning
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unset_rms_norm_eps_is_taken_from_the_checkpoint_with_an_info(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    write_drafter_checkpoint(tmp_path / "drafter", config=drafter_config(rms_norm_eps=1e-5))
+    result = compile_in(tmp_path, make_recipe())
+    assert result.plan is not None, result.diagnostics
+    assert result.plan.draft.architecture.rms_norm_eps == 1e-5
+    assert result.plan.resolved_draft().rms_norm_eps == 1e-5
+    info = only(result, "rms-norm-eps-from-checkpoint")
+    assert info.severity is Severity.INFO and info.path == f"{ARCH}.rms_norm_eps"
+    assert "1e-05" in info.message and "rms_norm_eps: 1e-05" in info.hint
+    assert "checkpoint-rms-norm-eps-differs" not in {d.code for d in result.diagnostics}
+
+
+def test_a_recipe_eps_the_checkpoint_agrees_with_says_nothing(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    write_drafter_checkpoint(tmp_path / "drafter", config=drafter_config(rms_norm_eps=1e-5))
+    result = compile_in(tmp_path, make_recipe(arch={"rms_norm_eps": 1e-5}))
+    assert result.plan is not None
+    assert not [d for d in result.diagnostics if "rms-norm-eps" in d.code]
+    assert result.plan.draft.architecture.rms_norm_eps == 1e-5
+
+
+def test_unset_rms_norm_eps_without_a_checkpoint_stating_one_is_the_default(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    config = drafter_config()
+    del config["rms_norm_eps"]
+    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    for recipe in (make_recipe(), make_recipe(init=None, dflash={"dflash_mask_token_id": 250})):
+        result = compile_in(tmp_path, recipe)
+        assert result.plan is not None, result.diagnostics
+        assert result.plan.draft.architecture.rms_norm_eps == 1e-6
+        assert not [d for d in result.diagnostics if "rms-norm-eps" in d.code]
+
+
+def test_resume_keeps_the_eps_of_the_run_after_the_checkpoint_is_gone(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    drafter = write_drafter_checkpoint(
+        tmp_path / "drafter", config=drafter_config(rms_norm_eps=1e-5)
+    )
+    recipe = make_recipe()
+    first = compile_in(tmp_path, recipe)
+    assert first.plan is not None
+    output_dir = tmp_path / "outputs" / "dflash"
+    make_training_checkpoint(output_dir, 10)
+    (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
+    shutil.rmtree(drafter)
+    result = compile_in(tmp_path, recipe)
+    assert result.plan is not None, result.diagnostics
+    assert result.plan.draft.architecture.rms_norm_eps == 1e-5
+    info = only(result, "rms-norm-eps-from-previous-run")
+    assert info.severity is Severity.INFO and "1e-05" in info.message

@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from testkit.released_layouts import write_assistant_checkpoint, write_target
 from testkit.st_fixtures import (
     drafter_config,
+    drafter_tensors,
     write_base_model,
     write_drafter_checkpoint,
     write_json,
+    write_safetensors,
 )
 
 from dflash_recipes.compiler.compilation import CompileResult, compile_file
@@ -110,6 +113,37 @@ def test_domino_checkpoint_gives_a_domino_recipe(tmp_path: Path, base_model: Pat
     assert result.plan is not None
     arch = result.plan.draft.architecture
     assert (arch.projector_type, arch.emb_dim, arch.gru_hidden_dim) == ("domino", 16, 8)
+    assert result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.heads_from_scratch == ()
+
+
+def test_the_museglimmer_assistant_layout_gives_a_recipe_that_compiles(tmp_path: Path) -> None:
+    # z-lab/dflash's verbatim assistant fixture rebuilt sparse: its fusion tensors under
+    # `encoder.` are read under the z-lab names, as compile and the warm start read them
+    target = write_target(tmp_path / "target")
+    ckpt = write_assistant_checkpoint(tmp_path / "assistant")
+    text = render_init_recipe(target, ckpt)
+    assert "num_hidden_layers: 5" in text and "intermediate_size: 19968" in text
+    result = write_and_compile(tmp_path, text)
+    assert_clean(result)
+    assert result.plan is not None
+    assert result.plan.draft.target_layer_ids == (1, 13, 25, 37, 49)
+    assert result.plan.draft.architecture.rms_norm_eps == 1e-05
+
+
+def test_a_dspark_head_under_markov_head_gives_a_dspark_recipe(
+    tmp_path: Path, base_model: Path
+) -> None:
+    tensors = drafter_tensors(projector_type="dspark", markov_rank=4, use_confidence_head=True)
+    head = ("markov_w1.", "markov_w2.", "confidence_proj.")
+    stored = {f"markov_head.{n}" if n.startswith(head) else n: v for n, v in tensors.items()}
+    write_safetensors(tmp_path / "drafter" / "model.safetensors", stored)
+    write_json(tmp_path / "drafter" / "config.json", drafter_config())  # states no head
+    result = write_and_compile(tmp_path, render_init_recipe(base_model, tmp_path / "drafter"))
+    assert_clean(result)
+    assert result.plan is not None
+    arch = result.plan.draft.architecture
+    assert (arch.projector_type, arch.markov_rank, arch.use_confidence_head) == ("dspark", 4, True)
     assert result.plan.init_checkpoint is not None
     assert result.plan.init_checkpoint.heads_from_scratch == ()
 

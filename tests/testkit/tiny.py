@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.known_layouts import canonical_weights
 from dflash_recipes.checkpoint.tensor_layout import head_presence
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.executor.model.draft import rope_parameters
@@ -217,7 +218,7 @@ def with_init_checkpoint(plan: RunPlan, directory: Path, **facts: object) -> Run
     if (directory / "model.safetensors").is_file() or (
         directory / "model.safetensors.index.json"
     ).is_file():
-        weights = read_checkpoint_weights(directory)
+        weights, _ = canonical_weights(read_checkpoint_weights(directory))  # as compile reads
         fields.update(
             weight_files=tuple(weights.weight_files),
             tensor_count=len(weights.tensors),

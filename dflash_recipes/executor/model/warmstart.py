@@ -16,6 +16,10 @@ parameter's dtype is the checkpoint's, or a wider float that holds every value o
 Head variants may start from a plain DFlash checkpoint: head submodules absent from the
 checkpoint keep their fresh initialisation (warning names them); a partly present head
 submodule is an error.
+
+A checkpoint in another known layout (``dflash_recipes.checkpoint.known_layouts``: the
+MuseGlimmer assistant's ``encoder.*`` fusion tensors, a DSpark head under ``markov_head.``) is
+read under the z-lab names by the compiler's table, so it loads and exports like a z-lab one.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dflash_recipes.checkpoint.known_layouts import canonical_weights, stored_name
 from dflash_recipes.checkpoint.tensor_layout import (
     LayoutSpec,
     Shape,
@@ -142,6 +147,7 @@ def load_exact_weights(drafter: nn.Module, weights: CheckpointWeights, *, mismat
     Returns the number of tensors copied.
     """
     own = drafter.state_dict(keep_vars=True)
+    weights = _known_layout(weights, error=CheckpointError)
     diff = compare_layout({name: tuple(t.shape) for name, t in own.items()}, weights.shapes)
     if not diff.is_empty:
         msg = f"{mismatch}:\n" + format_layout_diff(diff)
@@ -193,11 +199,26 @@ def stream_tensors(module: nn.Module, weights: CheckpointWeights, names: Iterabl
             path = weights.directory / file_name
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in wanted:
-                    source = handle.get_tensor(name)
+                    source = handle.get_tensor(stored_name(weights, name))
                     targets[name].copy_(source)
                     del source
                     loaded += 1
     return loaded
+
+
+def _known_layout(weights: CheckpointWeights, *, error: type[CheckpointError]) -> CheckpointWeights:
+    """`weights` under the z-lab names (the compiler's table of known layouts); a clash of two
+    stored tensors on one name raises `error`."""
+    renamed, reading = canonical_weights(weights)
+    if reading.clashes:
+        msg = (
+            f"{weights.directory}: two stored tensors would load into the same drafter "
+            f"parameter (names of two known layouts mixed):\n{reading.format_clashes()}"
+        )
+        raise error(msg)
+    if reading.renamed:
+        logger.info("%s: read in the known layout %s", weights.directory, reading.describe())
+    return renamed
 
 
 def _init_directory(plan: RunPlan) -> Path:
@@ -238,7 +259,7 @@ def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
         )
         raise WarmStartError(msg)
 
-    weights = read_checkpoint_weights(directory)
+    weights = _known_layout(read_checkpoint_weights(directory), error=WarmStartError)
     found = weights.shapes
     from_scratch = _heads_from_scratch(plan, lspec, found)
     wanted = {n: s for n, s in expected.items() if n.split(".", 1)[0] not in from_scratch}

@@ -340,3 +340,108 @@ def test_restore_ignores_the_init_checkpoint(tmp_path: Path) -> None:
     assert state["step"] == 2
     restored = model2.dflash_module.state_dict()
     assert all(torch.equal(restored[n], saved[n]) for n in saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# known checkpoint layouts (dflash_recipes.checkpoint.known_layouts)
+# ---------------------------------------------------------------------------------------------
+
+MUSE = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+DSPARK_HEAD = ("markov_w1.weight", "markov_w2.weight", "confidence_proj.weight")
+NESTED_HEAD = {n: f"markov_head.{n}" for n in (*DSPARK_HEAD, "confidence_proj.bias")}
+
+
+def _store_as(init: Path, renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Rewrite `init`'s weights under `renames` (z-lab name -> stored name); the z-lab tensors."""
+    source = load_file(str(init / "model.safetensors"))
+    stored = {renames.get(n, n): t for n, t in source.items()}
+    save_file(stored, str(init / "model.safetensors"), metadata={"format": "pt"})
+    return source
+
+
+def _as_assistant_config(init: Path) -> None:
+    """config.json as the MuseGlimmer assistant writes it: DFlash fields at the top level."""
+    config = json.loads((init / "config.json").read_text(encoding="utf-8"))
+    nested = config.pop("dflash_config")
+    for key in ("auto_map", "num_target_layers", "vocab_size", "rope_theta", "rope_scaling"):
+        config.pop(key, None)
+    config.update(
+        architectures=["MuseGlimmerAssistantModel"],
+        model_type="muse_glimmer_assistant",
+        mask_token_id=nested["mask_token_id"],
+        target_layer_ids=nested["target_layer_ids"],
+        block_size=nested["block_size"],
+    )
+    (init / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+def test_a_museglimmer_layout_warm_starts_bit_exactly_and_exports_the_z_lab_layout(
+    tmp_path: Path,
+) -> None:
+    _, init = exported(tmp_path, mask_token_id=120, target_layer_ids=(1, 2))
+    source = _store_as(init, MUSE)
+    _as_assistant_config(init)
+    result = _compiled_against(tmp_path, init)
+    plan = result.plan
+    assert plan is not None, [(d.code, d.message) for d in result.diagnostics]
+    assert "checkpoint-layout-renamed" in {d.code for d in result.diagnostics}
+    assert (plan.draft.mask_token_id, plan.draft.target_layer_ids) == (120, (1, 2))
+    module = fresh(plan)
+    report = load_init_checkpoint(module, plan)
+    assert report.tensors_loaded == len(source) == 25
+    state = module.state_dict()
+    for name, tensor in source.items():
+        assert torch.equal(state[name], tensor.to(torch.float32)), name
+    out = export_drafter(module, plan, tmp_path / "export")
+    written = load_file(str(out / "model.safetensors"))
+    assert written.keys() == source.keys()  # fc.weight, hidden_norm.weight: the z-lab names
+    assert all(torch.equal(written[n], source[n]) for n in source)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["mask_token_id"] == 120
+
+
+def test_a_dspark_head_under_markov_head_warm_starts_bit_exactly(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path, **DSPARK)
+    module = DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(7))
+    init = export_drafter(module, plan, tmp_path / "init")
+    source = _store_as(init, NESTED_HEAD)
+    plan = with_init_checkpoint(plan, init)
+    assert plan.init_checkpoint is not None and plan.init_checkpoint.heads_from_scratch == ()
+    loaded = fresh(plan)
+    report = load_init_checkpoint(loaded, plan)
+    assert report.heads_from_scratch == () and report.tensors_loaded == len(source)
+    state = loaded.state_dict()
+    for name in (*DSPARK_HEAD, "confidence_proj.bias", "fc.weight"):
+        assert torch.equal(state[name], source[name].to(torch.float32)), name
+
+
+def test_a_partly_present_head_under_markov_head_is_an_error(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path, **DSPARK)
+    init = export_drafter(DFlashDraftModel(plan.resolved_draft()), plan, tmp_path / "init")
+    _store_as(init, NESTED_HEAD)
+    weights = load_file(str(init / "model.safetensors"))
+    del weights["markov_head.confidence_proj.bias"]
+    save_file(weights, str(init / "model.safetensors"))
+    plan = with_init_checkpoint(plan, init)
+    with pytest.raises(WarmStartError, match="only partly present") as info:
+        load_init_checkpoint(fresh(plan), plan)
+    assert "confidence_proj: has confidence_proj.weight; lacks confidence_proj.bias" in str(
+        info.value
+    )
+
+
+def test_two_stored_tensors_for_one_parameter_are_refused_before_any_copy(
+    tmp_path: Path,
+) -> None:
+    _, init = exported(tmp_path)
+    weights = load_file(str(init / "model.safetensors"))
+    weights["encoder.fc.weight"] = torch.zeros_like(weights["fc.weight"])
+    save_file(weights, str(init / "model.safetensors"))
+    plan = with_init_checkpoint(tiny_plan(tmp_path), init)
+    module = fresh(plan)
+    before = module.fc.weight.clone()
+    with pytest.raises(WarmStartError, match="same drafter parameter") as info:
+        load_init_checkpoint(module, plan)
+    assert "fc.weight: stored as encoder.fc.weight and fc.weight" in str(info.value)
+    assert torch.equal(module.fc.weight, before)
