@@ -76,6 +76,18 @@ class ResolvedDraft(Record):
         """The first block position whose output is a proposal (0 with the shift, else 1)."""
         return 1 - self.label_shift
 
+    @property
+    def head_description(self) -> str:
+        """The head as it drafts, in words: ``dflash`` (no head), ``domino (shift_label true,
+        pure_draft_prefix_len 1)``, ``dspark vanilla (shift_label true)``."""
+        if self.projector_type == "dflash":
+            return "dflash (no head)"
+        shift = f"shift_label {'true' if self.shift_label else 'false'}"
+        if self.projector_type == "domino":
+            return f"domino ({shift}, pure_draft_prefix_len {self.pure_draft_prefix_len})"
+        confidence = ", confidence head" if self.use_confidence_head else ""
+        return f"dspark {self.markov_head_type} ({shift}{confidence})"
+
     def layer_type(self, index: int) -> str:
         """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
         return self.layer_types[index] if self.layer_types is not None else "full_attention"

@@ -1,8 +1,11 @@
 """The drafter side of speculative decoding, and the greedy references it is checked against.
 
-A drafter proposes the tokens of block positions ``1 .. B-1`` for a block ``[token at a, mask,
-..., mask]`` anchored at ``a`` (the last committed token), from the target's tapped states at
-positions ``< a``, exactly what a block anchored at ``a`` sees in training.
+A drafter proposes the tokens after ``a`` for a block ``[token at a, mask, ..., mask]`` anchored
+at ``a`` (the last committed token), from the target's tapped states at positions ``< a``,
+exactly what a block anchored at ``a`` sees in training: block positions ``1 .. B-1`` propose
+``a + 1 .. a + B - 1`` (plain DFlash), or, for a Domino or DSpark head with shift_label,
+positions ``0 .. B-1`` propose ``a + 1 .. a + B`` (``spec.drafted_tokens``, docs/dflash.md
+"Label alignment").
 :class:`BlockDrafter` is the protocol (one block from a :class:`DraftContext`);
 :class:`DFlashBlockDrafter` wraps a :class:`DFlashDraftModel` with the target's embeddings and
 lm_head and also drafts a batch of rows from fused contexts (:meth:`DFlashBlockDrafter.
@@ -37,7 +40,8 @@ class SpecResult(Record):
 
     #: Generated tokens (prompt excluded); the eos token is included when generation hit it.
     tokens: list[int]
-    #: tau of every verification step: accepted draft tokens + 1 (the bonus), in ``1..B``.
+    #: tau of every verification step: accepted draft tokens + 1 (the bonus), in
+    #: ``1 .. drafted_tokens + 1`` (B, or B + 1 for a head with shift_label).
     #: Counted as the verification decided it: on the last step, max_new_tokens or eos may
     #: commit fewer tokens than its tau.
     accepted_per_step: list[int]
@@ -68,7 +72,136 @@ class DraftContext:
 
 @runtime_checkable
 class BlockDrafter(Protocol):
-    """Anything that proposes the tokens of block positions ``1 .. B-1`` for one block."""
+    """Anything that proposes the tokens after the anchor for one block."""
+
+    def propose(self, context: DraftContext) -> list[int]:
+        """The proposed token ids, ``spec.drafted_tokens`` of them (``block_size - 1``, or
+        ``block_size`` for a head with shift_label); index ``i`` is the token at anchor + i + 1."""
+        ...
+
+
+class DFlashBlockDrafter:
+    """A :class:`DFlashDraftModel` with the target's embeddings and lm_head: one pass per block.
+
+    Head variants (domino, dspark) are applied position by position: position ``k`` sees the
+    greedy tokens proposed for positions ``< k`` as its prefix, exactly as in training, where
+    the prefix holds the real tokens. The drafter must be on the target's device; dtypes may
+    differ (a float32 drafter next to a bfloat16 target).
+    """
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        spec: ResolvedDraft,
+    ) -> None:
+        self.model = model
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.spec = spec
+
+    def _dtype(self) -> torch.dtype:
+        return self.model.fc.weight.dtype
+
+    def fuse(self, taps: Tensor) -> Tensor:
+        """``[R, T, n_taps * H]`` tapped target states -> the fused context ``[R, T, H]``.
+
+        Per position (``fc`` then ``hidden_norm``), so a context grows by fusing only its new
+        positions (:mod:`~dflash_recipes.executor.evaluation.draft_context`).
+        """
+        return self.model.fuse_context(taps.to(self._dtype()))
+
+    def draft_hidden_fused(
+        self, fused: Tensor, anchors: Sequence[int], anchor_tokens: Sequence[int]
+    ) -> Tensor:
+        """[R, B, H] final-normed draft states of R blocks, one per row, in one drafter pass.
+
+        ``fused [R, T, H]``: row ``r`` holds its fused context at positions ``0 ..
+        anchors[r] - 1`` (later entries are padding, never seen); ``anchor_tokens[r]`` is the
+        token at ``anchors[r]``. Positions and mask are the training ones for a block anchored
+        at ``anchors[r]``.
+        """
+        size = self.spec.block_size
+        device = fused.device
+        rows = len(anchors)
+        ids = torch.full((rows, size), self.spec.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor(list(anchor_tokens), dtype=torch.long, device=device)
+        block_embeds = self.embed_tokens(ids).to(self._dtype())
+        anchor_t = torch.tensor(list(anchors), dtype=torch.long, device=device).unsqueeze(1)
+        ctx_len = fused.shape[1]
+        q_positions = anchor_t + torch.arange(size, device=device).unsqueeze(0)
+        ctx_positions = torch.arange(ctx_len, device=device).unsqueeze(0).expand(rows, -1)
+        mask = build_dense_block_mask(
+            anchor_t, size, ctx_len, torch.ones(rows, 1, dtype=torch.bool, device=device)
+        )
+        hidden: Tensor = self.model(block_embeds, fused, q_positions, ctx_positions, mask)
+        return hidden
+
+    def draft_hidden(self, context: DraftContext) -> Tensor:
+        """[1, B, H] final-normed draft states of the block anchored at ``context.anchor``."""
+        return self.draft_hidden_fused(
+            self.fuse(context.taps), [context.anchor], [context.committed[-1]]
+        )
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        weight = getattr(self.lm_head, "weight", None)
+        if isinstance(weight, Tensor):
+            hidden = hidden.to(weight.dtype)
+        logits: Tensor = self.lm_head(hidden)
+        return logits
+
+    def propose_fused(
+        self, fused: Tensor, anchors: Sequence[int], anchor_tokens: Sequence[int]
+    ) -> list[list[int]]:
+        """Greedy proposals of every row (see :meth:`draft_hidden_fused` for the arguments)."""
+        hidden = self.draft_hidden_fused(fused, anchors, anchor_tokens)
+        return self.propose_from_hidden(hidden, anchor_tokens)
+
+    def propose_from_hidden(self, hidden: Tensor, anchor_tokens: Sequence[int]) -> list[list[int]]:
+        """Greedy proposals of every row from its draft states ``[R, B, H]`` (lm_head, then the
+        head variant position by position, as the serving engine applies it).
+
+        ``spec.drafted_tokens`` per row: positions ``1 .. B-1`` (plain DFlash, or a head without
+        shift_label), positions ``0 .. B-1`` with it. Domino's first ``pure_draft_prefix_len``
+        proposals are the backbone's; the head corrects the rest.
+        """
+        base_logits = self._logits(hidden)
+        head = self.model.head
+        first = self.spec.first_drafting_position
+        if head is None:
+            rows_out = base_logits[:, first:].argmax(dim=-1).tolist()
+            return [[int(t) for t in row] for row in rows_out]
+        # prev index k holds the token just before the one position k proposes (the anchor at
+        # index `first`, then the proposals); entries not known yet hold the mask id, and
+        # position k of either head reads entries <= k only.
+        size = self.spec.block_size
+        rows = len(anchor_tokens)
+        prev = torch.full(
+            (rows, size), self.spec.mask_token_id, dtype=torch.long, device=hidden.device
+        )
+        anchor = torch.tensor(list(anchor_tokens), dtype=torch.long, device=hidden.device)
+        prev[:, : first + 1] = anchor.unsqueeze(1)
+        columns: list[Tensor] = []
+        for k in range(first, size):
+            if isinstance(head, DominoHead):
+                if k < head.pure_draft_prefix_len:  # proposed uncorrected, as served
+                    token = base_logits[:, k].argmax(dim=-1)
+                else:
+                    prev_embeds = self.embed_tokens(prev[:, : k + 1]).to(hidden.dtype)
+                    logits = head(hidden[:, : k + 1], prev_embeds, base_logits[:, : k + 1])
+                    token = logits[:, k].argmax(dim=-1)
+            else:
+                logits, _confidence = head(
+                    hidden[:, : k + 1], prev[:, : k + 1], base_logits[:, : k + 1]
+                )
+                token = logits[:, k].argmax(dim=-1)
+            columns.append(token)
+            if k + 1 < size:
+                prev = prev.clone()
+                prev[:, k + 1] = token
+        proposals = torch.stack(columns, dim=1)
+        return [[int(t) for t in row] for row in proposals.tolist()]
 
     def propose(self, context: DraftContext) -> list[int]:
         """``block_size - 1`` proposed token ids; index ``k - 1`` is block position ``k``."""
@@ -149,8 +282,7 @@ class DFlashBlockDrafter:
     def propose_fused(
         self, fused: Tensor, anchors: Sequence[int], anchor_tokens: Sequence[int]
     ) -> list[list[int]]:
-        """Greedy proposals for block positions ``1 .. B-1`` of every row (see
-        :meth:`draft_hidden_fused` for the arguments)."""
+        """Greedy proposals of every row (see :meth:`draft_hidden_fused` for the arguments)."""
         hidden = self.draft_hidden_fused(fused, anchors, anchor_tokens)
         return self.propose_from_hidden(hidden, anchor_tokens)
 
@@ -188,7 +320,7 @@ class DFlashBlockDrafter:
         return [[int(t) for t in row] for row in proposals.tolist()]
 
     def propose(self, context: DraftContext) -> list[int]:
-        """Greedy proposals for block positions ``1 .. B-1``."""
+        """Greedy proposals (``spec.drafted_tokens`` of them)."""
         fused = self.fuse(context.taps)
         return self.propose_fused(fused, [context.anchor], [context.committed[-1]])[0]
 
