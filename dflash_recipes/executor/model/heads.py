@@ -92,7 +92,7 @@ class DominoHead(nn.Module):
         """``[N, B, H]`` -> ``[N, B, g]``: index k is the GRU state after ``prev[first .. k]``
         (``first = 1 - shift``; with shift 0, index 0 is a zero state)."""
         first = 1 - self.shift
-        states, _ = self.prefix_gru(prev_embeds[:, first:])
+        states: Tensor = self.prefix_gru(prev_embeds[:, first:])[0]
         if first == 0:
             return states
         start = states.new_zeros(prev_embeds.shape[0], first, self.gru_hidden_dim)

@@ -125,7 +125,7 @@ def log_train_window(
                 lr=lr,
                 # Without the label shift position 0 (the anchor) carries no loss: null, not a
                 # 0.0 accuracy.
-                accuracy_by_position=[None] * first + acc[first:],
+                accuracy_by_position=[None if k < first else a for k, a in enumerate(acc)],
                 acceptance_length_estimate=tau,
                 tokens_per_second=tokens / elapsed,
                 grad_norm=window.grad_norm,
