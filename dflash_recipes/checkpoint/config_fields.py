@@ -351,20 +351,22 @@ CHECKPOINT_FIELDS: tuple[CheckpointField, ...] = (
     _f(
         _DC + "shift_label",
         "compared",
-        "head alignment: false means block position k predicts the token at anchor + k (what "
-        "dflash-recipes' Domino and DSpark heads compute); true (ModelOpt) means position k "
-        "predicts anchor + k + 1: warning `checkpoint-field-differs`",
+        "head alignment: true (ModelOpt, SGLang) means block position k predicts the token at "
+        "anchor + k + 1, false (earlier dflash-recipes exports) anchor + k; against the "
+        "recipe's dflash_architecture_config.shift_label: warning `checkpoint-field-differs`, "
+        "and false gets the note `checkpoint-trained-for`",
     ),
     _f(
         _DC + "pure_draft_prefix_len",
         "compared",
-        "Domino: proposals at the block start left uncorrected; dflash-recipes corrects every "
-        "proposal (0): warning `checkpoint-field-differs` for another value",
+        "Domino: proposals at the block start left uncorrected; against the recipe's "
+        "pure_draft_prefix_len: warning `checkpoint-field-differs` for another value",
     ),
     _f(
         _DC + "markov_head_type",
-        "refused",
-        "DSpark head kind; only vanilla is implemented, gated and rnn are refused",
+        "compared",
+        "DSpark head kind (vanilla, gated, rnn); against the recipe's markov_head_type: warning "
+        "`checkpoint-field-differs`; another kind is refused",
     ),
     *(
         _f(_DC + name, "refused", "a DFlash 2 field: the error `checkpoint-dflash2`")

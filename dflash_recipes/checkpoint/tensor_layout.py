@@ -66,6 +66,7 @@ DRAFT_SPEC_FIELDS: tuple[str, ...] = (
     *SHAPE_FIELDS,
     "projector_type",
     "use_confidence_head",
+    "markov_head_type",
     "attention_sink",
 )
 
@@ -126,6 +127,8 @@ class LayoutSpec(Record):
     gru_hidden_dim: int | None = attrs.field(default=None, validator=_positive)
     markov_rank: int | None = attrs.field(default=None, validator=_positive)
     use_confidence_head: bool = False
+    #: DSpark: vanilla, gated (adds gate_proj) or rnn (adds joint_proj).
+    markov_head_type: str = "vanilla"
     attention_sink: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -197,6 +200,12 @@ def head_layout(spec: LayoutSpec) -> dict[str, Shape]:
             "markov_w1.weight": (spec.vocab_size, rank),
             "markov_w2.weight": (spec.vocab_size, rank),
         }
+        if spec.markov_head_type == "gated":  # sigmoid(gate_proj([h ; W1[x]])) gates W1[x]
+            layout["gate_proj.weight"] = (rank, hidden + rank)
+            layout["gate_proj.bias"] = (rank,)
+        elif spec.markov_head_type == "rnn":  # [gate ; candidate ; output] of [s ; W1[x] ; h]
+            layout["joint_proj.weight"] = (3 * rank, 2 * rank + hidden)
+            layout["joint_proj.bias"] = (3 * rank,)
         if spec.use_confidence_head:
             layout["confidence_proj.weight"] = (1, hidden + rank)
             layout["confidence_proj.bias"] = (1,)

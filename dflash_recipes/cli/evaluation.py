@@ -109,7 +109,8 @@ def eval_command(
         "acceptance length tau, mean of per-prompt means (z-lab's benchmark figure): "
         f"{report.tau_per_prompt_mean:.3f}"
     )
-    click.echo(f"per-position acceptance (k=1..{report.block_size - 1}): {rates}")
+    click.echo(f"head measured: {report.head}, as the serving engine applies it")
+    click.echo(f"per-proposal acceptance (k=1..{len(report.per_position_acceptance)}): {rates}")
     click.echo(
         f"{report.num_prompts} prompts, {report.steps} verification steps, "
         f"{report.tokens} tokens; lossless: {report.lossless}"

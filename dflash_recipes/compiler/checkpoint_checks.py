@@ -39,7 +39,11 @@ from dflash_recipes.compiler.codes import (
     MASK_TOKEN_OUT_OF_RANGE,
     TAPS_OUT_OF_RANGE,
 )
-from dflash_recipes.compiler.field_checks import CHECKPOINT_DFLASH2, check_checkpoint_fields
+from dflash_recipes.compiler.field_checks import (
+    CHECKPOINT_DFLASH2,
+    HeadAlignment,
+    check_checkpoint_fields,
+)
 from dflash_recipes.compiler.model_paths import inspect_checkpoint_dir
 from dflash_recipes.compiler.state import (
     ARCH_PATH,
@@ -229,6 +233,11 @@ class CheckpointChecks(CompileState):
             where=f"init checkpoint {config.path}",
             training_seq_len=self.recipe.training.training_seq_len,
             projector_type=self.arch.projector_type,
+            alignment=HeadAlignment(
+                shift_label=self.arch.shift_label,
+                pure_draft_prefix_len=self.arch.pure_draft_prefix_len,
+                markov_head_type=self.arch.markov_head_type,
+            ),
         )
         for item in findings:
             self.emit_as(item.severity, item.code, item.path, item.message, item.hint)
@@ -300,7 +309,14 @@ class CheckpointChecks(CompileState):
                 f"{', '.join(presence.absent)} will train from scratch while the backbone "
                 "warm-starts",
                 f"nothing to change when warm-starting a {spec.projector_type} drafter from a "
-                "plain DFlash checkpoint; expect the head to need more steps than the backbone",
+                "plain DFlash checkpoint; expect the head to need more steps than the backbone"
+                + (
+                    " (and the backbone, trained to predict anchor + k at position k, to "
+                    "relearn anchor + k + 1 under shift_label true; shift_label: false keeps "
+                    "its alignment)"
+                    if self.arch.shift_label
+                    else ""
+                ),
             )
 
     def layout_spec(self, n_taps: int | None) -> LayoutSpec | None:

@@ -24,6 +24,11 @@ HEAD_FIELD_MISSING = _code(
 HEAD_FIELD_UNUSED = _code(
     "head-field-unused", _W, "a head field is set for another projector type and is ignored"
 )
+PURE_DRAFT_PREFIX_RANGE = _code(
+    "pure-draft-prefix-range",
+    _E,
+    "Domino's pure_draft_prefix_len is outside [0, dflash_block_size - 1]",
+)
 TAPS_DUPLICATE = _code("taps-duplicate", _E, "target_layer_ids lists a target layer twice")
 EVAL_DATA_UNSET = _code(
     "eval-data-unset", _W, "training.eval_steps is set but data.eval_data_path is not"
@@ -235,6 +240,7 @@ __all__ = [
     "MASK_TOKEN_MISSING",
     "MASK_TOKEN_OUT_OF_RANGE",
     "OUTPUT_DIR_UNUSABLE",
+    "PURE_DRAFT_PREFIX_RANGE",
     "RESOURCES_EXCEED_DEVICE",
     "RESUME_FROM_CHECKPOINT",
     "RMS_NORM_EPS_FROM_CHECKPOINT",

@@ -203,6 +203,9 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                     attention_sink=arch.attention_sink,
                     layer_types=layer_types[0],
                     sliding_window=layer_types[1],
+                    shift_label=arch.shift_label,
+                    pure_draft_prefix_len=arch.pure_draft_prefix_len,
+                    markov_head_type=arch.markov_head_type,
                 ),
                 objective=ObjectivePlan(
                     num_anchors=dflash.dflash_num_anchors,

@@ -20,6 +20,7 @@ from dflash_recipes.checkpoint.config_fields import (
 )
 from dflash_recipes.checkpoint.tensor_layout import infer_architecture
 from dflash_recipes.diagnostics import Severity, register_code
+from dflash_recipes.recipe.choices import MARKOV_HEAD_TYPES
 from dflash_recipes.records import Record
 
 CHECKPOINT_FIELD_UNKNOWN = register_code(
@@ -66,7 +67,25 @@ CHECKPOINT_FIELD_DIFFERS = register_code(
 )
 
 
+CHECKPOINT_TRAINED_FOR = register_code(
+    "checkpoint-trained-for",
+    Severity.INFO,
+    "the init checkpoint's head was trained with shift_label false (an earlier dflash-recipes "
+    "export): what it was trained for",
+)
+
+
 _INIT = "dflash.dflash_init_checkpoint"
+ARCH = "dflash.dflash_architecture_config"
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class HeadAlignment(Record):
+    """What the recipe's Domino/DSpark head computes (dflash_architecture_config's fields)."""
+
+    shift_label: bool = True
+    pure_draft_prefix_len: int = 1
+    markov_head_type: str = "vanilla"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -211,15 +230,16 @@ class _Checker:
                 "sliding_window in config.json, or in the recipe's dflash_architecture_config",
             )
         head = _at(_nested(config), "markov_head_type")
-        if head is not None and head[0] != "vanilla":
+        if head is not None and head[0] not in MARKOV_HEAD_TYPES:
             self.refuse(
                 head[1],
                 head[0],
-                "asks for a DSpark Markov head dflash-recipes does not implement (only vanilla)",
-                "warm-start from a vanilla DSpark drafter or a plain DFlash drafter",
+                "asks for a DSpark Markov head dflash-recipes does not implement (it computes "
+                f"{', '.join(MARKOV_HEAD_TYPES)} as ModelOpt does)",
+                "warm-start from a DSpark drafter with one of those heads, or a plain DFlash one",
             )
 
-    def differences(self, projector_type: str) -> None:
+    def differences(self, projector_type: str, alignment: HeadAlignment) -> None:
         config = self.config
         aux = _stated(config, "eagle_aux_hidden_state_layer_ids")
         if aux is not None:
@@ -246,30 +266,72 @@ class _Checker:
             )
         if projector_type == "dflash":
             return
-        shift = _at(_nested(config), "shift_label")
-        if shift is not None and shift[0] is not False:
+        self.head_alignment(projector_type, alignment)
+
+    def head_alignment(self, projector_type: str, alignment: HeadAlignment) -> None:
+        """The checkpoint's label shift, Domino prefix and DSpark head kind against the recipe's;
+        a checkpoint an earlier dflash-recipes exported gets a note of what it was trained for."""
+        nested = _nested(self.config)
+        shift = _at(nested, "shift_label")
+        prefix = _at(nested, "pure_draft_prefix_len") if projector_type == "domino" else None
+        said_shift = shift[0] if shift is not None and type(shift[0]) is bool else None
+        said_prefix = prefix[0] if prefix is not None and type(prefix[0]) is int else None
+        if said_shift is False:
+            trained = "position k predicts the token at anchor + k, position 0 unscored"
+            if said_prefix == 0:
+                trained += ", every proposal corrected (pure_draft_prefix_len 0)"
             self.add(
-                CHECKPOINT_FIELD_DIFFERS,
-                Severity.WARNING,
-                "dflash.dflash_architecture_config.projector_type",
-                f"`{shift[1]}: {_json(shift[0])}`: the checkpoint's head predicts the token "
-                "after each block position (anchor + k + 1); dflash-recipes' heads predict "
-                "anchor + k at position k, so the warm-started head starts misaligned",
-                "warm-start the head from a checkpoint with shift_label false, or let it train "
-                "from scratch from a plain DFlash checkpoint",
+                CHECKPOINT_TRAINED_FOR,
+                Severity.INFO,
+                f"{ARCH}.shift_label",
+                f"the checkpoint's {projector_type} head was trained with shift_label false "
+                f"({trained}), as earlier dflash-recipes exports were",
+                "set dflash_architecture_config.shift_label: false"
+                + (", pure_draft_prefix_len: 0" if said_prefix == 0 else "")
+                + " to keep training it as it was trained; true (the default) retrains it "
+                "with next-token labels as ModelOpt and SGLang use them",
             )
-        prefix = _at(_nested(config), "pure_draft_prefix_len")
-        if projector_type == "domino" and prefix is not None and prefix[0] != 0:
+        if said_shift is not None and said_shift != alignment.shift_label:
+            theirs = "anchor + k + 1" if said_shift else "anchor + k"
+            mine = "anchor + k + 1" if alignment.shift_label else "anchor + k"
             self.add(
                 CHECKPOINT_FIELD_DIFFERS,
                 Severity.WARNING,
-                "dflash.dflash_architecture_config.projector_type",
-                f"`{prefix[1]}: {_json(prefix[0])}`: the checkpoint's Domino head leaves the "
-                "first proposals uncorrected; dflash-recipes' Domino corrects every proposal "
-                "(pure_draft_prefix_len 0), so the warm-started head starts on positions it "
-                "never learned",
-                "expect the head to need more steps, or warm-start it from a checkpoint with "
-                "pure_draft_prefix_len 0",
+                f"{ARCH}.shift_label",
+                f"`{shift[1] if shift else ''}: {_json(said_shift)}`: the checkpoint's head "
+                f"predicts {theirs} at block position k; the recipe's shift_label "
+                f"{_json(alignment.shift_label)} trains {mine}, so the warm-started head starts "
+                "misaligned",
+                f"set dflash_architecture_config.shift_label: {_json(said_shift)} to train the "
+                "checkpoint's alignment, unless retraining it is intended",
+            )
+        if said_prefix is not None and said_prefix != alignment.pure_draft_prefix_len:
+            self.add(
+                CHECKPOINT_FIELD_DIFFERS,
+                Severity.WARNING,
+                f"{ARCH}.pure_draft_prefix_len",
+                f"`{prefix[1] if prefix else ''}: {said_prefix}`: the checkpoint's Domino head "
+                f"leaves {said_prefix} proposal(s) uncorrected; the recipe's "
+                f"pure_draft_prefix_len {alignment.pure_draft_prefix_len} corrects other "
+                "positions, so the warm-started head starts on positions it never learned",
+                f"set dflash_architecture_config.pure_draft_prefix_len: {said_prefix} to keep "
+                "the checkpoint's, unless the change is intended",
+            )
+        head = _at(nested, "markov_head_type")
+        if (
+            projector_type == "dspark"
+            and head is not None
+            and head[0] in MARKOV_HEAD_TYPES
+            and head[0] != alignment.markov_head_type
+        ):
+            self.add(
+                CHECKPOINT_FIELD_DIFFERS,
+                Severity.WARNING,
+                f"{ARCH}.markov_head_type",
+                f"`{head[1]}: {head[0]}`: the checkpoint's DSpark head is {head[0]}, the "
+                f"recipe's markov_head_type is {alignment.markov_head_type}",
+                f"set dflash_architecture_config.markov_head_type: {head[0]} to load the "
+                "checkpoint's head",
             )
 
     def positions(self, training_seq_len: int) -> None:
@@ -364,6 +426,7 @@ def check_checkpoint_fields(
     where: str,
     training_seq_len: int,
     projector_type: str,
+    alignment: HeadAlignment | None = None,
 ) -> list[FieldFinding]:
     """Every finding the inventory calls for on an init checkpoint's parsed config.json.
 
@@ -392,7 +455,7 @@ def check_checkpoint_fields(
         )
         return checker.findings
     checker.refusals()
-    checker.differences(projector_type)
+    checker.differences(projector_type, alignment or HeadAlignment())
     checker.positions(training_seq_len)
     if shapes is not None:
         checker.header(shapes)

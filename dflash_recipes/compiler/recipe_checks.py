@@ -14,6 +14,7 @@ from dflash_recipes.compiler.codes import (
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
+    PURE_DRAFT_PREFIX_RANGE,
     TAPS_DUPLICATE,
 )
 from dflash_recipes.compiler.state import (
@@ -30,6 +31,7 @@ class SchemaChecks(CompileState):
     def check_schema(self) -> None:
         self.check_attention()
         self.check_head_fields()
+        self.check_prefix_range()
         self.check_taps_unique()
         self.check_layer_types_length(self.arch.layer_types, "")
         training, data = self.recipe.training, self.recipe.data
@@ -109,6 +111,20 @@ class SchemaChecks(CompileState):
                 f"ignored with projector_type {projector}",
                 f"delete {name}, or set dflash_architecture_config.projector_type: {owner}",
             )
+
+    def check_prefix_range(self) -> None:
+        """Domino's uncorrected prefix must leave the block at least one corrected position."""
+        prefix, block = self.arch.pure_draft_prefix_len, self.recipe.dflash.dflash_block_size
+        if self.arch.projector_type != "domino" or prefix <= block - 1:
+            return
+        self.emit(
+            PURE_DRAFT_PREFIX_RANGE,
+            f"{ARCH_PATH}.pure_draft_prefix_len",
+            f"pure_draft_prefix_len {prefix} leaves no block position for Domino's head to "
+            f"correct: it must lie in [0, {block - 1}] (dflash_block_size {block} minus 1)",
+            "set dflash_architecture_config.pure_draft_prefix_len: 1 (ModelOpt's default, the "
+            f"only value SGLang serves), or any value up to {block - 1}",
+        )
 
     def check_taps_unique(self) -> None:
         taps = self.arch.target_layer_ids

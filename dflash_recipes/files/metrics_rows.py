@@ -10,7 +10,8 @@ The trainer appends one JSON object per line to `output_dir/metrics.jsonl`
 - the trainer's final `"summary"` row.
 
 `accuracy_by_position[k]` is the top-1 accuracy at block position `k`. Position 0 is the anchor
-(given, never predicted); positions without supervision may be null. Non-finite numbers (NaN)
+(given, never predicted: null) unless a Domino/DSpark head with shift_label predicts the next
+token there; positions without supervision may be null. Non-finite numbers (NaN)
 read as missing points. A resumed run drops the rows after its checkpoint
 (:func:`drop_metrics_after`) before it redoes those steps. No torch.
 """

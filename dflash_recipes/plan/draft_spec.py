@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from dflash_recipes.errors import PlanError
-from dflash_recipes.recipe.choices import ProjectorType
+from dflash_recipes.recipe.choices import MarkovHeadType, ProjectorType
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:  # run_plan imports this module to resolve a plan
@@ -51,6 +51,42 @@ class ResolvedDraft(Record):
     layer_types: tuple[str, ...] | None = None
     #: Keys a sliding_attention query sees, itself included (None without sliding layers).
     sliding_window: int | None = None
+    #: Domino/DSpark: block position k predicts anchor + k + 1 (true) or anchor + k (false).
+    shift_label: bool = True
+    #: Domino: block positions left uncorrected (backbone logits only).
+    pure_draft_prefix_len: int = 1
+    #: DSpark: vanilla | gated | rnn.
+    markov_head_type: MarkovHeadType = "vanilla"
+
+    @property
+    def label_shift(self) -> int:
+        """1 when block position k predicts anchor + k + 1 (a head with shift_label), else 0.
+
+        Plain DFlash is always 0: position k predicts anchor + k and position 0 is the anchor.
+        """
+        return int(self.projector_type != "dflash" and self.shift_label)
+
+    @property
+    def drafted_tokens(self) -> int:
+        """Proposals per block: ``block_size`` with the label shift, else ``block_size - 1``."""
+        return self.block_size - 1 + self.label_shift
+
+    @property
+    def first_drafting_position(self) -> int:
+        """The first block position whose output is a proposal (0 with the shift, else 1)."""
+        return 1 - self.label_shift
+
+    @property
+    def head_description(self) -> str:
+        """The head as it drafts, in words: ``dflash`` (no head), ``domino (shift_label true,
+        pure_draft_prefix_len 1)``, ``dspark vanilla (shift_label true)``."""
+        if self.projector_type == "dflash":
+            return "dflash (no head)"
+        shift = f"shift_label {'true' if self.shift_label else 'false'}"
+        if self.projector_type == "domino":
+            return f"domino ({shift}, pure_draft_prefix_len {self.pure_draft_prefix_len})"
+        confidence = ", confidence head" if self.use_confidence_head else ""
+        return f"dspark {self.markov_head_type} ({shift}{confidence})"
 
     def layer_type(self, index: int) -> str:
         """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
@@ -119,6 +155,9 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
         attention_sink=arch.attention_sink,
         layer_types=arch.layer_types,
         sliding_window=arch.sliding_window,
+        shift_label=arch.shift_label,
+        pure_draft_prefix_len=arch.pure_draft_prefix_len,
+        markov_head_type=arch.markov_head_type,
     )
 
 

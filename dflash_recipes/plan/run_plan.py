@@ -22,6 +22,7 @@ from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
 from dflash_recipes.recipe.choices import (
     Dtype,
     LossObjective,
+    MarkovHeadType,
     ProjectorType,
     SchedulerType,
     TrackerName,
@@ -63,8 +64,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
 #: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
 #: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
-#: `logging_dir` (experiment trackers).
-PLAN_FORMAT_VERSION = 3
+#: `logging_dir` (experiment trackers). 4: the draft's `shift_label`, `pure_draft_prefix_len`
+#: and `markov_head_type` (Domino and DSpark as ModelOpt computes them).
+PLAN_FORMAT_VERSION = 4
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -173,6 +175,12 @@ class ArchitecturePlan(Record):
     layer_types: tuple[str, ...] | None = None
     #: Keys a sliding_attention query sees (itself included); None without sliding layers.
     sliding_window: int | None = None
+    #: Domino/DSpark: block position k predicts anchor + k + 1 (true) or anchor + k (false).
+    shift_label: bool = True
+    #: Domino: block positions left uncorrected (backbone logits only).
+    pure_draft_prefix_len: int = 1
+    #: DSpark: vanilla | gated | rnn.
+    markov_head_type: MarkovHeadType = "vanilla"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

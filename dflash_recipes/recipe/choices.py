@@ -15,6 +15,8 @@ Dtype = Literal["bfloat16", "float16", "float32"]
 SchedulerType = Literal["cosine", "linear", "constant"]
 LossObjective = Literal["decay", "dpace"]
 ProjectorType = Literal["dflash", "domino", "dspark"]
+#: DSpark's Markov head kinds (ModelOpt's `markov_head_type`).
+MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ReasoningPolicy = Literal["keep", "drop"]
 #: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
@@ -27,6 +29,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 SCHEDULERS: tuple[str, ...] = get_args(SchedulerType)
 LOSS_OBJECTIVES: tuple[str, ...] = get_args(LossObjective)
 PROJECTOR_TYPES: tuple[str, ...] = get_args(ProjectorType)
+MARKOV_HEAD_TYPES: tuple[str, ...] = get_args(MarkovHeadType)
 DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
@@ -37,6 +40,7 @@ __all__ = [
     "DTYPES",
     "LAYER_TYPES",
     "LOSS_OBJECTIVES",
+    "MARKOV_HEAD_TYPES",
     "PROJECTOR_TYPES",
     "REASONING_POLICIES",
     "SCHEDULERS",
@@ -45,6 +49,7 @@ __all__ = [
     "Dtype",
     "LayerType",
     "LossObjective",
+    "MarkovHeadType",
     "ProjectorType",
     "ReasoningPolicy",
     "SchedulerType",

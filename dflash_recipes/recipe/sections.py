@@ -24,12 +24,14 @@ from dflash_recipes.recipe.choices import (
     DTYPES,
     LAYER_TYPES,
     LOSS_OBJECTIVES,
+    MARKOV_HEAD_TYPES,
     PROJECTOR_TYPES,
     REASONING_POLICIES,
     SCHEDULERS,
     DeviceChoice,
     Dtype,
     LossObjective,
+    MarkovHeadType,
     ProjectorType,
     ReasoningPolicy,
     SchedulerType,
@@ -366,6 +368,16 @@ class DFlashArchitectureConfig(Record):
     markov_rank: int | None = attrs.field(default=None, validator=_WIDTH)
     #: DSpark: add the confidence head (confidence_proj).
     use_confidence_head: bool = False
+    #: DSpark: Markov head kind: vanilla (markov_w1/w2) | gated (+ gate_proj) | rnn
+    #: (+ joint_proj), as ModelOpt computes them.
+    markov_head_type: MarkovHeadType = attrs.field(
+        default="vanilla", validator=one_of(MARKOV_HEAD_TYPES)
+    )
+    #: Domino/DSpark label alignment: true, block position k predicts the token at
+    #: anchor + k + 1 (ModelOpt, SGLang); false, anchor + k (earlier dflash-recipes exports).
+    shift_label: bool = True
+    #: Domino: block positions left uncorrected (backbone logits only), in [0, block_size - 1].
+    pure_draft_prefix_len: int = attrs.field(default=1, validator=IntRange(0, 2**10))
     #: Add a learnable attention sink per head (layers.{i}.self_attn.attention_sink_bias).
     attention_sink: bool = False
     #: Attention kind per draft layer: full_attention | sliding_attention (causal, windowed).

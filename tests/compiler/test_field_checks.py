@@ -233,3 +233,168 @@ def test_the_old_sink_key_still_loads_and_the_new_one_wins() -> None:
     assert checkpoint_config_from_mapping(old, "c").attention_sink is True
     both = drafter_config(variant={"attention_sink": True, "attention_sink_bias": False})
     assert checkpoint_config_from_mapping(both, "c").attention_sink is False
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 25: Domino and DSpark as ModelOpt computes them (label shift, prefix, Markov head kinds)
+# ---------------------------------------------------------------------------------------------
+
+DOMINO_ARCH = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+#: What ModelOpt 0.47's DominoExporter writes (integration facts).
+MODELOPT_DOMINO = {
+    "projector_type": "domino",
+    "shift_label": True,
+    "pure_draft_prefix_len": 1,
+    "gru_hidden_dim": 8,
+    "emb_dim": 16,
+}
+MARKOV_TENSORS: dict[str, dict[str, list[int]]] = {
+    "vanilla": {},
+    "gated": {"gate_proj.weight": [4, 32 + 4], "gate_proj.bias": [4]},
+    "rnn": {"joint_proj.weight": [12, 2 * 4 + 32], "joint_proj.bias": [12]},
+}
+
+
+def _warm_start(
+    tmp_path: Path,
+    make_recipe: RecipeFactory,
+    variant: Mapping[str, Any],
+    arch: Mapping[str, Any],
+    **tensors: Any,
+) -> CompileResult:
+    config = drafter_config(variant=variant)
+    if variant.get("projector_type") == "domino":
+        config["emb_dim"] = variant["emb_dim"]
+    write_drafter_checkpoint(tmp_path / "drafter", config=config, **tensors)
+    return compile_recipe(make_recipe(arch=arch), base_dir=tmp_path)
+
+
+def test_a_modelopt_domino_checkpoint_loads_every_tensor_without_a_warning(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    result = _warm_start(
+        tmp_path,
+        make_recipe,
+        MODELOPT_DOMINO,
+        DOMINO_ARCH,
+        projector_type="domino",
+        emb_dim=16,
+        gru_hidden_dim=8,
+    )
+    assert result.ok and not_info(result) == [], result.diagnostics
+    assert not any("misalign" in d.message for d in result.diagnostics)
+    assert result.plan is not None and result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.heads_from_scratch == ()
+    assert result.plan.init_checkpoint.tensor_count == 25 + 4
+    arch = result.plan.draft.architecture
+    assert (arch.shift_label, arch.pure_draft_prefix_len) == (True, 1)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_a_modelopt_dspark_checkpoint_loads_every_tensor_without_a_warning(
+    tmp_path: Path, make_recipe: RecipeFactory, kind: str
+) -> None:
+    variant = {
+        "projector_type": "dspark",
+        "shift_label": True,
+        "markov_rank": 4,
+        "markov_head_type": kind,
+        "use_confidence_head": True,
+    }
+    arch = {
+        "projector_type": "dspark",
+        "markov_rank": 4,
+        "use_confidence_head": True,
+        "markov_head_type": kind,
+    }
+    result = _warm_start(
+        tmp_path,
+        make_recipe,
+        variant,
+        arch,
+        projector_type="dspark",
+        markov_rank=4,
+        use_confidence_head=True,
+        extra=MARKOV_TENSORS[kind],
+    )
+    assert result.ok and not_info(result) == [], result.diagnostics
+    assert result.plan is not None and result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.tensor_count == 25 + 4 + len(MARKOV_TENSORS[kind])
+    assert result.plan.draft.architecture.markov_head_type == kind
+
+
+def test_another_markov_head_kind_in_the_checkpoint_warns_with_the_fix(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    variant = {"projector_type": "dspark", "shift_label": True, "markov_rank": 4}
+    result = _warm_start(
+        tmp_path,
+        make_recipe,
+        {**variant, "markov_head_type": "gated"},
+        {"projector_type": "dspark", "markov_rank": 4},
+        projector_type="dspark",
+        markov_rank=4,
+        extra=MARKOV_TENSORS["gated"],
+    )
+    d = only(result, "checkpoint-field-differs")
+    assert d.path == "dflash.dflash_architecture_config.markov_head_type"
+    assert "set dflash_architecture_config.markov_head_type: gated" in d.hint
+
+
+def test_an_unknown_markov_head_kind_is_refused(tmp_path: Path, make_recipe: RecipeFactory) -> None:
+    result = compile_with_config(
+        tmp_path,
+        make_recipe,
+        lambda c: nested(c).update(projector_type="dspark", markov_head_type="fir"),
+    )
+    d = only(result, "checkpoint-field-refused")
+    assert "`dflash_config.markov_head_type: fir`" in d.message
+    assert "vanilla, gated, rnn" in d.message
+
+
+def test_an_earlier_dflash_recipes_domino_export_loads_with_a_note_and_the_differences(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    """shift_label false and pure_draft_prefix_len 0: what this project exported before."""
+    old = {**MODELOPT_DOMINO, "shift_label": False, "pure_draft_prefix_len": 0}
+    tensors = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+    result = _warm_start(tmp_path, make_recipe, old, DOMINO_ARCH, **tensors)
+    assert result.ok, result.diagnostics
+    note = only(result, "checkpoint-trained-for")
+    assert note.severity is Severity.INFO and "\n" not in note.message
+    assert "trained with shift_label false" in note.message
+    assert "position k predicts the token at anchor + k" in note.message
+    assert "pure_draft_prefix_len 0" in note.message
+    warned = {d.path: d for d in result.diagnostics if d.code == "checkpoint-field-differs"}
+    assert set(warned) == {
+        "dflash.dflash_architecture_config.shift_label",
+        "dflash.dflash_architecture_config.pure_draft_prefix_len",
+    }
+    assert "starts misaligned" in warned["dflash.dflash_architecture_config.shift_label"].message
+    assert (
+        "set dflash_architecture_config.shift_label: false"
+        in warned["dflash.dflash_architecture_config.shift_label"].hint
+    )
+    # The recipe can say it wants the checkpoint's alignment: then only the note remains.
+    again = compile_recipe(
+        make_recipe(arch={**DOMINO_ARCH, "shift_label": False, "pure_draft_prefix_len": 0}),
+        base_dir=tmp_path,
+    )
+    assert again.ok and not_info(again) == [], again.diagnostics
+    assert [d.code for d in again.diagnostics if d.code.startswith("checkpoint-")] == [
+        "checkpoint-trained-for"
+    ]
+    assert again.plan is not None
+    assert again.plan.resolved_draft().label_shift == 0
+
+
+def test_a_modelopt_checkpoint_into_an_unshifted_recipe_is_warned_about(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    tensors = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+    result = _warm_start(
+        tmp_path, make_recipe, MODELOPT_DOMINO, {**DOMINO_ARCH, "shift_label": False}, **tensors
+    )
+    d = only(result, "checkpoint-field-differs")
+    assert "predicts anchor + k + 1 at block position k" in d.message
+    assert "checkpoint-trained-for" not in [x.code for x in result.diagnostics]

@@ -135,3 +135,27 @@ def test_schema_level_mask_is_required_only_without_a_checkpoint(
     assert lint(make_recipe(init="drafter")).ok  # the checkpoint's config may state it
     result = lint(make_recipe(init=None))
     assert only(result, "mask-token-missing").severity is Severity.ERROR
+
+
+@pytest.mark.parametrize(("prefix", "ok"), [(0, True), (1, True), (7, True), (8, False)])
+def test_pure_draft_prefix_len_must_leave_a_position_to_correct(
+    make_recipe: RecipeFactory, prefix: int, ok: bool
+) -> None:
+    arch = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+    result = lint(
+        make_recipe(arch={**arch, "pure_draft_prefix_len": prefix}, dflash={"dflash_block_size": 8})
+    )
+    codes = [d.code for d in result.diagnostics]
+    assert ("pure-draft-prefix-range" not in codes) is ok
+    if not ok:
+        d = only(result, "pure-draft-prefix-range")
+        assert d.severity is Severity.ERROR and d.path == f"{ARCH}.pure_draft_prefix_len"
+        assert "must lie in [0, 7] (dflash_block_size 8 minus 1)" in d.message
+        assert "set dflash_architecture_config.pure_draft_prefix_len: 1" in d.hint
+        assert result.plan is None
+
+
+def test_pure_draft_prefix_len_is_domino_only(make_recipe: RecipeFactory) -> None:
+    """A plain drafter has no head to leave uncorrected: the field changes nothing there."""
+    result = lint(make_recipe(arch={"pure_draft_prefix_len": 40}, dflash={"dflash_block_size": 8}))
+    assert "pure-draft-prefix-range" not in [d.code for d in result.diagnostics]

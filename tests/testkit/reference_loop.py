@@ -71,9 +71,10 @@ def uncached_speculative_generate(
         context = DraftContext(committed=tuple(committed), taps=taps[:, :anchor], block_size=size)
         proposals = block_drafter.propose(context)
         greedy, taps = _target_pass(target, committed + proposals, spec)
-        verified = [int(t) for t in greedy[anchor : anchor + size].tolist()]
+        drafted = spec.drafted_tokens
+        verified = [int(t) for t in greedy[anchor : anchor + drafted + 1].tolist()]
         accepted = 0
-        while accepted < size - 1 and proposals[accepted] == verified[accepted]:
+        while accepted < drafted and proposals[accepted] == verified[accepted]:
             accepted += 1
         taus.append(accepted + 1)
         done = commit(verified[: accepted + 1])

@@ -83,6 +83,9 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "attention_sink": False,
             "layer_types": None,
             "sliding_window": None,
+            "shift_label": True,
+            "pure_draft_prefix_len": 1,
+            "markov_head_type": "vanilla",
         },
         "objective": {
             "num_anchors": 4,

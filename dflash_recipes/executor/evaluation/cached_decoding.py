@@ -13,13 +13,15 @@ anchor):
 
 1. the drafter gets the block ``[token at a, mask, ..., mask]`` (positions ``a .. a+B-1``) and
    the target's tapped states at positions ``< a`` (:mod:`~dflash_recipes.executor.
-   draft_context`, grown by the positions each step commits) and proposes tokens for block
-   positions ``1 .. B-1`` in one pass;
+   draft_context`, grown by the positions each step commits) and proposes ``D`` tokens in one
+   pass (``spec.drafted_tokens``: ``B - 1`` from block positions ``1 .. B-1``, or ``B`` from
+   positions ``0 .. B-1`` for a Domino/DSpark head with shift_label, as SGLang drafts them;
+   the head applied position by position, Domino's prefix uncorrected);
 2. the target runs once over the block (anchor + proposals) on top of its KV cache
    (``transformers.DynamicCache``, which holds every committed position before the anchor);
    proposals are accepted while they equal the target's greedy token, then the target's token
    at the first mismatch (or after a fully accepted block) is committed as a bonus. The step's
-   acceptance length tau is accepted proposals + 1, so ``1 <= tau <= B``;
+   acceptance length tau is accepted proposals + 1, so ``1 <= tau <= D + 1``;
 3. the cache is cropped to the accepted positions (anchor + accepted proposals): the bonus
    token is the next anchor and enters the cache with the next block. The same pass gave the
    tapped states of those positions, which join the drafter's context.
@@ -243,7 +245,8 @@ def speculative_generate_batch(
         state.commit(row, [int(greedy[row, -1])])
 
     active = list(range(len(prompts)))  # the prompt index of each cache row
-    offsets = torch.arange(size, device=device).unsqueeze(0)
+    drafted = spec.drafted_tokens  # proposals per block; the verified block is one longer
+    offsets = torch.arange(drafted + 1, device=device).unsqueeze(0)
     while True:
         still = [i for i, prompt_index in enumerate(active) if not state.done[prompt_index]]
         if not still:
@@ -257,10 +260,10 @@ def speculative_generate_batch(
         committed = [state.committed[p] for p in active]
         proposals = store.propose(committed)
         for row_proposals in proposals:
-            if len(row_proposals) != size - 1:
+            if len(row_proposals) != drafted:
                 msg = (
-                    f"the drafter proposed {len(row_proposals)} tokens, not block_size - 1 = "
-                    f"{size - 1}"
+                    f"the drafter proposed {len(row_proposals)} tokens, not the {drafted} its "
+                    "block drafts"
                 )
                 raise ValueError(msg)
         block = torch.tensor(
@@ -271,14 +274,14 @@ def speculative_generate_batch(
         anchors = torch.tensor([len(c) - 1 for c in committed], device=device).unsqueeze(1)
         valid = torch.cat([slot_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
         greedy, tapped = _forward(
-            target, cache_argument, cache, block, anchors + offsets, valid, size, taps
+            target, cache_argument, cache, block, anchors + offsets, valid, drafted + 1, taps
         )
         # greedy[r, j] is the target's token for position anchor + j + 1 (proposal j).
         verified = greedy.tolist()
         accepted_rows: list[int] = []
         for row, prompt_index in enumerate(active):
             accepted = 0
-            while accepted < size - 1 and proposals[row][accepted] == verified[row][accepted]:
+            while accepted < drafted and proposals[row][accepted] == verified[row][accepted]:
                 accepted += 1
             state.taus[prompt_index].append(accepted + 1)
             state.commit(prompt_index, verified[row][: accepted + 1])

@@ -103,7 +103,7 @@ class DraftContextStore(Protocol):
         ...
 
     def propose(self, committed: Sequence[Sequence[int]]) -> list[list[int]]:
-        """``B - 1`` proposals per row; ``committed[r]`` is row r's prompt + generated tokens,
+        """``spec.drafted_tokens`` proposals per row; ``committed[r]`` is row r's prompt + tokens,
         and its context covers every position before its last token."""
         ...
 

@@ -64,10 +64,10 @@ class AcceptanceReport(Record):
     """Measured acceptance of a drafter over a set of prompts."""
 
     #: Pooled tau: mean acceptance length over all verification steps of all prompts together
-    #: (accepted drafts + 1), in [1, B]. Long generations weigh more.
+    #: (accepted drafts + 1), in [1, drafted_tokens + 1]. Long generations weigh more.
     tau: float
-    #: For draft position k = 1 .. B-1 (index k - 1): accepted / reached, where a position is
-    #: reached when every position before it was accepted. 0.0 where it was never reached.
+    #: For the k-th proposal, k = 1 .. drafted_tokens (index k - 1): accepted / reached, where a
+    #: proposal is reached when every one before it was accepted. 0.0 where never reached.
     per_position_acceptance: list[float]
     #: How often each draft position was reached (the denominators of the rates above).
     reached_per_position: list[int]
@@ -91,6 +91,13 @@ class AcceptanceReport(Record):
     generation_seconds: float = attrs.field(default=0.0, eq=False)
     #: What makes this tau comparable (prompt file, chat template, thinking mode, ...).
     settings: EvalSettings | None = None
+    #: The head the proposals were drafted with, as the serving engine applies it
+    #: (``ResolvedDraft.head_description``, e.g. ``domino (shift_label true,
+    #: pure_draft_prefix_len 1)``).
+    head: str = "dflash (no head)"
+    #: Proposals per verification step (B - 1, or B for a head with shift_label); tau is at
+    #: most one more.
+    drafted_tokens: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -128,13 +135,17 @@ class AcceptanceReport(Record):
             "generation_seconds": self.generation_seconds,
             "tokens_per_second": self.tokens_per_second,
             "settings": self.settings.to_dict() if self.settings is not None else None,
+            "head": self.head,
+            "drafted_tokens": self.drafted_tokens,
         }
 
 
 def acceptance_from_steps(
     accepted_per_step: Sequence[int], block_size: int
 ) -> tuple[list[float], list[int]]:
-    """Per-position acceptance rates and reach counts from the taus of verification steps."""
+    """Per-position acceptance rates and reach counts from the taus of verification steps.
+
+    ``block_size`` is one more than the proposals per step (``spec.drafted_tokens + 1``)."""
     reached = [0] * (block_size - 1)
     accepted = [0] * (block_size - 1)
     for tau in accepted_per_step:
@@ -213,7 +224,7 @@ def evaluate_acceptance(
     finally:
         for module, mode in modes.items():
             module.training = mode
-    rates, reached = acceptance_from_steps(taus, spec.block_size)
+    rates, reached = acceptance_from_steps(taus, spec.drafted_tokens + 1)
     return AcceptanceReport(
         tau=sum(taus) / len(taus) if taus else 0.0,
         per_position_acceptance=rates,
@@ -228,6 +239,8 @@ def evaluate_acceptance(
         max_new_tokens=max_new_tokens,
         generation_seconds=seconds,
         settings=settings,
+        head=spec.head_description,
+        drafted_tokens=spec.drafted_tokens,
     )
 
 

@@ -1,8 +1,11 @@
 """The drafter side of speculative decoding, and the greedy references it is checked against.
 
-A drafter proposes the tokens of block positions ``1 .. B-1`` for a block ``[token at a, mask,
-..., mask]`` anchored at ``a`` (the last committed token), from the target's tapped states at
-positions ``< a``, exactly what a block anchored at ``a`` sees in training.
+A drafter proposes the tokens after ``a`` for a block ``[token at a, mask, ..., mask]`` anchored
+at ``a`` (the last committed token), from the target's tapped states at positions ``< a``,
+exactly what a block anchored at ``a`` sees in training: block positions ``1 .. B-1`` propose
+``a + 1 .. a + B - 1`` (plain DFlash), or, for a Domino or DSpark head with shift_label,
+positions ``0 .. B-1`` propose ``a + 1 .. a + B`` (``spec.drafted_tokens``, docs/dflash.md
+"Label alignment").
 :class:`BlockDrafter` is the protocol (one block from a :class:`DraftContext`);
 :class:`DFlashBlockDrafter` wraps a :class:`DFlashDraftModel` with the target's embeddings and
 lm_head and also drafts a batch of rows from fused contexts (:meth:`DFlashBlockDrafter.
@@ -37,7 +40,8 @@ class SpecResult(Record):
 
     #: Generated tokens (prompt excluded); the eos token is included when generation hit it.
     tokens: list[int]
-    #: tau of every verification step: accepted draft tokens + 1 (the bonus), in ``1..B``.
+    #: tau of every verification step: accepted draft tokens + 1 (the bonus), in
+    #: ``1 .. drafted_tokens + 1`` (B, or B + 1 for a head with shift_label).
     #: Counted as the verification decided it: on the last step, max_new_tokens or eos may
     #: commit fewer tokens than its tau.
     accepted_per_step: list[int]
@@ -68,10 +72,11 @@ class DraftContext:
 
 @runtime_checkable
 class BlockDrafter(Protocol):
-    """Anything that proposes the tokens of block positions ``1 .. B-1`` for one block."""
+    """Anything that proposes the tokens after the anchor for one block."""
 
     def propose(self, context: DraftContext) -> list[int]:
-        """``block_size - 1`` proposed token ids; index ``k - 1`` is block position ``k``."""
+        """The proposed token ids, ``spec.drafted_tokens`` of them (``block_size - 1``, or
+        ``block_size`` for a head with shift_label); index ``i`` is the token at anchor + i + 1."""
         ...
 
 
@@ -149,46 +154,57 @@ class DFlashBlockDrafter:
     def propose_fused(
         self, fused: Tensor, anchors: Sequence[int], anchor_tokens: Sequence[int]
     ) -> list[list[int]]:
-        """Greedy proposals for block positions ``1 .. B-1`` of every row (see
-        :meth:`draft_hidden_fused` for the arguments)."""
+        """Greedy proposals of every row (see :meth:`draft_hidden_fused` for the arguments)."""
         hidden = self.draft_hidden_fused(fused, anchors, anchor_tokens)
         return self.propose_from_hidden(hidden, anchor_tokens)
 
     def propose_from_hidden(self, hidden: Tensor, anchor_tokens: Sequence[int]) -> list[list[int]]:
         """Greedy proposals of every row from its draft states ``[R, B, H]`` (lm_head, then the
-        head variant position by position)."""
+        head variant position by position, as the serving engine applies it).
+
+        ``spec.drafted_tokens`` per row: positions ``1 .. B-1`` (plain DFlash, or a head without
+        shift_label), positions ``0 .. B-1`` with it. Domino's first ``pure_draft_prefix_len``
+        proposals are the backbone's; the head corrects the rest.
+        """
         base_logits = self._logits(hidden)
         head = self.model.head
+        first = self.spec.first_drafting_position
         if head is None:
-            return [[int(t) for t in row] for row in base_logits[:, 1:].argmax(dim=-1).tolist()]
-        # Prefix index k holds the token at anchor + k - 1: index 1 the anchor, index k >= 2 the
-        # proposal for position k - 1 (index 0 is unused). Entries not known yet hold the mask
-        # id; position k of either head reads prefix entries <= k only.
+            rows_out = base_logits[:, first:].argmax(dim=-1).tolist()
+            return [[int(t) for t in row] for row in rows_out]
+        # prev index k holds the token just before the one position k proposes (the anchor at
+        # index `first`, then the proposals); entries not known yet hold the mask id, and
+        # position k of either head reads entries <= k only.
         size = self.spec.block_size
         rows = len(anchor_tokens)
-        prefix = torch.full(
+        prev = torch.full(
             (rows, size), self.spec.mask_token_id, dtype=torch.long, device=hidden.device
         )
-        first = torch.tensor(list(anchor_tokens), dtype=torch.long, device=hidden.device)
-        prefix[:, 0] = first
-        prefix[:, 1] = first
+        anchor = torch.tensor(list(anchor_tokens), dtype=torch.long, device=hidden.device)
+        prev[:, : first + 1] = anchor.unsqueeze(1)
         columns: list[Tensor] = []
-        for k in range(1, size):
+        for k in range(first, size):
             if isinstance(head, DominoHead):
-                prefix_embeds = self.embed_tokens(prefix).to(hidden.dtype)
-                logits = head(hidden, prefix_embeds, base_logits)
+                if k < head.pure_draft_prefix_len:  # proposed uncorrected, as served
+                    token = base_logits[:, k].argmax(dim=-1)
+                else:
+                    prev_embeds = self.embed_tokens(prev[:, : k + 1]).to(hidden.dtype)
+                    logits = head(hidden[:, : k + 1], prev_embeds, base_logits[:, : k + 1])
+                    token = logits[:, k].argmax(dim=-1)
             else:
-                logits, _confidence = head(hidden, prefix, base_logits)
-            token = logits[:, k].argmax(dim=-1)
+                logits, _confidence = head(
+                    hidden[:, : k + 1], prev[:, : k + 1], base_logits[:, : k + 1]
+                )
+                token = logits[:, k].argmax(dim=-1)
             columns.append(token)
             if k + 1 < size:
-                prefix = prefix.clone()
-                prefix[:, k + 1] = token
+                prev = prev.clone()
+                prev[:, k + 1] = token
         proposals = torch.stack(columns, dim=1)
         return [[int(t) for t in row] for row in proposals.tolist()]
 
     def propose(self, context: DraftContext) -> list[int]:
-        """Greedy proposals for block positions ``1 .. B-1``."""
+        """Greedy proposals (``spec.drafted_tokens`` of them)."""
         fused = self.fuse(context.taps)
         return self.propose_fused(fused, [context.anchor], [context.committed[-1]])[0]
 

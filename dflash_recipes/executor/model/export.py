@@ -74,19 +74,17 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         # The key vLLM and SGLang read (exports before it said `attention_sink`).
         "attention_sink_bias": spec.attention_sink,
     }
+    # The head fields as ModelOpt's exporters write them (what executor/heads.py computes).
     if spec.projector_type == "domino":
-        dflash["emb_dim"] = spec.emb_dim
+        dflash["shift_label"] = spec.shift_label
+        dflash["pure_draft_prefix_len"] = spec.pure_draft_prefix_len
         dflash["gru_hidden_dim"] = spec.gru_hidden_dim
-        # What the Domino head computes (executor/heads.py): block position k predicts the
-        # token at anchor + k (no label shift), and every proposal is corrected (no pure-draft
-        # prefix). SGLang serves shift_label true/false but only pure_draft_prefix_len 1.
-        dflash["shift_label"] = False
-        dflash["pure_draft_prefix_len"] = 0
+        dflash["emb_dim"] = spec.emb_dim
     elif spec.projector_type == "dspark":
+        dflash["shift_label"] = spec.shift_label
         dflash["markov_rank"] = spec.markov_rank
+        dflash["markov_head_type"] = spec.markov_head_type
         dflash["use_confidence_head"] = spec.use_confidence_head
-        dflash["markov_head_type"] = "vanilla"
-        dflash["shift_label"] = False
     top: dict[str, JsonValue] = {"emb_dim": spec.emb_dim} if spec.projector_type == "domino" else {}
     return {
         "architectures": [ARCHITECTURE_NAME],
@@ -123,19 +121,21 @@ def serving_warnings(spec: ResolvedDraft) -> list[str]:
     """Why no serving engine computes what this drafter's head computes (empty for plain DFlash).
 
     An export of a head no engine serves must not look servable: `export_drafter` logs these.
+    A Domino export with pure_draft_prefix_len 1 is what SGLang's Domino runtime serves.
     """
-    if spec.projector_type == "domino":
+    if spec.projector_type == "domino" and spec.pure_draft_prefix_len != 1:
         return [
             "warning: this Domino export is not served as trained by any engine: its head "
-            "corrects every proposal (dflash_config.pure_draft_prefix_len 0, shift_label false), "
-            "SGLang's Domino runtime accepts only pure_draft_prefix_len 1 and refuses it, and "
-            "vLLM has no Domino head; use `dflash-recipe eval` to measure it (see 'Serving the "
-            "export' in docs/dflash.md)"
+            f"leaves {spec.pure_draft_prefix_len} proposals uncorrected "
+            f"(dflash_config.pure_draft_prefix_len {spec.pure_draft_prefix_len}), SGLang's "
+            "Domino runtime accepts only pure_draft_prefix_len 1 and refuses it, and vLLM has "
+            "no Domino head; train with pure_draft_prefix_len: 1 to serve it with SGLang, or "
+            "use `dflash-recipe eval` to measure it (see 'Serving the export' in docs/dflash.md)"
         ]
     if spec.projector_type == "dspark":
         return [
             "warning: no serving engine has a DSpark head: vLLM and SGLang would serve the "
-            "DFlash backbone of this export without the markov_w1/markov_w2 correction (or "
+            "DFlash backbone of this export without its Markov correction (or "
             "refuse its extra tensors), so served acceptance differs from `dflash-recipe eval`; "
             "see 'Serving the export' in docs/dflash.md"
         ]

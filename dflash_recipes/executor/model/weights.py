@@ -1,15 +1,62 @@
-"""Loading a drafter's weights from an export or a training checkpoint directory, exactly."""
+"""Loading a drafter's weights from an export or a training checkpoint directory, exactly.
+
+A Domino/DSpark export written by an earlier dflash-recipes (``shift_label`` false) still loads;
+one line says what it was trained for and whether the plan drafts it that way
+(:func:`trained_for_note`).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from pathlib import Path
 
+from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
 from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.warmstart import load_exact_weights
 from dflash_recipes.files.run_dir import EXPORT_DIR, complete_checkpoints
+from dflash_recipes.plan.draft_spec import ResolvedDraft
+
+logger = logging.getLogger(__name__)
+
+
+def trained_for_note(checkpoint_dir: Path, spec: ResolvedDraft) -> tuple[str, bool] | None:
+    """(one line, whether the plan differs) for a head checkpoint whose config.json says
+    ``shift_label`` false or another head alignment than `spec`; None otherwise (plain
+    DFlash, no config.json, or the alignment the plan drafts with ModelOpt's labels)."""
+    if spec.projector_type == "dflash":
+        return None
+    config = read_checkpoint_config(checkpoint_dir)
+    nested = config.raw.get("dflash_config") if config.readable else None
+    if not isinstance(nested, Mapping) or type(nested.get("shift_label")) is not bool:
+        return None
+    shift = bool(nested["shift_label"])
+    prefix = nested.get("pure_draft_prefix_len") if spec.projector_type == "domino" else None
+    prefix = prefix if type(prefix) is int else None
+    differs = shift != spec.shift_label or (
+        prefix is not None and prefix != spec.pure_draft_prefix_len
+    )
+    if shift and not differs:
+        return None
+    target = "anchor + k + 1" if shift else "anchor + k"
+    trained = f"shift_label {str(shift).lower()} (block position k predicts {target}"
+    trained += f", pure_draft_prefix_len {prefix})" if prefix is not None else ")"
+    if not shift:
+        trained += ", as earlier dflash-recipes exports were"
+    if differs:
+        plan = spec.head_description
+        fix = f"set dflash_architecture_config.shift_label: {str(shift).lower()}"
+        if prefix is not None:
+            fix += f" and pure_draft_prefix_len: {prefix}"
+        return (
+            f"note: {checkpoint_dir} was trained for {trained}; the plan drafts it as {plan}, "
+            f"which it was not trained for: {fix} to use it as trained",
+            True,
+        )
+    return f"note: {checkpoint_dir} was trained for {trained}; the plan drafts it so", False
 
 
 def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int:
@@ -17,7 +64,9 @@ def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int
 
     ``checkpoint_dir`` is an export or a training checkpoint (``model.safetensors`` or shards).
     CheckpointError when the weights are missing, any tensor name or shape differs from the
-    drafter's, or a dtype would round (load before casting the drafter).
+    drafter's, or a dtype would round (load before casting the drafter). A head checkpoint
+    trained for another alignment than the drafter's plan logs :func:`trained_for_note`'s line
+    (a warning when they differ, an info for an earlier export loaded as it was trained).
     """
     if not checkpoint_dir.is_dir():
         msg = f"checkpoint directory {checkpoint_dir} does not exist"
@@ -32,6 +81,9 @@ def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int
             )
             raise CheckpointError(msg)
     weights = read_checkpoint_weights(checkpoint_dir)
+    note = trained_for_note(checkpoint_dir, drafter.spec)
+    if note is not None:
+        logger.log(logging.WARNING if note[1] else logging.INFO, "%s", note[0])
     return load_exact_weights(
         drafter,
         weights,

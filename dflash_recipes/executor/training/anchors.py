@@ -3,7 +3,8 @@
 An anchor is a position ``a`` of a training sequence that opens one block: the drafter sees the
 target's states strictly before ``a``, the token at ``a`` and ``block_size - 1`` mask tokens, and
 block position ``k`` predicts the token at ``a + k`` (position 0, the anchor itself, gets no
-loss).
+loss); a Domino or DSpark head with ``shift_label`` predicts ``a + k + 1`` at position k,
+position 0 included (:func:`block_labels`, docs/dflash.md "Label alignment").
 
 **Eligibility rule.** With ``L`` the sequence's valid length (the number of ones in its
 attention mask; sequences are right-padded), position ``a`` may open a block when
@@ -292,35 +293,57 @@ def block_labels(
     valid: Tensor,
     *,
     block_size: int,
+    shift: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """Labels of every block position: position k predicts the token at anchor + k.
+    """Labels of every block position: position k predicts the token at ``anchor + k + shift``.
+
+    ``shift`` is 0 for plain DFlash (and heads trained with shift_label false): position 0, the
+    anchor itself, is never supervised. With ``shift`` 1 (Domino and DSpark as ModelOpt trains
+    them) position 0 predicts ``anchor + 1`` and is supervised like every other position.
 
     Returns ``(labels [B, N, block_size] long, label_mask [B, N, block_size] bool)``. A position
-    is supervised when its block is valid, ``k >= 1``, ``anchor + k`` is inside the sequence and
-    ``loss_mask[anchor + k] == 1``. Unsupervised labels are ``IGNORE_INDEX`` (-100).
+    is supervised when its block is valid, its target ``anchor + k + shift`` is inside the
+    sequence and ``loss_mask`` there is 1 (and ``k >= 1`` without the shift). Unsupervised
+    labels are ``IGNORE_INDEX`` (-100).
     """
+    if shift not in (0, 1):
+        msg = f"shift must be 0 or 1, got {shift}"
+        raise ValueError(msg)
     _, seq_len = input_ids.shape
-    positions = _block_grid(anchors, block_size)
+    positions = _block_grid(anchors, block_size) + shift
     inside = positions < seq_len
     flat = positions.clamp(max=seq_len - 1).flatten(1)
     tokens = torch.gather(input_ids, 1, flat).view_as(positions)
     supervised = torch.gather(loss_mask, 1, flat).view_as(positions) != 0
-    not_anchor = torch.arange(block_size, device=anchors.device) >= 1
+    not_anchor = torch.arange(block_size, device=anchors.device) + shift >= 1
     label_mask = valid.unsqueeze(-1) & inside & supervised & not_anchor
     labels = torch.where(label_mask, tokens.long(), torch.full_like(tokens.long(), IGNORE_INDEX))
     return labels, label_mask
 
 
-def gather_teacher_logits(target_logits: Tensor, anchors: Tensor, *, block_size: int) -> Tensor:
+def previous_tokens(ids: Tensor, anchors: Tensor, block_size: int, *, shift: int) -> Tensor:
+    """``[B, N, K]``: index k holds the token at ``anchor + k + shift - 1``, the known token
+    just before the one block position k predicts (what a head conditions on); positions
+    outside the sequence are clamped into it (their labels are masked)."""
+    offsets = torch.arange(block_size, device=anchors.device) + (shift - 1)
+    positions = (anchors.unsqueeze(-1) + offsets).clamp(min=0, max=ids.shape[1] - 1)
+    flat = torch.gather(ids, 1, positions.flatten(1))
+    return flat.view_as(positions)
+
+
+def gather_teacher_logits(
+    target_logits: Tensor, anchors: Tensor, *, block_size: int, shift: int = 0
+) -> Tensor:
     """The target's next-token logits for every block position: [B, N, block_size, V].
 
-    Entry k is ``target_logits[:, anchor + k - 1]``, the target's distribution for the token at
-    ``anchor + k`` (the same token block position k predicts). Rows outside the sequence (entry 0
-    of an anchor at 0, positions past the end) are clamped into range; `label_mask` from
-    :func:`block_labels` excludes them.
+    Entry k is ``target_logits[:, anchor + k + shift - 1]``, the target's distribution for the
+    token at ``anchor + k + shift`` (the same token block position k predicts). Rows outside
+    the sequence (entry 0 of an anchor at 0 without the shift, positions past the end) are
+    clamped into range; `label_mask` from :func:`block_labels` excludes them.
     """
     batch, seq_len, _ = target_logits.shape
-    positions = (_block_grid(anchors, block_size) - 1).clamp(min=0, max=seq_len - 1)
+    grid = _block_grid(anchors, block_size) + (shift - 1)
+    positions = grid.clamp(min=0, max=seq_len - 1)
     rows = torch.arange(batch, device=anchors.device).view(batch, 1, 1)
     return target_logits[rows, positions]
 
@@ -336,6 +359,7 @@ __all__ = [
     "counter_keys",
     "eligible_anchor_mask",
     "gather_teacher_logits",
+    "previous_tokens",
     "sample_anchors",
     "sample_batch_anchors",
     "sample_counter_anchors",

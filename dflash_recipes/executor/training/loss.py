@@ -4,7 +4,9 @@ Shapes: logits ``[..., K, V]`` with labels and label_mask ``[..., K]``, where ``
 size and the leading dims are anything (``[B, N]`` for the packed blocks of a batch, ``[N*B]``
 for a head's flattened blocks). Labels come from
 :func:`~dflash_recipes.executor.training.anchors.block_labels`: position k predicts the token at
-``anchor + k`` and position 0 is never supervised.
+``anchor + k + shift``; with ``shift`` 0 (plain DFlash) position 0 is never supervised, with
+``shift`` 1 (Domino and DSpark with shift_label, as ModelOpt trains them) it is. Below, the
+``j``-th drafted position is ``k = j - shift`` (j = 1, 2, ...).
 
 Every term is a weighted mean over supervised positions, ``sum(w * term) / sum(w)`` with the
 sum over positions where ``label_mask`` is true; a batch with no supervised position gives a
@@ -13,14 +15,16 @@ float32 whatever the logits' dtype.
 
 **Position weights** (``objective.loss_objective``):
 
-- ``decay``: ``w_0 = 0``, ``w_k = exp(-(k-1)/gamma)`` for k >= 1 (gamma =
-  ``loss_decay_factor``).
+- ``decay``: ``w = exp(-(j-1)/gamma)`` for the j-th drafted position (gamma =
+  ``loss_decay_factor``): ``w_k = exp(-(k-1)/gamma)`` and ``w_0 = 0`` without the shift,
+  ``w_k = exp(-k/gamma)`` with it (ModelOpt's weights).
 - ``dpace``: a drafted token at position k is only accepted if positions 1..k-1 were, so its
   loss is weighted by the probability that the draft survives to k, estimated from the model's
   own detached probabilities of the correct tokens: ``S_k = prod_{j=1}^{k-1} p_j`` (``S_1 = 1``;
   an unsupervised position contributes ``p_j = 1``), smoothed towards uniform so no position
-  ever loses its gradient: ``w_k = (1 - alpha) + alpha * S_k``, ``w_0 = 0``. Weights lie in
-  ``[1 - alpha, 1]``, ``w_1 = 1``, are non-increasing in k, carry no gradient and, like the
+  ever loses its gradient: ``w_k = (1 - alpha) + alpha * S_k``, ``w_0 = 0`` (with the shift
+  the product starts at position 0 and ``w_0 = 1``). Weights lie in ``[1 - alpha, 1]``, the
+  first drafted position's is 1, are non-increasing in k, carry no gradient and, like the
   decay weights, are normalised by their sum.
 
 **Self-distillation** (``objective.self_logit_distillation``): the loss becomes
@@ -55,7 +59,7 @@ class LossOutput:
     ce: Tensor
     #: [K] long: supervised positions whose top-1 prediction equals the label.
     per_position_correct: Tensor
-    #: [K] long: supervised positions (entry 0 is always 0).
+    #: [K] long: supervised positions (entry 0 is 0 unless the labels are shifted).
     per_position_count: Tensor
     #: Detached sum of the position weights over supervised positions: the denominator of
     #: the weighted means (a data-parallel trainer normalises by its global sum).
@@ -84,8 +88,9 @@ def decay_weights(
     gamma: float,
     *,
     device: torch.device | str | None = None,
+    shift: int = 0,
 ) -> Tensor:
-    """[block_size] float32: ``w_0 = 0`` and ``w_k = exp(-(k-1)/gamma)`` for k >= 1."""
+    """[block_size] float32: ``w_k = exp(-(k - 1 + shift)/gamma)``; ``w_0 = 0`` without shift."""
     if block_size < 2:
         msg = f"block_size must be >= 2, got {block_size}"
         raise ValueError(msg)
@@ -93,36 +98,48 @@ def decay_weights(
         msg = f"gamma (loss_decay_factor) must be a finite number > 0, got {gamma}"
         raise ValueError(msg)
     k = torch.arange(block_size, dtype=torch.float32, device=device)
-    weights = torch.exp(-(k - 1) / gamma)
-    weights[0] = 0.0
+    weights = torch.exp(-(k - 1 + shift) / gamma)
+    if shift == 0:
+        weights[0] = 0.0
     return weights
 
 
-def dpace_weights(logits: Tensor, labels: Tensor, label_mask: Tensor, *, alpha: float) -> Tensor:
+def dpace_weights(
+    logits: Tensor, labels: Tensor, label_mask: Tensor, *, alpha: float, shift: int = 0
+) -> Tensor:
     """[..., K] detached D-PACE weights ``(1 - alpha) + alpha * prod_{j<k} p_j`` (module doc)."""
     if not 0 < alpha <= 1:
         msg = f"dpace_alpha must be in (0, 1], got {alpha}"
         raise ValueError(msg)
     _check_shapes(logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask)
+    label_mask = _without_anchor(label_mask, shift)
     with torch.no_grad():
         p_correct = torch.exp(-_token_ce(logits, labels, label_mask))
         p_correct = torch.where(label_mask, p_correct, torch.ones_like(p_correct))
         reach = torch.cumprod(p_correct, dim=-1)
-        # S_k is the product over positions strictly before k (S_0 = S_1 = 1).
+        # S_k is the product over positions strictly before k (S_0 = 1; without the shift
+        # position 0 is unsupervised, p_0 = 1, so S_1 = 1 too).
         survival = torch.cat([torch.ones_like(reach[..., :1]), reach[..., :-1]], dim=-1)
         weights = (1.0 - alpha) + alpha * survival
-        weights[..., 0] = 0.0
+        if shift == 0:
+            weights[..., 0] = 0.0
     return weights
 
 
 def objective_weights(
-    logits: Tensor, labels: Tensor, label_mask: Tensor, *, objective: ObjectivePlan
+    logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    *,
+    objective: ObjectivePlan,
+    shift: int = 0,
 ) -> Tensor:
     """The position weights `objective` asks for, broadcastable to `labels` (module doc)."""
     if objective.loss_objective == "dpace":
-        return dpace_weights(logits, labels, label_mask, alpha=objective.dpace_alpha)
-    return decay_weights(labels.shape[-1], objective.loss_decay_factor, device=logits.device)
+        return dpace_weights(logits, labels, label_mask, alpha=objective.dpace_alpha, shift=shift)
+    return decay_weights(
+        labels.shape[-1], objective.loss_decay_factor, device=logits.device, shift=shift
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +198,7 @@ def domino_loss(
     weights: Tensor,
     backbone_weight: float,
     teacher_logits: Tensor | None = None,
+    shift: int = 0,
 ) -> LossOutput:
     """Domino: ``CE(corrected) + backbone_weight * CE(backbone)`` [+ softCE(corrected)].
 
@@ -191,7 +209,7 @@ def domino_loss(
     """
     _check_shapes(corrected_logits, labels, label_mask)
     _check_shapes(backbone_logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask)
+    label_mask = _without_anchor(label_mask, shift)
     ce = _weighted_mean(_token_ce(corrected_logits, labels, label_mask), weights, label_mask)
     backbone_ce = _weighted_mean(
         _token_ce(backbone_logits, labels, label_mask), weights, label_mask
@@ -223,6 +241,7 @@ def dspark_loss(
     confidence_logit: Tensor | None,
     tv_weight: float,
     confidence_weight: float,
+    shift: int = 0,
 ) -> LossOutput:
     """DSpark: ``CE + tv_weight * TV(p, q) + confidence_weight * BCE(confidence, correct)``.
 
@@ -234,7 +253,7 @@ def dspark_loss(
       ``[..., K, 1]``; present only when the head has one.
     """
     _check_shapes(logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask)
+    label_mask = _without_anchor(label_mask, shift)
     ce = _weighted_mean(_token_ce(logits, labels, label_mask), weights, label_mask)
     loss = ce
     tv: Tensor | None = None
@@ -354,17 +373,19 @@ def per_position_accuracy(
     return [c / n if n > 0 else 0.0 for c, n in zip(correct_list, count_list, strict=True)]
 
 
-def estimated_acceptance_length(acc: Sequence[float]) -> float:
-    """``1 + sum_{k=1}^{K-1} prod_{j=1}^{k} acc_j`` for per-position accuracies ``acc[0..K-1]``.
+def estimated_acceptance_length(acc: Sequence[float], *, shift: int = 0) -> float:
+    """``1 + sum_{k=f}^{K-1} prod_{j=f}^{k} acc_j`` for per-position accuracies ``acc[0..K-1]``,
+    ``f = 1 - shift`` the first drafted position.
 
-    The drafted tokens 1..K-1 are accepted up to the first mistake, so the expected accepted
-    prefix is the sum of the probabilities that positions 1..k are all right (treating positions
-    as independent); verification always commits one more token (the target's bonus or
-    correction). ``acc[0]`` (the anchor, never drafted) is ignored. All-correct gives K.
+    The drafted tokens are accepted up to the first mistake, so the expected accepted prefix is
+    the sum of the probabilities that positions f..k are all right (treating positions as
+    independent); verification always commits one more token (the target's bonus or
+    correction). Without the shift ``acc[0]`` (the anchor, never drafted) is ignored and
+    all-correct gives K; with it position 0 drafts too and all-correct gives K + 1.
     """
     tau = 1.0
     survive = 1.0
-    for a in list(acc)[1:]:
+    for a in list(acc)[1 - shift :]:
         survive *= a
         tau += survive
     return tau
@@ -411,8 +432,11 @@ def _check_shapes(logits: Tensor, labels: Tensor, label_mask: Tensor) -> None:
         raise ValueError(msg)
 
 
-def _without_anchor(label_mask: Tensor) -> Tensor:
-    """Block position 0 (the given anchor) is never supervised, whatever the caller's mask."""
+def _without_anchor(label_mask: Tensor, shift: int = 0) -> Tensor:
+    """Without the shift, block position 0 (the given anchor) is never supervised, whatever
+    the caller's mask; with it, the mask is the caller's."""
+    if shift:
+        return label_mask
     keep = torch.ones(label_mask.shape[-1], dtype=torch.bool, device=label_mask.device)
     keep[0] = False
     return label_mask & keep

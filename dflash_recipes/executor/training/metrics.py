@@ -40,8 +40,10 @@ class MetricWindow:
     logging step), so a step that logs nothing makes no host sync and no host copy.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, shift: int = 0) -> None:
         self.block_size = block_size
+        #: 1 when position 0 drafts too (a head with shift_label), else 0 (module doc).
+        self.shift = shift
         self.reset()
 
     def reset(self) -> None:
@@ -103,6 +105,8 @@ def log_train_window(
         / env.world_size
     )
     acc = per_position_accuracy(correct.long(), count.long())
+    first = 1 - window.shift  # the first drafting position (0 with the label shift)
+    tau = estimated_acceptance_length(acc, shift=window.shift)
     elapsed = max(1e-9, time.perf_counter() - window.started)
     row: dict[str, object] = {
         "kind": "train",
@@ -110,7 +114,7 @@ def log_train_window(
         "loss": loss_mean,
         "lr": lr,
         "accuracy_by_position": acc,
-        "acceptance_length_estimate": estimated_acceptance_length(acc),
+        "acceptance_length_estimate": tau,
         "tokens_per_second": tokens / elapsed,
     }
     if is_main(env):
@@ -119,17 +123,19 @@ def log_train_window(
                 step=step,
                 loss=loss_mean,
                 lr=lr,
-                # Position 0 (the anchor) carries no loss: null, not a 0.0 accuracy.
-                accuracy_by_position=[None, *acc[1:]],
-                acceptance_length_estimate=estimated_acceptance_length(acc),
+                # Without the label shift position 0 (the anchor) carries no loss: null, not a
+                # 0.0 accuracy.
+                accuracy_by_position=[None if k < first else a for k, a in enumerate(acc)],
+                acceptance_length_estimate=tau,
                 tokens_per_second=tokens / elapsed,
                 grad_norm=window.grad_norm,
             )
         )
-        accs = " ".join(f"{a:.2f}" for a in acc[1:])
+        accs = " ".join(f"{a:.2f}" for a in acc[first:])
         logger.info(
-            "step %d loss %.4f lr %.3g acc[1..] %s tau~%.2f tok/s %.0f",
+            "step %d loss %.4f lr %.3g acc[%d..] %s tau~%.2f tok/s %.0f",
             step,
+            first,
             row["loss"],
             lr,
             accs,

@@ -30,6 +30,7 @@ from dflash_recipes.executor.training.anchors import (
     block_inputs,
     block_labels,
     gather_teacher_logits,
+    previous_tokens,
 )
 from dflash_recipes.executor.training.loss import (
     LossOutput,
@@ -64,6 +65,8 @@ class LossTargets:
     #: Optimiser step and total, for Domino's decaying backbone weight.
     step: int
     total_steps: int
+    #: 1 when block position k predicts anchor + k + 1 (a head with shift_label), else 0.
+    shift: int = 0
 
 
 class DraftStep(nn.Module):
@@ -161,7 +164,7 @@ class DraftStep(nn.Module):
         if targets.target_logits is not None:
             anchors = targets.anchors[:, first : first + n]
             teacher = gather_teacher_logits(
-                targets.target_logits, anchors, block_size=block
+                targets.target_logits, anchors, block_size=block, shift=targets.shift
             ).float()
         distill_teacher = teacher if objective.self_logit_distillation else None
         logits: Tensor = head(hidden.to(_weight_dtype(head))).float()
@@ -170,6 +173,7 @@ class DraftStep(nn.Module):
             return dflash_loss(
                 logits, labels, label_mask, objective=objective, teacher_logits=distill_teacher
             )
+        shift = targets.shift
         flat_hidden = hidden.reshape(batch * n, block, width)
         flat_logits = logits.reshape(batch * n, block, -1)
         if kind == "domino":
@@ -183,12 +187,13 @@ class DraftStep(nn.Module):
                 labels,
                 label_mask,
                 weights=objective_weights(
-                    corrected.detach(), labels, label_mask, objective=objective
+                    corrected.detach(), labels, label_mask, objective=objective, shift=shift
                 ),
                 backbone_weight=domino_backbone_weight(
                     targets.step, targets.total_steps, objective.domino_backbone_loss_weight
                 ),
                 teacher_logits=distill_teacher,
+                shift=shift,
             )
         assert prefix_tokens is not None
         out, confidence = self.drafter.dspark_head(
@@ -199,11 +204,14 @@ class DraftStep(nn.Module):
             out,
             labels,
             label_mask,
-            weights=objective_weights(out.detach(), labels, label_mask, objective=objective),
+            weights=objective_weights(
+                out.detach(), labels, label_mask, objective=objective, shift=shift
+            ),
             teacher_logits=teacher,
             confidence_logit=None if confidence is None else confidence.view(batch, n, block),
             tv_weight=objective.dspark_tv_weight,
             confidence_weight=objective.dspark_confidence_weight,
+            shift=shift,
         )
 
 
@@ -272,7 +280,7 @@ def step_inputs(
         )
         block_embeds = embeddings(block_ids).float()
         prefix_tokens = (
-            _prefix_tokens(ids, anchors, spec.block_size)
+            previous_tokens(ids, anchors, spec.block_size, shift=spec.label_shift)
             if spec.projector_type != "dflash"
             else None
         )
@@ -291,7 +299,9 @@ def step_inputs(
         mask = build_split_block_mask(
             anchors, spec.block_size, ctx_len, valid, heads=spec.num_attention_heads
         )
-    labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=spec.block_size)
+    labels, label_mask = block_labels(
+        ids, loss_mask, anchors, valid, block_size=spec.block_size, shift=spec.label_shift
+    )
     return StepInputs(
         tapped=tapped,
         block_embeds=block_embeds,
@@ -307,6 +317,7 @@ def step_inputs(
             target_logits=target_logits,
             step=step,
             total_steps=total_steps,
+            shift=spec.label_shift,
         ),
     )
 
@@ -315,14 +326,6 @@ def _weight_dtype(module: nn.Module) -> torch.dtype:
     for parameter in module.parameters():
         return parameter.dtype
     return torch.float32
-
-
-def _prefix_tokens(ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
-    """``[B, N, K]``: index k holds the token at anchor + k - 1 (index 0: the anchor)."""
-    offsets = torch.arange(block_size, device=anchors.device) - 1
-    positions = (anchors.unsqueeze(-1) + offsets).clamp(min=0, max=ids.shape[1] - 1)
-    flat = torch.gather(ids, 1, positions.flatten(1))
-    return flat.view_as(positions)
 
 
 __all__ = [

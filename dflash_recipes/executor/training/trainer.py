@@ -354,7 +354,7 @@ class Trainer:
         training, env = self.plan.training, self.env
         model, drafter, wrapped = run.model, run.drafter, run.wrapped
         data = self._data_stream(run.dataset, run.epoch, run.next_index)
-        window = MetricWindow(self.spec.block_size)
+        window = MetricWindow(self.spec.block_size, shift=self.spec.label_shift)
         bar = self._progress_bar(run.total_steps, run.start_step)
         progress = _Progress(
             done=run.start_step, last_row={}, tokens=0, seconds=0.0, last_eval_tau=None

@@ -150,6 +150,17 @@ VARIANTS: list[dict[str, object]] = [
     {"block_size": 7},
     {"block_size": 4, "projector_type": "domino", "emb_dim": 32, "gru_hidden_dim": 16},
     {"block_size": 5, "projector_type": "dspark", "markov_rank": 8, "use_confidence_head": True},
+    {
+        "block_size": 4,
+        "projector_type": "domino",
+        "emb_dim": 32,
+        "gru_hidden_dim": 16,
+        "shift_label": False,
+        "pure_draft_prefix_len": 0,
+    },
+    {"block_size": 5, "projector_type": "dspark", "markov_rank": 8, "markov_head_type": "gated"},
+    {"block_size": 5, "projector_type": "dspark", "markov_rank": 8, "markov_head_type": "rnn"},
+    {"block_size": 4, "projector_type": "dspark", "markov_rank": 8, "shift_label": False},
     {"block_size": 4, "layer_types": ("sliding_attention", "full_attention"), "sliding_window": 6},
     {"block_size": 6, "attention_sink": True},
 ]

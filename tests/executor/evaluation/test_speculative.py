@@ -288,8 +288,10 @@ def test_random_drafter_is_lossless(
     )
     assert report.lossless, report.mismatched_prompts
     assert report.tokens == MAX_NEW * len(PROMPTS)
-    assert 1.0 <= report.tau <= spec.block_size
-    assert len(report.per_position_acceptance) == spec.block_size - 1
+    assert 1.0 <= report.tau <= spec.drafted_tokens + 1
+    # a head with shift_label drafts block_size tokens (SGLang's k_draft), plain DFlash one less
+    assert spec.drafted_tokens == spec.block_size - (spec.projector_type == "dflash")
+    assert len(report.per_position_acceptance) == spec.drafted_tokens
     assert all(0.0 <= r <= 1.0 for r in report.per_position_acceptance)
     assert report.reached_per_position[0] == report.steps
     json.dumps(report.to_dict(), allow_nan=False)
@@ -376,16 +378,17 @@ def test_head_proposals_use_their_own_greedy_prefix(
         proposals = block.propose(context)
         hidden = block.draft_hidden(context)
         base = lm_head(target)(hidden)
-        # Index k of the prefix holds the token at anchor + k - 1 (heads.py); teacher-forced
-        # with the proposals, one pass gives every position's logits.
-        prefix = torch.tensor([[ids[-2], ids[-1], *proposals[:-1]]])
+        # With shift_label, index k of prev holds the token at anchor + k (heads.py): the anchor,
+        # then the proposals; teacher-forced with them, one pass gives every position's logits.
+        prev = torch.tensor([[ids[-1], *proposals[:-1]]])
         if spec.projector_type == "domino":
-            logits = drafter.domino_head(hidden, embed(prefix), base)
+            logits = drafter.domino_head(hidden, embed(prev), base)
         else:
-            logits, _ = drafter.dspark_head(hidden, prefix, base)
-    assert proposals == logits[0, 1:].argmax(-1).tolist()
+            logits, _ = drafter.dspark_head(hidden, prev, base)
+    assert len(proposals) == 6
+    assert proposals == logits[0].argmax(-1).tolist()
     # The head matters: without it the backbone alone proposes something else here.
-    assert proposals != base[0, 1:].argmax(-1).tolist()
+    assert proposals != base[0].argmax(-1).tolist()
 
 
 def test_converted_model_is_target_and_drafter_and_keeps_its_modes(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from dflash_recipes.executor.training.anchors import (
     counter_keys,
     eligible_anchor_mask,
     gather_teacher_logits,
+    previous_tokens,
     sample_anchors,
     sample_counter_anchors,
 )
@@ -171,6 +172,40 @@ def test_block_labels_predict_anchor_plus_k_and_drop_what_is_not_supervised() ->
     # invalid block: nothing
     assert not label_mask[0, 2].any()
     assert (labels[0, 2] == IGNORE_INDEX).all()
+
+
+def test_shifted_labels_predict_the_next_token_at_every_position_position_0_included() -> None:
+    """The worked example of docs/dflash.md "Label alignment": tokens t0..t7 = 10..17, block
+    size 4, anchor 2. Plain DFlash (shift 0): positions 1, 2, 3 predict t3, t4, t5 and position
+    0 (the anchor t2) nothing. A Domino/DSpark head with shift_label (shift 1): positions 0, 1,
+    2, 3 predict t3, t4, t5, t6, and a head conditions position k on t2 .. t(2 + k)."""
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    loss = torch.ones(1, 8, dtype=torch.long)
+    anchors, valid = torch.tensor([[2]]), torch.tensor([[True]])
+    plain, plain_mask = block_labels(ids, loss, anchors, valid, block_size=4)
+    assert plain[0, 0].tolist() == [IGNORE_INDEX, 13, 14, 15]
+    assert plain_mask[0, 0].tolist() == [False, True, True, True]
+    shifted, shifted_mask = block_labels(ids, loss, anchors, valid, block_size=4, shift=1)
+    assert shifted[0, 0].tolist() == [13, 14, 15, 16]
+    assert shifted_mask[0, 0].tolist() == [True, True, True, True]
+    # What each position's head conditions on: the token just before its target.
+    assert previous_tokens(ids, anchors, 4, shift=1)[0, 0].tolist() == [12, 13, 14, 15]
+    assert previous_tokens(ids, anchors, 4, shift=0)[0, 0].tolist()[1:] == [12, 13, 14]
+    # The loss mask and the sequence end apply to the shifted target: anchor 5 reaches t8.
+    loss[0, 7] = 0
+    late, late_mask = block_labels(ids, loss, torch.tensor([[4]]), valid, block_size=4, shift=1)
+    assert late[0, 0].tolist() == [15, 16, IGNORE_INDEX, IGNORE_INDEX]
+    assert late_mask[0, 0].tolist() == [True, True, False, False]
+
+
+def test_shifted_teacher_logits_for_position_k_come_from_anchor_plus_k() -> None:
+    seq_len, vocab = 9, 3
+    target_logits = (
+        torch.arange(seq_len, dtype=torch.float32).view(1, seq_len, 1).expand(1, seq_len, vocab)
+    )
+    gathered = gather_teacher_logits(target_logits, torch.tensor([[2]]), block_size=4, shift=1)
+    # the target's distribution for the token at anchor + k + 1 sits at anchor + k
+    assert gathered[0, 0, :, 0].tolist() == [2, 3, 4, 5]
 
 
 def test_teacher_logits_for_position_k_come_from_anchor_plus_k_minus_1() -> None:

@@ -395,3 +395,50 @@ def test_estimated_acceptance_length_is_the_expected_prefix_plus_the_bonus_token
     assert estimated_acceptance_length([0.123, 0.5, 0.5, 0.0]) == pytest.approx(1.75)
     assert estimated_acceptance_length([0.0, 0.0, 1.0, 1.0]) == 1.0
     assert estimated_acceptance_length([0.0, 1.0, 1.0, 1.0]) == 4.0
+
+
+def test_shifted_decay_weights_score_position_0_like_modelopt() -> None:
+    """With shift_label, the j-th drafted position is k = j - 1: w_k = exp(-k/gamma), w_0 = 1."""
+    w = decay_weights(4, 2.0, shift=1)
+    assert w.tolist() == pytest.approx([1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)])
+
+
+def test_shifted_losses_score_position_0_and_unshifted_ones_never_do() -> None:
+    logits = _probs_to_logits([0.25, 0.75], [0.5, 0.5]).view(1, 1, 2, 2)
+    labels = torch.tensor([[[1, 0]]])
+    mask = torch.tensor([[[True, True]]])
+    weights = decay_weights(2, 1.0, shift=1)
+    out = domino_loss(logits, logits, labels, mask, weights=weights, backbone_weight=0.0, shift=1)
+    expected = (-math.log(0.75) * 1.0 + -math.log(0.5) * math.exp(-1.0)) / (1 + math.exp(-1.0))
+    assert float(out.ce) == pytest.approx(expected, rel=1e-5)
+    assert out.per_position_count.tolist() == [1, 1]
+    unshifted = domino_loss(
+        logits, logits, labels, mask, weights=decay_weights(2, 1.0), backbone_weight=0.0
+    )
+    assert unshifted.per_position_count.tolist() == [0, 1]
+    assert float(unshifted.ce) == pytest.approx(-math.log(0.5), rel=1e-5)
+    dspark = dspark_loss(
+        logits,
+        labels,
+        mask,
+        weights=weights,
+        teacher_logits=None,
+        confidence_logit=None,
+        tv_weight=1.0,
+        confidence_weight=0.0,
+        shift=1,
+    )
+    assert float(dspark.ce) == pytest.approx(expected, rel=1e-5)
+
+
+def test_shifted_dpace_weights_start_the_survival_at_position_0() -> None:
+    logits = _probs_to_logits([0.5, 0.5], [0.5, 0.5], [0.5, 0.5]).view(1, 3, 2)
+    labels = torch.tensor([[0, 0, 0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w = dpace_weights(logits, labels, mask, alpha=1.0, shift=1)
+    assert w[0].tolist() == pytest.approx([1.0, 0.5, 0.25])
+
+
+def test_shifted_acceptance_estimate_counts_position_0_as_a_draft() -> None:
+    assert estimated_acceptance_length([0.5, 0.5, 0.0], shift=1) == pytest.approx(1.75)
+    assert estimated_acceptance_length([1.0, 1.0, 1.0, 1.0], shift=1) == 5.0
