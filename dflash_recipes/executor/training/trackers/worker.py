@@ -27,6 +27,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
@@ -308,7 +309,11 @@ def main() -> None:
     logger.addHandler(_Forward(replies))
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    code = serve(sys.stdin.buffer, replies)
+    try:
+        code = serve(sys.stdin.buffer, replies)
+    except Exception:  # the trainer warns that the process ended; the details go to stderr
+        traceback.print_exc()
+        code = 2
     sys.stderr.flush()
     os._exit(code)  # no interpreter teardown: W&B's exit hook would finish a run left open
 
