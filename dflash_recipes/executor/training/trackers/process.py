@@ -29,6 +29,20 @@ from dflash_recipes.executor.training.trackers.protocol import ConfigValue, Outc
 logger = logging.getLogger("dflash_recipes.train")
 
 WORKER_MODULE = "dflash_recipes.executor.training.trackers.worker"
+#: The tracker process's command: the worker without the executor's and the training
+#: package's ``__init__`` (they import torch and transformers, which no tracker needs: seconds
+#: of start-up and hundreds of MB): both are entered as bare packages over their folders.
+_BOOTSTRAP = f"""
+import os, sys, types
+import dflash_recipes
+root = os.path.dirname(dflash_recipes.__file__)
+for name in ("executor", "executor.training"):
+    package = types.ModuleType("dflash_recipes." + name)
+    package.__path__ = [os.path.join(root, *name.split("."))]
+    sys.modules[package.__name__] = package
+from {WORKER_MODULE} import main
+main()
+"""
 
 
 class TrackerProcess:
@@ -38,7 +52,7 @@ class TrackerProcess:
         self.names = tuple(names)
         # -P: the current directory is not put on the child's import path.
         self._process = subprocess.Popen(
-            [sys.executable, "-P", "-m", WORKER_MODULE],
+            [sys.executable, "-P", "-c", _BOOTSTRAP, WORKER_MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -137,15 +151,13 @@ class TrackerProcess:
         for raw in stream:
             try:
                 message = json.loads(raw)
-            except ValueError:
+                if "log" in message:
+                    level, text = message["log"]
+                    logger.log(int(level), "%s", text)
+                else:
+                    self._answers.put(dict(message))
+            except (ValueError, TypeError):  # not one of the worker's messages: skipped
                 continue
-            if not isinstance(message, dict):
-                continue
-            if "log" in message:
-                level, text = message["log"]
-                logger.log(int(level), "%s", text)
-            else:
-                self._answers.put(message)
         code = self._process.wait()
         if not self._closing:
             self._gone = (self._last_step, f"the tracker process ended with exit code {code}")

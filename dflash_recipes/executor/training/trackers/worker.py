@@ -1,7 +1,7 @@
 """The tracker process: the trackers of ``training.report_to`` run here, not in the trainer.
 
-``python -P -m dflash_recipes.executor.training.trackers.worker`` is started by rank 0
-(:class:`~dflash_recipes.executor.training.trackers.process.TrackerProcess`) and reads one JSON
+Rank 0 starts it (:class:`~dflash_recipes.executor.training.trackers.process.TrackerProcess`,
+without the executor's torch imports, which no tracker needs) and it reads one JSON
 message per line on stdin: ``open`` (the tracker names and what they are opened with),
 ``config``, ``row`` (a metrics.jsonl row), ``flush``, ``close``. It answers ``opened``,
 ``flushed`` and ``closed`` on its stdout, and forwards its warnings there as ``log`` messages

@@ -68,11 +68,14 @@ def test_the_tracker_process_killed_mid_run_is_warned_about_once_and_training_go
     tmp_path: Path, tracker_env: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     killed: list[int] = []
+    loaded: list[bool] = []
 
     class KillTrackersAtStep2(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("step 2 ") and not killed:
                 (pid,) = _worker_pids(os.getpid())
+                # The trackers need no torch: the process does not load it (start-up, memory).
+                loaded.append("libtorch" in Path(f"/proc/{pid}/maps").read_text())
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
@@ -88,6 +91,7 @@ def test_the_tracker_process_killed_mid_run_is_warned_about_once_and_training_go
     finally:
         train_logger.removeHandler(handler)
     assert killed, "the tracker process was not found"
+    assert loaded == [False]
     out = tmp_path / "run"
     assert summary.steps == 4 and (out / "export" / "model.safetensors").is_file()
     assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3, 4]
@@ -95,10 +99,14 @@ def test_the_tracker_process_killed_mid_run_is_warned_about_once_and_training_go
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("tracker process (tensorboard, mlflow) ended with exit code -9")
     assert "training goes on without them and metrics.jsonl keeps every row" in warnings[0]
+    # The trainer notices the end when its reader thread sees the pipe close: at step 2 or a
+    # later one on a busy machine; the rows logged after that are the ones counted missed.
     assert len(summary.tracker_problems) == 2
     for name, problem in zip(("tensorboard", "mlflow"), summary.tracker_problems, strict=True):
-        pattern = rf"{name} missed ([0-2]) row\(s\) after failing at step 2 \(the tracker "
-        assert re.match(pattern, problem), problem
+        pattern = rf"{name} missed (\d) row\(s\) after failing at step ([234]) \(the tracker "
+        found = re.match(pattern, problem)
+        assert found is not None, problem
+        assert int(found[1]) == 4 - int(found[2]), problem
         assert problem.endswith("process ended with exit code -9)")
     assert "(metrics.jsonl has all)" in summary_line(summary)
     assert not _worker_pids(os.getpid())
