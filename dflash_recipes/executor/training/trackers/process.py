@@ -50,7 +50,8 @@ class TrackerProcess:
 
     def __init__(self, names: Sequence[str], context: Mapping[str, object]) -> None:
         self.names = tuple(names)
-        # -P: the current directory is not put on the child's import path.
+        # -P: the current directory is not put on the child's import path; the module name is
+        # an argument the bootstrap ignores, for `ps` to show what the process is.
         self._process = subprocess.Popen(
             [sys.executable, "-P", "-c", _BOOTSTRAP, WORKER_MODULE],
             stdin=subprocess.PIPE,
