@@ -162,10 +162,17 @@ def _strict(value: object) -> object:
     return value
 
 
-def append_jsonl(path: Path, row: Mapping[str, object]) -> None:
-    """One strict-JSON line (non-finite numbers as null), like the report's rows."""
+def metrics_line(row: Mapping[str, object]) -> str:
+    """`row` as one strict-JSON line without its newline (non-finite numbers as null)."""
+    return json.dumps(_strict(dict(row)), allow_nan=False, sort_keys=True)
+
+
+def append_jsonl(path: Path, row: Mapping[str, object]) -> str:
+    """Append `row` as one strict-JSON line, like the report's rows; returns the line."""
+    line = metrics_line(row)
     with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(_strict(dict(row)), allow_nan=False, sort_keys=True) + "\n")
+        handle.write(line + "\n")
+    return line
 
 
 __all__ = [
@@ -173,4 +180,5 @@ __all__ = [
     "accuracies",
     "append_jsonl",
     "log_train_window",
+    "metrics_line",
 ]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_recipes.errors import CheckpointError, DataError, RunIOError
+from dflash_recipes.errors import CheckpointError, DataError, Interrupted, RunIOError
 from dflash_recipes.executor.data.conversations import Batch, TrainDataset, batches, epoch_order
 from dflash_recipes.executor.data.offline import (
     CaptureReader,
@@ -217,6 +217,9 @@ class Trainer:
                         done = summary.steps >= summary.planned_steps
                         outcome = "finished" if done else "stopped"
                         return summary
+                    except Interrupted:  # a stop signal: checkpoint saved, to be resumed
+                        outcome = "stopped"
+                        raise
                     finally:
                         setup.trackers.close(outcome)
                 finally:

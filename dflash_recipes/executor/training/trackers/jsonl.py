@@ -32,7 +32,11 @@ class MetricsJsonl:
         """Nothing: plan.json beside it is the run's config."""
 
     def log_row(self, row: Mapping[str, object]) -> None:
-        append_jsonl(self.path, row)
+        self.write(row)
+
+    def write(self, row: Mapping[str, object]) -> str:
+        """Append `row`; returns its line (what the tracker process is sent)."""
+        return append_jsonl(self.path, row)
 
     def flush(self) -> None:
         """Nothing waits: every row is written when it is logged."""

@@ -1,0 +1,176 @@
+"""The tracker process: the trackers run beside the trainer, and its end is contained.
+
+Real processes and real libraries: the training runs in this process, the trackers in the
+worker process it starts, which the tests kill or signal as an operator (or the kernel) would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from testkit.compiling import tiny_scratch_plan
+from testkit.wandb_records import offline_run_files, read_wandb_run
+
+from dflash_recipes.executor.training.resume import summary_line
+from dflash_recipes.executor.training.trackers.process import WORKER_MODULE
+from dflash_recipes.executor.training.trainer import run_plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    env = {
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "MLFLOW_EXPERIMENT_NAME": "drafters",
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb-dir"),
+        "WANDB_SILENT": "true",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    yield env
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """The tracker processes `parent` started (read from /proc, as `ps` would)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and WORKER_MODULE.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _rows(run_dir: Path, kind: str) -> list[dict[str, object]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["kind"] == kind]
+
+
+@pytest.mark.slow
+def test_the_tracker_process_killed_mid_run_is_warned_about_once_and_training_goes_on(
+    tmp_path: Path, tracker_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    killed: list[int] = []
+    loaded: list[bool] = []
+
+    class KillTrackersAtStep2(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("step 2 ") and not killed:
+                (pid,) = _worker_pids(os.getpid())
+                # The trackers need no torch: the process does not load it (start-up, memory).
+                loaded.append("libtorch" in Path(f"/proc/{pid}/maps").read_text())
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    train_logger = logging.getLogger("dflash_recipes.train")
+    handler = KillTrackersAtStep2()
+    train_logger.addHandler(handler)
+    try:
+        plan = tiny_scratch_plan(
+            tmp_path / "run", "training.max_steps=4", "training.report_to=[tensorboard,mlflow]"
+        )
+        with caplog.at_level(logging.INFO, logger="dflash_recipes.train"):
+            summary = run_plan(plan, progress=False)
+    finally:
+        train_logger.removeHandler(handler)
+    assert killed, "the tracker process was not found"
+    assert loaded == [False]
+    out = tmp_path / "run"
+    assert summary.steps == 4 and (out / "export" / "model.safetensors").is_file()
+    assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3, 4]
+    warnings = [r.getMessage() for r in caplog.records if "tracker process" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("tracker process (tensorboard, mlflow) ended with exit code -9")
+    assert "training goes on without them and metrics.jsonl keeps every row" in warnings[0]
+    # The trainer notices the end when its reader thread sees the pipe close: at step 2 or a
+    # later one on a busy machine; the rows logged after that are the ones counted missed.
+    assert len(summary.tracker_problems) == 2
+    for name, problem in zip(("tensorboard", "mlflow"), summary.tracker_problems, strict=True):
+        pattern = rf"{name} missed (\d) row\(s\) after failing at step ([234]) \(the tracker "
+        found = re.match(pattern, problem)
+        assert found is not None, problem
+        assert int(found[1]) == 4 - int(found[2]), problem
+        assert problem.endswith("process ended with exit code -9)")
+    assert "(metrics.jsonl has all)" in summary_line(summary)
+    assert not _worker_pids(os.getpid())
+
+
+#: The training, in a process group of its own: SIGINT to the whole group (what Ctrl-C in a
+#: terminal does) at step 2.
+INTERRUPTED_CHILD = """
+import logging, os, signal, sys
+from pathlib import Path
+from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.plan.run_plan import RunPlan
+
+class CtrlCAtStep2(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("step 2 "):
+            os.killpg(os.getpgid(0), signal.SIGINT)
+
+logging.getLogger("dflash_recipes.train").addHandler(CtrlCAtStep2())
+logging.getLogger("dflash_recipes.train").setLevel(logging.INFO)
+try:
+    run_plan(RunPlan.from_json(Path(sys.argv[1]).read_text()), progress=False)
+except DFlashRecipeError as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_training_and_the_tracker_process_closes_the_runs_as_stopped(
+    tmp_path: Path, tracker_env: dict[str, str]
+) -> None:
+    plan = tiny_scratch_plan(
+        tmp_path / "run", "training.max_steps=6", "training.report_to=[mlflow,wandb]"
+    )
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    env = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
+    env["OMP_NUM_THREADS"] = "1"
+    child = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_CHILD, str(plan_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        start_new_session=True,  # its own group: the SIGINT reaches it and its children only
+    )
+    assert child.returncode == 3, child.stderr[-3000:]
+    out = tmp_path / "run"
+    steps = [r["step"] for r in _rows(out, "train")]
+    assert 2 <= steps[-1] < 6  # stopped early, at a step boundary
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracker_env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("drafters")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    # The tracker process outlived the signal: it closed the run (stopped -> KILLED), with
+    # every row the trainer logged.
+    assert run.info.status == "KILLED"
+    history = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(history) == steps
+    (run_file,) = offline_run_files(Path(tracker_env["WANDB_DIR"]))
+    wb = read_wandb_run(run_file)
+    assert sorted(wb.history) == steps and wb.exit_code == 0
