@@ -63,8 +63,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: Version of the plan schema. 2: the draft's `layer_types`/`sliding_window`, the data's
 #: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
 #: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
-#: `logging_dir` (experiment trackers).
-PLAN_FORMAT_VERSION = 3
+#: `logging_dir` (experiment trackers). 4: the data's `cache_dir` and `num_proc` (the
+#: tokenized-data cache).
+PLAN_FORMAT_VERSION = 4
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -121,6 +122,10 @@ class DataPlan(Record):
     eval_data_path: str | None = None
     #: A `dflash-recipe capture` directory to train from offline (None: run the target).
     hidden_states_path: str | None = None
+    #: Folder of the tokenized-data cache (absolute; None: <output_dir>/data_cache).
+    cache_dir: str | None = None
+    #: Processes that tokenize a new cache (None: the cores the run may use).
+    num_proc: int | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -23,8 +23,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_recipes.data.conversations import Conversation, Message, Role
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import Conversation, Message, Role
 from dflash_recipes.files.jsonio import regular_file_problem, shorten
 
 #: Columns a Parquet prompt file is read from when ``--prompt-column`` is not given, in order.
