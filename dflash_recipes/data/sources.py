@@ -21,7 +21,6 @@ footer, Arrow schema, ``dataset_info.json``, the first JSONL lines), never the r
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -80,7 +79,7 @@ _FOLDER_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".jsonl.gz", ".json")
 
 def hub_id_hint(value: str, setting: str) -> str | None:
     """When `value` (a path that does not exist) looks like a Hub dataset id: how to get it."""
-    if not _HUB_ID.match(value) or value.count("/") != 1 or Path(value).suffix in (".jsonl",):
+    if not _HUB_ID.match(value) or value.lower().endswith(_FOLDER_SUFFIXES):
         return None
     local = f"data/{value.split('/')[1]}"
     return (
@@ -251,6 +250,8 @@ def _open_arrow(source: pa.MemoryMappedFile) -> pa.ipc.RecordBatchFileReader:
 
 def content_sha256(source: DataSource) -> str:
     """One sha256 over the names and bytes of the input's files: any edit changes it."""
+    import hashlib  # OpenSSL's: not on the compile path, which never hashes data
+
     digest = hashlib.sha256()
     for path, _ in source.files:
         digest.update(path.name.encode("utf-8") + b"\0")

@@ -34,6 +34,7 @@ from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.token_build import default_num_proc, prepared_examples
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
 from dflash_recipes.executor.data.tokenize import (
+    MAX_CHARS_PER_TOKEN,
     DatasetStats,
     TokenizedExample,
     read_chat_template,
@@ -203,6 +204,7 @@ def _collate(examples: Sequence[TokenizedExample], pad: int, epoch: int, next_in
 
 
 __all__ = [
+    "MAX_CHARS_PER_TOKEN",
     "Batch",
     "Conversation",
     "ConversationFile",
