@@ -41,9 +41,10 @@ def test_every_format_reads_as_the_same_conversations(tmp_path: Path) -> None:
     with gzip.open(tmp_path / "d.jsonl.gz", "wt", encoding="utf-8") as handle:
         handle.write("".join(json.dumps(r) + "\n" for r in ROWS))
     pq.write_table(table, tmp_path / "d.parquet", row_group_size=3)
-    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_file(
-        sink, table.schema
-    ) as writer:
+    with (
+        pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as writer,
+    ):
         writer.write_table(table)
     folder = tmp_path / "parts"
     folder.mkdir()
@@ -68,7 +69,7 @@ def test_a_system_column_becomes_the_first_message(tmp_path: Path) -> None:
     rows = [{**ROWS[0], "system": "be brief"}, {**ROWS[1], "system": None}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
     first, second = read_conversations(tmp_path / "s.parquet").conversations
-    assert [(m.role, m.content) for m in first.messages][0] == ("system", "be brief")
+    assert (first.messages[0].role, first.messages[0].content) == ("system", "be brief")
     assert second.messages[0].role == "user"
 
 
@@ -109,7 +110,9 @@ def test_unusable_folders_say_what_to_point_at(tmp_path: Path) -> None:
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(
         str(tmp_path / "dd")
     )
-    with pytest.raises(DataError, match=r"DatasetDict folder \(splits: train\); set data.data_path"):
+    with pytest.raises(
+        DataError, match=r"DatasetDict folder \(splits: train\); set data.data_path"
+    ):
         resolve_source(tmp_path / "dd", setting="data.data_path")
 
 

@@ -31,7 +31,7 @@ from dflash_recipes.files.locking import hold_directory_lock
 from dflash_recipes.plan.run_plan import RunPlan
 
 CORPUS = ["the capital of france is paris", "why did the cat sit on the computer", "hello world"]
-WORDS = "the capital of france is paris why did cat sit on computer hello world".split()
+WORDS = "the capital of france is paris why did cat sit on computer hello world".split()  # noqa: SIM905
 
 
 @cache
@@ -223,9 +223,10 @@ def test_waiting_for_a_stuck_builder_ends_with_a_clear_error(tmp_path: Path) -> 
     source = resolve_source(data, setting="data.data_path")
     settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
     cache_dir = tmp_path / "cache"
-    with hold_directory_lock(cache_dir, purpose="data tokenization", lock_name=LOCK_NAME):
-        with pytest.raises(DataError, match=r"waited 0 s .*DFLASH_DATA_CACHE_WAIT_S") as info:
-            prepared_examples(
-                source, _tokenizer(), settings, cache_dir=cache_dir, num_proc=1, wait_s=0.3
-            )
+    lock = hold_directory_lock(cache_dir, purpose="data tokenization", lock_name=LOCK_NAME)
+    waited = pytest.raises(DataError, match=r"waited 0 s .*DFLASH_DATA_CACHE_WAIT_S")
+    with lock, waited as info:
+        prepared_examples(
+            source, _tokenizer(), settings, cache_dir=cache_dir, num_proc=1, wait_s=0.3
+        )
     assert "data tokenization (pid" in str(info.value)
