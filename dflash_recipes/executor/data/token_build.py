@@ -56,7 +56,7 @@ from dflash_recipes.executor.data.token_cache import (
 from dflash_recipes.executor.data.tokenize import (
     DatasetStats,
     opens_a_block,
-    tokenize_conversation,
+    tokenize_to_arrays,
 )
 from dflash_recipes.files.crashsafe import remove_stale_staging, staged_directory
 from dflash_recipes.files.locking import hold_directory_lock
@@ -97,15 +97,15 @@ def tokenize_chunk(
     tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings, chunk: list[RawConversation]
 ) -> ChunkResult:
     """Tokenize, mask and check (the block-opening rule) each conversation of `chunk`."""
-    ids: list[int] = []
-    mask: list[int] = []
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
     lengths: list[int] = []
     truncated: list[bool] = []
     skipped: list[tuple[int, str, str]] = []
     for line, turns in chunk:
         messages = tuple(Message(role, content) for role, content in turns)
         try:
-            example = tokenize_conversation(
+            example_ids, mask, cut = tokenize_to_arrays(
                 tokenizer,
                 messages,
                 chat_template=settings.chat_template,
@@ -115,25 +115,25 @@ def tokenize_chunk(
         except DataError as exc:
             skipped.append((line, "template error", str(exc)))
             continue
-        if not opens_a_block(example.loss_mask, settings.block_size):
+        if not opens_a_block(mask, settings.block_size):
             reason = (
                 f"no block of {settings.block_size} tokens starts on two supervised tokens "
-                f"within training_seq_len={settings.max_len} ({len(example.input_ids)} tokens, "
-                f"{sum(example.loss_mask)} supervised)"
+                f"within training_seq_len={settings.max_len} ({len(example_ids)} tokens, "
+                f"{int(mask.sum())} supervised)"
             )
             skipped.append((line, "nothing to supervise", reason))
             continue
-        ids.extend(example.input_ids)
-        mask.extend(example.loss_mask)
-        lengths.append(len(example.input_ids))
-        truncated.append(example.truncated)
-    id_array = np.asarray(ids, dtype=np.int64)
+        ids.append(example_ids)
+        masks.append(mask)
+        lengths.append(len(example_ids))
+        truncated.append(cut)
+    id_array = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     if id_array.size and (id_array.min() < 0 or id_array.max() > _INT32_MAX):
         msg = "the tokenizer produced a token id outside int32; the cache cannot store it"
         raise DataError(msg)
     return ChunkResult(
         id_array.astype(np.int32),
-        np.asarray(mask, dtype=np.uint8),
+        np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8),
         np.asarray(lengths, dtype=np.int64),
         np.asarray(truncated, dtype=np.uint8),
         skipped,

@@ -57,6 +57,26 @@ def tokenize_conversation(
     tokenizer's own. Without `answer_only_loss` every token is supervised. Raises DataError
     when the template cannot render the conversation or an assistant turn cannot be located.
     """
+    ids, mask, truncated = tokenize_to_arrays(
+        tokenizer,
+        messages,
+        chat_template=chat_template,
+        answer_only_loss=answer_only_loss,
+        max_len=max_len,
+    )
+    return TokenizedExample(ids.tolist(), mask.tolist(), truncated)
+
+
+def tokenize_to_arrays(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    *,
+    chat_template: str | None,
+    answer_only_loss: bool,
+    max_len: int,
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """:func:`tokenize_conversation` as (int64 ids, uint8 mask, truncated) arrays: the cache's
+    builder takes these (no Python list per token)."""
     if max_len < 1:
         msg = f"max_len must be >= 1, got {max_len}"
         raise ValueError(msg)
@@ -64,16 +84,28 @@ def tokenize_conversation(
     messages, cut = _bounded_messages(messages, max_len)
     dicts = [{"role": m.role, "content": m.content} for m in messages]
     if not answer_only_loss:
-        ids = _token_ids(_render_tokens(tokenizer, dicts, template))
-        mask = [1] * len(ids)
+        ids = _array(_render_tokens(tokenizer, dicts, template), "input_ids")
+        mask = np.ones(len(ids), dtype=np.uint8)
     elif _GENERATION_MARKER.search(template):
         encoded = _render_tokens(tokenizer, dicts, template, return_assistant_tokens_mask=True)
-        ids = _token_ids(encoded)
-        mask = [int(bool(v)) for v in _field(encoded, "assistant_masks")]
+        ids = _array(encoded, "input_ids")
+        mask = (_array(encoded, "assistant_masks") != 0).astype(np.uint8)
     else:
-        ids, mask = _mask_by_rendering(tokenizer, messages, template)
+        id_list, mask_list = _mask_by_rendering(tokenizer, messages, template)
+        ids = np.asarray(id_list, dtype=np.int64)
+        mask = np.asarray(mask_list, dtype=np.uint8)
     truncated = cut or len(ids) > max_len
-    return TokenizedExample(ids[:max_len], mask[:max_len], truncated)
+    return ids[:max_len], mask[:max_len], truncated
+
+
+def _array(encoded: object, name: str) -> np.ndarray:
+    if not isinstance(encoded, Mapping) or name not in encoded:
+        msg = f"the tokenizer returned no {name!r}"
+        raise DataError(msg)
+    values = encoded[name]
+    if hasattr(values, "tolist"):  # a tensor or an array, when a tokenizer returns one
+        values = values.tolist()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 def _bounded_messages(messages: Sequence[Message], max_len: int) -> tuple[Sequence[Message], bool]:
@@ -265,7 +297,7 @@ def read_chat_template(chat_template: str | None) -> str | None:
         raise DataError(msg) from exc
 
 
-def opens_a_block(loss_mask: Sequence[int], block_size: int) -> bool:
+def opens_a_block(loss_mask: Sequence[int] | np.ndarray, block_size: int) -> bool:
     """Whether some position may open a block: the eligibility rule of
     :func:`~dflash_recipes.executor.training.anchors.eligible_anchor_mask` for one unpadded
     example (``a + block_size <= len``, ``loss_mask[a] == loss_mask[a + 1] == 1``)."""
@@ -284,4 +316,5 @@ __all__ = [
     "read_chat_template",
     "resolve_template",
     "tokenize_conversation",
+    "tokenize_to_arrays",
 ]
