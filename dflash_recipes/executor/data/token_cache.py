@@ -64,6 +64,8 @@ WAIT_ENV = "DFLASH_DATA_CACHE_WAIT_S"
 #: The lock file of a cache folder (not the run's: a cache may live in the output directory).
 LOCK_NAME = ".dflash-data-cache-lock"
 _MAX_META_BYTES = 1 << 30
+#: The parts of the key that name an entry's folder.
+_NAMED_BY = ("data_sha256", "answer_only_loss", "training_seq_len", "block_size")
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -110,8 +112,7 @@ def cache_key(
 def entry_name(key: dict[str, object]) -> str:
     """The folder of an entry: the input's content and the token settings (not the tokenizer,
     template or version: an entry made with others is found, and rebuilt with a warning)."""
-    named = {k: key[k] for k in ("data_sha256", "answer_only_loss", "training_seq_len")}
-    named["block_size"] = key["block_size"]
+    named = {k: key[k] for k in _NAMED_BY}
     return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -205,12 +206,18 @@ def entry_problem(directory: Path, key: dict[str, object]) -> tuple[str | None, 
                 return f"{name} does not match its checksum (the file was changed)", meta
         except OSError as exc:
             return f"{name} cannot be read ({exc.strerror or exc})", meta
+    try:
+        read_stats(meta)
+    except (KeyError, TypeError, ValueError, IndexError, AssertionError):
+        return f"its {META_FILE} has no readable dataset stats", meta
     return None, meta
 
 
 def read_stats(meta: dict[str, object]) -> DatasetStats:
     raw = meta["stats"]
-    assert isinstance(raw, dict)
+    if not isinstance(raw, dict):
+        msg = "stats is not an object"
+        raise TypeError(msg)
     skipped = tuple(SkippedLine(int(s[0]), str(s[1]), str(s[2])) for s in raw["skipped"])
     return DatasetStats(
         conversations_used=int(raw["conversations_used"]),
