@@ -11,7 +11,9 @@ Writes N synthetic multi-turn conversations (default 20,000, about 1 KB each; `-
 - **warm**: the same with the cache of the cold run (a second start, a resume, another rank);
 - **2 ranks cold**: two processes started together on an empty cache (one tokenizes, the other
   waits and maps), against one process cold;
-- peak RSS of cold and warm at 64 and at N conversations: what the data costs in memory.
+- peak RSS of cold and warm at 64 and at N conversations (GNU time), and the anonymous part of
+  the resident memory after the pass (the file-backed rest is the mapped cache's pages: the
+  operating system's page cache, shared by the ranks of a node and reclaimable).
 
 Preparation seconds are measured inside each process (from reading to the mapped examples,
 imports and the tokenizer load excluded; the tokenizing processes' start-up is included);
@@ -37,11 +39,54 @@ from _measure import REPO, WITH_BYTECODE_CACHE, Command, print_table, run_child
 
 TOKENIZER = REPO / "dflash_recipes" / "demo_data" / "target"
 SEQ_LEN = 512
-_WORDS = (
-    "the of and to in is that for it as with was on be by this are from or an at which "
-    "model data token answer question drafter target block layer training cache memory "
-    "parquet arrow rank process conversation assistant user system speculative decoding"
-).split()
+_WORDS = tuple(
+    [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "as",
+        "with",
+        "was",
+        "on",
+        "be",
+        "by",
+        "this",
+        "are",
+        "from",
+        "or",
+        "an",
+        "at",
+        "which",
+        "model",
+        "data",
+        "token",
+        "answer",
+        "question",
+        "drafter",
+        "target",
+        "block",
+        "layer",
+        "training",
+        "cache",
+        "memory",
+        "parquet",
+        "arrow",
+        "rank",
+        "process",
+        "conversation",
+        "assistant",
+        "user",
+        "system",
+        "speculative",
+        "decoding",
+    ]
+)
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -94,7 +139,18 @@ def _child_prepare(data: Path, cache: Path, num_proc: int | None) -> dict[str, f
     dataset = build_dataset(plan, tokenizer)
     prepared = time.perf_counter() - start
     tokens = sum(len(example.input_ids) for example in dataset.examples)  # one epoch's reads
-    return {"seconds": prepared, "tokens": tokens, "examples": len(dataset)}
+    return {"seconds": prepared, "tokens": tokens, "examples": len(dataset), **_rss_parts()}
+
+
+def _rss_parts() -> dict[str, float]:
+    """This process's resident memory now, split: anonymous (its own heap) and file-backed
+    (mapped files, e.g. the cache's pages: the OS's shared, reclaimable page cache), in MB."""
+    parts: dict[str, float] = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile"):
+            parts[name] = int(value.split()[0]) / 1024
+    return parts
 
 
 # -- the driver --------------------------------------------------------------------------------
@@ -104,16 +160,19 @@ def _command(*args: str) -> Command:
     return Command([sys.executable, __file__, *args], env=WITH_BYTECODE_CACHE, capture=True)
 
 
-def _measure(command: Command, fresh_cache: Path | None = None) -> tuple[float, float, float]:
-    """(inner seconds, wall seconds, peak RSS MB) of one child."""
+def _measure(
+    command: Command, fresh_cache: Path | None = None
+) -> tuple[float, float, float, float]:
+    """(inner seconds, wall seconds, peak RSS MB, anonymous RSS MB at the end) of one child."""
     if fresh_cache is not None:
         shutil.rmtree(fresh_cache, ignore_errors=True)
     sample = run_child(command, REPO)
     if sample.returncode != 0:
         msg = f"{' '.join(command.argv)} exited {sample.returncode}"
         raise SystemExit(msg)
-    inner = json.loads(sample.stdout.strip().splitlines()[-1])["seconds"]
-    return inner, sample.seconds, sample.max_rss_kb / 1024
+    report = json.loads(sample.stdout.strip().splitlines()[-1])
+    anon = report.get("RssAnon", float("nan"))
+    return report["seconds"], sample.seconds, sample.max_rss_kb / 1024, anon
 
 
 def _two_ranks(data: Path, cache: Path) -> float:
@@ -155,20 +214,20 @@ def main() -> None:
         write_conversations(big, count)
         write_conversations(small, 64)
         size_mb = big.stat().st_size / 2**20
-        print(f"{count} conversations, {size_mb:.1f} MB of JSONL; demo tokenizer, seq_len {SEQ_LEN}")
+        print(
+            f"{count} conversations, {size_mb:.1f} MB of JSONL; demo tokenizer, seq_len {SEQ_LEN}"
+        )
         cache, small_cache = work / "cache", work / "small-cache"
-        figures: dict[str, list[tuple[float, float, float]]] = {}
+        figures: dict[str, list[tuple[float, float, float, float]]] = {}
 
-        def record(name: str, value: tuple[float, float, float]) -> None:
+        def record(name: str, value: tuple[float, float, float, float]) -> None:
             figures.setdefault(name, []).append(value)
 
         two_ranks: list[float] = []
         one_rank: list[float] = []
         for _ in range(args.rounds):
             record("baseline", _measure(_command("--child", "baseline", str(big))))
-            record(
-                "cold", _measure(_command("--child", "prepare", str(big), str(cache)), cache)
-            )
+            record("cold", _measure(_command("--child", "prepare", str(big), str(cache)), cache))
             record("warm", _measure(_command("--child", "prepare", str(big), str(cache))))
             record(
                 "cold, 1 process",
@@ -194,16 +253,23 @@ def main() -> None:
                 f"{med(name, 0) / base:.2f}x",
                 f"{med(name, 1):.2f}",
                 f"{med(name, 2):.0f}",
+                f"{med(name, 3):.0f}",
             ]
             for name in figures
         ]
-        print_table(["", "prep s", "vs baseline", "process s", "peak RSS MB"], rows)
+        print_table(["", "prep s", "vs baseline", "process s", "peak RSS MB", "anon RSS MB"], rows)
         warm_vs_cold = med("warm", 0) / med("cold", 0)
         print(f"second run / cold: {warm_vs_cold:.1%} of the cold preparation (target <= 10%)")
-        print(f"cold / plain apply_chat_template loop: {med('cold', 0) / base:.2f}x (target <= 1.5x)")
+        print(
+            f"cold / plain apply_chat_template loop: {med('cold', 0) / base:.2f}x (target <= 1.5x)"
+        )
         for kind in ("cold", "warm"):
             growth = med(kind, 2) - med(f"{kind}, 64", 2)
-            print(f"peak RSS growth 64 -> {count} conversations, {kind}: {growth:+.0f} MB")
+            anon = med(kind, 3) - med(f"{kind}, 64", 3)
+            print(
+                f"RSS growth 64 -> {count} conversations, {kind}: peak {growth:+.0f} MB "
+                f"(anonymous at the end {anon:+.0f} MB; the rest is the mapped cache's pages)"
+            )
         ratio = statistics.median(two_ranks) / statistics.median(one_rank)
         print(
             f"2 ranks cold (both ready): {statistics.median(two_ranks):.2f} s; 1 rank cold: "
