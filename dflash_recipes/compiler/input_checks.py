@@ -250,12 +250,9 @@ def output_dir_problem(path: Path) -> str | None:
 
 
 def _data_sha256(path: Path) -> str | None:
-    from dflash_recipes.files.capture_manifest import file_sha256
+    from dflash_recipes.data.sources import input_sha256
 
-    try:
-        return file_sha256(path)
-    except OSError:
-        return None  # data-file-missing reports it
+    return input_sha256(path)  # None: data-file-missing or data-unreadable reports it
 
 
 def _read_previous_plan(path: Path) -> RunPlan | None:

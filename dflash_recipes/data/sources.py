@@ -266,6 +266,23 @@ def content_sha256(source: DataSource) -> str:
     return digest.hexdigest()
 
 
+def input_sha256(path: Path) -> str | None:
+    """sha256 of an input as a capture manifest records it: a file's bytes, a folder's files
+    (:func:`content_sha256`). None when it cannot be read."""
+    import hashlib
+
+    try:
+        if path.is_file():
+            digest = hashlib.sha256()
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+            return digest.hexdigest()
+        return content_sha256(resolve_source(path, setting="data.data_path"))
+    except (OSError, DataError):
+        return None
+
+
 # ---------------------------------------------------------------------------------------------
 # rows
 # ---------------------------------------------------------------------------------------------
@@ -358,6 +375,7 @@ __all__ = [
     "describe_columns",
     "file_format",
     "hub_id_hint",
+    "input_sha256",
     "iter_rows",
     "resolve_source",
     "source_columns",
