@@ -180,7 +180,8 @@ def _save_to_disk_files(path: Path) -> tuple[tuple[Path, FileFormat], ...]:
 
 def source_columns(source: DataSource) -> tuple[str, ...] | None:
     """The columns of the first file from its schema alone; None when the first JSONL lines
-    hold no JSON object to learn them from. DataError when the file cannot be read."""
+    hold no JSON object with a key to learn them from. DataError when the file cannot be
+    read."""
     if source.kind == "save_to_disk":
         info_path = source.path / _DATASET_INFO
         if info_path.is_file():
@@ -196,7 +197,6 @@ def source_columns(source: DataSource) -> tuple[str, ...] | None:
 
 def _jsonl_columns(path: Path, fmt: FileFormat) -> tuple[str, ...] | None:
     columns: dict[str, None] = {}
-    seen_object = False
     try:
         with _open_binary(path, fmt) as handle:
             for count, line in enumerate(handle):
@@ -207,12 +207,12 @@ def _jsonl_columns(path: Path, fmt: FileFormat) -> tuple[str, ...] | None:
                 except ValueError:
                     continue
                 if isinstance(record, dict):
-                    seen_object = True
                     columns.update(dict.fromkeys(str(k) for k in record))
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         msg = f"data file {path} cannot be read: {exc}"
         raise DataError(msg) from None
-    return tuple(columns) if seen_object else None
+    # Objects without keys (`{}`) say nothing about the columns: the rows tell at run time.
+    return tuple(columns) if columns else None
 
 
 def arrow_schema(path: Path, fmt: FileFormat) -> pa.Schema:
