@@ -71,6 +71,15 @@ DATA_PATH_UNSET = _code("data-path-unset", _W, "data.data_path is unset; `run` n
 DATA_FILE_MISSING = _code(
     "data-file-missing", _E, "a data file named by the recipe does not exist or is not a file"
 )
+DATA_HUB_ID = _code(
+    "data-hub-id", _E, "a data path is a Hugging Face Hub dataset id; nothing is downloaded"
+)
+DATA_UNREADABLE = _code(
+    "data-unreadable", _E, "a data input cannot be read (corrupt Parquet/Arrow, bad folder)"
+)
+DATA_COLUMNS_MISSING = _code(
+    "data-columns-missing", _E, "a data input has no 'messages' or 'conversations' column"
+)
 OUTPUT_DIR_UNUSABLE = _code(
     "output-dir-unusable", _E, "training.output_dir is a file or cannot be listed"
 )
@@ -221,8 +230,11 @@ __all__ = [
     "CHECKPOINT_ROPE_DIFFERS",
     "CHECKPOINT_TAPS_DIFFER",
     "CHECKPOINT_TARGET_DIFFERS",
+    "DATA_COLUMNS_MISSING",
     "DATA_FILE_MISSING",
+    "DATA_HUB_ID",
     "DATA_PATH_UNSET",
+    "DATA_UNREADABLE",
     "EVAL_DATA_UNSET",
     "HEADS_FROM_SCRATCH",
     "HEAD_FIELD_MISSING",

@@ -29,6 +29,7 @@ from dflash_recipes.compiler.input_checks import InputChecks
 from dflash_recipes.compiler.model_paths import resolve_local_path
 from dflash_recipes.compiler.recipe_checks import SchemaChecks
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, has_errors, sort_diagnostics
+from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
     BaseModelPlan,
@@ -156,6 +157,12 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                 answer_only_loss=data.answer_only_loss,
                 eval_data_path=optional(data.eval_data_path),
                 hidden_states_path=optional(data.hidden_states_path),
+                cache_dir=str(
+                    self.absolute(data.cache_dir)
+                    if data.cache_dir is not None
+                    else self.absolute(training.output_dir) / DATA_CACHE_DIR
+                ),
+                num_proc=data.num_proc,
             ),
             training=TrainingPlan(
                 output_dir=str(self.absolute(training.output_dir)),

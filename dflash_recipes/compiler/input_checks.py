@@ -11,8 +11,11 @@ from pathlib import Path
 
 from dflash_recipes.checkpoint.hfconfig import read_target_config
 from dflash_recipes.compiler.codes import (
+    DATA_COLUMNS_MISSING,
     DATA_FILE_MISSING,
+    DATA_HUB_ID,
     DATA_PATH_UNSET,
+    DATA_UNREADABLE,
     INIT_CHECKPOINT_IGNORED,
     OUTPUT_DIR_UNUSABLE,
     RESUME_FROM_CHECKPOINT,
@@ -23,7 +26,8 @@ from dflash_recipes.compiler.state import (
     MODEL_PATH,
     CompileState,
 )
-from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.data.sources import hub_id_hint
+from dflash_recipes.errors import DataError, DFlashRecipeError
 from dflash_recipes.files.jsonio import FileReadProblem, clip, file_kind, read_regular_file
 from dflash_recipes.files.run_dir import PLAN_FILE, latest_complete_checkpoint
 from dflash_recipes.plan.run_plan import ResumePlan, RunPlan
@@ -66,7 +70,21 @@ class InputChecks(CompileState):
                 exists, is_file = path.exists(), path.is_file()
             except OSError:
                 exists, is_file = False, False
+            conversations = name != "chat_template"
+            if conversations and exists:
+                self._check_columns(f"data.{name}", path)
+                continue
             if is_file:
+                continue
+            hint = hub_id_hint(value, f"data.{name}") if conversations else None
+            if hint is not None:
+                self.emit(
+                    DATA_HUB_ID,
+                    f"data.{name}",
+                    f"data.{name} {value!r} is not a local file or folder; it looks like a "
+                    "Hugging Face Hub dataset id, and runs never download data",
+                    hint,
+                )
                 continue
             problem = "is a directory, not a file" if exists else "does not exist"
             base = "the recipe's folder" if self.base_dir is not None else "the working directory"
@@ -76,6 +94,39 @@ class InputChecks(CompileState):
                 f"data.{name} {path} {problem} ({what} expected)",
                 f"point data.{name} at {what} (a relative path is resolved against {base})",
             )
+
+    def _check_columns(self, field: str, path: Path) -> None:
+        """The input's columns from its schema alone (never its rows)."""
+        from dflash_recipes.data.sources import (
+            CONVERSATION_COLUMNS,
+            describe_columns,
+            resolve_source,
+            source_columns,
+        )
+
+        try:
+            source = resolve_source(path, setting=field)
+            columns = source_columns(source)
+        except DataError as exc:
+            self.emit(
+                DATA_UNREADABLE,
+                field,
+                str(exc),
+                f"point {field} at a readable JSONL, Parquet or Arrow file, or a folder of them",
+            )
+            return
+        if columns is None or any(c in columns for c in CONVERSATION_COLUMNS):
+            return
+        first = source.files[0][0]
+        self.emit(
+            DATA_COLUMNS_MISSING,
+            field,
+            f"{first} has no 'messages' (OpenAI) or 'conversations' (ShareGPT) column; its "
+            f"columns: {describe_columns(columns)}",
+            "rename the column that holds the turns to 'messages' (role/content) or "
+            "'conversations' (from/value), or point "
+            f"{field} at another input",
+        )
 
     def check_capture(self, taps: Sequence[int] | None) -> None:
         """data.hidden_states_path against the plan: manifest and shard headers only."""
@@ -199,12 +250,9 @@ def output_dir_problem(path: Path) -> str | None:
 
 
 def _data_sha256(path: Path) -> str | None:
-    from dflash_recipes.files.capture_manifest import file_sha256
+    from dflash_recipes.data.sources import input_sha256
 
-    try:
-        return file_sha256(path)
-    except OSError:
-        return None  # data-file-missing reports it
+    return input_sha256(path)  # None: data-file-missing or data-unreadable reports it
 
 
 def _read_previous_plan(path: Path) -> RunPlan | None:

@@ -3,33 +3,78 @@
 It reads a compiled :class:`~dflash_recipes.plan.run_plan.RunPlan` and never the recipe. This module
 re-exports the model core; import submodules directly for the rest (``data``, ``loss``,
 ``train``). Importing ``dflash_recipes`` itself never imports this package.
+
+The names below are loaded on first use (PEP 562): importing a submodule that needs no torch
+(``regenerate`` against a server) does not pay for the model code through this file.
 """
 
-from dflash_recipes.executor.model.convert import (
-    ConvertedModel,
-    convert,
-    dflash_module,
-    embed_tokens,
-    lm_head,
-    load_base_model,
-)
-from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
-from dflash_recipes.executor.model.export import export_drafter
-from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
-from dflash_recipes.executor.model.masks import (
-    DraftMask,
-    build_dense_block_mask,
-    build_flex_block_mask,
-)
-from dflash_recipes.executor.model.warmstart import WarmStartReport, load_init_checkpoint
-from dflash_recipes.executor.training.anchors import block_positions
-from dflash_recipes.executor.training.checkpoints import (
-    restore_training_checkpoint,
-    save_training_checkpoint,
-)
+from __future__ import annotations
 
-#: The former name of :data:`ConvertedModel` (kept so existing imports keep working).
-DFlashModel = ConvertedModel
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_recipes.executor.model.convert import (
+        ConvertedModel,
+        convert,
+        dflash_module,
+        embed_tokens,
+        lm_head,
+        load_base_model,
+    )
+    from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
+    from dflash_recipes.executor.model.export import export_drafter
+    from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
+    from dflash_recipes.executor.model.masks import (
+        DraftMask,
+        build_dense_block_mask,
+        build_flex_block_mask,
+    )
+    from dflash_recipes.executor.model.warmstart import WarmStartReport, load_init_checkpoint
+    from dflash_recipes.executor.training.anchors import block_positions
+    from dflash_recipes.executor.training.checkpoints import (
+        restore_training_checkpoint,
+        save_training_checkpoint,
+    )
+
+    #: The former name of :data:`ConvertedModel` (kept so existing imports keep working).
+    DFlashModel = ConvertedModel
+
+#: Where each public name lives.
+_HOMES = {
+    "ConvertedModel": "model.convert",
+    "DFlashModel": "model.convert",
+    "convert": "model.convert",
+    "dflash_module": "model.convert",
+    "embed_tokens": "model.convert",
+    "lm_head": "model.convert",
+    "load_base_model": "model.convert",
+    "DFlashDraftModel": "model.draft",
+    "taps_from_hidden_states": "model.draft",
+    "export_drafter": "model.export",
+    "DSparkHead": "model.heads",
+    "DominoHead": "model.heads",
+    "DraftMask": "model.masks",
+    "build_dense_block_mask": "model.masks",
+    "build_flex_block_mask": "model.masks",
+    "WarmStartReport": "model.warmstart",
+    "load_init_checkpoint": "model.warmstart",
+    "block_positions": "training.anchors",
+    "restore_training_checkpoint": "training.checkpoints",
+    "save_training_checkpoint": "training.checkpoints",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    module = importlib.import_module(f"{__name__}.{home}")
+    value = getattr(module, "ConvertedModel" if name == "DFlashModel" else name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ConvertedModel",

@@ -61,31 +61,31 @@ def describe_holder(lock_path: Path) -> str:
 
 
 @contextlib.contextmanager
-def hold_directory_lock(directory: Path, *, purpose: str) -> Iterator[Path]:
+def hold_directory_lock(
+    directory: Path, *, purpose: str, lock_name: str = LOCK_FILE, wait_s: float = 0.0
+) -> Iterator[Path]:
     """Hold the exclusive lock of `directory` (created if missing) for the `with` body.
 
     `purpose` names the holder in the message a refused process prints ("run", "capture",
-    "regenerate"). Raises :class:`DirectoryLockedError` at once, without waiting, when another
-    process holds the lock; the message names that process and the fix. Yields the lock file.
+    "regenerate"). Raises :class:`DirectoryLockedError` when another process holds the lock
+    (at once, or after waiting up to `wait_s` seconds for it); the message names that process
+    and the fix. `lock_name` is the lock file's name in `directory` (one directory can hold
+    locks for different purposes). Yields the lock file.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    lock_path = directory / LOCK_FILE
+    lock_path = directory / lock_name
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(lock_path, flags, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        if not _lock_within(fd, wait_s):
             holder = describe_holder(lock_path)
             msg = (
                 f"{directory} is in use by another {holder}; wait for it to finish (or stop "
                 f"it), or choose another directory: two writers would overwrite each other's "
                 f"files"
             )
-            raise DirectoryLockedError(msg) from None
+            raise DirectoryLockedError(msg)
         os.ftruncate(fd, 0)
         os.pwrite(fd, _holder_record(purpose).encode("utf-8"), 0)
         yield lock_path
@@ -93,6 +93,24 @@ def hold_directory_lock(directory: Path, *, purpose: str) -> Iterator[Path]:
         # Closing the descriptor releases the flock; the file stays (removing it would race
         # with a process that has just opened it and is about to lock it).
         os.close(fd)
+
+
+def _lock_within(fd: int, wait_s: float) -> bool:
+    """Take the flock of `fd`, retrying for up to `wait_s` seconds; False if still held."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.05
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 1.0)
 
 
 __all__ = ["LOCK_FILE", "describe_holder", "hold_directory_lock"]

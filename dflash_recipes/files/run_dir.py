@@ -32,6 +32,8 @@ CHECKPOINT_FILES: tuple[str, ...] = (WEIGHTS_FILE, TRAINER_STATE, OPTIMIZER_STAT
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
 EXPORT_DIR = "export"
+#: The tokenized-data cache inside the output directory when data.cache_dir is not set.
+DATA_CACHE_DIR = "data_cache"
 
 _CHECKPOINT_RE = r"^checkpoint-(\d{1,12})$"
 
@@ -76,6 +78,7 @@ def latest_complete_checkpoint(output_dir: Path) -> tuple[int, Path] | None:
 __all__ = [
     "CHECKPOINT_FILES",
     "CHECKPOINT_PREFIX",
+    "DATA_CACHE_DIR",
     "EXPORT_DIR",
     "METRICS_FILE",
     "OPTIMIZER_STATE",

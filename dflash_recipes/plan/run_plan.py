@@ -65,8 +65,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: `hidden_states_path` and the `regenerate` section (a version-1 plan is refused with the
 #: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
 #: `logging_dir` (experiment trackers). 4: the draft's `shift_label`, `pure_draft_prefix_len`
-#: and `markov_head_type` (Domino and DSpark as ModelOpt computes them).
-PLAN_FORMAT_VERSION = 4
+#: and `markov_head_type` (Domino and DSpark as ModelOpt computes them). 5: the data's
+#: `cache_dir` and `num_proc` (the tokenized-data cache).
+PLAN_FORMAT_VERSION = 5
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -123,6 +124,10 @@ class DataPlan(Record):
     eval_data_path: str | None = None
     #: A `dflash-recipe capture` directory to train from offline (None: run the target).
     hidden_states_path: str | None = None
+    #: Folder of the tokenized-data cache (absolute; None: <output_dir>/data_cache).
+    cache_dir: str | None = None
+    #: Processes that tokenize a new cache (None: the cores the run may use).
+    num_proc: int | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -274,16 +274,22 @@ class ModelSection(Record):
 
 @attrs.frozen(repr=False, eq=False, slots=False)
 class DataSection(Record):
-    """Training data: JSONL conversations (OpenAI `messages` or ShareGPT `conversations`)."""
+    """Training data: OpenAI `messages` or ShareGPT `conversations`, as JSONL, Parquet, Arrow."""
 
-    #: JSONL file, one conversation per line. Required to run; compile warns when unset.
+    #: Conversations: a JSONL (or .jsonl.gz) file, a Parquet or Arrow file, a folder of them, or
+    #: a `datasets` save_to_disk folder. Required to run; compile warns when unset.
     data_path: str | None = attrs.field(default=None, validator=non_empty_str)
     #: Optional .jinja chat template file; default: the tokenizer's own template.
     chat_template: str | None = attrs.field(default=None, validator=non_empty_str)
     #: Supervise only assistant tokens (prompt tokens get no loss and open no blocks).
     answer_only_loss: bool = True
-    #: Optional JSONL of held-out conversations for `eval` and `training.eval_steps`.
+    #: Optional held-out conversations (same formats) for `eval` and `training.eval_steps`.
     eval_data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Where the tokenized data is cached (tokenized once, memory-mapped by every run and
+    #: rank); null: <output_dir>/data_cache.
+    cache_dir: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Processes that tokenize a new cache; null: the cores this process may use.
+    num_proc: int | None = attrs.field(default=None, validator=IntRange(1, 1024))
     #: Directory written by `dflash-recipe capture`: train offline from its safetensors shards
     #: (the target's decoder is not run); compile checks it against the plan.
     hidden_states_path: str | None = attrs.field(default=None, validator=non_empty_str)

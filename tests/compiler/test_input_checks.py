@@ -9,10 +9,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from testkit.compiling import RecipeFactory, compile_in, only
 
 from dflash_recipes.cli import main
+from dflash_recipes.diagnostics import Severity
 from dflash_recipes.files.crashsafe import write_output
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -126,3 +131,53 @@ def test_a_regular_file_is_replaced_atomically_and_a_directory_refused(tmp_path:
     result = CliRunner().invoke(main, ["schema", "-o", str(tmp_path)])
     assert result.exit_code == 2
     assert "is a directory" in result.output
+
+
+# -- data inputs: formats, columns, hub ids (from the schema alone) ---------------------------
+
+
+def test_a_hub_dataset_id_is_refused_with_the_download_command(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    result = compile_in(tmp_path, make_recipe(data={"data_path": "HuggingFaceH4/ultrachat_200k"}))
+    d = only(result, "data-hub-id")
+    assert d.severity is Severity.ERROR and d.path == "data.data_path"
+    assert "Hugging Face Hub dataset id" in d.message and "never download" in d.message
+    assert d.hint is not None
+    assert "`hf download HuggingFaceH4/ultrachat_200k --repo-type dataset --local-dir" in d.hint
+    assert "then set data.data_path to the folder" in d.hint
+
+
+def test_an_input_without_a_conversation_column_names_its_columns(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "response": "r"}]), tmp_path / "t.parquet")
+    result = compile_in(tmp_path, make_recipe(data={"eval_data_path": "t.parquet"}))
+    d = only(result, "data-columns-missing")
+    assert d.path == "data.eval_data_path"
+    assert "no 'messages' (OpenAI) or 'conversations' (ShareGPT) column" in d.message
+    assert d.message.endswith("its columns: prompt, response")
+    (tmp_path / "t.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+    result = compile_in(tmp_path, make_recipe(data={"data_path": "t.jsonl"}))
+    assert only(result, "data-columns-missing").message.endswith("its columns: text")
+
+
+def test_parquet_folders_and_save_to_disk_folders_compile(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    (tmp_path / "parts").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "parts" / "train-0.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for path in ("parts", "saved", "parts/train-0.parquet"):
+        result = compile_in(tmp_path, make_recipe(data={"data_path": path}))
+        assert result.ok, [(d.code, d.message) for d in result.diagnostics]
+
+
+def test_a_truncated_parquet_file_is_a_compile_error(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    (tmp_path / "t.parquet").write_bytes(b"PAR1 not really")
+    result = compile_in(tmp_path, make_recipe(data={"data_path": "t.parquet"}))
+    d = only(result, "data-unreadable")
+    assert "cannot be read as a Parquet file" in d.message and "\n" not in d.message

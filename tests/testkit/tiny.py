@@ -125,6 +125,8 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "chat_template": None,
             "answer_only_loss": True,
             "eval_data_path": None,
+            "cache_dir": None,
+            "num_proc": 1,
         },
         "base": {
             "path": str(tmp_path / "target"),

@@ -1,2 +1,2 @@
-"""Training inputs: conversations tokenized into batches, captured hidden states, and the capture
-command."""
+"""Training inputs: conversations tokenized once into a memory-mapped cache and batched,
+captured hidden states, and the capture command."""

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.data.conversations import TokenizedExample, TrainDataset, build_dataset
 from dflash_recipes.executor.data.offline import final_norm
@@ -118,7 +119,7 @@ def planned_manifest(
         tokenizer_sha256=tokenizer_sha256(base),
         chat_template_sha256=chat_template_sha256(plan.data.chat_template, base),
         data_path=data_path,
-        data_sha256=file_sha256(Path(data_path)) if data_path is not None else None,
+        data_sha256=input_sha256(Path(data_path)) if data_path is not None else None,
         answer_only_loss=plan.data.answer_only_loss,
         target_layer_ids=taps,
         hidden_size=facts.hidden_size,

@@ -31,12 +31,9 @@ import attrs
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from dflash_recipes.data.conversations import Conversation, read_conversations
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import (
-    Conversation,
-    read_chat_template,
-    read_conversations,
-)
+from dflash_recipes.executor.data.tokenize import read_chat_template
 from dflash_recipes.executor.evaluation.cached_decoding import (
     check_positions,
     speculative_generate_batch,

@@ -23,8 +23,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_recipes.data.conversations import Conversation, Message, Role
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import Conversation, Message, Role
 from dflash_recipes.files.jsonio import regular_file_problem, shorten
 
 #: Columns a Parquet prompt file is read from when ``--prompt-column`` is not given, in order.
@@ -39,18 +39,22 @@ _ROLES: dict[str, Role] = {
 }
 
 #: The unit a prompt's number counts, per format (for messages: "item 3", "row 7").
-UNITS = {"jsonl": "line", "json": "item", "parquet": "row"}
+UNITS = {"jsonl": "line", "json": "item", "parquet": "row", "rows": "row"}
 
 
 def prompt_format(path: Path) -> str:
-    """``jsonl``, ``json`` or ``parquet`` from the suffix; DataError for any other."""
+    """``jsonl``, ``json`` or ``parquet`` from the suffix, ``rows`` for the other training-data
+    inputs (a folder, ``.arrow``, ``.jsonl.gz``: read as conversations); DataError otherwise."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".parquet"):
         return suffix[1:]
+    if suffix in (".arrow", ".gz") or path.is_dir():
+        return "rows"
     msg = (
         f"prompt file {path}: cannot tell its format from the suffix {suffix or '(none)'!r}; "
         "use .jsonl (chat conversations), .json (a list of prompt strings or message lists) "
-        "or .parquet (a column of them, --prompt-column)"
+        "or .parquet (a column of them, --prompt-column); a folder, .arrow or .jsonl.gz is "
+        "read as training conversations"
     )
     raise DataError(msg)
 

@@ -35,11 +35,8 @@ from pathlib import Path
 import attrs
 
 from dflash_recipes.compiler.regenerate_checks import default_regenerate_plan, output_problem
+from dflash_recipes.data.conversations import read_conversations, summarize
 from dflash_recipes.errors import DataError, RegenerateError
-from dflash_recipes.executor.data.conversations import (
-    read_conversations,
-    summarize,
-)
 from dflash_recipes.executor.regenerate.types import (
     Answer,
     Job,

@@ -34,7 +34,7 @@ def regenerate_locally(
     """
     import torch
 
-    from dflash_recipes.executor.data.conversations import read_chat_template
+    from dflash_recipes.executor.data.tokenize import read_chat_template
     from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer
 
     tokenizer = load_tokenizer(plan)

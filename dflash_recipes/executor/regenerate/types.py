@@ -9,10 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from dflash_recipes.executor.data.conversations import (
-    Message,
-    SkippedLine,
-)
+from dflash_recipes.data.conversations import Message, SkippedLine
 from dflash_recipes.files.regenerate_output import prompt_key
 from dflash_recipes.records import Record
 

@@ -208,3 +208,24 @@ def test_eval_command_json_carries_the_settings(
     assert refused.exit_code != 0
     assert "max_position_embeddings" in refused.output
     assert "Traceback" not in refused.output
+
+
+def test_a_save_to_disk_folder_and_a_gzipped_jsonl_are_read_as_training_conversations(
+    tmp_path: Path,
+) -> None:
+    import gzip
+
+    import datasets
+
+    from dflash_recipes.executor.evaluation.evaluate import read_prompt_conversations
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(3)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    with gzip.open(tmp_path / "p.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.write("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("saved", "p.jsonl.gz"):
+        got = read_prompt_conversations(tmp_path / name)
+        assert [c.messages[0].content for c in got] == ["q0", "q1", "q2"], name

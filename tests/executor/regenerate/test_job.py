@@ -281,3 +281,37 @@ def test_a_stop_signal_seals_the_journal_and_keeps_every_answer(
     parts = sorted((tmp_path / "out.jsonl.parts").glob("part-*.jsonl"))
     assert sum(p.read_text().count("\n") for p in parts) == sidecar["answered"]
     assert not out.exists()
+
+
+_NO_TORCH = """
+import json, sys
+from pathlib import Path
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.regenerate.job import run_regenerate
+
+plan = compile_file(sys.argv[1]).plan
+summary = run_regenerate(plan, output_path=Path(sys.argv[2]), progress=False, echo=lambda _: None)
+heavy = sorted(m for m in ("torch", "transformers", "safetensors") if m in sys.modules)
+print(json.dumps({"answered": summary.answered, "heavy": heavy}))
+"""
+
+
+def test_regenerate_against_a_server_imports_neither_torch_nor_transformers(
+    tmp_path: Path, server: Server
+) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    rows = _conversations(3)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")  # a Parquet input too
+    recipe = _recipe(tmp_path, tmp_path / "in.parquet", base_url=server.url + "/v1")
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, str(recipe), str(tmp_path / "out.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"answered": 3, "heavy": []}

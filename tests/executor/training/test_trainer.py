@@ -329,3 +329,32 @@ def test_base_model_without_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
         run_plan(plan, progress=False)
     assert str(target) in str(info.value)
     assert not (tmp_path / "notok").exists()
+
+
+def test_parquet_a_folder_and_a_save_to_disk_folder_train_exactly_like_the_jsonl(
+    tmp_path: Path,
+) -> None:
+    datasets = pytest.importorskip("datasets")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    plan = _plan(tmp_path, "jsonl", "training.max_steps=2")
+    assert plan.data.data_path is not None
+    rows = [json.loads(line) for line in Path(plan.data.data_path).read_text().splitlines()]
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "train.parquet")
+    (tmp_path / "parts").mkdir()
+    half = len(rows) // 2
+    pq.write_table(table.slice(0, half), tmp_path / "parts" / "a.parquet")
+    pq.write_table(table.slice(half), tmp_path / "parts" / "b.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+
+    def losses(name: str, data: str | None = None) -> list[float]:
+        extra = () if data is None else (f"data.data_path={data}",)
+        run_plan(_plan(tmp_path, name, "training.max_steps=2", *extra), progress=False)
+        rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, rows) if r["kind"] == "train"]
+
+    reference = losses("jsonl")
+    assert len(reference) == 2
+    for name in ("train.parquet", "parts", "saved"):
+        assert losses(f"run-{name}", str(tmp_path / name)) == reference, name

@@ -1,0 +1,288 @@
+"""Data preparation at scale: the tokenize-once cache against a plain apply_chat_template loop.
+
+Writes N synthetic multi-turn conversations (default 20,000, about 1 KB each; `--large`:
+200,000) as JSONL and measures, each in its own process and with the demo tokenizer,
+`answer_only_loss: true` and `training_seq_len` 512:
+
+- **baseline**: a plain single-process ``apply_chat_template(..., tokenize=True)`` loop over the
+  same conversations (read with ``json``), the floor any data preparation pays once;
+- **cold**: ``build_dataset`` with an empty cache (`data.num_proc` = the cores this process may
+  use), then one pass over every example, as an epoch reads them;
+- **warm**: the same with the cache of the cold run (a second start, a resume, another rank);
+- **2 ranks cold**: two processes started together on an empty cache (one tokenizes, the other
+  waits and maps), against one process cold;
+- peak RSS of cold and warm at 64 and at N conversations (GNU time), and the anonymous part of
+  the resident memory after the pass (the file-backed rest is the mapped cache's pages: the
+  operating system's page cache, shared by the ranks of a node and reclaimable).
+
+Preparation seconds are measured inside each process (from reading to the mapped examples,
+imports and the tokenizer load excluded; the tokenizing processes' start-up is included);
+ratios compare figures of this run only. Rounds are interleaved; figures are medians.
+
+Usage: python benchmarks/bench_data.py [--conversations 20000] [--rounds 1] [--large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _measure import REPO, WITH_BYTECODE_CACHE, Command, print_table, run_child
+
+TOKENIZER = REPO / "dflash_recipes" / "demo_data" / "target"
+SEQ_LEN = 512
+_WORDS = tuple(
+    [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "as",
+        "with",
+        "was",
+        "on",
+        "be",
+        "by",
+        "this",
+        "are",
+        "from",
+        "or",
+        "an",
+        "at",
+        "which",
+        "model",
+        "data",
+        "token",
+        "answer",
+        "question",
+        "drafter",
+        "target",
+        "block",
+        "layer",
+        "training",
+        "cache",
+        "memory",
+        "parquet",
+        "arrow",
+        "rank",
+        "process",
+        "conversation",
+        "assistant",
+        "user",
+        "system",
+        "speculative",
+        "decoding",
+    ]
+)
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def write_conversations(path: Path, count: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as handle:
+        for _ in range(count):
+            turns = []
+            for _ in range(rng.randint(1, 3)):
+                turns.append({"role": "user", "content": _text(rng, rng.randint(8, 40))})
+                turns.append({"role": "assistant", "content": _text(rng, rng.randint(20, 90))})
+            handle.write(json.dumps({"messages": turns}) + "\n")
+
+
+# -- the measured processes --------------------------------------------------------------------
+
+
+def _child_baseline(data: Path) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    start = time.perf_counter()
+    tokens = 0
+    with data.open(encoding="utf-8") as handle:
+        for line in handle:
+            ids = tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True)
+            tokens += len(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens}
+
+
+def _child_prepare(data: Path, cache: Path, num_proc: int | None) -> dict[str, float]:
+    from testkit.tiny import tiny_plan
+    from transformers import AutoTokenizer
+
+    from dflash_recipes.executor.data.conversations import build_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    plan = tiny_plan(
+        cache.parent,
+        data_path=str(data),
+        training_seq_len=SEQ_LEN,
+        block_size=8,
+        cache_dir=str(cache),
+        num_proc=num_proc,
+    )
+    start = time.perf_counter()
+    dataset = build_dataset(plan, tokenizer)
+    prepared = time.perf_counter() - start
+    tokens = sum(len(example.input_ids) for example in dataset.examples)  # one epoch's reads
+    return {"seconds": prepared, "tokens": tokens, "examples": len(dataset), **_rss_parts()}
+
+
+def _rss_parts() -> dict[str, float]:
+    """This process's resident memory now, split: anonymous (its own heap) and file-backed
+    (mapped files, e.g. the cache's pages: the OS's shared, reclaimable page cache), in MB."""
+    parts: dict[str, float] = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile"):
+            parts[name] = int(value.split()[0]) / 1024
+    return parts
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def _command(*args: str) -> Command:
+    return Command([sys.executable, __file__, *args], env=WITH_BYTECODE_CACHE, capture=True)
+
+
+def _measure(
+    command: Command, fresh_cache: Path | None = None
+) -> tuple[float, float, float, float]:
+    """(inner seconds, wall seconds, peak RSS MB, anonymous RSS MB at the end) of one child."""
+    if fresh_cache is not None:
+        shutil.rmtree(fresh_cache, ignore_errors=True)
+    sample = run_child(command, REPO)
+    if sample.returncode != 0:
+        msg = f"{' '.join(command.argv)} exited {sample.returncode}"
+        raise SystemExit(msg)
+    report = json.loads(sample.stdout.strip().splitlines()[-1])
+    anon = report.get("RssAnon", float("nan"))
+    return report["seconds"], sample.seconds, sample.max_rss_kb / 1024, anon
+
+
+def _two_ranks(data: Path, cache: Path) -> tuple[float, float]:
+    """(wall seconds until both of two processes started together have their data, the
+    longer of their preparation seconds)."""
+    shutil.rmtree(cache, ignore_errors=True)
+    argv = [sys.executable, __file__, "--child", "prepare", str(data), str(cache)]
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen(argv, cwd=REPO, env=dict(WITH_BYTECODE_CACHE), stdout=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    prepared = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit("a rank failed")
+        prepared.append(json.loads(out.decode().strip().splitlines()[-1])["seconds"])
+    return time.perf_counter() - start, max(prepared)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--large", action="store_true", help="200,000 conversations")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, data, *rest = args.child
+        if kind == "baseline":
+            report = _child_baseline(Path(data))
+        else:
+            num_proc = int(rest[1]) if len(rest) > 1 else None
+            report = _child_prepare(Path(data), Path(rest[0]), num_proc)
+        print(json.dumps(report))
+        return
+    count = 200_000 if args.large else args.conversations
+    work = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    try:
+        big, small = work / "big.jsonl", work / "small.jsonl"
+        write_conversations(big, count)
+        write_conversations(small, 64)
+        size_mb = big.stat().st_size / 2**20
+        print(
+            f"{count} conversations, {size_mb:.1f} MB of JSONL; demo tokenizer, seq_len {SEQ_LEN}"
+        )
+        cache, small_cache = work / "cache", work / "small-cache"
+        figures: dict[str, list[tuple[float, float, float, float]]] = {}
+
+        def record(name: str, value: tuple[float, float, float, float]) -> None:
+            figures.setdefault(name, []).append(value)
+
+        two_ranks: list[tuple[float, float]] = []
+        one_rank: list[tuple[float, float]] = []
+        for _ in range(args.rounds):
+            record("baseline", _measure(_command("--child", "baseline", str(big))))
+            record("cold", _measure(_command("--child", "prepare", str(big), str(cache)), cache))
+            record("warm", _measure(_command("--child", "prepare", str(big), str(cache))))
+            record(
+                "cold, 1 process",
+                _measure(_command("--child", "prepare", str(big), str(cache), "1"), cache),
+            )
+            small_cmd = _command("--child", "prepare", str(small), str(small_cache))
+            record("cold, 64", _measure(small_cmd, small_cache))
+            record("warm, 64", _measure(small_cmd))
+            shutil.rmtree(cache, ignore_errors=True)
+            start = time.perf_counter()
+            inner, *_ = _measure(_command("--child", "prepare", str(big), str(cache)), cache)
+            one_rank.append((time.perf_counter() - start, inner))
+            two_ranks.append(_two_ranks(big, cache))
+
+        def med(name: str, index: int) -> float:
+            return statistics.median(v[index] for v in figures[name])
+
+        base = med("baseline", 0)
+        rows = [
+            [
+                name,
+                f"{med(name, 0):.2f}",
+                f"{med(name, 0) / base:.2f}x",
+                f"{med(name, 1):.2f}",
+                f"{med(name, 2):.0f}",
+                f"{med(name, 3):.0f}",
+            ]
+            for name in figures
+        ]
+        print_table(["", "prep s", "vs baseline", "process s", "peak RSS MB", "anon RSS MB"], rows)
+        warm_vs_cold = med("warm", 0) / med("cold", 0)
+        print(f"second run / cold: {warm_vs_cold:.1%} of the cold preparation (target <= 10%)")
+        print(
+            f"cold / plain apply_chat_template loop: {med('cold', 0) / base:.2f}x (target <= 1.5x)"
+        )
+        for kind in ("cold", "warm"):
+            growth = med(kind, 2) - med(f"{kind}, 64", 2)
+            anon = med(kind, 3) - med(f"{kind}, 64", 3)
+            print(
+                f"RSS growth 64 -> {count} conversations, {kind}: peak {growth:+.0f} MB "
+                f"(anonymous at the end {anon:+.0f} MB; the rest is the mapped cache's pages)"
+            )
+        for index, what in ((0, "process wall, both ready"), (1, "data preparation")):
+            two = statistics.median(v[index] for v in two_ranks)
+            one = statistics.median(v[index] for v in one_rank)
+            print(
+                f"2 ranks vs 1 rank cold ({what}): {two:.2f} s vs {one:.2f} s, ratio "
+                f"{two / one:.2f} (target <= 1.0: one build, the other rank maps it)"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Torch-free reading of training conversations: input formats, columns, content hash."""

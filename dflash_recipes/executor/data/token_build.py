@@ -1,0 +1,352 @@
+"""Building a tokenized-data cache entry: stream the input, tokenize in parallel, write arrays.
+
+The input is read as a stream and cut into chunks of :data:`CHUNK` usable conversations. With
+``num_proc > 1`` (and more than :data:`INLINE_LIMIT` conversations, below which starting the
+processes costs more than it saves) the chunks go to a ``spawn`` process pool, at most two per
+process in flight, so memory stays bounded; results are written in input order, so the entry is
+byte-identical to the one a single process writes. Each worker gets a copy of the tokenizer
+and the settings once, when it starts.
+
+The entry is written into a staging folder and published by a rename (crash-safe; see
+:mod:`~dflash_recipes.executor.data.token_cache`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from dflash_recipes.data.conversations import (
+    Conversation,
+    Message,
+    Role,
+    SkippedLine,
+    iter_conversations,
+    no_usable_conversation,
+)
+from dflash_recipes.data.sources import DataSource
+from dflash_recipes.errors import DataError, DirectoryLockedError
+from dflash_recipes.executor.data.token_cache import (
+    ARRAYS,
+    DEFAULT_WAIT_S,
+    LOCK_NAME,
+    META_FILE,
+    WAIT_ENV,
+    MappedExamples,
+    TokenizeSettings,
+    cache_key,
+    entry_name,
+    entry_problem,
+    meta_record,
+    read_stats,
+)
+from dflash_recipes.executor.data.tokenize import (
+    DatasetStats,
+    opens_a_block,
+    tokenize_to_arrays,
+)
+from dflash_recipes.files.crashsafe import remove_stale_staging, staged_directory
+from dflash_recipes.files.locking import hold_directory_lock
+
+logger = logging.getLogger(__name__)
+
+#: Conversations per unit of work sent to a process.
+CHUNK = 256
+#: Up to this many conversations are tokenized in this process whatever num_proc says.
+INLINE_LIMIT = 4096
+_INT32_MAX = 2**31 - 1
+
+#: One conversation as it travels to a worker: (line, ((role, content), ...)).
+RawConversation = tuple[int, tuple[tuple[Role, str], ...]]
+
+
+class ChunkResult:
+    """The tokenized examples of one chunk, as flat arrays, and the conversations it skipped."""
+
+    __slots__ = ("ids", "lengths", "mask", "skipped", "truncated")
+
+    def __init__(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        lengths: np.ndarray,
+        truncated: np.ndarray,
+        skipped: list[tuple[int, str, str]],
+    ) -> None:
+        self.ids, self.mask, self.lengths, self.truncated = ids, mask, lengths, truncated
+        self.skipped = skipped
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (ChunkResult, (self.ids, self.mask, self.lengths, self.truncated, self.skipped))
+
+
+def tokenize_chunk(
+    tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings, chunk: list[RawConversation]
+) -> ChunkResult:
+    """Tokenize, mask and check (the block-opening rule) each conversation of `chunk`."""
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
+    skipped: list[tuple[int, str, str]] = []
+    for line, turns in chunk:
+        messages = tuple(Message(role, content) for role, content in turns)
+        try:
+            example_ids, mask, cut = tokenize_to_arrays(
+                tokenizer,
+                messages,
+                chat_template=settings.chat_template,
+                answer_only_loss=settings.answer_only_loss,
+                max_len=settings.max_len,
+            )
+        except DataError as exc:
+            skipped.append((line, "template error", str(exc)))
+            continue
+        if not opens_a_block(mask, settings.block_size):
+            reason = (
+                f"no block of {settings.block_size} tokens starts on two supervised tokens "
+                f"within training_seq_len={settings.max_len} ({len(example_ids)} tokens, "
+                f"{int(mask.sum())} supervised)"
+            )
+            skipped.append((line, "nothing to supervise", reason))
+            continue
+        ids.append(example_ids)
+        masks.append(mask)
+        lengths.append(len(example_ids))
+        truncated.append(cut)
+    id_array = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    if id_array.size and (id_array.min() < 0 or id_array.max() > _INT32_MAX):
+        msg = "the tokenizer produced a token id outside int32; the cache cannot store it"
+        raise DataError(msg)
+    return ChunkResult(
+        id_array.astype(np.int32),
+        np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(truncated, dtype=np.uint8),
+        skipped,
+    )
+
+
+# The worker side of the pool: set once per process by the initializer.
+_worker_state: tuple[PreTrainedTokenizerBase, TokenizeSettings] | None = None
+
+
+def _init_worker(tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings) -> None:
+    global _worker_state
+    _worker_state = (tokenizer, settings)
+
+
+def _work(chunk: list[RawConversation]) -> ChunkResult:
+    assert _worker_state is not None, "the pool initializer did not run"
+    return tokenize_chunk(_worker_state[0], _worker_state[1], chunk)
+
+
+def default_num_proc() -> int:
+    """The cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _chunks(
+    source: DataSource, answer_only_loss: bool, skipped: list[SkippedLine]
+) -> Iterator[list[RawConversation]]:
+    chunk: list[RawConversation] = []
+    for item in iter_conversations(source, answer_only_loss=answer_only_loss):
+        if not isinstance(item, Conversation):
+            skipped.append(item)
+            continue
+        chunk.append((item.line, tuple((m.role, m.content) for m in item.messages)))
+        if len(chunk) == CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _results(
+    chunks: Iterator[list[RawConversation]],
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TokenizeSettings,
+    num_proc: int,
+) -> Iterator[ChunkResult]:
+    """Each chunk's result, in order: here, or in a pool once the input proves large."""
+    head = list(itertools.islice(chunks, INLINE_LIMIT // CHUNK + 1))
+    if num_proc <= 1 or len(head) * CHUNK <= INLINE_LIMIT:
+        for chunk in itertools.chain(head, chunks):
+            yield tokenize_chunk(tokenizer, settings, chunk)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer, settings)) as pool:
+        pending: collections.deque[multiprocessing.pool.AsyncResult[ChunkResult]]
+        pending = collections.deque()
+        for chunk in itertools.chain(head, chunks):
+            pending.append(pool.apply_async(_work, (chunk,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _write(handle: IO[bytes], digest: hashlib._Hash, array: np.ndarray) -> None:
+    data = array.tobytes()
+    handle.write(data)
+    digest.update(data)
+
+
+def build_entry(
+    source: DataSource,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TokenizeSettings,
+    key: dict[str, object],
+    directory: Path,
+    *,
+    num_proc: int,
+) -> DatasetStats:
+    """Tokenize `source` into a new cache entry at `directory`; its stats.
+
+    Raises DataError (and leaves nothing behind) when no conversation is usable.
+    """
+    started = time.perf_counter()
+    skipped: list[SkippedLine] = []
+    with staged_directory(directory) as staging:
+        handles = {name: (staging / name).open("wb") for name, _ in ARRAYS}
+        digests = {name: hashlib.sha256() for name, _ in ARRAYS}
+        used = tokens = supervised = truncated = 0
+        try:
+            _write(handles["offsets.bin"], digests["offsets.bin"], np.zeros(1, np.int64))
+            chunks = _chunks(source, settings.answer_only_loss, skipped)
+            for result in _results(chunks, tokenizer, settings, num_proc):
+                _write(handles["input_ids.bin"], digests["input_ids.bin"], result.ids)
+                _write(handles["loss_mask.bin"], digests["loss_mask.bin"], result.mask)
+                ends = tokens + np.cumsum(result.lengths, dtype=np.int64)
+                _write(handles["offsets.bin"], digests["offsets.bin"], ends)
+                _write(handles["truncated.bin"], digests["truncated.bin"], result.truncated)
+                used += len(result.lengths)
+                tokens += int(result.lengths.sum())
+                supervised += int(result.mask.sum(dtype=np.int64))
+                truncated += int(result.truncated.sum(dtype=np.int64))
+                skipped.extend(SkippedLine(*item) for item in result.skipped)
+        finally:
+            for handle in handles.values():
+                handle.close()
+        skipped.sort(key=lambda item: item.line)
+        if used == 0:
+            raise no_usable_conversation(source.path, skipped)
+        stats = DatasetStats(used, tuple(skipped), tokens, supervised, truncated)
+        checksums = {name: digest.hexdigest() for name, digest in digests.items()}
+        meta = meta_record(key, stats, checksums, source.path)
+        (staging / META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+    logger.info(
+        "tokenized %s into %s: %d conversations in %.1f s (%d process%s)",
+        source.path, directory, used, time.perf_counter() - started, num_proc,
+        "" if num_proc == 1 else "es",
+    )  # fmt: skip
+    return stats
+
+
+def tokenize_all(
+    conversations: Iterable[Conversation],
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TokenizeSettings,
+) -> ChunkResult:
+    """Tokenize conversations in this process, as one chunk (for tests and the benchmark)."""
+    chunk = [(c.line, tuple((m.role, m.content) for m in c.messages)) for c in conversations]
+    return tokenize_chunk(tokenizer, settings, chunk)
+
+
+def wait_seconds() -> float:
+    """How long to wait for another builder: DFLASH_DATA_CACHE_WAIT_S, else the default."""
+    raw = os.environ.get(WAIT_ENV)
+    if raw is None:
+        return DEFAULT_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        msg = f"{WAIT_ENV}={raw!r} is not a number of seconds >= 0; unset it or fix it"
+        raise DataError(msg)
+    return value
+
+
+def prepared_examples(
+    source: DataSource,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TokenizeSettings,
+    *,
+    cache_dir: Path,
+    num_proc: int,
+    wait_s: float | None = None,
+) -> tuple[MappedExamples, DatasetStats, bool]:
+    """The input's examples from the cache, built first when needed: (examples, stats, built).
+
+    Raises DataError when nothing is usable (nothing is cached then), when the cache folder
+    cannot be written, or when another process holds the build for longer than `wait_s`.
+    """
+    key = cache_key(source, tokenizer, settings)
+    directory = cache_dir / entry_name(key)
+    problem, meta = entry_problem(directory, key)
+    if problem is None:
+        return MappedExamples(directory), read_stats(meta), False
+    wait = wait_seconds() if wait_s is None else wait_s
+    try:
+        with hold_directory_lock(
+            cache_dir, purpose="data tokenization", lock_name=LOCK_NAME, wait_s=wait
+        ):
+            problem, meta = entry_problem(directory, key)  # another process may have built it
+            if problem is None:
+                return MappedExamples(directory), read_stats(meta), False
+            remove_stale_staging(directory)
+            if problem != "absent":
+                logger.warning(
+                    "data cache %s is not used: %s; tokenizing %s again", directory, problem,
+                    source.path,
+                )  # fmt: skip
+                shutil.rmtree(directory, ignore_errors=True)
+            build_entry(source, tokenizer, settings, key, directory, num_proc=num_proc)
+    except DirectoryLockedError as exc:
+        msg = (
+            f"waited {wait:.0f} s for the tokenized data cache in {cache_dir}: {exc}; if that "
+            f"process is stuck, stop it (its lock is released when it exits) and rerun, or set "
+            f"{WAIT_ENV} to wait longer"
+        )
+        raise DataError(msg) from None
+    except OSError as exc:
+        msg = (
+            f"cannot write the tokenized data cache in {cache_dir}: {exc.strerror or exc}; "
+            "set data.cache_dir to a writable folder with free space"
+        )
+        raise DataError(msg) from None
+    problem, meta = entry_problem(directory, key)
+    if problem is not None:  # pragma: no cover - a concurrent writer replaced it
+        msg = f"the tokenized data cache {directory} just written is not usable: {problem}"
+        raise DataError(msg)
+    return MappedExamples(directory), read_stats(meta), True
+
+
+__all__ = [
+    "CHUNK",
+    "INLINE_LIMIT",
+    "ChunkResult",
+    "build_entry",
+    "default_num_proc",
+    "prepared_examples",
+    "tokenize_all",
+    "tokenize_chunk",
+    "wait_seconds",
+]

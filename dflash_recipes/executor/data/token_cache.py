@@ -1,0 +1,268 @@
+"""The tokenized-data cache: tokenize once, memory-map on every later start and on every rank.
+
+A cache entry is a folder ``CACHE_DIR/<name>/`` holding four flat arrays and ``meta.json``:
+
+- ``input_ids.bin`` (int32, every example's ids end to end), ``loss_mask.bin`` (uint8, same
+  length), ``offsets.bin`` (int64, examples + 1: example ``i`` is ``offsets[i]:offsets[i+1]``),
+  ``truncated.bin`` (uint8, one per example);
+- ``meta.json``: the key it was made for, the dataset stats and skip reasons, and the sha256
+  of each array file.
+
+**Key.** The folder name hashes the input's content (every byte, so an edit that keeps size and
+mtime is noticed) and the settings that change tokens (``answer_only_loss``,
+``training_seq_len``, the block size of the block-opening rule). ``meta.json`` adds the
+tokenizer (its serialised vocabulary, rules and special tokens), the chat template text and
+:data:`CACHE_FORMAT_VERSION`: an entry whose meta differs (another tokenizer, another template,
+another version of this code) or does not verify (a missing or edited file) is rebuilt with a
+warning that says why. Stale tokens are never used.
+
+**Crash safety.** An entry is built in a hidden staging sibling and renamed into place only
+when complete (:func:`~dflash_recipes.files.crashsafe.staged_directory`); a ``kill -9`` leaves
+only a staging folder, removed by the next builder. Builders take the cache folder's lock; a
+process that finds it held (another rank, another run) waits for the entry instead of building
+it again, up to :data:`WAIT_ENV` seconds (default :data:`DEFAULT_WAIT_S`), then stops with a
+message naming the holder: one tokenization per job, never a silent hang.
+
+**Memory.** Reading maps the arrays (numpy memmap): resident memory does not grow with the
+number of conversations, and the pages are shared by the ranks of a node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import overload
+
+import attrs
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from dflash_recipes.data.conversations import SkippedLine
+from dflash_recipes.data.sources import DataSource, content_sha256
+from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
+from dflash_recipes.records import Record
+
+logger = logging.getLogger(__name__)
+
+#: Bump whenever tokenizing, masking or the block rule changes the tokens a conversation gets.
+CACHE_FORMAT_VERSION = 1
+_FORMAT = "dflash-token-cache"
+META_FILE = "meta.json"
+#: (file name, numpy dtype) of the arrays of an entry.
+ARRAYS = (
+    ("input_ids.bin", np.int32),
+    ("loss_mask.bin", np.uint8),
+    ("offsets.bin", np.int64),
+    ("truncated.bin", np.uint8),
+)
+#: How long a process waits for another one building the same cache (seconds).
+DEFAULT_WAIT_S = 7200.0
+WAIT_ENV = "DFLASH_DATA_CACHE_WAIT_S"
+#: The lock file of a cache folder (not the run's: a cache may live in the output directory).
+LOCK_NAME = ".dflash-data-cache-lock"
+_MAX_META_BYTES = 1 << 30
+#: The parts of the key that name an entry's folder.
+_NAMED_BY = ("data_sha256", "answer_only_loss", "training_seq_len", "block_size")
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class TokenizeSettings(Record):
+    """Everything besides the tokenizer and the input that decides an example's tokens."""
+
+    #: The chat template's text (data.chat_template's content, or the tokenizer's own).
+    chat_template: str
+    answer_only_loss: bool
+    #: training.training_seq_len.
+    max_len: int
+    #: draft.block_size: conversations that cannot open a block are skipped.
+    block_size: int
+
+
+def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of what decides the tokenizer's ids: its serialised model, rules and specials."""
+    digest = hashlib.sha256(type(tokenizer).__name__.encode() + b"\0")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode("utf-8"))
+    else:  # a slow tokenizer: its vocabulary
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode("utf-8"))
+    specials = sorted(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=False))
+    digest.update(json.dumps(specials).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def cache_key(
+    source: DataSource, tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings
+) -> dict[str, object]:
+    """The fingerprint an entry is made for (see the module docstring)."""
+    return {
+        "data_sha256": content_sha256(source),
+        "answer_only_loss": settings.answer_only_loss,
+        "training_seq_len": settings.max_len,
+        "block_size": settings.block_size,
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "chat_template_sha256": hashlib.sha256(settings.chat_template.encode()).hexdigest(),
+        "version": CACHE_FORMAT_VERSION,
+    }
+
+
+def entry_name(key: dict[str, object]) -> str:
+    """The folder of an entry: the input's content and the token settings (not the tokenizer,
+    template or version: an entry made with others is found, and rebuilt with a warning)."""
+    named = {k: key[k] for k in _NAMED_BY}
+    return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading an entry
+# ---------------------------------------------------------------------------------------------
+
+
+class MappedExamples(Sequence[TokenizedExample]):
+    """The examples of a cache entry, read from memory-mapped arrays on access."""
+
+    def __init__(self, directory: Path) -> None:
+        arrays = [np.memmap(directory / name, dtype=dtype, mode="r") for name, dtype in ARRAYS]
+        self._ids, self._mask, self._offsets, self._truncated = arrays
+
+    def __len__(self) -> int:
+        return len(self._truncated)
+
+    @overload
+    def __getitem__(self, index: int) -> TokenizedExample: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TokenizedExample]: ...
+
+    def __getitem__(self, index: int | slice) -> TokenizedExample | list[TokenizedExample]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            msg = f"example {index} out of range ({len(self)} examples)"
+            raise IndexError(msg)
+        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
+        return TokenizedExample(
+            self._ids[start:end].tolist(),
+            self._mask[start:end].tolist(),
+            bool(self._truncated[index]),
+        )
+
+    def __iter__(self) -> Iterator[TokenizedExample]:
+        for index in range(len(self)):
+            yield self[index]
+
+    def lengths(self) -> list[int]:
+        """The token count of every example (without reading the tokens)."""
+        return np.diff(self._offsets).tolist()  # type: ignore[no-any-return]
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def entry_problem(directory: Path, key: dict[str, object]) -> tuple[str | None, dict[str, object]]:
+    """(why the entry cannot be used, or None; its meta). "absent" when there is none."""
+    meta_path = directory / META_FILE
+    if not directory.is_dir():
+        return "absent", {}
+    try:
+        if meta_path.stat().st_size > _MAX_META_BYTES:
+            return f"its {META_FILE} is larger than {_MAX_META_BYTES} bytes", {}
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"its {META_FILE} cannot be read ({exc.__class__.__name__}: {exc})", {}
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        return f"its {META_FILE} is not a {_FORMAT} file", {}
+    found = meta.get("key")
+    if not isinstance(found, dict):
+        return f"its {META_FILE} has no key", {}
+    if found.get("version") != key["version"]:
+        return (
+            f"it was written by another version of dflash-recipes (cache format "
+            f"{found.get('version')!r}, this one writes {key['version']})",
+            meta,
+        )
+    changed = sorted(name for name in key if found.get(name) != key[name])
+    if changed:
+        what = {"tokenizer_sha256": "the tokenizer", "chat_template_sha256": "the chat template"}
+        return "it was made with another " + ", ".join(
+            what.get(name, name).removeprefix("the ") for name in changed
+        ), meta
+    checksums = meta.get("sha256")
+    if not isinstance(checksums, dict):
+        return f"its {META_FILE} has no checksums", meta
+    for name, _ in ARRAYS:
+        try:
+            if _file_sha256(directory / name) != checksums.get(name):
+                return f"{name} does not match its checksum (the file was changed)", meta
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or exc})", meta
+    try:
+        read_stats(meta)
+    except (KeyError, TypeError, ValueError, IndexError, AssertionError):
+        return f"its {META_FILE} has no readable dataset stats", meta
+    return None, meta
+
+
+def read_stats(meta: dict[str, object]) -> DatasetStats:
+    raw = meta["stats"]
+    if not isinstance(raw, dict):
+        msg = "stats is not an object"
+        raise TypeError(msg)
+    skipped = tuple(SkippedLine(int(s[0]), str(s[1]), str(s[2])) for s in raw["skipped"])
+    return DatasetStats(
+        conversations_used=int(raw["conversations_used"]),
+        skipped=skipped,
+        num_tokens=int(raw["num_tokens"]),
+        num_supervised_tokens=int(raw["num_supervised_tokens"]),
+        num_truncated=int(raw["num_truncated"]),
+    )
+
+
+def stats_record(stats: DatasetStats) -> dict[str, object]:
+    """The stats as meta.json stores them."""
+    return {
+        "conversations_used": stats.conversations_used,
+        "skipped": [[s.line, s.kind, s.reason] for s in stats.skipped],
+        "num_tokens": stats.num_tokens,
+        "num_supervised_tokens": stats.num_supervised_tokens,
+        "num_truncated": stats.num_truncated,
+    }
+
+
+def meta_record(
+    key: dict[str, object], stats: DatasetStats, checksums: dict[str, str], source: Path
+) -> dict[str, object]:
+    """The content of an entry's meta.json."""
+    return {
+        "format": _FORMAT,
+        "key": key,
+        "source": str(source),
+        "stats": stats_record(stats),
+        "sha256": checksums,
+    }
+
+
+__all__ = [
+    "ARRAYS",
+    "CACHE_FORMAT_VERSION",
+    "DEFAULT_WAIT_S",
+    "META_FILE",
+    "WAIT_ENV",
+    "MappedExamples",
+    "TokenizeSettings",
+    "cache_key",
+    "entry_name",
+    "entry_problem",
+    "meta_record",
+    "tokenizer_sha256",
+]
