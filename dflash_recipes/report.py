@@ -136,12 +136,10 @@ def _draw(fig: Figure, metrics: Sequence[RunMetrics], names: Sequence[str]) -> N
                 label=f"{name} (measured tau)",
             )
         last = run.train[-1]
-        # position 0 is the anchor (given, never predicted: null) unless a head with
-        # shift_label drafts there too
-        first = 1 if not last.accuracy_by_position or last.accuracy_by_position[0] is None else 0
-        accuracies = last.accuracy_by_position[first:]
+        # position 0 is the anchor (given, never predicted): not plotted
+        accuracies = last.accuracy_by_position[1:]
         ax_acc.plot(
-            range(first, first + len(accuracies)),
+            range(1, 1 + len(accuracies)),
             _nan(accuracies),
             color=color,
             marker="o",
