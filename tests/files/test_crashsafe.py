@@ -127,3 +127,151 @@ def test_publishing_syncs_each_file_and_the_staging_dir_before_the_rename_then_t
     assert sorted(events[:2]) == [("fsync", "config.json"), ("fsync", "model.safetensors")]
     assert events[2:] == [("fsync", staged), ("rename", "export"), ("fsync", tmp_path.name)]
     assert (out / "model.safetensors").read_bytes() == b"weights"
+
+
+# ---------------------------------------------------------------------------------------------
+# a failure injected at each step of publishing: what survives on disk
+# ---------------------------------------------------------------------------------------------
+
+
+def _export(out: Path, content: str) -> None:
+    with staged_directory(out) as staging:
+        (staging / "model.safetensors").write_text(content, encoding="utf-8")
+        (staging / "config.json").write_text("{}", encoding="utf-8")
+
+
+def _on_disk(parent: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(parent)): p.read_text(encoding="utf-8")
+        for p in sorted(parent.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _fail_nth(
+    monkeypatch: pytest.MonkeyPatch, name: str, n: int, events: list[str] | None = None
+) -> None:
+    """Make the n-th call (1-based) of os.`name` raise EIO; the others run for real."""
+    real = getattr(os, name)
+    calls = [0]
+
+    def failing(*args: object) -> object:
+        calls[0] += 1
+        if events is not None:
+            events.append(name)
+        if calls[0] == n:
+            raise OSError(5, f"injected {name} failure")
+        return real(*args)
+
+    monkeypatch.setattr(os, name, failing)
+
+
+OLD = {"export/config.json": "{}", "export/model.safetensors": "old"}
+NEW = {"export/config.json": "{}", "export/model.safetensors": "new"}
+
+
+def test_replacing_an_export_syncs_retires_renames_then_syncs_the_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "export"
+    _export(out, "old")
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def rename(src: os.PathLike[str] | str, dst: os.PathLike[str] | str) -> None:
+        events.append(("rename", f"{Path(src).name} -> {Path(dst).name}"))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    with staged_directory(out) as staging:
+        (staging / "model.safetensors").write_text("new", encoding="utf-8")
+    retire, publish = events[2][1], events[3][1]
+    assert events[:2] == [("fsync", "model.safetensors"), ("fsync", staging.name)]
+    assert retire.startswith("export -> .old-export-") and publish == f"{staging.name} -> export"
+    assert events[4:] == [("fsync", tmp_path.name)]
+    # the retired old directory is gone once the new one is in place
+    assert _on_disk(tmp_path) == {"export/model.safetensors": "new"}
+
+
+@pytest.mark.parametrize(
+    ("call", "n", "step"),
+    [
+        ("fsync", 1, "syncing the first staged file"),
+        ("fsync", 3, "syncing the staging directory"),
+        ("rename", 1, "retiring the old directory"),
+        ("rename", 2, "renaming the new one into place"),
+    ],
+)
+def test_a_failure_before_the_new_directory_is_in_place_keeps_the_old_one_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, n: int, step: str
+) -> None:
+    out = tmp_path / "export"
+    _export(out, "old")
+    _fail_nth(monkeypatch, call, n)
+    with pytest.raises(OSError, match=f"injected {call} failure"):
+        _export(out, "new")
+    # the old export, whole, under its name; no staging or retired directory left
+    assert _on_disk(tmp_path) == OLD, step
+    assert [p.name for p in tmp_path.iterdir()] == ["export"], step
+
+
+def test_a_failure_syncing_the_parent_reports_it_with_the_new_directory_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "export"
+    _export(out, "old")
+    _fail_nth(monkeypatch, "fsync", 4)  # 2 files, the staging dir, then the parent
+    with pytest.raises(OSError, match="injected fsync failure"):
+        _export(out, "new")
+    assert _on_disk(tmp_path) == NEW
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_a_first_export_that_fails_to_rename_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fail_nth(monkeypatch, "rename", 1)
+    with pytest.raises(OSError, match="injected rename failure"):
+        _export(tmp_path / "export", "new")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publishing_over_a_file_is_refused_and_the_file_kept(tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    out.write_text("a file", encoding="utf-8")
+    with pytest.raises(FileExistsError, match="exists and is not a directory; choose another"):
+        _export(out, "new")
+    assert _on_disk(tmp_path) == {"export": "a file"}
+
+
+def test_a_failed_replace_keeps_the_old_file_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "plan.json"
+    crashsafe.write_text_atomic(path, "old")
+    _fail_nth(monkeypatch, "replace", 1)
+    with pytest.raises(OSError, match="injected replace failure"):
+        crashsafe.write_text_atomic(path, "new")
+    assert _on_disk(tmp_path) == {"plan.json": "old"}
+    monkeypatch.undo()
+    crashsafe.write_bytes_atomic(tmp_path / "sub" / "shard.bin", b"\x00\x01")
+    assert (tmp_path / "sub" / "shard.bin").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["shard.bin"]
+
+
+def test_write_new_file_without_hard_links_creates_exclusively(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*_args: object) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    path = tmp_path / "dir" / "recipe.yaml"
+    assert write_new_file(path, "first") is True
+    assert write_new_file(path, "second") is False
+    assert _on_disk(tmp_path) == {"dir/recipe.yaml": "first"}
