@@ -7,6 +7,8 @@ has an inventory entry.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -412,3 +414,73 @@ def test_each_refused_and_compared_entry_gives_its_finding(
     if found[0].severity is Severity.ERROR:
         assert not result.ok
     assert REGISTERED_SEVERITY[case.code] is found[0].severity
+
+
+GOLDEN = Path(__file__).with_name("field_findings.golden.json")
+
+
+def _findings_text(tmp_path: Path, result: CompileResult, code: str) -> list[dict[str, str]]:
+    return [
+        {
+            "severity": d.severity.value,
+            "path": d.path or "",
+            "message": d.message.replace(str(tmp_path), "<tmp>"),
+            "hint": d.hint or "",
+        }
+        for d in result.diagnostics
+        if d.code == code
+    ]
+
+
+def test_each_case_reads_exactly_as_the_pinned_text(
+    tmp_path: Path, make_recipe: RecipeFactory, request: pytest.FixtureRequest
+) -> None:
+    """What a user reads for each inventory case: message and hint, word for word.
+
+    The texts are pinned in field_findings.golden.json; after changing a message on purpose,
+    rewrite it with `DFLASH_UPDATE_GOLDEN=1 python -m pytest -k pinned_text` and review the diff.
+    """
+    seen: dict[str, list[dict[str, str]]] = {}
+    for key, case in sorted(FIELD_CASES.items()):
+        if case.code is None:
+            continue
+        where = tmp_path / key  # a folder per case, beside the same base model and data
+        where.mkdir()
+        for shared in ("base", "train.jsonl"):
+            (where / shared).symlink_to(tmp_path / shared)
+        result = compile_with_config(
+            where, make_recipe, lambda c, case=case: _apply(c, case.edit), arch=case.arch or None
+        )
+        seen[key] = _findings_text(where, result, case.code)
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(seen, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    pinned = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    for key in sorted(seen):
+        assert seen[key] == pinned.get(key), key
+    assert sorted(seen) == sorted(pinned)
+
+
+def test_long_values_and_long_lists_are_shortened_in_messages(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    quantized = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation": "dynamic"}
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: c.update(quantization_config=quantized)
+    )
+    shown = repr(quantized)[:57] + "..."
+    assert f"`quantization_config: {shown}` marks a quantized drafter" in (
+        only(result, "checkpoint-field-refused").message
+    )
+
+
+def test_a_dflash2_checkpoint_lists_four_names_then_counts_the_rest(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config()
+    extra = {f"layers.{i}.attention_conv.weight": (32, 2) for i in range(2)}
+    extra |= {f"layers.{i}.mlp_conv.weight": (32, 2) for i in range(2)}
+    extra["candidate_selector.weight"] = (32, 2)
+    write_drafter_checkpoint(tmp_path / "drafter", config=config, extra=extra)
+    d = only(compile_recipe(make_recipe(), base_dir=tmp_path), "checkpoint-dflash2")
+    assert "it holds 5 DFlash 2 tensor(s) (" in d.message and ", ... (1 more));" in d.message
+    assert sum(name in d.message for name in extra) == 4, d.message
