@@ -22,6 +22,7 @@ from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS
 from dflash_recipes.checkpoint.hfconfig import checkpoint_config_from_mapping
 from dflash_recipes.compiler.compilation import CompileResult, compile_recipe
+from dflash_recipes.compiler.field_checks import check_checkpoint_fields
 from dflash_recipes.diagnostics import Severity, registered_codes
 from dflash_recipes.recipe.sections import Recipe
 
@@ -484,3 +485,36 @@ def test_a_dflash2_checkpoint_lists_four_names_then_counts_the_rest(
     d = only(compile_recipe(make_recipe(), base_dir=tmp_path), "checkpoint-dflash2")
     assert "it holds 5 DFlash 2 tensor(s) (" in d.message and ", ... (1 more));" in d.message
     assert sum(name in d.message for name in extra) == 4, d.message
+
+
+def test_exactly_four_dflash2_names_are_all_listed(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    extra = {f"layers.{i}.attention_conv.weight": (32, 2) for i in range(4)}
+    write_drafter_checkpoint(tmp_path / "drafter", config=drafter_config(), extra=extra)
+    d = only(compile_recipe(make_recipe(), base_dir=tmp_path), "checkpoint-dflash2")
+    listed = ", ".join(sorted(extra))
+    assert f"it holds 4 DFlash 2 tensor(s) ({listed}); dflash-recipes" in d.message
+
+
+def test_a_multimodal_config_is_read_through_text_config_first(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        config["text_config"] = {"hidden_act": "gelu", "attention_bias": None}
+        config["attention_bias"] = True  # the top level counts where text_config is silent
+
+    result = compile_with_config(tmp_path, make_recipe, edit)
+    refused = sorted(d.message for d in result.diagnostics if d.code == "checkpoint-field-refused")
+    assert len(refused) == 2, refused
+    assert "`attention_bias: true`" in refused[0]
+    assert "`text_config.hidden_act: gelu`" in refused[1]
+
+
+def test_a_dflash_config_that_is_not_an_object_is_read_as_empty() -> None:
+    config = drafter_config()
+    config["dflash_config"] = ["is_causal", True]
+    findings = check_checkpoint_fields(
+        config, None, where="c", training_seq_len=64, projector_type="domino"
+    )
+    assert [f.code for f in findings if f.code != "checkpoint-field-unknown"] == []
