@@ -70,6 +70,7 @@ _COMPILE_TESTS = tuple(
         "compilation",
         "model_paths",
         "codes",
+        "findings_pinned",
     )
 )
 
@@ -231,11 +232,18 @@ def _mutmut(work: Path, *args: str, capture: bool = True) -> str:
 _RESULT_LINE = re.compile(r"^\s+(\S+__mutmut_\d+): (.+)$")
 
 
-def run_group(group: Group, workers: int, *, quiet: bool) -> list[ModuleResult]:
-    """Mutate `group.modules`, run their tests against each mutant, return the verdicts."""
-    work = _prepare(group)
+def run_group(
+    group: Group, workers: int, *, quiet: bool, report_only: bool = False
+) -> list[ModuleResult]:
+    """Mutate `group.modules`, run their tests against each mutant, return the verdicts.
+
+    `report_only`: read the verdicts of the last run from `.mutation/<group>` instead.
+    """
+    work = SCRATCH / group.name
     print(f"== {group.name}: {', '.join(group.modules)}", flush=True)
-    _mutmut(work, "run", "--max-children", str(workers), capture=quiet)
+    if not report_only:
+        work = _prepare(group)
+        _mutmut(work, "run", "--max-children", str(workers), capture=quiet)
     results = {module: ModuleResult(module) for module in group.modules}
     prefixes = sorted(((_dotted(m) + ".", m) for m in group.modules), reverse=True)
     for line in _mutmut(work, "results", "--all", "true").splitlines():
@@ -355,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-ratio", type=float, default=0.90)
     parser.add_argument("--list", action="store_true", help="list the groups and exit")
     parser.add_argument("--verbose", action="store_true", help="show mutmut's own progress")
+    parser.add_argument(
+        "--report", action="store_true", help="print the last run's results, run nothing"
+    )
     args = parser.parse_args(argv)
     by_name = {g.name: g for g in GROUPS}
     if args.list:
@@ -369,7 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: list[str] = []
     for group in chosen:
         try:
-            done.append((group, run_group(group, args.workers, quiet=not args.verbose)))
+            done.append(
+                (
+                    group,
+                    run_group(group, args.workers, quiet=not args.verbose, report_only=args.report),
+                )
+            )
         except SystemExit as exc:  # one group's failure (a red clean run) does not stop the rest
             print(exc, flush=True)
             failed.append(group.name)
