@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -275,3 +278,101 @@ def test_write_new_file_without_hard_links_creates_exclusively(
     assert write_new_file(path, "first") is True
     assert write_new_file(path, "second") is False
     assert _on_disk(tmp_path) == {"dir/recipe.yaml": "first"}
+
+
+# ---------------------------------------------------------------------------------------------
+# user-named outputs, new files and the names of temporaries
+# ---------------------------------------------------------------------------------------------
+
+
+def test_write_output_replaces_a_file_and_follows_a_link(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "plan.json"
+    assert crashsafe.write_output(path, "one") == path
+    assert path.read_text() == "one"
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert crashsafe.write_output(link, b"new") == target
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json", "sub"]
+
+
+def test_write_output_writes_through_a_fifo_and_refuses_a_directory(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+
+    def read() -> None:
+        with open(fifo, "rb") as handle:
+            received.append(handle.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    payload = b"x" * 200_000  # more than a pipe holds: written in several writes
+    assert crashsafe.write_output(fifo, payload) == fifo
+    reader.join(timeout=30)
+    assert received == [payload] and stat.S_ISFIFO(fifo.stat().st_mode)
+    with pytest.raises(IsADirectoryError) as caught:
+        crashsafe.write_output(tmp_path, "x")
+    assert caught.value.errno == errno.EISDIR and caught.value.filename == str(tmp_path)
+
+
+def test_write_new_file_creates_folders_and_leaves_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "recipe.yaml"
+    assert write_new_file(path, "x: 1\n") is True
+    assert write_new_file(path, "x: 2\n") is False
+    assert path.read_text() == "x: 1\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["recipe.yaml"]
+
+
+def test_temporaries_are_hidden_siblings_named_after_their_writer(tmp_path: Path) -> None:
+    pid = os.getpid()
+    assert crashsafe.temporary_sibling(tmp_path / "plan.json") == tmp_path / f".plan.json.tmp-{pid}"
+    assert staging_name(tmp_path / "export", "0123abcd") == tmp_path / f".tmp-export-{pid}-0123abcd"
+    assert staging_name(tmp_path / "export", "0123abcd", kind="old").name == (
+        f".old-export-{pid}-0123abcd"
+    )
+
+
+def test_only_directories_named_like_staging_are_removed(tmp_path: Path) -> None:
+    out = tmp_path / "drafter"
+    keep_file = tmp_path / ".tmp-drafter-999999999-0123abcd"
+    keep_file.write_text("not a directory")
+    keep_link = tmp_path / ".old-drafter-999999998-0123abcd"
+    keep_link.symlink_to(tmp_path)
+    too_long = tmp_path / ".tmp-drafter-99999999999-0123abcd"  # 11 digits: not a pid
+    bad_token = tmp_path / ".tmp-drafter-999999999-0123abcz"
+    no_pid = tmp_path / ".tmp-drafter-0123abcd"  # older writers put no pid in the name
+    for directory in (too_long, bad_token, no_pid):
+        directory.mkdir()
+    assert remove_stale_staging(out) == [no_pid]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [keep_file.name, keep_link.name, too_long.name, bad_token.name]
+    )
+    assert remove_stale_staging(tmp_path / "absent" / "drafter") == []
+
+
+def test_remove_staging_dirs_leaves_symlinks(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / ".tmp-checkpoint-link").symlink_to(tmp_path / "elsewhere")
+    remove_staging_dirs(tmp_path, ".tmp-checkpoint-")
+    assert (tmp_path / ".tmp-checkpoint-link").is_symlink()
+
+
+def test_a_pid_is_alive_unless_the_kernel_says_there_is_no_such_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert crashsafe._alive(os.getpid())
+
+    def denied(_pid: int, _signal: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", denied)
+    assert crashsafe._alive(12345)  # another user's process: alive
+
+    def gone(_pid: int, _signal: int) -> None:
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(os, "kill", gone)
+    assert not crashsafe._alive(12345)
