@@ -213,20 +213,23 @@ def _mutmut(work: Path, *args: str, capture: bool = True) -> str:
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")
-    done = subprocess.run(
-        [sys.executable, "-m", "mutmut", *args],
-        cwd=work,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE if capture else None,
-        stderr=subprocess.STDOUT if capture else None,
-        check=False,
-    )
+    # Output goes to a file, not a pipe: mutmut finishes its run even if this script is stopped.
+    log = work / f"mutmut-{args[0]}.log"
+    with log.open("w", encoding="utf-8") as sink:
+        done = subprocess.run(
+            [sys.executable, "-m", "mutmut", *args],
+            cwd=work,
+            env=env,
+            text=True,
+            stdout=sink if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+            check=False,
+        )
+    output = log.read_text(encoding="utf-8", errors="replace") if capture else ""
     if done.returncode != 0:
-        tail = (done.stdout or "")[-4000:]
         msg = f"mutmut {' '.join(args)} failed with exit status {done.returncode} in {work}"
-        raise SystemExit(f"{msg}\n{tail}")
-    return done.stdout or ""
+        raise SystemExit(f"{msg}\n{output[-4000:]}")
+    return output
 
 
 _RESULT_LINE = re.compile(r"^\s+(\S+__mutmut_\d+): (.+)$")
@@ -271,7 +274,7 @@ def _explained() -> dict[str, str]:
 
 
 def print_table(results: Sequence[ModuleResult]) -> None:
-    header = ("module", "mutants", "killed", "survived", "no test", "kill ratio")
+    header = ("module", "mutants", "killed", "survived", "no test", "not run", "kill ratio")
     rows = [
         (
             r.module.removeprefix(_PKG),
@@ -279,6 +282,7 @@ def print_table(results: Sequence[ModuleResult]) -> None:
             str(r.detected),
             str(r.count("survived")),
             str(r.count("no tests")),
+            str(r.count("not checked")),
             f"{r.ratio:.1%}",
         )
         for r in results
@@ -292,6 +296,7 @@ def print_table(results: Sequence[ModuleResult]) -> None:
             str(detected),
             str(sum(r.count("survived") for r in results)),
             str(sum(r.count("no tests") for r in results)),
+            str(sum(r.count("not checked") for r in results)),
             f"{detected / total:.1%}" if total else "-",
         )
     )
