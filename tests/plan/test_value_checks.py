@@ -291,13 +291,38 @@ def test_every_revalidation_rule_refuses_a_forged_value(
     plan = RunPlan.from_dict(refingerprint(_full_plan(plan_dict)))
     paths = _rule_paths(plan, monkeypatch)
     assert len(paths) > 40 and "draft.block_size" in paths and "resume.step" in paths
+    sections = {path.rpartition(".")[0] for path in paths}
+    assert sections == {
+        "base_model",
+        "base_model.facts",
+        "base_model.facts.rope",
+        "data",
+        "training",
+        "draft",
+        "draft.architecture",
+        "draft.objective",
+        "init_checkpoint",
+        "regenerate",
+        "resume",
+    }
     unguarded = []
     for path in paths:
         parts = path.split(".")
+        # refused at this path alone, and the message names the field as the recipe does
+        named = f"{path}: {parts[-1]} "
         for bad in _BAD_VALUES:
-            forged = _evolve(plan, parts, bad)
-            if any(p.startswith(f"{path}: ") for p in value_checks.plan_value_problems(forged)):
+            problems = value_checks.plan_value_problems(_evolve(plan, parts, bad))
+            if problems and all(p.startswith(named) for p in problems):
                 break
         else:
             unguarded.append(path)
-    assert unguarded == [], f"plan values no forged value is refused for: {unguarded}"
+    assert unguarded == [], f"plan values no forged value is refused for by name: {unguarded}"
+
+
+def test_a_required_value_may_not_be_null_an_optional_one_may(plan_dict: dict[str, Any]) -> None:
+    plan = RunPlan.from_dict(refingerprint(plan_dict))
+    assert value_checks.plan_value_problems(_evolve(plan, ["draft", "block_size"], None)) == [
+        "draft.block_size: block_size must be an integer in [2, 128], got None"
+    ]
+    for path in (["base_model", "facts", "rms_norm_eps"], ["init_checkpoint", "mask_token_id"]):
+        assert value_checks.plan_value_problems(_evolve(plan, path, None)) == []
