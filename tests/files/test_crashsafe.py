@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -376,3 +377,65 @@ def test_a_pid_is_alive_unless_the_kernel_says_there_is_no_such_process(
 
     monkeypatch.setattr(os, "kill", gone)
     assert not crashsafe._alive(12345)
+
+
+def test_atomic_writes_create_missing_folders_and_return_the_path_as_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashsafe.write_text_atomic(tmp_path / "a" / "b" / "plan.json", "{}")
+    crashsafe.write_bytes_atomic(tmp_path / "c" / "d" / "shard.bin", b"\x00")
+    assert _on_disk(tmp_path) == {"a/b/plan.json": "{}", "c/d/shard.bin": "\x00"}
+    monkeypatch.chdir(tmp_path)
+    assert crashsafe.write_output(Path("rel") / "out.txt", "x") == Path("rel") / "out.txt"
+    with pytest.raises(IsADirectoryError) as caught:
+        crashsafe.write_output(Path("rel"), "x")
+    assert caught.value.strerror == "Is a directory"
+
+
+def test_a_failed_write_of_a_new_file_says_why_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(*_args: object, **_kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError) as caught:
+        write_new_file(tmp_path / "recipe.yaml", "x: 1\n")
+    assert caught.value.errno == 28  # not a FileNotFoundError from the cleanup
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_retired_directory_is_named_so_the_next_writer_can_clean_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "export"
+    _export(out, "old")
+    renamed: list[str] = []
+    real_rename = os.rename
+
+    def rename(src: os.PathLike[str] | str, dst: os.PathLike[str] | str) -> None:
+        renamed.append(Path(dst).name)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    _export(out, "new")
+    assert re.fullmatch(rf"\.old-export-{os.getpid()}-[0-9a-f]{{8}}", renamed[0]), renamed
+
+
+def test_a_directory_that_cannot_be_removed_does_not_stop_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "export"
+    _export(out, "old")
+    stale = tmp_path / ".tmp-export-999999999-0123abcd"
+    (stale / "sub").mkdir(parents=True)
+    (tmp_path / ".tmp-checkpoint-1-dead" / "sub").mkdir(parents=True)
+
+    def busy(*_args: object, **_kwargs: object) -> None:
+        raise OSError(16, "Device or resource busy")
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    assert remove_stale_staging(out) == [stale]  # tried, and reported as handled
+    remove_staging_dirs(tmp_path, ".tmp-checkpoint-")
+    _export(out, "new")  # the retired old export cannot be removed either
+    assert (out / "model.safetensors").read_text() == "new"
