@@ -162,3 +162,17 @@ def test_a_lock_error_other_than_held_is_raised_as_it_is(
     ):
         pass
     assert not isinstance(info.value, DirectoryLockedError)
+
+
+def test_a_record_with_a_stray_byte_still_names_the_holder(tmp_path: Path) -> None:
+    # a hostname in a legacy encoding: the record is still read, the byte replaced
+    (tmp_path / LOCK_FILE).write_bytes(
+        b'{"host": "caf\xe9", "pid": 7, "purpose": "run", "started": "s"}'
+    )
+    assert describe_holder(tmp_path / LOCK_FILE) == "run (pid 7 on host caf\ufffd, started s)"
+
+
+def test_the_holder_record_is_one_line_of_sorted_keys(tmp_path: Path) -> None:
+    with hold_directory_lock(tmp_path, purpose="run") as lock:
+        text = lock.read_text(encoding="utf-8")
+    assert text.count("\n") == 1 and list(json.loads(text)) == sorted(json.loads(text))
