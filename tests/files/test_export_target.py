@@ -304,3 +304,36 @@ def test_an_export_from_before_the_marker_needs_exactly_its_files_and_architectu
     broken = _legacy_export(tmp_path / "broken")
     (broken / "config.json").write_text("{not json")
     assert not is_earlier_export(broken)
+
+
+def test_a_deleted_current_directory_protects_nothing_and_refuses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def gone() -> Path:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(Path, "cwd", staticmethod(gone))
+    check_export_target(tmp_path / "export")
+
+
+def test_an_unlistable_directory_is_refused_with_the_os_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "out").mkdir()
+
+    def denied(_self: Path) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    assert _refusal(tmp_path / "out") == (
+        f"export directory {tmp_path / 'out'} cannot be listed: Permission denied"
+    )
+
+
+def test_a_marker_exactly_at_its_bound_is_read(tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    export.mkdir()
+    text = export_marker_text(["model.safetensors"])
+    (export / EXPORT_MARKER).write_text(text + " " * (64 * 1024 - len(text)))
+    (export / "model.safetensors").write_bytes(b"w")
+    assert is_earlier_export(export)
