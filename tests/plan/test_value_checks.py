@@ -324,5 +324,10 @@ def test_a_required_value_may_not_be_null_an_optional_one_may(plan_dict: dict[st
     assert value_checks.plan_value_problems(_evolve(plan, ["draft", "block_size"], None)) == [
         "draft.block_size: block_size must be an integer in [2, 128], got None"
     ]
-    for path in (["base_model", "facts", "rms_norm_eps"], ["init_checkpoint", "mask_token_id"]):
+    optional = (
+        ["base_model", "facts", "rms_norm_eps"],
+        ["init_checkpoint", "mask_token_id"],
+        ["init_checkpoint", "trained_block_size"],  # a config.json that states no block size
+    )
+    for path in optional:
         assert value_checks.plan_value_problems(_evolve(plan, path, None)) == []
