@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,28 @@ def test_a_directory_that_cannot_be_removed_does_not_stop_the_writer(
     remove_staging_dirs(tmp_path, ".tmp-checkpoint-")
     _export(out, "new")  # the retired old export cannot be removed either
     assert (out / "model.safetensors").read_text() == "new"
+
+
+def test_a_live_writer_is_passed_over_and_the_dead_after_it_still_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "drafter"
+    live = tmp_path / f".tmp-drafter-{os.getppid()}-fedcba98"
+    dead = tmp_path / ".tmp-drafter-999999999-0123abcd"
+    for directory in (live, dead):
+        directory.mkdir()
+    real_iterdir = Path.iterdir
+
+    def live_first(self: Path) -> Iterator[Path]:
+        return iter(sorted(real_iterdir(self), key=lambda p: p != live))
+
+    monkeypatch.setattr(Path, "iterdir", live_first)
+    assert remove_stale_staging(out) == [dead]
+    assert [p.name for p in real_iterdir(tmp_path)] == [live.name]
+
+
+def test_liveness_is_asked_with_signal_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    assert crashsafe._alive(4242)
+    assert sent == [(4242, 0)]  # signal 0 only asks; any other would be delivered
