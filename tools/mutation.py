@@ -320,12 +320,12 @@ def _mutant_sources(work: Path, module: str) -> dict[str, list[str]]:
     """Function name -> source lines, for every function of the mutated copy of `module`."""
     path = work / "mutants" / module
     text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     sources: dict[str, list[str]] = {}
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "__mutmut_" in node.name:
-            segment = ast.get_source_segment(text, node) or ""
             # the def line differs by name only; compare the bodies
-            sources[node.name] = segment.splitlines()[1:]
+            sources[node.name] = lines[node.lineno : node.end_lineno]
     return sources
 
 
