@@ -186,7 +186,12 @@ def publish_directory(staging: Path, out_dir: Path) -> None:
             raise FileExistsError(msg)
         retired = staging_name(out_dir, uuid.uuid4().hex[:8], kind="old")
         os.rename(out_dir, retired)
-        os.rename(staging, out_dir)
+        try:
+            os.rename(staging, out_dir)
+        except BaseException:
+            # The old directory goes back under its name: a failed publish changes nothing.
+            os.rename(retired, out_dir)
+            raise
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.rename(staging, out_dir)

@@ -86,9 +86,14 @@ def plan_value_problems(plan: RunPlan) -> list[str]:
         for name in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
             problems += _run(f"base_model.facts.{name}", _FACT, getattr(facts, name), name)
         positive = recipe_module.positive_float
-        problems += _run("base_model.facts.rope.rope_theta", positive, facts.rope.rope_theta, "")
+        rope_theta = facts.rope.rope_theta
+        problems += _run("base_model.facts.rope.rope_theta", positive, rope_theta, "rope_theta")
         problems += _run(
-            "base_model.facts.rms_norm_eps", positive, facts.rms_norm_eps, "", optional=True
+            "base_model.facts.rms_norm_eps",
+            positive,
+            facts.rms_norm_eps,
+            "rms_norm_eps",
+            optional=True,
         )
     problems += _check_section("data", plan.data, _section_rules(plan.data, DataSection))
     problems += _check_section(

@@ -14,6 +14,7 @@ from testkit.checkpoint_fields import (
 )
 from testkit.compiling import only
 
+from dflash_recipes.checkpoint import config_fields
 from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS, field_entry, unknown_fields
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.recipe.sections import Recipe
@@ -58,3 +59,19 @@ def test_a_config_with_every_known_field_has_no_unknown_field() -> None:
     assert unknown_fields(config) == []
     config["brand_new"] = 1
     assert unknown_fields(config) == ["brand_new"]
+
+
+def test_an_entry_is_built_with_the_key_status_and_reason_given() -> None:
+    entry = config_fields._f("logit_scale", "refused", "scales the draft logits")
+    assert (entry.key, entry.status, entry.reason) == (
+        "logit_scale",
+        "refused",
+        "scales the draft logits",
+    )
+    assert field_entry("dflash_config.is_causal") is not None
+    assert field_entry("is_causal") is not None and field_entry("nope") is None
+
+
+def test_unknown_fields_look_inside_dflash_config_only_when_it_is_an_object() -> None:
+    assert unknown_fields({"dflash_config": ["x"], "zz": 1}) == ["zz"]
+    assert unknown_fields({"dflash_config": {"yy": 1, "block_size": 4}}) == ["dflash_config.yy"]

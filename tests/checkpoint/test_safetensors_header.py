@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -405,8 +406,12 @@ def test_rejects_with_a_message_naming_file_and_rule(
 def test_rejects_a_file_too_short_for_the_length_prefix(tmp_path: Path) -> None:
     path = tmp_path / "short.safetensors"
     path.write_bytes(b"\x02\x00\x00")
-    with pytest.raises(SafetensorsHeaderError, match="3 bytes, too short for a safetensors file"):
+    with pytest.raises(SafetensorsHeaderError) as caught:
         read_safetensors_header(path)
+    assert str(caught.value) == (
+        f"{path}: file is 3 bytes, too short for a safetensors file (it starts with an 8-byte "
+        "header length)"
+    )
 
 
 def test_header_cap_is_configurable(tmp_path: Path) -> None:
@@ -566,3 +571,220 @@ def test_a_length_prefix_just_past_the_end_names_the_rule_it_breaks(
     message = str(info.value)
     assert f"header length {len(body) + past} bytes runs past the end of the file" in message
     assert f"({len(body) + 8} bytes)" in message and "truncated" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# each rule's whole message, and the boundaries of its bounds
+# ---------------------------------------------------------------------------------------------
+
+U64_MAX = 2**64 - 1
+
+EXACT_REJECTIONS = [
+    (
+        "missing-and-unknown-keys",
+        {"w": {"dtype": "F32", "stride": 1, "zz": 2}},
+        0,
+        "tensor 'w': entry must have exactly dtype, shape, data_offsets "
+        "(missing data_offsets, shape; unknown keys 'stride', 'zz')",
+    ),
+    (
+        "unknown-dtype",
+        {"w": entry("F33", [1], 0, 4)},
+        4,
+        "tensor 'w': unknown dtype 'F33' (known: " + ", ".join(ALL_DTYPES) + ")",
+    ),
+    (
+        "shape-not-a-list",
+        {"w": entry("F32", {"a": 1}, 0, 4)},
+        4,
+        "tensor 'w': shape must be a list of integers >= 0, got {'a': 1}",
+    ),
+    (
+        "negative-dimension",
+        {"w": entry("F32", [-1], 0, 4)},
+        4,
+        "tensor 'w': shape must be a list of integers >= 0, got dimension -1",
+    ),
+    (
+        "dimension-of-u64-max-is-a-size-not-a-type-error",
+        {"w": entry("U8", [U64_MAX], 0, 4)},
+        4,
+        f"tensor 'w': shape [{U64_MAX}] of U8 needs {U64_MAX} bytes, but data_offsets [0, 4] "
+        "span 4",
+    ),
+    (
+        "offset-of-u64-max-runs-past-the-end",
+        {"w": entry("U8", [4], 0, U64_MAX)},
+        4,
+        f"tensor 'w': data_offsets [0, {U64_MAX}] run past the end of the file (the data region "
+        "holds 4 bytes; the file is truncated or the header lies)",
+    ),
+    (
+        "offset-not-an-integer",
+        {"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, "4"]}},
+        4,
+        "tensor 'w': data_offsets must be two integers [begin, end] >= 0, got [0, '4']",
+    ),
+    (
+        "end-before-begin",
+        {"w": entry("U8", [0], 4, 2)},
+        4,
+        "tensor 'w': data_offsets [4, 2] end before they begin",
+    ),
+    (
+        "span-differs-from-the-shape",
+        {"w": entry("U8", [2], 1, 4), "v": entry("U8", [1], 0, 1)},
+        4,
+        "tensor 'w': shape [2] of U8 needs 2 bytes, but data_offsets [1, 4] span 3",
+    ),
+    (
+        "overlap",
+        {"a": entry("U8", [4], 0, 4), "b": entry("U8", [2], 2, 4)},
+        4,
+        "tensor 'b' data_offsets [2, 4] overlap tensor 'a' [0, 4]",
+    ),
+    (
+        "gap-at-the-start",
+        {"a": entry("U8", [4], 2, 6)},
+        6,
+        "tensor 'a' starts at byte 2 but the previous data ends at 0: a gap of 2 bytes at the "
+        "start (tensors must be contiguous, the first starting at 0)",
+    ),
+    (
+        "trailing-bytes",
+        {"a": entry("U8", [4], 0, 4)},
+        7,
+        "the tensors cover 4 bytes of data but the file holds 7 bytes after the header "
+        "(3 trailing bytes belong to no tensor)",
+    ),
+    (
+        "metadata-not-an-object",
+        {"__metadata__": [1]},
+        0,
+        "__metadata__ must be an object of string values, got [1]",
+    ),
+    (
+        "metadata-value-not-a-string",
+        {"__metadata__": {"k": 1}},
+        0,
+        "__metadata__['k'] must be a string, got 1",
+    ),
+    (
+        "surrogate-in-a-metadata-value",
+        b'{"__metadata__":{"k":"\\ud800"}}',
+        0,
+        "__metadata__['k'] contains an unpaired UTF-16 surrogate escape",
+    ),
+    (
+        "surrogate-in-a-metadata-key",
+        b'{"__metadata__":{"\\ud800":"v"}}',
+        0,
+        "__metadata__['\\ud800'] contains an unpaired UTF-16 surrogate escape",
+    ),
+    (
+        "surrogate-in-a-tensor-name",
+        b'{"\\udc00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+        1,
+        "tensor name '\\udc00' contains an unpaired UTF-16 surrogate escape",
+    ),
+    ("an-array-header", b"[1]", 0, "the header must be a JSON object (it starts with '[1]')"),
+    # 8 bytes: the length prefix alone is not too short; an empty header is not an object
+    ("eight-bytes", b"", 0, "the header must be a JSON object (it starts with '')"),
+]
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "message"),
+    [pytest.param(*case[1:], id=case[0]) for case in EXACT_REJECTIONS],
+)
+def test_each_rejection_says_exactly_which_rule_and_values(
+    tmp_path: Path, header: Any, data: int, message: str
+) -> None:
+    path = write_raw_safetensors(tmp_path / "bad.safetensors", header, data=data)
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_safetensors_header(path)
+    assert str(caught.value) == f"{path}: {message}"
+
+
+def test_a_header_exactly_at_the_cap_is_read(tmp_path: Path) -> None:
+    path = write_raw_safetensors(tmp_path / "a.safetensors", {"w": entry("U8", [2], 0, 2)}, data=2)
+    size = len(json.dumps({"w": entry("U8", [2], 0, 2)}).encode())
+    assert read_safetensors_header(path, max_header_bytes=size).header_size == size
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_safetensors_header(path, max_header_bytes=size - 1)
+    assert str(caught.value) == (
+        f"{path}: header length {size} bytes exceeds the limit of {size - 1} bytes "
+        "(corrupt file or not a safetensors file)"
+    )
+
+
+def test_tensors_are_in_offset_order_then_by_name(tmp_path: Path) -> None:
+    header = {
+        "z": entry("U8", [4], 0, 4),
+        "b": entry("U8", [0], 4, 4),
+        "a": entry("U8", [0], 4, 4),
+        "c": entry("U8", [2], 4, 6),
+    }
+    path = write_raw_safetensors(tmp_path / "a.safetensors", header, data=6)
+    assert list(read_safetensors_header(path).tensors) == ["z", "a", "b", "c"]
+
+
+def test_unreadable_files_name_the_os_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    absent = tmp_path / "absent.safetensors"
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_safetensors_header(absent)
+    assert str(caught.value) == (
+        f"{absent}: cannot read the safetensors file: No such file or directory"
+    )
+    path = write_safetensors(tmp_path / "a.safetensors", {"w": ("F32", [2])})
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(safetensors_header, "open", refuse, raising=False)
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_safetensors_header(path)
+    assert str(caught.value) == f"{path}: cannot read the safetensors file: Permission denied"
+
+
+class _Trickle:
+    """A file that returns one byte per read, then ends."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read(self, size: int, /) -> bytes:
+        chunk, self.data = self.data[:1], self.data[1:]
+        return chunk
+
+
+def test_short_reads_are_joined_and_an_early_end_says_how_far_it_got() -> None:
+    read_exact = safetensors_header._read_exact
+    assert read_exact(_Trickle(b"abcdef"), 4, "f") == b"abcd"
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_exact(_Trickle(b"abc"), 5, "f")
+    assert str(caught.value) == "f: file ended while reading the header (3 of 5)"
+
+
+def test_a_file_that_shrinks_while_read_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a file truncated between the size check and the reads (another writer, a network mount)
+    real_fstat = os.fstat
+
+    class Grown:
+        def __init__(self, fd: int) -> None:
+            self.st_size = real_fstat(fd).st_size + 100
+
+    monkeypatch.setattr(os, "fstat", Grown)
+    stub = tmp_path / "stub.safetensors"
+    stub.write_bytes(b"\x02\x00\x00")
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_safetensors_header(stub)
+    assert str(caught.value) == f"{stub}: file ended while reading the header (3 of 8)"
+    cut = write_raw_safetensors(tmp_path / "cut.safetensors", b"{}", length=40)
+    with pytest.raises(SafetensorsHeaderError) as caught:
+        read_safetensors_header(cut)
+    assert str(caught.value) == f"{cut}: file ended while reading the header (2 of 40)"

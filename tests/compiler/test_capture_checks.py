@@ -7,12 +7,25 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 from testkit.compiling import TINY_SCRATCH
 
+from dflash_recipes.compiler import capture_checks
+from dflash_recipes.compiler.capture_checks import (
+    CaptureExpectation,
+    check_capture,
+    check_manifest,
+    check_shards,
+)
 from dflash_recipes.compiler.compilation import CompileResult, compile_file
 from dflash_recipes.diagnostics import Diagnostic, Severity
-from dflash_recipes.files.capture_manifest import MANIFEST_FILE
+from dflash_recipes.files.capture_manifest import (
+    MANIFEST_FILE,
+    RECAPTURE,
+    CaptureManifest,
+    ShardEntry,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
@@ -189,3 +202,205 @@ def test_changed_data_file_and_block_size_are_warnings(capture: Path, tmp_path: 
     block = _only(result, "capture-block-size-differs")
     assert block.severity == Severity.WARNING
     assert "dflash.dflash_block_size: 4" in (block.hint or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# each cross-check alone, without a model: one case per code, word for word
+# ---------------------------------------------------------------------------------------------
+
+HEX_A, HEX_B = "a" * 64, "b" * 64
+
+
+def _manifest(**changes: object) -> CaptureManifest:
+    fields: dict[str, object] = {
+        "base_model_path": "/models/base",
+        "base_config_sha256": HEX_A,
+        "tokenizer_sha256": HEX_A,
+        "chat_template_sha256": HEX_A,
+        "data_path": "/data/train.jsonl",
+        "data_sha256": HEX_A,
+        "answer_only_loss": True,
+        "target_layer_ids": (1, 5),
+        "hidden_size": 32,
+        "dtype": "bfloat16",
+        "training_seq_len": 64,
+        "block_size": 4,
+        "last_hidden_state": False,
+        "num_samples": 0,
+        "num_tokens": 0,
+        "num_truncated": 0,
+        "bytes_per_token": 133,
+        "estimated_bytes": 0,
+        "shards": (),
+        "complete": True,
+    }
+    return CaptureManifest(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+_EXPECT = CaptureExpectation(
+    target_layer_ids=(1, 5),
+    hidden_size=32,
+    dtype="bfloat16",
+    training_seq_len=64,
+    answer_only_loss=True,
+    needs_last_hidden=False,
+    base_config_sha256=HEX_A,
+    tokenizer_sha256=HEX_A,
+    chat_template_sha256=HEX_A,
+    data_sha256=HEX_A,
+    block_size=4,
+)
+_RE = RECAPTURE
+
+#: code -> (manifest changes, expectation changes, message, hint)
+MANIFEST_CASES: dict[str, tuple[dict[str, object], dict[str, object], str, str]] = {
+    "capture-taps-mismatch": (
+        {"target_layer_ids": (2, 6)},
+        {},
+        "the capture holds target layers [2, 6], but the plan's taps are [1, 5]: the drafter "
+        "would read other layers than it is built for",
+        f"{_RE} (it captures [1, 5]), or set dflash.dflash_architecture_config.target_layer_ids: "
+        "[2, 6]",
+    ),
+    "capture-hidden-size-mismatch": (
+        {"hidden_size": 64},
+        {},
+        "the capture's hidden size is 64, the target's is 32: it was captured from another model",
+        _RE,
+    ),
+    "capture-dtype-mismatch": (
+        {"dtype": "float32"},
+        {},
+        "the capture holds float32 states, the plan runs the target in bfloat16",
+        f"set model.dtype: float32, or {_RE}",
+    ),
+    "capture-seq-len-mismatch": (
+        {"training_seq_len": 128},
+        {},
+        "the capture truncated sequences at training_seq_len 128, the plan trains at 64",
+        f"set training.training_seq_len: 128, or {_RE}",
+    ),
+    "capture-loss-mask-mismatch": (
+        {"answer_only_loss": False},
+        {},
+        "the capture's loss masks were made with answer_only_loss false, the plan says true",
+        f"set data.answer_only_loss: false, or {_RE}",
+    ),
+    "capture-no-teacher-states": (
+        {},
+        {"needs_last_hidden": True},
+        "the objective needs the target's logits as a teacher (self-distillation or DSpark's TV "
+        "term), but the capture holds no last hidden state to recompute them from",
+        f"{_RE} (it then stores the last hidden state), or turn off "
+        "dflash.dflash_self_logit_distillation",
+    ),
+    "capture-base-model-mismatch": (
+        {"tokenizer_sha256": HEX_B, "base_config_sha256": HEX_B},
+        {},
+        "the capture was made from /models/base, whose config.json and tokenizer differ from "
+        "the recipe's base model: its states belong to another model",
+        f"{_RE}, or point model.model_name_or_path at /models/base",
+    ),
+    "capture-chat-template-changed": (
+        {"chat_template_sha256": None},
+        {},
+        "the capture was rendered with another chat template than the one the recipe names "
+        "now; training follows the capture's rendering",
+        f"{_RE} to train on the new rendering, or restore data.chat_template",
+    ),
+    "capture-data-changed": (
+        {"data_sha256": HEX_B},
+        {},
+        "data.data_path is not the file the capture was made from (/data/train.jsonl): "
+        "training reads the capture, not this file",
+        f"{_RE} to train on the current data, or leave data.data_path unset (it is not read "
+        "offline)",
+    ),
+    "capture-block-size-differs": (
+        {"block_size": 8},
+        {},
+        "the capture kept the conversations that open a block of 8 tokens, the plan trains "
+        "blocks of 4: the set of conversations differs from what online training would use",
+        f"{_RE}, or set dflash.dflash_block_size: 8",
+    ),
+}
+
+
+def test_every_capture_code_has_a_case() -> None:
+    codes = {getattr(capture_checks, name) for name in capture_checks.__all__ if name.isupper()}
+    # the shard-level codes are cased below, on files
+    shard_level = {"capture-unreadable", "capture-shard-bad", "capture-sample-count-mismatch"}
+    assert set(MANIFEST_CASES) | shard_level == codes
+
+
+def test_a_matching_manifest_has_no_finding() -> None:
+    assert check_manifest(_manifest(), _EXPECT) == []
+    with_teacher = attrs.evolve(_EXPECT, needs_last_hidden=True)
+    assert check_manifest(_manifest(last_hidden_state=True), with_teacher) == []
+    unnamed = attrs.evolve(_EXPECT, data_sha256=None, block_size=None)
+    assert check_manifest(_manifest(data_sha256=HEX_B, block_size=8), unnamed) == []
+
+
+@pytest.mark.parametrize("code", sorted(MANIFEST_CASES))
+def test_each_manifest_check_gives_one_finding_word_for_word(code: str) -> None:
+    changes, expect_changes, message, hint = MANIFEST_CASES[code]
+    found = check_manifest(_manifest(**changes), attrs.evolve(_EXPECT, **expect_changes))
+    assert [(f.code, f.message, f.hint) for f in found] == [(code, message, hint)]
+
+
+def test_one_differing_model_file_is_named_alone() -> None:
+    found = check_manifest(_manifest(tokenizer_sha256=HEX_B), _EXPECT)
+    assert [f.code for f in found] == ["capture-base-model-mismatch"]
+    assert "whose tokenizer differ" in found[0].message
+
+
+def test_shards_out_of_order_or_resized_are_named(tmp_path: Path) -> None:
+    shards = (
+        ShardEntry("shard-00000.safetensors", 0, 2, 5, bytes=10),
+        ShardEntry("shard-00001.safetensors", 3, 1, 2, bytes=10),
+    )
+    (tmp_path / "shard-00000.safetensors").write_bytes(b"x" * 12)
+    found = check_shards(tmp_path, _manifest(shards=shards, num_samples=3, num_tokens=7))
+    assert [(f.code, f.message) for f in found] == [
+        (
+            "capture-shard-bad",
+            f"capture shard {tmp_path / 'shard-00000.safetensors'} is 12 bytes, the manifest "
+            "says 10 (truncated or replaced)",
+        ),
+        (
+            "capture-shard-bad",
+            f"capture shard {tmp_path / 'shard-00001.safetensors'} starts at sample 3, expected 2",
+        ),
+        ("capture-shard-bad", f"capture shard {tmp_path / 'shard-00001.safetensors'} is missing"),
+    ]
+    assert (
+        found[0].hint
+        == f"{RECAPTURE}: it rewrites missing or damaged shards and keeps the good ones"
+    )
+    counted = check_shards(tmp_path, _manifest(shards=shards, num_samples=4, num_tokens=7))
+    assert (counted[-1].code, counted[-1].message, counted[-1].hint) == (
+        "capture-sample-count-mismatch",
+        "the manifest counts 4 samples and 7 tokens, its shards hold 3 samples and 7 tokens",
+        RECAPTURE,
+    )
+
+
+def test_an_incomplete_or_unreadable_capture_is_one_finding(tmp_path: Path) -> None:
+    shards = (
+        ShardEntry("shard-00000.safetensors", 0, 2, 5, bytes=10),
+        ShardEntry("shard-00001.safetensors", 2, 1, 2),
+    )
+    (tmp_path / "manifest.json").write_text(_manifest(shards=shards, complete=False).to_json())
+    found = check_capture(tmp_path, _EXPECT)
+    assert [(f.code, f.message, f.hint) for f in found] == [
+        (
+            "capture-unreadable",
+            f"the capture in {tmp_path} is incomplete (1 of 2 shards recorded): `dflash-recipe "
+            "capture` was stopped before it finished",
+            "rerun the same `dflash-recipe capture` command: it resumes shard by shard",
+        )
+    ]
+    (tmp_path / "manifest.json").write_text("{")
+    found = check_capture(tmp_path, _EXPECT)
+    assert [f.code for f in found] == ["capture-unreadable"] and found[0].hint == RECAPTURE
+    assert found[0].message.startswith(f"{tmp_path / 'manifest.json'}: not valid JSON")

@@ -7,21 +7,27 @@ has an inventory entry.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from testkit.checkpoint_fields import compile_with_config, nested
 from testkit.compiling import only
 from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
+from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS
 from dflash_recipes.checkpoint.hfconfig import checkpoint_config_from_mapping
 from dflash_recipes.compiler.compilation import CompileResult, compile_recipe
-from dflash_recipes.diagnostics import Severity
+from dflash_recipes.compiler.field_checks import check_checkpoint_fields
+from dflash_recipes.diagnostics import Severity, registered_codes
 from dflash_recipes.recipe.sections import Recipe
 
 RecipeFactory = Callable[..., Recipe]
+REGISTERED_SEVERITY = {info.code: info.severity for info in registered_codes()}
 
 
 def not_info(result: CompileResult) -> list[str]:
@@ -398,3 +404,290 @@ def test_a_modelopt_checkpoint_into_an_unshifted_recipe_is_warned_about(
     d = only(result, "checkpoint-field-differs")
     assert "predicts anchor + k + 1 at block position k" in d.message
     assert "checkpoint-trained-for" not in [x.code for x in result.diagnostics]
+
+
+# every refused and compared entry of the inventory has a case that fails without its rule
+# ---------------------------------------------------------------------------------------------
+
+_DOMINO = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+_QUANTIZED = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+_YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}
+
+
+@attrs.frozen
+class FieldCase:
+    """A config.json edit, the finding it must give (None: the tensors decide, no finding)."""
+
+    edit: Mapping[str, object]
+    code: str | None
+    fragment: str = ""
+    arch: Mapping[str, object] = attrs.field(factory=dict)
+
+
+def _case(edit: Mapping[str, object], code: str | None, fragment: str = "", **arch: Any) -> Any:
+    return FieldCase(edit, code, fragment, arch)
+
+
+_REFUSED = "checkpoint-field-refused"
+_HEADER = "checkpoint-config-contradicts-header"
+_DIFFERS = "checkpoint-field-differs"
+_DFLASH2 = "checkpoint-dflash2"
+
+#: One case per refused or compared inventory key (dotted `dflash_config.` keys are nested).
+FIELD_CASES: dict[str, FieldCase] = {
+    "architectures": _case({"architectures": ["DFlash2DraftModel"]}, _DFLASH2, "architectures"),
+    "hidden_size": _case({"hidden_size": 64}, _HEADER, "`hidden_size: 64` but the tensors show 32"),
+    "num_hidden_layers": _case({"num_hidden_layers": 3}, _HEADER, "`num_hidden_layers: 3`"),
+    "num_attention_heads": _case({"num_attention_heads": 8}, _HEADER, "`num_attention_heads: 8`"),
+    "num_key_value_heads": _case({"num_key_value_heads": 4}, _HEADER, "`num_key_value_heads: 4`"),
+    "head_dim": _case({"head_dim": 16}, _HEADER, "`head_dim: 16` but the tensors show 8"),
+    "intermediate_size": _case({"intermediate_size": 96}, _HEADER, "`intermediate_size: 96`"),
+    "vocab_size": _case({"vocab_size": 300}, "checkpoint-target-differs", "vocab_size 300"),
+    "draft_vocab_size": _case({"draft_vocab_size": 128}, _REFUSED, "`draft_vocab_size: 128`"),
+    "rms_norm_eps": _case({"rms_norm_eps": 1e-5}, "checkpoint-rms-norm-eps-differs", "1e-05"),
+    "hidden_act": _case({"hidden_act": "gelu"}, _REFUSED, "`hidden_act: gelu`"),
+    "attention_bias": _case({"attention_bias": True}, _REFUSED, "`attention_bias: true`"),
+    "is_causal": _case({"is_causal": True}, _REFUSED, "`is_causal: true`"),
+    "is_neox_style": _case({"is_neox_style": False}, _REFUSED, "`is_neox_style: false`"),
+    "logit_scale": _case({"logit_scale": 2.0}, _REFUSED, "`logit_scale: 2.0`"),
+    "use_aux_hidden_state": _case(
+        {"use_aux_hidden_state": False}, _REFUSED, "`use_aux_hidden_state: false`"
+    ),
+    "quantization_config": _case(
+        {"quantization_config": _QUANTIZED}, _REFUSED, "`quantization_config: {"
+    ),
+    "add_swa_attention_sink_bias": _case({"add_swa_attention_sink_bias": True}, None),
+    "rope_theta": _case({"rope_theta": 10000.0}, "checkpoint-rope-differs", "10000.0"),
+    "rope_scaling": _case({"rope_scaling": _YARN}, "checkpoint-rope-differs", "yarn"),
+    "rope_parameters": _case(
+        {"rope_parameters": {**_YARN, "rope_theta": 1_000_000.0}}, "checkpoint-rope-differs", "yarn"
+    ),
+    "max_position_embeddings": _case(
+        {"max_position_embeddings": 1024},
+        "checkpoint-positions-short",
+        "`max_position_embeddings: 1024`",
+    ),
+    "eagle_aux_hidden_state_layer_ids": _case(
+        {"eagle_aux_hidden_state_layer_ids": [2, 6]}, _DIFFERS, "`eagle_aux_hidden_state_layer_ids"
+    ),
+    "dflash_config.block_size": _case(
+        {"block_size": 8, "dflash_config.block_size": 8}, "checkpoint-block-size-differs", "8"
+    ),
+    "dflash_config.num_target_layers": _case(
+        {"num_target_layers": 12, "dflash_config.num_target_layers": 12},
+        "checkpoint-target-differs",
+        "num_target_layers 12",
+    ),
+    "dflash_config.target_hidden_size": _case(
+        {"dflash_config.target_hidden_size": 16},
+        _HEADER,
+        "`dflash_config.target_hidden_size: 16` but fc.weight takes 64 inputs",
+    ),
+    "dflash_config.is_causal": _case(
+        {"dflash_config.is_causal": True}, _REFUSED, "`dflash_config.is_causal: true`"
+    ),
+    "dflash_config.causal": _case(
+        {"dflash_config.causal": True}, _REFUSED, "`dflash_config.causal: true`"
+    ),
+    "dflash_config.use_swa": _case(
+        {"dflash_config.use_swa": True}, _REFUSED, "`dflash_config.use_swa: true`"
+    ),
+    "dflash_config.swa_window_size": _case(
+        {"dflash_config.swa_window_size": 2048, "sliding_window": 1024},
+        _DIFFERS,
+        "`dflash_config.swa_window_size: 2048` differs from `sliding_window: 1024`",
+    ),
+    "dflash_config.use_aux_hidden_state": _case(
+        {"dflash_config.use_aux_hidden_state": False},
+        _REFUSED,
+        "`dflash_config.use_aux_hidden_state: false`",
+    ),
+    "dflash_config.shift_label": _case(
+        {"dflash_config.shift_label": True},
+        _DIFFERS,
+        "`dflash_config.shift_label: true`",
+        **_DOMINO,
+    ),
+    "dflash_config.pure_draft_prefix_len": _case(
+        {"dflash_config.pure_draft_prefix_len": 2},
+        _DIFFERS,
+        "`dflash_config.pure_draft_prefix_len: 2`",
+        **_DOMINO,
+    ),
+    "dflash_config.markov_head_type": _case(
+        {"dflash_config.markov_head_type": "gated"},
+        _REFUSED,
+        "`dflash_config.markov_head_type: gated`",
+    ),
+    **{
+        f"dflash_config.{name}": _case({f"dflash_config.{name}": 2}, _DFLASH2, name)
+        for name in ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k")
+    },
+    # The head and sink fields: the tensors decide, so a stale config.json value that
+    # contradicts them changes nothing (a layout mismatch would name it as the fix).
+    **{
+        f"{prefix}{name}": _case({f"{prefix}{name}": value}, None)
+        for prefix in ("", "dflash_config.")
+        for name, value in (
+            ("projector_type", "dspark"),
+            ("emb_dim", 16),
+            ("gru_hidden_dim", 8),
+            ("markov_rank", 4),
+            ("use_confidence_head", True),
+            ("attention_sink_bias", True),
+            ("attention_sink", True),
+        )
+    },
+    # the flat fallbacks of the nested DFlash fields
+    "block_size": _case({"block_size": 8}, "checkpoint-block-size-differs", "8"),
+    "num_target_layers": _case(
+        {"num_target_layers": 12},
+        "checkpoint-target-differs",
+        "num_target_layers 12",
+    ),
+    "target_hidden_size": _case(
+        {"target_hidden_size": 16}, _HEADER, "`target_hidden_size: 16` but fc.weight takes 64"
+    ),
+}
+
+
+def _apply(config: dict[str, Any], edit: Mapping[str, object]) -> None:
+    for key, value in edit.items():
+        top, _, inner = key.partition(".")
+        if inner:
+            nested(config)[inner] = value
+        else:
+            config[top] = value
+            # a flat fallback is read only where the nested key is absent
+            nested(config).pop(top, None)
+
+
+def test_every_refused_and_compared_entry_has_a_case() -> None:
+    guarded = {f.key for f in CHECKPOINT_FIELDS if f.status in ("refused", "compared")}
+    assert set(FIELD_CASES) == guarded, (
+        f"entries without a case: {sorted(guarded - set(FIELD_CASES))}; "
+        f"cases without an entry: {sorted(set(FIELD_CASES) - guarded)}"
+    )
+
+
+@pytest.mark.parametrize("key", sorted(FIELD_CASES))
+def test_each_refused_and_compared_entry_gives_its_finding(
+    tmp_path: Path, make_recipe: RecipeFactory, key: str
+) -> None:
+    case = FIELD_CASES[key]
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: _apply(c, case.edit), arch=case.arch or None
+    )
+    found = [d for d in result.diagnostics if d.code == case.code]
+    if case.code is None:
+        # the tensors decide: the stale field neither refuses nor warns
+        assert result.ok and not_info(result) == [], result.diagnostics
+        return
+    assert len(found) == 1, (case.code, [(d.code, d.message) for d in result.diagnostics])
+    assert case.fragment in found[0].message, found[0].message
+    if found[0].severity is Severity.ERROR:
+        assert not result.ok
+    assert REGISTERED_SEVERITY[case.code] is found[0].severity
+
+
+GOLDEN = Path(__file__).with_name("field_findings.golden.json")
+
+
+def _findings_text(tmp_path: Path, result: CompileResult, code: str) -> list[dict[str, str]]:
+    return [
+        {
+            "severity": d.severity.value,
+            "path": d.path or "",
+            "message": d.message.replace(str(tmp_path), "<tmp>"),
+            "hint": d.hint or "",
+        }
+        for d in result.diagnostics
+        if d.code == code
+    ]
+
+
+def test_each_case_reads_exactly_as_the_pinned_text(
+    tmp_path: Path, make_recipe: RecipeFactory, request: pytest.FixtureRequest
+) -> None:
+    """What a user reads for each inventory case: message and hint, word for word.
+
+    The texts are pinned in field_findings.golden.json; after changing a message on purpose,
+    rewrite it with `DFLASH_UPDATE_GOLDEN=1 python -m pytest -k pinned_text` and review the diff.
+    """
+    seen: dict[str, list[dict[str, str]]] = {}
+    for key, case in sorted(FIELD_CASES.items()):
+        if case.code is None:
+            continue
+        where = tmp_path / key  # a folder per case, beside the same base model and data
+        where.mkdir()
+        for shared in ("base", "train.jsonl"):
+            (where / shared).symlink_to(tmp_path / shared)
+        result = compile_with_config(
+            where, make_recipe, lambda c, case=case: _apply(c, case.edit), arch=case.arch or None
+        )
+        seen[key] = _findings_text(where, result, case.code)
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(seen, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    pinned = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    for key in sorted(seen):
+        assert seen[key] == pinned.get(key), key
+    assert sorted(seen) == sorted(pinned)
+
+
+def test_long_values_and_long_lists_are_shortened_in_messages(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    quantized = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation": "dynamic"}
+    result = compile_with_config(
+        tmp_path, make_recipe, lambda c: c.update(quantization_config=quantized)
+    )
+    shown = repr(quantized)[:57] + "..."
+    assert f"`quantization_config: {shown}` marks a quantized drafter" in (
+        only(result, "checkpoint-field-refused").message
+    )
+
+
+def test_a_dflash2_checkpoint_lists_four_names_then_counts_the_rest(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    config = drafter_config()
+    extra = {f"layers.{i}.attention_conv.weight": (32, 2) for i in range(2)}
+    extra |= {f"layers.{i}.mlp_conv.weight": (32, 2) for i in range(2)}
+    extra["candidate_selector.weight"] = (32, 2)
+    write_drafter_checkpoint(tmp_path / "drafter", config=config, extra=extra)
+    d = only(compile_recipe(make_recipe(), base_dir=tmp_path), "checkpoint-dflash2")
+    assert "it holds 5 DFlash 2 tensor(s) (" in d.message and ", ... (1 more));" in d.message
+    assert sum(name in d.message for name in extra) == 4, d.message
+
+
+def test_exactly_four_dflash2_names_are_all_listed(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    extra = {f"layers.{i}.attention_conv.weight": (32, 2) for i in range(4)}
+    write_drafter_checkpoint(tmp_path / "drafter", config=drafter_config(), extra=extra)
+    d = only(compile_recipe(make_recipe(), base_dir=tmp_path), "checkpoint-dflash2")
+    listed = ", ".join(sorted(extra))
+    assert f"it holds 4 DFlash 2 tensor(s) ({listed}); dflash-recipes" in d.message
+
+
+def test_a_multimodal_config_is_read_through_text_config_first(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        config["text_config"] = {"hidden_act": "gelu", "attention_bias": None}
+        config["attention_bias"] = True  # the top level counts where text_config is silent
+
+    result = compile_with_config(tmp_path, make_recipe, edit)
+    refused = sorted(d.message for d in result.diagnostics if d.code == "checkpoint-field-refused")
+    assert len(refused) == 2, refused
+    assert "`attention_bias: true`" in refused[0]
+    assert "`text_config.hidden_act: gelu`" in refused[1]
+
+
+def test_a_dflash_config_that_is_not_an_object_is_read_as_empty() -> None:
+    config = drafter_config()
+    config["dflash_config"] = ["is_causal", True]
+    findings = check_checkpoint_fields(
+        config, None, where="c", training_seq_len=64, projector_type="domino"
+    )
+    assert [f.code for f in findings if f.code != "checkpoint-field-unknown"] == []

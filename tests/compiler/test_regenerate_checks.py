@@ -14,6 +14,7 @@ from dflash_recipes.compiler.regenerate_checks import (
     base_url_problem,
     chat_completions_url,
     models_url,
+    output_problem,
 )
 from dflash_recipes.diagnostics import Diagnostic
 from dflash_recipes.errors import RecipeError
@@ -211,3 +212,20 @@ def test_prompt_key_depends_on_the_prompts_only() -> None:
     assert a != prompt_key([("user", "hi!"), ("assistant", None)])
     assert a != prompt_key([("system", "hi"), ("assistant", None)])
     assert a != prompt_key([("user", "hi"), ("assistant", None), ("user", "more")])
+
+
+def test_an_output_that_is_the_input_itself_is_refused(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("{}\n")
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    message = (
+        "the output {} is the input file itself; the prompts would be overwritten by their answers"
+    )
+    hint = "set regenerate.output_path (or --output) to a new .jsonl file"
+    for output in (prompts, tmp_path / "link.jsonl"):
+        assert output_problem(output, prompts) == (
+            "regenerate-output-is-input",
+            message.format(output),
+            hint,
+        )
+    assert output_problem(tmp_path / "answers.jsonl", prompts) is None

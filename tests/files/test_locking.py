@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,3 +104,75 @@ def test_a_new_holder_record_leaves_no_tail_of_a_longer_old_one(tmp_path: Path) 
         record = json.loads(lock.read_text())
         assert record["purpose"] == "run" and record["pid"] == os.getpid()
         assert describe_holder(lock).startswith(f"run (pid {os.getpid()} on host ")
+
+
+def test_a_record_without_fields_is_described_with_question_marks(tmp_path: Path) -> None:
+    (tmp_path / LOCK_FILE).write_text("{}", encoding="utf-8")
+    assert describe_holder(tmp_path / LOCK_FILE) == "? (pid ? on host ?, started ?)"
+
+
+def test_only_the_first_4096_bytes_of_a_record_are_read(tmp_path: Path) -> None:
+    record = json.dumps({"purpose": "run", "pid": 7, "host": "h", "started": "s"})
+    (tmp_path / LOCK_FILE).write_text(record + " " * (4096 - len(record)), encoding="utf-8")
+    assert describe_holder(tmp_path / LOCK_FILE) == "run (pid 7 on host h, started s)"
+    (tmp_path / LOCK_FILE).write_text(record + " " * 4096 + "x", encoding="utf-8")
+    # the tail past the bound is never read, so the garbage there does not spoil the record
+    assert describe_holder(tmp_path / LOCK_FILE) == "run (pid 7 on host h, started s)"
+    (tmp_path / LOCK_FILE).write_text('{"pid": "' + "9" * 5000 + '"}', encoding="utf-8")
+    assert describe_holder(tmp_path / LOCK_FILE) == "a process whose details could not be read"
+
+
+def test_the_holder_record_names_the_command_host_and_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["dflash-recipe", "run", "x" * 600])
+    with hold_directory_lock(tmp_path, purpose="capture") as lock:
+        record = json.loads(lock.read_text(encoding="utf-8"))
+        assert oct(lock.stat().st_mode & 0o777) in ("0o644", "0o640", "0o600", "0o604")
+    assert record["command"] == ("dflash-recipe run " + "x" * 600)[:400]
+    assert record["host"] == socket.gethostname() and record["purpose"] == "capture"
+    assert re.fullmatch(r"20\d\d-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", record["started"])
+    assert lock.read_text(encoding="utf-8").endswith("}\n")
+    assert set(record) == {"command", "host", "pid", "purpose", "started"}
+
+
+def test_a_refused_process_keeps_the_holder_record_and_frees_its_descriptor(
+    tmp_path: Path,
+) -> None:
+    with hold_directory_lock(tmp_path, purpose="run") as lock:
+        before = lock.read_bytes()
+        open_fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            with pytest.raises(DirectoryLockedError), hold_directory_lock(tmp_path, purpose="x"):
+                pass
+        assert len(os.listdir("/proc/self/fd")) == open_fds
+        assert lock.read_bytes() == before
+
+
+def test_a_lock_error_other_than_held_is_raised_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_flock(_fd: int, _op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", broken_flock)
+    with (
+        pytest.raises(OSError, match="No locks available") as info,
+        hold_directory_lock(tmp_path, purpose="run"),
+    ):
+        pass
+    assert not isinstance(info.value, DirectoryLockedError)
+
+
+def test_a_record_with_a_stray_byte_still_names_the_holder(tmp_path: Path) -> None:
+    # a hostname in a legacy encoding: the record is still read, the byte replaced
+    (tmp_path / LOCK_FILE).write_bytes(
+        b'{"host": "caf\xe9", "pid": 7, "purpose": "run", "started": "s"}'
+    )
+    assert describe_holder(tmp_path / LOCK_FILE) == "run (pid 7 on host caf\ufffd, started s)"
+
+
+def test_the_holder_record_is_one_line_of_sorted_keys(tmp_path: Path) -> None:
+    with hold_directory_lock(tmp_path, purpose="run") as lock:
+        text = lock.read_text(encoding="utf-8")
+    assert text.count("\n") == 1 and list(json.loads(text)) == sorted(json.loads(text))

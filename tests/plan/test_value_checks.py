@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from testkit.cli_runner import cli
 
 from dflash_recipes.errors import PlanError
+from dflash_recipes.plan import value_checks
 from dflash_recipes.plan.run_plan import (
     PLAN_FORMAT_VERSION,
     RunPlan,
@@ -204,3 +206,128 @@ def test_a_hand_added_unknown_key_is_refused_not_dropped(plan_dict: dict[str, An
     with pytest.raises(PlanError) as info:
         RunPlan.from_dict(refingerprint(plan_dict))
     assert "learning_rat" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# every re-validation rule refuses a value: found by running the checks, so a new rule is covered
+# ---------------------------------------------------------------------------------------------
+
+#: Values a forger might write; each rule must refuse at least one of them.
+_BAD_VALUES: tuple[object, ...] = (
+    -1,
+    0,
+    1,
+    10**13,
+    2**31,
+    -0.5,
+    0.0,
+    1e30,
+    float("nan"),
+    "",
+    "bad",
+    "../x",
+    "a\x00b",
+    True,
+    [],
+    [-1],
+    [1, 1],
+    [10**6],
+    7,
+    3,
+)
+
+
+def _full_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
+    """The tiny plan with every optional section present (regenerate, resume)."""
+    regenerate = {
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "tiny",
+        "api_key_env": None,
+        "max_concurrency": 8,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_new_tokens": 16,
+        "request_timeout_s": 60.0,
+        "max_retries": 5,
+        "reasoning": "keep",
+        "first_turn_only": False,
+        "output_path": None,
+    }
+    resume = {"checkpoint_dir": "out/checkpoint-000010", "step": 10}
+    return {**plan_dict, "regenerate": regenerate, "resume": resume}
+
+
+def _rule_paths(plan: RunPlan, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every dotted path plan_value_problems runs a rule on (recorded, not listed by hand)."""
+    original = value_checks._run
+    paths: list[str] = []
+
+    def recording(path: str, *args: Any, **kwargs: Any) -> Any:
+        paths.append(path)
+        return original(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(value_checks, "_run", recording)
+        assert value_checks.plan_value_problems(plan) == []
+    return paths
+
+
+def _evolve(obj: Any, path: list[str], value: object) -> Any:
+    """`obj` with the attribute at `path` replaced (the plan's records are frozen attrs)."""
+    head, *rest = path
+    return attrs.evolve(obj, **{head: _evolve(getattr(obj, head), rest, value) if rest else value})
+
+
+def test_every_revalidation_rule_refuses_a_forged_value(
+    plan_dict: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each path the checks visit refuses some forged value, naming that path.
+
+    The paths are recorded from the checks themselves, so a new rule is covered without a
+    new case, and a rule deleted or turned around leaves its path unguarded here. The values
+    go straight into the plan object: the schema refuses some of them (an unknown choice)
+    before the value checks would, and this test is about the value checks.
+    """
+    plan = RunPlan.from_dict(refingerprint(_full_plan(plan_dict)))
+    paths = _rule_paths(plan, monkeypatch)
+    assert len(paths) > 40 and "draft.block_size" in paths and "resume.step" in paths
+    sections = {path.rpartition(".")[0] for path in paths}
+    assert sections == {
+        "base_model",
+        "base_model.facts",
+        "base_model.facts.rope",
+        "data",
+        "training",
+        "draft",
+        "draft.architecture",
+        "draft.objective",
+        "init_checkpoint",
+        "regenerate",
+        "resume",
+    }
+    unguarded = []
+    for path in paths:
+        parts = path.split(".")
+        # refused at this path alone, and the message names the field as the recipe does
+        named = f"{path}: {parts[-1]} "
+        for bad in _BAD_VALUES:
+            problems = value_checks.plan_value_problems(_evolve(plan, parts, bad))
+            if problems and all(p.startswith(named) for p in problems):
+                break
+        else:
+            unguarded.append(path)
+    assert unguarded == [], f"plan values no forged value is refused for by name: {unguarded}"
+
+
+def test_a_required_value_may_not_be_null_an_optional_one_may(plan_dict: dict[str, Any]) -> None:
+    plan = RunPlan.from_dict(refingerprint(plan_dict))
+    assert value_checks.plan_value_problems(_evolve(plan, ["draft", "block_size"], None)) == [
+        "draft.block_size: block_size must be an integer in [2, 128], got None"
+    ]
+    optional = (
+        ["base_model", "facts", "rms_norm_eps"],
+        ["init_checkpoint", "mask_token_id"],
+        ["init_checkpoint", "trained_block_size"],  # a config.json that states no block size
+    )
+    for path in optional:
+        assert value_checks.plan_value_problems(_evolve(plan, path, None)) == []

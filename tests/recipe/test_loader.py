@@ -117,6 +117,27 @@ def test_directory_points_to_a_recipe_inside_it(tmp_path: Path) -> None:
     assert found.hint is not None and str(tmp_path / "a.yaml") in found.hint
 
 
+def test_a_fifo_is_refused_without_reading_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    found = only(load_recipe_with_diagnostics(fifo))
+    assert (found.code, found.message, found.hint) == (
+        "recipe-not-a-file",
+        f"recipe path {fifo}: it is a FIFO (named pipe), not a regular file",
+        "pass the path of a recipe .yaml file (nothing was read from this one)",
+    )
+
+
+def test_a_file_over_the_size_limit_is_refused(tmp_path: Path) -> None:
+    big = write(tmp_path, "a: 1\n" * (2**20 // 5 + 1))
+    found = only(load_recipe_with_diagnostics(big))
+    assert (found.code, found.message, found.hint) == (
+        "recipe-too-large",
+        f"recipe file {big}: it is larger than the limit of 1048576 bytes",
+        "a recipe is a short YAML file; check that this is the file you meant",
+    )
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n"])
 def test_empty_file_is_one_diagnostic(tmp_path: Path, text: str) -> None:
     found = only(load_recipe_with_diagnostics(write(tmp_path, text)))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from testkit.tiny import tiny_plan
 
 from dflash_recipes.errors import CheckpointError, RunIOError
@@ -133,3 +135,134 @@ def test_trainer_state_must_be_json(tmp_path: Path) -> None:
         save_training_checkpoint(tmp_path / "out", 1, module, optimizer, None, {"x": object()})
     path = save_training_checkpoint(tmp_path / "out", 1, module, optimizer, None, {"loss": 0.5})
     assert json.loads((path / "trainer_state.json").read_text()) == {"loss": 0.5, "step": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# self-consistency: a checkpoint that disagrees with itself is refused before anything changes
+# ---------------------------------------------------------------------------------------------
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in module.state_dict().items()}
+
+
+def _unchanged(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(t, before[name]) for name, t in module.state_dict().items())
+
+
+def test_the_saved_files_are_what_a_reader_expects(tmp_path: Path) -> None:
+    module, optimizer, _ = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 3, module, optimizer, None, {"b": 1, "a": 2})
+    assert (path / "trainer_state.json").read_text() == '{\n  "a": 2,\n  "b": 1,\n  "step": 3\n}\n'
+    with safe_open(path / "model.safetensors", framework="pt") as weights:
+        assert weights.metadata() == {"format": "pt"}
+        assert sorted(weights.keys()) == sorted(module.state_dict())
+    blob = torch.load(path / "optimizer.pt", weights_only=True)
+    assert set(blob) == {"optimizer", "scheduler"} and blob["scheduler"] is None
+    # a restore that asks for no optimizer never reads optimizer.pt
+    (path / "optimizer.pt").write_bytes(b"garbage")
+    assert restore_training_checkpoint(path, module)["step"] == 3
+
+
+def test_a_trainer_state_of_another_step_is_refused_before_the_weights_change(
+    tmp_path: Path,
+) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    (path / "trainer_state.json").write_text('{"step": 3}')
+    other, other_opt, _ = trained(tmp_path, seed=5)
+    before = _weights(other)
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, other, other_opt)
+    assert str(info.value) == (
+        f"{path / 'trainer_state.json'} records step 3, the directory name says 4"
+    )
+    assert _unchanged(other, before)
+    (path / "trainer_state.json").write_text("[4]")
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, other, other_opt)
+    assert str(info.value) == f"{path / 'trainer_state.json'} must hold a JSON object"
+    assert _unchanged(other, before)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x80\x02}q\x00", "is unreadable ("),
+        ({"scheduler": None}, "does not hold optimizer and scheduler state"),
+        ([1, 2], "does not hold optimizer and scheduler state"),
+        (
+            {"optimizer": {"state": {}, "param_groups": []}, "scheduler": None},
+            "holds no scheduler state",
+        ),
+    ],
+    ids=["truncated", "no-optimizer", "not-a-dict", "no-scheduler"],
+)
+def test_an_unusable_optimizer_file_is_refused_before_anything_changes(
+    tmp_path: Path, content: object, message: str
+) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    if isinstance(content, bytes):
+        (path / "optimizer.pt").write_bytes(content)
+    else:
+        torch.save(content, path / "optimizer.pt")
+    other, other_opt, other_sched = trained(tmp_path, seed=5)
+    before, lr = _weights(other), other_opt.param_groups[0]["lr"]
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, other, other_opt, other_sched)
+    assert str(info.value).startswith(f"{path / 'optimizer.pt'} {message}")
+    if message == "is unreadable (":
+        assert str(info.value).endswith("); it is truncated or corrupt")
+    assert _unchanged(other, before) and other_opt.param_groups[0]["lr"] == lr
+
+
+def test_an_incomplete_checkpoint_names_every_missing_file(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    (path / "optimizer.pt").unlink()
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, module)
+    assert str(info.value) == (
+        f"{path} is not a complete training checkpoint (missing: model.safetensors, "
+        "optimizer.pt); it was probably interrupted while saving: delete it to resume from the "
+        "previous one"
+    )
+
+
+def test_a_failed_rename_keeps_the_earlier_checkpoints_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    out = tmp_path / "out"
+    first = save_training_checkpoint(out, 1, module, optimizer, scheduler, {})
+    real_rename = os.rename
+
+    def no_space(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", no_space)
+    with pytest.raises(RunIOError) as info:
+        save_training_checkpoint(out, 2, module, optimizer, scheduler, {}, save_total_limit=1)
+    assert str(info.value) == (
+        f"cannot save the checkpoint of step 2 to {out / 'checkpoint-00000002'}: No space left "
+        f"on device; no partial checkpoint was left and the earlier checkpoints in {out} are "
+        "intact: free space or fix the permissions, then rerun to resume from the newest one"
+    )
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert sorted(p.name for p in out.iterdir()) == [first.name]  # not pruned, no staging
+
+
+def test_pruning_keeps_the_checkpoint_just_saved_even_when_it_is_the_oldest(
+    tmp_path: Path,
+) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    out = tmp_path / "out"
+    for step in (2, 3):
+        save_training_checkpoint(out, step, module, optimizer, scheduler, {})
+    # a run resumed from an older step saves step 1 again
+    save_training_checkpoint(out, 1, module, optimizer, scheduler, {}, save_total_limit=2)
+    assert [step for step, _ in complete_checkpoints(out)] == [1, 3]
+    save_training_checkpoint(out, 4, module, optimizer, scheduler, {}, save_total_limit=1)
+    assert [step for step, _ in complete_checkpoints(out)] == [4]

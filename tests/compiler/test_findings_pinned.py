@@ -1,0 +1,188 @@
+"""What a user reads for each compile check, word for word: one scenario per finding family.
+
+Each scenario builds a tiny base model, checkpoint and recipe in its own folder and compiles;
+every diagnostic (code, severity, dotted path, message, hint) is compared with the text pinned
+in `compile_findings.golden.json`. A check deleted, turned around or reworded makes its scenario
+fail. After changing a message on purpose, rewrite the file with
+`DFLASH_UPDATE_GOLDEN=1 python -m pytest tests/compiler/test_findings_pinned.py` and review the
+diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from testkit.compiling import compile_in, make_training_checkpoint
+from testkit.st_fixtures import drafter_config, write_base_model, write_drafter_checkpoint
+
+from dflash_recipes.compiler.compilation import CompileResult
+from dflash_recipes.files.run_dir import PLAN_FILE
+from dflash_recipes.recipe.sections import Recipe
+
+RecipeFactory = Callable[..., Recipe]
+Scenario = Callable[[Path, RecipeFactory], Recipe]
+GOLDEN = Path(__file__).with_name("compile_findings.golden.json")
+DOMINO = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+SLIDING = ("sliding_attention", "full_attention")
+
+
+def _drafter(tmp: Path, **kwargs: Any) -> None:
+    write_drafter_checkpoint(tmp / "drafter", **kwargs)
+
+
+def _sliding_drafter(tmp: Path, window: int | None = 2048) -> None:
+    config = drafter_config(target_layer_ids=[1, 5])
+    config["layer_types"] = list(SLIDING)
+    if window is not None:
+        config["sliding_window"] = window
+    _drafter(tmp, config=config)
+
+
+def _without(key: str) -> Callable[[Path], None]:
+    def write(tmp: Path) -> None:
+        config = drafter_config()
+        del config["dflash_config"][key]  # type: ignore[attr-defined]
+        _drafter(tmp, config=config)
+
+    return write
+
+
+def _s(setup: Callable[[Path], None] | None = None, **recipe: Any) -> Scenario:
+    def build(tmp: Path, make_recipe: RecipeFactory) -> Recipe:
+        if setup is not None:
+            setup(tmp)
+        return make_recipe(**recipe)
+
+    return build
+
+
+def _resume(tmp: Path) -> None:
+    _drafter(tmp)
+    make_training_checkpoint(tmp / "out", 3)
+
+
+def _resume_after_a_run(tmp: Path, make_recipe: RecipeFactory) -> Recipe:
+    """A run that took its taps, mask and windows from a checkpoint since deleted."""
+    _sliding_drafter(tmp)
+    recipe = make_recipe(training={"output_dir": "out"})
+    first = compile_in(tmp, recipe)
+    assert first.plan is not None
+    make_training_checkpoint(tmp / "out", 10)
+    (tmp / "out" / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
+    shutil.rmtree(tmp / "drafter")
+    return recipe
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "warm-start-takes-taps-and-mask": _s(_drafter),
+    "taps-differ": _s(_drafter, arch={"target_layer_ids": (2, 6)}),
+    "mask-differs": _s(_drafter, dflash={"dflash_mask_token_id": 7}),
+    "mask-out-of-range": _s(_drafter, dflash={"dflash_mask_token_id": 256}),
+    "taps-out-of-range": _s(_drafter, arch={"target_layer_ids": (1, 8)}),
+    "checkpoint-taps-beyond-target": _s(
+        lambda t: (_drafter(t), write_base_model(t / "base", layers=4))
+    ),
+    "checkpoint-without-mask": _s(_without("mask_token_id")),
+    "checkpoint-without-taps": _s(_without("target_layer_ids")),
+    "no-checkpoint-default-taps": _s(init=None, dflash={"dflash_mask_token_id": 1}),
+    "no-checkpoint-no-mask": _s(init=None),
+    "another-target": _s(lambda t: _drafter(t, config=drafter_config(num_target_layers=36))),
+    "hidden-size-mismatch": _s(lambda t: (_drafter(t), write_base_model(t / "base", hidden=64))),
+    "layout-mismatch": _s(lambda t: _drafter(t, intermediate=96, config=drafter_config())),
+    "head-into-plain-recipe": _s(lambda t: _drafter(t, projector_type="dspark", markov_rank=4)),
+    "plain-checkpoint-into-domino": _s(_drafter, arch=DOMINO),
+    "partly-present-head": _s(
+        lambda t: _drafter(
+            t,
+            projector_type="domino",
+            emb_dim=16,
+            gru_hidden_dim=8,
+            drop=["prefix_gru.weight_hh_l0"],
+        ),
+        arch=DOMINO,
+    ),
+    "sliding-taken-from-checkpoint": _s(_sliding_drafter),
+    "sliding-differs": _s(_sliding_drafter, arch={"layer_types": SLIDING, "sliding_window": 512}),
+    "sliding-checkpoint-without-window": _s(lambda t: _sliding_drafter(t, window=None)),
+    "layer-types-wrong-length": _s(_drafter, arch={"layer_types": ("full_attention",)}),
+    "window-without-sliding-layers": _s(_drafter, arch={"sliding_window": 512}),
+    "rope-differs": _s(lambda t: _drafter(t, config=drafter_config(rope_theta=10_000.0))),
+    "config-json-missing": _s(
+        lambda t: _drafter(t, write_config=False),
+        arch={"target_layer_ids": (1, 5)},
+        dflash={"dflash_mask_token_id": 250},
+    ),
+    "resume": _s(_resume, training={"output_dir": "out"}),
+    "resume-after-a-run": _resume_after_a_run,
+    "output-dir-is-a-file": _s(
+        lambda t: (_drafter(t), (t / "out").write_text("")), training={"output_dir": "out"}
+    ),
+    "dims-missing-kv-not-divisor": _s(
+        init=None,
+        arch={"num_attention_heads": None, "num_key_value_heads": 3},
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "head-fields": _s(init=None, arch={"emb_dim": 16}, dflash={"dflash_mask_token_id": 1}),
+    "head-field-missing": _s(
+        init=None, arch={"projector_type": "dspark"}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "duplicate-taps-eval-unset": _s(
+        init=None,
+        arch={"target_layer_ids": (1, 1)},
+        dflash={"dflash_mask_token_id": 1},
+        training={"eval_steps": 10},
+    ),
+    "data-unset-and-missing-files": _s(
+        init=None,
+        dflash={"dflash_mask_token_id": 1},
+        data={"data_path": None, "eval_data_path": "absent.jsonl"},
+    ),
+    "init-checkpoint-missing": _s(init="absent"),
+    "init-checkpoint-empty": _s(lambda t: (t / "drafter").mkdir()),
+    "init-checkpoint-without-weights": _s(
+        lambda t: ((t / "drafter").mkdir(), (t / "drafter" / "config.json").write_text("{}"))
+    ),
+    "base-model-missing": _s(_drafter, model="nowhere"),
+}
+
+
+def _pin(tmp: Path, result: CompileResult) -> list[dict[str, str]]:
+    def plain(text: str) -> str:
+        return text.replace(str(tmp.resolve()), "<tmp>").replace(str(tmp), "<tmp>")
+
+    return sorted(
+        (
+            {
+                "code": d.code,
+                "severity": d.severity.value,
+                "path": d.path or "",
+                "message": plain(d.message),
+                "hint": plain(d.hint or ""),
+            }
+            for d in result.diagnostics
+        ),
+        key=lambda row: (row["code"], row["path"], row["message"]),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_each_finding_reads_as_pinned(
+    tmp_path: Path, make_recipe: RecipeFactory, name: str
+) -> None:
+    found = _pin(tmp_path, compile_in(tmp_path, SCENARIOS[name](tmp_path, make_recipe)))
+    assert found, "a scenario without a finding pins nothing"
+    pinned = json.loads(GOLDEN.read_text(encoding="utf-8")) if GOLDEN.is_file() else {}
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        pinned[name] = found
+        GOLDEN.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    assert found == pinned.get(name)
+
+
+def test_every_pinned_scenario_still_exists() -> None:
+    assert sorted(json.loads(GOLDEN.read_text(encoding="utf-8"))) == sorted(SCENARIOS)

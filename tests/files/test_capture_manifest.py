@@ -1,0 +1,368 @@
+"""The capture manifest is checked, not trusted: every field's rule, the shard identity checks.
+
+`manifest.json` is a file a user can edit, truncate or copy between captures. Each rule here is
+what training on a capture relies on; each test fails if its rule is removed or turned around.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dflash_recipes.errors import DataError
+from dflash_recipes.files import capture_manifest as cm
+from dflash_recipes.files.capture_manifest import (
+    RECAPTURE,
+    CaptureManifest,
+    ShardEntry,
+    parse_manifest,
+    read_manifest,
+    shard_content_problem,
+    shard_problem,
+)
+
+HEX = "0123456789abcdef" * 4
+
+
+def manifest(**changes: Any) -> CaptureManifest:
+    """A complete two-sample, one-shard capture of a 2-tap, 4-wide target."""
+    fields: dict[str, Any] = {
+        "base_model_path": "/models/base",
+        "base_config_sha256": HEX,
+        "tokenizer_sha256": HEX,
+        "chat_template_sha256": None,
+        "data_path": "train.jsonl",
+        "data_sha256": HEX,
+        "answer_only_loss": True,
+        "target_layer_ids": (1, 5),
+        "hidden_size": 4,
+        "dtype": "float32",
+        "training_seq_len": 8,
+        "block_size": 4,
+        "last_hidden_state": False,
+        "num_samples": 2,
+        "num_tokens": 5,
+        "num_truncated": 0,
+        "bytes_per_token": 37,
+        "estimated_bytes": 761,
+        "shards": (ShardEntry("shard-00000.safetensors", 0, 2, 5, bytes=1, sha256=HEX),),
+        "complete": True,
+    }
+    return CaptureManifest(**{**fields, **changes})
+
+
+def raw(**changes: Any) -> dict[str, Any]:
+    data = manifest().to_dict()
+    data.update(changes)
+    return data
+
+
+def refusal(data: object) -> str:
+    with pytest.raises(DataError) as caught:
+        parse_manifest(json.dumps(data), "cap/manifest.json")
+    return str(caught.value)
+
+
+def test_a_written_manifest_reads_back_equal() -> None:
+    written = manifest()
+    again = parse_manifest(written.to_json(), "m")
+    assert again.to_dict() == written.to_dict()
+    assert json.loads(written.to_json())["format_version"] == 2
+    assert written.to_json().endswith("}\n")
+    # progress fields are not identity: a half-written capture is the same capture
+    half = manifest(complete=False, shards=(ShardEntry("shard-00000.safetensors", 0, 2, 5),))
+    assert half.identity() == written.identity()
+    assert half.identity() != manifest(num_tokens=6).identity()
+
+
+@pytest.mark.parametrize("name", cm._INT_FIELDS)
+@pytest.mark.parametrize("value", [-1, True, 1.5, None])
+def test_each_count_must_be_a_non_negative_integer(name: str, value: object) -> None:
+    assert refusal(raw(**{name: value})) == (
+        f"cap/manifest.json: {name} must be a non-negative integer, got {value!r}; {RECAPTURE}"
+    )
+
+
+@pytest.mark.parametrize("name", cm._OPTIONAL_STR_FIELDS)
+def test_each_hash_and_path_is_a_string_or_null(name: str) -> None:
+    assert refusal(raw(**{name: 7})) == (
+        f"cap/manifest.json: {name} must be a string or null; {RECAPTURE}"
+    )
+    assert getattr(parse_manifest(json.dumps(raw(**{name: None})), "m"), name) is None
+
+
+@pytest.mark.parametrize("name", ["answer_only_loss", "last_hidden_state", "complete"])
+def test_each_flag_is_true_or_false(name: str) -> None:
+    assert refusal(raw(**{name: 1})) == (
+        f"cap/manifest.json: {name} must be true or false; {RECAPTURE}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"format": "other"}, 'not a capture manifest (no "format": "dflash-capture")'),
+        ({"target_layer_ids": []}, "target_layer_ids must be a non-empty list of layer ids"),
+        ({"target_layer_ids": [1, -5]}, "target_layer_ids must be a non-empty list of layer ids"),
+        ({"target_layer_ids": "1,5"}, "target_layer_ids must be a non-empty list of layer ids"),
+        (
+            {"dtype": "int8"},
+            "dtype must be one of float32, bfloat16, float16 and base_model_path a string",
+        ),
+        (
+            {"base_model_path": None},
+            "dtype must be one of float32, bfloat16, float16 and base_model_path a string",
+        ),
+        ({"shards": {}}, "shards must be a list"),
+        ({"shards": ["shard-00000.safetensors"]}, "shards[0] must be an object with a file name"),
+        ({"shards": [{"file": 3}]}, "shards[0] must be an object with a file name"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_each_structural_rule_names_its_field(changes: dict[str, Any], message: str) -> None:
+    assert refusal(raw(**changes)) == f"cap/manifest.json: {message}; {RECAPTURE}"
+
+
+def _shard(**changes: Any) -> dict[str, Any]:
+    return {
+        "file": "shard-00000.safetensors",
+        "first_sample": 0,
+        "num_samples": 2,
+        "num_tokens": 5,
+        "bytes": 10,
+        "sha256": HEX,
+        "samples_sha256": HEX,
+        **changes,
+    }
+
+
+@pytest.mark.parametrize(
+    ("shard", "message"),
+    [
+        (_shard(file="../shard-00000.safetensors"), "must be a plain .safetensors file name"),
+        (_shard(file="shard-00000.pt"), "must be a plain .safetensors file name"),
+        (_shard(first_sample=-1), "needs non-negative integer counts and bytes"),
+        (_shard(num_samples=None), "needs non-negative integer counts and bytes"),
+        (_shard(num_tokens="5"), "needs non-negative integer counts and bytes"),
+        (_shard(bytes=-1), "needs non-negative integer counts and bytes"),
+        (_shard(sha256=HEX.upper()), "sha256 and samples_sha256 must be 64 hex digits"),
+        (_shard(samples_sha256=HEX[:-1]), "sha256 and samples_sha256 must be 64 hex digits"),
+    ],
+)
+def test_each_shard_rule_names_the_shard(shard: dict[str, Any], message: str) -> None:
+    ok = _shard()
+    text = refusal(raw(shards=[ok, shard]))
+    assert text.startswith("cap/manifest.json: shards[1]") and message in text
+    if "file name" in message:
+        assert f"shards[1].file {shard['file']!r} must be" in text
+    if "hex" in message:
+        assert text.startswith("cap/manifest.json: shards[1]'s sha256")
+    unsized = parse_manifest(json.dumps(raw(shards=[_shard(bytes=None, sha256=None)])), "m")
+    assert unsized.shards[0].bytes is None and unsized.shards[0].sha256 is None
+
+
+def test_other_format_versions_and_broken_json_are_refused() -> None:
+    assert refusal(raw(format_version=3)) == (
+        "cap/manifest.json: capture format version 3, this dflash-recipes reads versions 1 and "
+        f"2; {RECAPTURE}"
+    )
+    assert parse_manifest(json.dumps(raw(format_version=1)), "m").complete
+    with pytest.raises(DataError, match=r"^m: not valid JSON \(") as caught:
+        parse_manifest("{", "m")
+    assert str(caught.value).endswith(f"; {RECAPTURE}")
+    assert refusal([1]).startswith("cap/manifest.json: not a capture manifest")
+
+
+def test_reading_a_capture_directory_says_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as caught:
+        read_manifest(tmp_path / "absent")
+    assert (
+        str(caught.value) == f"capture directory {tmp_path / 'absent'} does not exist; {RECAPTURE}"
+    )
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataError) as caught:
+        read_manifest(tmp_path / "file")
+    assert str(caught.value) == (
+        f"capture directory {tmp_path / 'file'} is a file, not a directory; {RECAPTURE}"
+    )
+    with pytest.raises(DataError) as caught:
+        read_manifest(tmp_path)
+    assert str(caught.value) == (
+        f"{tmp_path} has no manifest.json: it is not a capture directory; {RECAPTURE}"
+    )
+    (tmp_path / "manifest.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(DataError, match=r"^cannot read .*manifest\.json: .*utf-8"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(manifest().to_json())
+    assert read_manifest(tmp_path).num_tokens == 5
+
+
+def test_a_manifest_over_the_bound_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "manifest.json").write_text(manifest().to_json())
+    size = (tmp_path / "manifest.json").stat().st_size
+    monkeypatch.setattr(cm, "MAX_MANIFEST_BYTES", size)
+    assert read_manifest(tmp_path).complete  # exactly at the bound is read
+    monkeypatch.setattr(cm, "MAX_MANIFEST_BYTES", size - 1)
+    with pytest.raises(DataError) as caught:
+        read_manifest(tmp_path)
+    path = tmp_path / "manifest.json"
+    assert str(caught.value) == (
+        f"{path} is {size} bytes, more than a manifest can be ({size - 1})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# a shard against its manifest entry
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_shard(path: Path, lengths: dict[int, int], **override: np.ndarray) -> Path:
+    tensors: dict[str, np.ndarray] = {}
+    for index, length in lengths.items():
+        base = f"{index:09d}"
+        tensors[f"{base}.input_ids"] = np.zeros(length, dtype=np.int32)
+        tensors[f"{base}.loss_mask"] = np.ones(length, dtype=np.uint8)
+        tensors[f"{base}.taps"] = np.zeros((length, 2, 4), dtype=np.float32)
+    tensors.update(override)
+    save_file(tensors, str(path))
+    return path
+
+
+def test_a_shard_that_matches_its_entry_has_no_problem(tmp_path: Path) -> None:
+    _write_shard(tmp_path / "shard-00000.safetensors", {0: 2, 1: 3})
+    entry = manifest().shards[0]
+    assert shard_problem(tmp_path, entry, manifest()) is None
+
+
+@pytest.mark.parametrize(
+    ("lengths", "override", "entry_changes", "problem"),
+    [
+        ({0: 2}, {}, {}, "has no tensors for sample 1"),
+        ({0: 2, 1: 9}, {}, {"num_tokens": 11}, "holds sample 1 of 9 tokens, over training_seq_len"),
+        (
+            {0: 2, 1: 3},
+            {"000000001.taps": np.zeros((3, 1, 4), dtype=np.float32)},
+            {},
+            "holds taps of sample 1 as F32 [3, 1, 4], expected F32 [3, 2, 4]",
+        ),
+        (
+            {0: 2, 1: 3},
+            {"000000001.taps": np.zeros((3, 2, 4), dtype=np.float16)},
+            {},
+            "holds taps of sample 1 as F16 [3, 2, 4], expected F32 [3, 2, 4]",
+        ),
+        (
+            {0: 2, 1: 3, 2: 1},
+            {},
+            {},
+            "holds tensors the manifest does not list (e.g. 000000002.input_ids)",
+        ),
+        ({0: 2, 1: 3}, {}, {"num_tokens": 6}, "holds 5 tokens, the manifest says 6"),
+        (
+            {0: 2, 1: 3},
+            {"000000001.input_ids": np.zeros((3, 1), dtype=np.int32)},
+            {},
+            "has no tensors for sample 1",
+        ),
+    ],
+    ids=["missing-sample", "over-length", "tap-count", "tap-dtype", "extra", "tokens", "ids-2d"],
+)
+def test_each_shard_header_rule_says_what_differs(
+    tmp_path: Path,
+    lengths: dict[int, int],
+    override: dict[str, np.ndarray],
+    entry_changes: dict[str, int],
+    problem: str,
+) -> None:
+    _write_shard(tmp_path / "shard-00000.safetensors", lengths, **override)
+    entry = ShardEntry("shard-00000.safetensors", 0, 2, entry_changes.get("num_tokens", 5))
+    assert shard_problem(tmp_path, entry, manifest()) == problem
+
+
+def test_a_shard_without_its_mask_or_file_or_header_is_named(tmp_path: Path) -> None:
+    path = _write_shard(tmp_path / "shard-00000.safetensors", {0: 2, 1: 3})
+    tensors = {k: v for k, v in _load(path).items() if k != "000000001.loss_mask"}
+    save_file(tensors, str(path))
+    entry = manifest().shards[0]
+    assert shard_problem(tmp_path, entry, manifest()) == "lacks tensor 000000001.loss_mask"
+    with_teacher = manifest(last_hidden_state=True)
+    _write_shard(path, {0: 2, 1: 3})
+    assert shard_problem(tmp_path, entry, with_teacher) == "lacks tensor 000000000.last_hidden"
+    path.write_bytes(b"\x00" * 4)
+    found = shard_problem(tmp_path, entry, manifest())
+    assert found is not None and found.startswith(f"has a damaged header ({path}: ")
+    path.unlink()
+    assert shard_problem(tmp_path, entry, manifest()) == "is missing"
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    return load_file(str(path))
+
+
+def test_a_shard_whose_bytes_changed_is_named_with_both_hashes(tmp_path: Path) -> None:
+    path = _write_shard(tmp_path / "shard-00000.safetensors", {0: 2, 1: 3})
+    actual = cm.file_sha256(path)
+    entry = ShardEntry(path.name, 0, 2, 5, sha256=actual)
+    assert shard_content_problem(tmp_path, entry) is None
+    assert shard_content_problem(tmp_path, ShardEntry(path.name, 0, 2, 5)) is None  # version 1
+    changed = ShardEntry(path.name, 0, 2, 5, sha256=HEX)
+    assert shard_content_problem(tmp_path, changed) == (
+        f"capture shard {path} is not the one the manifest recorded: its content sha256 is "
+        f"{actual}, the manifest says {HEX} (the file changed, or was copied from another "
+        "capture); re-capture this shard with `dflash-recipe capture` (it resumes)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the identity hashes a capture is checked against
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_samples_hash_sees_every_id_every_mask_byte_and_every_boundary() -> None:
+    one = cm.samples_sha256([([1, 2], [0, 1]), ([3], [1])])
+    assert one == cm.samples_sha256([([1, 2], [0, 1]), ([3], [1])])
+    assert one != cm.samples_sha256([([1, 2], [0, 1]), ([4], [1])])
+    assert one != cm.samples_sha256([([1, 2], [1, 1]), ([3], [1])])
+    assert one != cm.samples_sha256([([1], [0]), ([2, 3], [1, 1])])
+    assert cm.samples_sha256([]) == cm.hashlib.sha256().hexdigest()
+
+
+def test_the_model_hashes_follow_the_files_that_shape_the_data(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    assert cm.base_config_sha256(base) is None
+    assert cm.tokenizer_sha256(base) is None
+    assert cm.chat_template_sha256(None, base) is None
+    (base / "config.json").write_text("{}")
+    assert cm.base_config_sha256(base) == cm.file_sha256(base / "config.json")
+    (base / "tokenizer.json").write_text("a")
+    first = cm.tokenizer_sha256(base)
+    (base / "vocab.json").write_text("b")
+    second = cm.tokenizer_sha256(base)
+    assert first is not None and second is not None and first != second
+    (base / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+    from_config = cm.chat_template_sha256(None, base)
+    assert from_config == cm.hashlib.sha256(b"{{ x }}").hexdigest()
+    (base / "chat_template.jinja").write_text("{{ y }}")
+    assert cm.chat_template_sha256(None, base) == cm.file_sha256(base / "chat_template.jinja")
+    own = tmp_path / "mine.jinja"
+    own.write_text("{{ z }}")
+    assert cm.chat_template_sha256(str(own), base) == cm.file_sha256(own)
+    assert cm.chat_template_sha256(str(tmp_path / "absent.jinja"), base) is None
+    (base / "chat_template.jinja").unlink()
+    (base / "tokenizer_config.json").write_text("[1]")
+    assert cm.chat_template_sha256(None, base) is None
+
+
+def test_a_file_hash_streams_the_whole_file(tmp_path: Path) -> None:
+    path = tmp_path / "big.bin"
+    data = bytes(range(256)) * (2**13 + 1)  # more than one 1 MiB chunk
+    path.write_bytes(data)
+    assert cm.file_sha256(path) == cm.hashlib.sha256(data).hexdigest()
