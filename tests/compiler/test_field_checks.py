@@ -422,10 +422,17 @@ class FieldCase:
     code: str | None
     fragment: str = ""
     arch: Mapping[str, object] = attrs.field(factory=dict)
+    #: the head tensors the checkpoint holds (its sizes, as `write_drafter_checkpoint` takes them)
+    tensors: Mapping[str, object] = attrs.field(factory=dict)
 
 
 def _case(edit: Mapping[str, object], code: str | None, fragment: str = "", **arch: Any) -> Any:
     return FieldCase(edit, code, fragment, arch)
+
+
+def _head_case(edit: Mapping[str, object], code: str, fragment: str, **head: Any) -> Any:
+    """A case for a head field: the recipe asks for the head and the checkpoint holds it."""
+    return FieldCase(edit, code, fragment, head, head)
 
 
 _REFUSED = "checkpoint-field-refused"
@@ -444,7 +451,6 @@ FIELD_CASES: dict[str, FieldCase] = {
     "intermediate_size": _case({"intermediate_size": 96}, _HEADER, "`intermediate_size: 96`"),
     "vocab_size": _case({"vocab_size": 300}, "checkpoint-target-differs", "vocab_size 300"),
     "draft_vocab_size": _case({"draft_vocab_size": 128}, _REFUSED, "`draft_vocab_size: 128`"),
-    "rms_norm_eps": _case({"rms_norm_eps": 1e-5}, "checkpoint-rms-norm-eps-differs", "1e-05"),
     "hidden_act": _case({"hidden_act": "gelu"}, _REFUSED, "`hidden_act: gelu`"),
     "attention_bias": _case({"attention_bias": True}, _REFUSED, "`attention_bias: true`"),
     "is_causal": _case({"is_causal": True}, _REFUSED, "`is_causal: true`"),
@@ -502,26 +508,33 @@ FIELD_CASES: dict[str, FieldCase] = {
         _REFUSED,
         "`dflash_config.use_aux_hidden_state: false`",
     ),
-    "dflash_config.shift_label": _case(
-        {"dflash_config.shift_label": True},
+    "dflash_config.shift_label": _head_case(
+        {"dflash_config.shift_label": False},
         _DIFFERS,
-        "`dflash_config.shift_label: true`",
+        "`dflash_config.shift_label: false`",
         **_DOMINO,
     ),
-    "dflash_config.pure_draft_prefix_len": _case(
+    "dflash_config.pure_draft_prefix_len": _head_case(
         {"dflash_config.pure_draft_prefix_len": 2},
         _DIFFERS,
         "`dflash_config.pure_draft_prefix_len: 2`",
         **_DOMINO,
     ),
     "dflash_config.markov_head_type": _case(
-        {"dflash_config.markov_head_type": "gated"},
+        {"dflash_config.markov_head_type": "fir"},
         _REFUSED,
-        "`dflash_config.markov_head_type: gated`",
+        "`dflash_config.markov_head_type: fir`",
     ),
     **{
         f"dflash_config.{name}": _case({f"dflash_config.{name}": 2}, _DFLASH2, name)
-        for name in ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k")
+        for name in (
+            "conv_group_size",
+            "conv_kernel_size",
+            "final_logit_softcapping",
+            "output_multiplier",
+            "selector_rank",
+            "selector_top_k",
+        )
     },
     # The head and sink fields: the tensors decide, so a stale config.json value that
     # contradicts them changes nothing (a layout mismatch would name it as the fix).
@@ -576,7 +589,11 @@ def test_each_refused_and_compared_entry_gives_its_finding(
 ) -> None:
     case = FIELD_CASES[key]
     result = compile_with_config(
-        tmp_path, make_recipe, lambda c: _apply(c, case.edit), arch=case.arch or None
+        tmp_path,
+        make_recipe,
+        lambda c: _apply(c, case.edit),
+        tensors=case.tensors,
+        arch=case.arch or None,
     )
     found = [d for d in result.diagnostics if d.code == case.code]
     if case.code is None:
@@ -623,7 +640,11 @@ def test_each_case_reads_exactly_as_the_pinned_text(
         for shared in ("base", "train.jsonl"):
             (where / shared).symlink_to(tmp_path / shared)
         result = compile_with_config(
-            where, make_recipe, lambda c, case=case: _apply(c, case.edit), arch=case.arch or None
+            where,
+            make_recipe,
+            lambda c, case=case: _apply(c, case.edit),
+            tensors=case.tensors,
+            arch=case.arch or None,
         )
         seen[key] = _findings_text(where, result, case.code)
     if os.environ.get("DFLASH_UPDATE_GOLDEN"):

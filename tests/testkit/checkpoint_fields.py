@@ -21,12 +21,17 @@ def compile_with_config(
     tmp_path: Path,
     make_recipe: RecipeFactory,
     edit: Callable[[dict[str, Any]], None],
+    *,
+    tensors: Mapping[str, Any] | None = None,
     **recipe: Any,
 ) -> CompileResult:
-    """Compile the tiny warm start after `edit` changed the drafter's config.json."""
+    """Compile the tiny warm start after `edit` changed the drafter's config.json.
+
+    `tensors`: what `write_drafter_checkpoint` writes beyond the backbone (a head's sizes).
+    """
     config = drafter_config()
     edit(config)
-    write_drafter_checkpoint(tmp_path / "drafter", config=config)
+    write_drafter_checkpoint(tmp_path / "drafter", config=config, **(tensors or {}))
     result = compile_recipe(make_recipe(**recipe), base_dir=tmp_path)
     for d in result.diagnostics:
         assert REGISTERED.get(d.code) is d.severity, d
