@@ -200,7 +200,7 @@ def test_qwen3_4b_finetune_recipe_compiles_against_a_4b_scale_drafter(tmp_path: 
     )
     assert result.errors == ()
     assert _codes(result, Severity.WARNING) == []
-    assert _codes(result, Severity.INFO) == ["taps-from-checkpoint"]
+    assert _codes(result, Severity.INFO) == ["rms-norm-eps-from-checkpoint", "taps-from-checkpoint"]
     plan = result.plan
     assert plan is not None and plan.init_checkpoint is not None
     assert plan.init_checkpoint.tensor_count == 58
