@@ -284,6 +284,16 @@ def wait_seconds() -> float:
     return value
 
 
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost folder of `directory`'s path that does not exist yet (None: it exists)."""
+    missing = None
+    for folder in (directory, *directory.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
 def prepared_examples(
     source: DataSource,
     tokenizer: PreTrainedTokenizerBase,
@@ -304,6 +314,7 @@ def prepared_examples(
     if problem is None:
         return MappedExamples(directory), read_stats(meta), False
     wait = wait_seconds() if wait_s is None else wait_s
+    created = _first_missing(cache_dir)
     try:
         with hold_directory_lock(
             cache_dir, purpose="data tokenization", lock_name=LOCK_NAME, wait_s=wait
@@ -319,6 +330,13 @@ def prepared_examples(
                 )  # fmt: skip
                 shutil.rmtree(directory, ignore_errors=True)
             build_entry(source, tokenizer, settings, key, directory, num_proc=num_proc)
+    except DataError:
+        # Unusable data leaves nothing behind: not even the folders (the run's output
+        # directory among them) that taking the lock created. The error is the same on
+        # every rank, so no other builder is left waiting on that lock.
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     except DirectoryLockedError as exc:
         msg = (
             f"waited {wait:.0f} s for the tokenized data cache in {cache_dir}: {exc}; if that "

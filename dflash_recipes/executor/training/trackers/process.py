@@ -80,7 +80,14 @@ class TrackerProcess:
         )
 
     def log_config(self, config: Mapping[str, ConfigValue], tags: Mapping[str, str]) -> None:
+        """Record the plan, and wait until every tracker has it (or failed at it).
+
+        Waiting here makes "the tracker runs hold the plan before step 1" a fact rather than a
+        race with the first rows, at a one-off cost before training starts.
+        """
         self._send({"op": "config", "config": dict(config), "tags": dict(tags)})
+        self._send({"op": "flush"})
+        self._answer("flushed")
 
     def log_line(self, line: str, step: int | None) -> None:
         """Send one row given as its strict-JSON text (a metrics.jsonl line without newline)."""
