@@ -16,7 +16,7 @@ No torch here (numpy for the block rule): the parallel tokenizing workers import
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -145,6 +145,15 @@ def resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | No
         raise DataError(msg) from exc
 
 
+def _apply_template(render: Callable[[], object]) -> object:
+    """The result of `render` (an ``apply_chat_template`` call); what it raises is a DataError."""
+    try:
+        return render()
+    except Exception as exc:  # jinja raises many kinds, templates raise their own
+        msg = f"the chat template could not render the conversation: {exc}"
+        raise DataError(msg) from exc
+
+
 def _render_text(
     tokenizer: PreTrainedTokenizerBase,
     dicts: list[dict[str, str]],
@@ -152,16 +161,14 @@ def _render_text(
     *,
     add_generation_prompt: bool = False,
 ) -> str:
-    try:
-        text = tokenizer.apply_chat_template(
+    text = _apply_template(
+        lambda: tokenizer.apply_chat_template(
             dicts,
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
-    except Exception as exc:  # jinja raises many kinds, templates raise their own
-        msg = f"the chat template could not render the conversation: {exc}"
-        raise DataError(msg) from exc
+    )
     if not isinstance(text, str):
         msg = f"the chat template rendered {type(text).__name__}, expected text"
         raise DataError(msg)
@@ -175,17 +182,15 @@ def _render_tokens(
     *,
     return_assistant_tokens_mask: bool = False,
 ) -> object:
-    try:
-        return tokenizer.apply_chat_template(
+    return _apply_template(
+        lambda: tokenizer.apply_chat_template(
             dicts,
             chat_template=template,
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=return_assistant_tokens_mask,
         )
-    except Exception as exc:  # jinja raises many kinds, templates raise their own
-        msg = f"the chat template could not render the conversation: {exc}"
-        raise DataError(msg) from exc
+    )
 
 
 def _field(encoded: object, name: str) -> list[int]:
