@@ -7,6 +7,13 @@ into the process's stdin: a step never blocks on a full pipe or a slow tracker. 
 thread logs the warnings the process forwards (a tracker that failed) and collects its
 answers; :meth:`flush` and :meth:`close` wait for theirs.
 
+Rows are gathered for up to :data:`GATHER_SECONDS` and written as one chunk (a message that
+waits for an answer goes at once, with the rows before it): the trackers then work through a
+burst of rows rather than waking for each step, which is most of what they cost (W&B's
+client and service, TensorBoard's writer and MLflow's store each pay a wake-up per call,
+several times the cost of the row itself when rows arrive one step apart). A tracker sees a
+row at most that much later; :meth:`flush` delivers everything at once.
+
 When the process itself ends without being asked (killed, out of memory), the trainer warns
 once, training goes on, and each tracker is named in the summary with the rows logged since
 (rows the process held when it ended are lost to the trackers too; metrics.jsonl has them).
@@ -29,6 +36,8 @@ from dflash_recipes.executor.training.trackers.protocol import ConfigValue, Outc
 logger = logging.getLogger("dflash_recipes.train")
 
 WORKER_MODULE = "dflash_recipes.executor.training.trackers.worker"
+#: How long rows are gathered before they are written to the tracker process in one chunk.
+GATHER_SECONDS = 1.0
 #: The tracker process's command: the worker without the executor's and the training
 #: package's ``__init__`` (they import torch and transformers, which no tracker needs: seconds
 #: of start-up and hundreds of MB): both are entered as bare packages over their folders.
@@ -59,7 +68,10 @@ class TrackerProcess:
         )
         assert self._process.stdin is not None and self._process.stdout is not None
         self._answers: queue.Queue[Mapping[str, object] | None] = queue.Queue()
+        #: Lines for the writer thread; None ends it. A message that waits for an answer sets
+        #: _urgent after queueing its line: it is written at once, with the rows before it.
         self._lines: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._urgent = threading.Event()
         #: Set once the process ended unasked: (the step of the last row sent, why).
         self._gone: tuple[int | None, str] | None = None
         self._closing = False
@@ -118,6 +130,7 @@ class TrackerProcess:
         self._send({"op": "close", "outcome": outcome})
         self._answer("closed")
         self._lines.put(None)
+        self._urgent.set()
         self._writer.join()
         self._process.wait()
         self._reader.join()
@@ -127,6 +140,7 @@ class TrackerProcess:
     def _send(self, message: Mapping[str, object]) -> None:
         if self._gone is None:
             self._lines.put(json.dumps(message, allow_nan=False).encode("utf-8") + b"\n")
+            self._urgent.set()
 
     def _answer(self, key: str) -> object:
         """The process's answer `key` (None when it ended without giving one)."""
@@ -139,21 +153,17 @@ class TrackerProcess:
         return None
 
     def _write(self, stream: IO[bytes]) -> None:
-        while True:
-            line = self._lines.get()
-            chunk = [line]
-            while not self._lines.empty():  # whatever queued meanwhile: one write
-                chunk.append(self._lines.get())
+        done = False
+        while not done:
+            chunk = gather(self._lines, self._urgent, GATHER_SECONDS)
             done = None in chunk
             try:
-                stream.write(b"".join(part for part in chunk if part is not None))
+                stream.write(b"".join(line for line in chunk if line is not None))
                 stream.flush()
             except OSError:  # the process is gone: the reader sees it end
                 done = True
-            if done:
-                with contextlib.suppress(OSError):
-                    stream.close()
-                return
+        with contextlib.suppress(OSError):
+            stream.close()
 
     def _read(self, stream: IO[bytes]) -> None:
         for raw in stream:
@@ -179,4 +189,20 @@ class TrackerProcess:
         self._answers.put(None)
 
 
-__all__ = ["WORKER_MODULE", "TrackerProcess"]
+def gather(
+    lines: queue.SimpleQueue[bytes | None], urgent: threading.Event, seconds: float
+) -> list[bytes | None]:
+    """The next chunk to write: the first line, then what queues until `seconds` have passed
+    or `urgent` is set (by a message that waits for an answer, or the end, after queueing it).
+
+    Only the first line wakes the caller: later ones are queued without waking anyone.
+    """
+    chunk = [lines.get()]
+    urgent.wait(seconds)
+    urgent.clear()
+    while not lines.empty():
+        chunk.append(lines.get())
+    return chunk
+
+
+__all__ = ["GATHER_SECONDS", "WORKER_MODULE", "TrackerProcess", "gather"]

@@ -12,6 +12,7 @@ writes a line per row into a pipe.
 Here :class:`Fanout` contains each tracker's failures: a tracker that raises is warned about
 once, gets no further rows and is named with the rows it missed; each tracker sends from its
 own thread (:class:`_OnThread`), so a slow server does not hold up the others. The process
+runs below the trainer's priority (``nice`` +10: where cores are short, steps go first). It
 ignores SIGINT, SIGTERM and SIGUSR1 (the trainer decides when tracking ends: a stop signal
 still closes the tracker runs as ``stopped``) and exits without closing the runs when stdin
 ends without ``close`` (the trainer was killed: the runs stay open, to be continued on resume).
@@ -47,6 +48,8 @@ logger = logging.getLogger("dflash_recipes.train")
 #: A message larger than this is refused (a row is a few hundred bytes; an open or config
 #: message carries the flattened plan).
 MAX_MESSAGE_BYTES = 64 * 2**20
+#: How much lower than the trainer the process runs (``os.nice``).
+NICE_INCREMENT = 10
 
 
 class Fanout:
@@ -299,6 +302,10 @@ def serve(requests: IO[bytes], replies: _Replies) -> int:
 
 
 def main() -> None:
+    # Below the trainer's priority (W&B's service, started from here, inherits it): where cores
+    # are short, a step's CPU time goes first and the trackers catch up in between.
+    with contextlib.suppress(OSError):
+        os.nice(NICE_INCREMENT)
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(number, signal.SIG_IGN)
     # The protocol gets its own copy of stdout; fd 1 goes to stderr, so that whatever a library

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +24,9 @@ from testkit.compiling import tiny_scratch_plan
 from testkit.wandb_records import offline_run_files, read_wandb_run
 
 from dflash_recipes.executor.training.resume import summary_line
-from dflash_recipes.executor.training.trackers.process import WORKER_MODULE
+from dflash_recipes.executor.training.trackers import process as process_module
+from dflash_recipes.executor.training.trackers.process import WORKER_MODULE, TrackerProcess, gather
+from dflash_recipes.executor.training.trackers.worker import NICE_INCREMENT
 from dflash_recipes.executor.training.trainer import run_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,3 +179,79 @@ def test_ctrl_c_stops_training_and_the_tracker_process_closes_the_runs_as_stoppe
     (run_file,) = offline_run_files(Path(tracker_env["WANDB_DIR"]))
     wb = read_wandb_run(run_file)
     assert sorted(wb.history) == steps and wb.exit_code == 0
+
+
+def test_rows_are_gathered_into_one_chunk_and_a_message_that_waits_goes_at_once() -> None:
+    lines: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    urgent = threading.Event()
+    chunks: list[list[bytes | None]] = []
+    writer = threading.Thread(target=lambda: chunks.append(gather(lines, urgent, 60.0)))
+    lines.put(b"row 1\n")
+    writer.start()
+    for step in (2, 3):  # rows later than the first wake nobody: they join its chunk
+        time.sleep(0.05)
+        lines.put(f"row {step}\n".encode())
+    lines.put(b"flush\n")  # a message that waits for an answer does not wait for the deadline
+    urgent.set()
+    writer.join(timeout=30)
+    assert not writer.is_alive(), "a waiting message was held back until the deadline"
+    assert chunks == [[b"row 1\n", b"row 2\n", b"row 3\n", b"flush\n"]]
+
+
+def test_without_an_urgent_message_the_rows_of_gather_seconds_go_together() -> None:
+    lines: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    for step in (1, 2):
+        lines.put(f"row {step}\n".encode())
+    started = time.monotonic()
+    assert gather(lines, threading.Event(), 0.2) == [b"row 1\n", b"row 2\n"]
+    assert time.monotonic() - started >= 0.2  # it waited for later rows before writing
+    lines.put(None)  # the end goes like any line
+    assert gather(lines, threading.Event(), 0.0) == [None]
+
+
+def test_the_tracker_process_runs_below_the_trainers_priority(tmp_path: Path) -> None:
+    context = {
+        "run_dir": str(tmp_path),
+        "run_name": "run",
+        "logging_dir": str(tmp_path / "tensorboard"),
+        "resumed_from": None,
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "kept": {},
+    }
+    process = TrackerProcess((), context)
+    try:
+        (worker,) = _worker_pids(os.getpid())
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, worker) == min(19, own + NICE_INCREMENT)
+    finally:
+        process.close("finished")
+
+
+def test_flush_delivers_the_gathered_rows_without_waiting_for_the_deadline(
+    tmp_path: Path, tracker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setattr(process_module, "GATHER_SECONDS", 600.0)
+    context = {
+        "run_dir": str(tmp_path),
+        "run_name": "run",
+        "logging_dir": str(tmp_path / "tensorboard"),
+        "resumed_from": None,
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "kept": {},
+    }
+    process = TrackerProcess(("mlflow",), context)
+    try:
+        for step in (1, 2, 3):
+            process.log_line(json.dumps({"kind": "train", "step": step, "loss": 1.0}), step)
+        done = threading.Thread(target=process.flush)
+        done.start()
+        done.join(timeout=120)
+        assert not done.is_alive(), "flush waited for the gathering deadline"
+        client = MlflowClient(tracking_uri=tracker_env["MLFLOW_TRACKING_URI"])
+        (run,) = client.search_runs([client.get_experiment_by_name("drafters").experiment_id])
+        history = client.get_metric_history(run.info.run_id, "train/loss")
+        assert sorted(m.step for m in history) == [1, 2, 3]
+    finally:
+        process.close("finished")
