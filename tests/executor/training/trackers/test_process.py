@@ -181,6 +181,18 @@ def test_ctrl_c_stops_training_and_the_tracker_process_closes_the_runs_as_stoppe
     assert sorted(wb.history) == steps and wb.exit_code == 0
 
 
+def _context(run_dir: Path) -> dict[str, object]:
+    """What rank 0 opens the tracker process with, for a fresh run in `run_dir`."""
+    return {
+        "run_dir": str(run_dir),
+        "run_name": "run",
+        "logging_dir": str(run_dir / "tensorboard"),
+        "resumed_from": None,
+        "metrics_path": str(run_dir / "metrics.jsonl"),
+        "kept": {},
+    }
+
+
 def test_rows_are_gathered_into_one_chunk_and_a_message_that_waits_goes_at_once() -> None:
     lines: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     urgent = threading.Event()
@@ -210,15 +222,7 @@ def test_without_an_urgent_message_the_rows_of_gather_seconds_go_together() -> N
 
 
 def test_the_tracker_process_runs_below_the_trainers_priority(tmp_path: Path) -> None:
-    context = {
-        "run_dir": str(tmp_path),
-        "run_name": "run",
-        "logging_dir": str(tmp_path / "tensorboard"),
-        "resumed_from": None,
-        "metrics_path": str(tmp_path / "metrics.jsonl"),
-        "kept": {},
-    }
-    process = TrackerProcess((), context)
+    process = TrackerProcess((), _context(tmp_path))
     try:
         (worker,) = _worker_pids(os.getpid())
         own = os.getpriority(os.PRIO_PROCESS, 0)
@@ -233,15 +237,7 @@ def test_flush_delivers_the_gathered_rows_without_waiting_for_the_deadline(
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setattr(process_module, "GATHER_SECONDS", 600.0)
-    context = {
-        "run_dir": str(tmp_path),
-        "run_name": "run",
-        "logging_dir": str(tmp_path / "tensorboard"),
-        "resumed_from": None,
-        "metrics_path": str(tmp_path / "metrics.jsonl"),
-        "kept": {},
-    }
-    process = TrackerProcess(("mlflow",), context)
+    process = TrackerProcess(("mlflow",), _context(tmp_path))
     try:
         for step in (1, 2, 3):
             process.log_line(json.dumps({"kind": "train", "step": step, "loss": 1.0}), step)
