@@ -11,8 +11,9 @@ or `lint`, which need a part of the package, do not pay for importing the rest.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dflash_recipes.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
@@ -86,18 +87,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        msg = f"module 'dflash_recipes' has no attribute {name!r}"
-        raise AttributeError(msg)
-    value = getattr(importlib.import_module(f"dflash_recipes.{home}"), name)
-    globals()[name] = value  # later reads skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 __all__ = [

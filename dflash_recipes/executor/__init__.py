@@ -10,8 +10,9 @@ The names below are loaded on first use (PEP 562): importing a submodule that ne
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dflash_recipes.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from dflash_recipes.executor.model.convert import (
@@ -65,15 +66,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    module = importlib.import_module(f"{__name__}.{home}")
-    value = getattr(module, "ConvertedModel" if name == "DFlashModel" else name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, {"DFlashModel": "ConvertedModel"})
 
 
 __all__ = [
