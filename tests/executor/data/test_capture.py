@@ -154,7 +154,7 @@ def test_a_folder_of_parquet_or_jsonl_files_captures_like_the_same_jsonl(tmp_pat
         table = pa.Table.from_pylist([json.loads(line) for line in part])
         pq.write_table(table, tmp_path / "parquet" / f"{name}.parquet")
         (tmp_path / "jsonl" / f"{name}.jsonl").write_text("\n".join(part) + "\n")
-    reference = tmp_path / "from-jsonl"
+    reference = tmp_path / "from-one-jsonl"
     capture_plan(plan, reference, max_shard_bytes=SHARD_BYTES, progress=False)
     expected = json.loads((reference / MANIFEST_FILE).read_text())
     names = sorted(p.name for p in reference.iterdir() if p.suffix == ".safetensors")
