@@ -228,7 +228,7 @@ class _Capture:
             msg = "data.data_path is not set: capture needs the JSONL conversations to run over"
             raise DataError(msg)
         tokenizer = load_tokenizer(plan)
-        dataset = build_dataset(plan, tokenizer)
+        dataset = build_dataset(plan, tokenizer, env=env)
         manifest = planned_manifest(plan, dataset, max_shard_bytes=self.max_shard_bytes)
         if is_main(env):
             logger.info("data: %s", dataset.summary)

@@ -302,13 +302,15 @@ def prepared_examples(
     cache_dir: Path,
     num_proc: int,
     wait_s: float | None = None,
+    data_sha256: str | None = None,
 ) -> tuple[CachedExamples, DatasetStats, bool]:
     """The input's examples from the cache, built first when needed: (examples, stats, built).
 
     Raises DataError when nothing is usable (nothing is cached then), when the cache folder
     cannot be written, or when another process holds the build for longer than `wait_s`.
+    `data_sha256`: the input's content hash when rank 0 computed it for this job.
     """
-    key = cache_key(source, tokenizer, settings)
+    key = cache_key(source, tokenizer, settings, data_sha256=data_sha256)
     directory = cache_dir / entry_name(key)
     problem, meta = entry_problem(directory, key)
     if problem is None:

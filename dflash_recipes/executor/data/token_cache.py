@@ -101,11 +101,17 @@ def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cache_key(
-    source: DataSource, tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings
+    source: DataSource,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TokenizeSettings,
+    *,
+    data_sha256: str | None = None,
 ) -> dict[str, object]:
-    """The fingerprint an entry is made for (see the module docstring)."""
+    """The fingerprint an entry is made for (see the module docstring). `data_sha256`: the
+    input's :func:`~dflash_recipes.data.sources.content_sha256` when another rank computed
+    it for this job; None hashes the input here."""
     return {
-        "data_sha256": content_sha256(source),
+        "data_sha256": content_sha256(source) if data_sha256 is None else data_sha256,
         "answer_only_loss": settings.answer_only_loss,
         "training_seq_len": settings.max_len,
         "block_size": settings.block_size,
