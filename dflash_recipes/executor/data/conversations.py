@@ -2,7 +2,7 @@
 
 Reading (formats, columns, skipped rows) is torch-free and lives in
 :mod:`dflash_recipes.data`; tokenizing and masking in
-:mod:`~dflash_recipes.executor.data.tokenize`; the tokenize-once cache (memory-mapped, shared by
+:mod:`~dflash_recipes.executor.data.tokenize`; the tokenize-once cache (read in place, shared by
 the ranks, keyed by a fingerprint of everything that changes tokens) in
 :mod:`~dflash_recipes.executor.data.token_cache`. This module puts them together for a plan and
 batches the result. The reading names are re-exported here for existing imports.
@@ -51,7 +51,7 @@ from dflash_recipes.records import Record
 class TrainDataset(Record):
     """Tokenized examples plus the pad id batches use and the stats of how they were made."""
 
-    #: A tuple, or the memory-mapped examples of the cache (read on access).
+    #: A tuple, or the examples of the cache (read from its files on access).
     examples: Sequence[TokenizedExample]
     pad_token_id: int
     stats: DatasetStats
@@ -81,7 +81,7 @@ def build_dataset(
     """The plan's data (`data.data_path`, or `data.eval_data_path`), tokenized and masked.
 
     Tokenized once into the cache (`data.cache_dir`, default ``output_dir/data_cache``) with
-    `data.num_proc` processes, then memory-mapped; see
+    `data.num_proc` processes, then read in place; see
     :mod:`~dflash_recipes.executor.data.token_cache`. Conversations that cannot open a single
     block (``draft.block_size`` tokens starting on two consecutive supervised tokens within
     ``training.training_seq_len``) are skipped with a reason. Raises DataError when nothing

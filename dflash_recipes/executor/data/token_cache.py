@@ -1,4 +1,4 @@
-"""The tokenized-data cache: tokenize once, memory-map on every later start and on every rank.
+"""The tokenized-data cache: tokenize once, read in place on every later start and on every rank.
 
 A cache entry is a folder ``CACHE_DIR/<name>/`` holding four flat arrays and ``meta.json``:
 
