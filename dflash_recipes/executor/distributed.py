@@ -290,16 +290,15 @@ _DIGEST_CHARS = 64
 
 def broadcast_digest(digest: str | None, env: DistEnv) -> str | None:
     """Rank 0's sha256 hex digest (None when it has none) on every rank; the other ranks wait
-    for it. Returns `digest` itself for a single process."""
+    for it. Returns `digest` itself for a single process. Every rank takes part whatever rank
+    0 holds (what is not a 64-character ASCII digest reaches the others as None), so none is
+    left waiting."""
     if not _active(env):
         return digest
     device = env.device if env.backend == "nccl" else torch.device("cpu")
     buffer = torch.zeros(_DIGEST_CHARS + 1, dtype=torch.uint8, device=device)
-    if env.rank == 0 and digest is not None:
-        raw = digest.encode("ascii")
-        if len(raw) != _DIGEST_CHARS:
-            msg = f"not a sha256 hex digest: {digest!r}"
-            raise ValueError(msg)
+    raw = (digest or "").encode("ascii", errors="replace")
+    if env.rank == 0 and len(raw) == _DIGEST_CHARS:
         buffer[0] = 1
         buffer[1:] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src=0)
