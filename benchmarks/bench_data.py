@@ -9,11 +9,14 @@ Writes N synthetic multi-turn conversations (default 20,000, about 1 KB each; `-
 - **cold**: ``build_dataset`` with an empty cache (`data.num_proc` = the cores this process may
   use), then one pass over every example, as an epoch reads them;
 - **warm**: the same with the cache of the cold run (a second start, a resume, another rank);
-- **2 ranks cold**: two processes started together on an empty cache (one tokenizes, the other
-  waits and maps), against one process cold;
-- peak RSS of cold and warm at 64 and at N conversations (GNU time), and the anonymous part of
-  the resident memory after the pass (the file-backed rest is the mapped cache's pages: the
-  operating system's page cache, shared by the ranks of a node and reclaimable).
+- **2 ranks cold**: the two ranks of a gloo process group started together on an empty cache,
+  as torchrun starts them (rank 0 hashes the input and sends the hash; one rank tokenizes,
+  the other waits and reads), against one process cold;
+- resident memory of cold and warm at 64 and at N conversations, each child a fresh
+  interpreter reading its own ``/proc/self/status``: the peak (VmHWM) up to the first batch
+  (``build_dataset``, the epoch's order, one batch: what a run pays before its first step),
+  the anonymous and file-backed parts resident then, and the same after one pass over every
+  example (an epoch's reads). Growth is the N figure minus the 64 one.
 
 Preparation seconds are measured inside each process (from reading to the mapped examples,
 imports and the tokenizer load excluded; the tokenizing processes' start-up is included);
@@ -26,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -124,8 +129,14 @@ def _child_prepare(data: Path, cache: Path, num_proc: int | None) -> dict[str, f
     from testkit.tiny import tiny_plan
     from transformers import AutoTokenizer
 
-    from dflash_recipes.executor.data.conversations import build_dataset
+    from dflash_recipes.executor.data.conversations import batches, build_dataset
 
+    env = None
+    if "RANK" in os.environ:  # a rank of a gloo process group, as torchrun starts it
+        from dflash_recipes.executor.distributed import detect_dist_env, init_distributed
+
+        env = detect_dist_env("cpu")
+        init_distributed(env)
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
     plan = tiny_plan(
         cache.parent,
@@ -135,20 +146,40 @@ def _child_prepare(data: Path, cache: Path, num_proc: int | None) -> dict[str, f
         cache_dir=str(cache),
         num_proc=num_proc,
     )
+    start_rss = _rss_parts()
     start = time.perf_counter()
-    dataset = build_dataset(plan, tokenizer)
+    dataset = build_dataset(plan, tokenizer, env=env)
     prepared = time.perf_counter() - start
+    ready_at = time.time()
+    # Up to the first step: the epoch's order and the first batch, as the trainer makes them.
+    next(batches(dataset, batch_size=4, seed=0, epoch=0))
+    prep_rss = _rss_parts()
     tokens = sum(len(example.input_ids) for example in dataset.examples)  # one epoch's reads
-    return {"seconds": prepared, "tokens": tokens, "examples": len(dataset), **_rss_parts()}
+    epoch_rss = _rss_parts()
+    if env is not None:
+        from dflash_recipes.executor.distributed import shutdown_distributed
+
+        shutdown_distributed()
+    return {
+        "seconds": prepared,
+        "ready_at": ready_at,
+        "tokens": tokens,
+        "examples": len(dataset),
+        "imports_peak": start_rss["VmHWM"],
+        **{f"prep_{k}": v for k, v in prep_rss.items()},
+        **{f"epoch_{k}": v for k, v in epoch_rss.items()},
+    }
 
 
 def _rss_parts() -> dict[str, float]:
-    """This process's resident memory now, split: anonymous (its own heap) and file-backed
-    (mapped files, e.g. the cache's pages: the OS's shared, reclaimable page cache), in MB."""
+    """This process's resident memory, in MB: VmHWM (its peak since it started: the process
+    is a fresh interpreter, so nothing of the parent counts), and what is resident now split
+    into anonymous (its own heap) and file-backed (mapped files: libraries, and a memory-mapped
+    cache's pages would count here)."""
     parts: dict[str, float] = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("RssAnon", "RssFile"):
+        if name in ("VmHWM", "RssAnon", "RssFile"):
             parts[name] = int(value.split()[0]) / 1024
     return parts
 
@@ -160,10 +191,14 @@ def _command(*args: str) -> Command:
     return Command([sys.executable, __file__, *args], env=WITH_BYTECODE_CACHE, capture=True)
 
 
-def _measure(
-    command: Command, fresh_cache: Path | None = None
-) -> tuple[float, float, float, float]:
-    """(inner seconds, wall seconds, peak RSS MB, anonymous RSS MB at the end) of one child."""
+#: What a prepare child reports, in the order the rows keep them: inner seconds, wall seconds,
+#: then MB: peak RSS (VmHWM) up to the first batch, anonymous and file-backed RSS at that point,
+#: anonymous and file-backed RSS after one epoch's reads, peak RSS after them.
+Figures = tuple[float, ...]
+
+
+def _measure(command: Command, fresh_cache: Path | None = None) -> Figures:
+    """The figures of one child (see :data:`Figures`)."""
     if fresh_cache is not None:
         shutil.rmtree(fresh_cache, ignore_errors=True)
     sample = run_child(command, REPO)
@@ -171,27 +206,46 @@ def _measure(
         msg = f"{' '.join(command.argv)} exited {sample.returncode}"
         raise SystemExit(msg)
     report = json.loads(sample.stdout.strip().splitlines()[-1])
-    anon = report.get("RssAnon", float("nan"))
-    return report["seconds"], sample.seconds, sample.max_rss_kb / 1024, anon
+    nan = float("nan")
+    return (
+        report["seconds"],
+        sample.seconds,
+        report.get("prep_VmHWM", sample.max_rss_kb / 1024),
+        report.get("prep_RssAnon", nan),
+        report.get("prep_RssFile", nan),
+        report.get("epoch_RssAnon", nan),
+        report.get("epoch_RssFile", nan),
+        report.get("epoch_VmHWM", nan),
+    )
 
 
 def _two_ranks(data: Path, cache: Path) -> tuple[float, float]:
-    """(wall seconds until both of two processes started together have their data, the
-    longer of their preparation seconds)."""
+    """(wall seconds from the start of two processes started together until both have their
+    data, the longer of their preparation seconds)."""
     shutil.rmtree(cache, ignore_errors=True)
     argv = [sys.executable, __file__, "--child", "prepare", str(data), str(cache)]
-    start = time.perf_counter()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    start = time.time()
     procs = [
-        subprocess.Popen(argv, cwd=REPO, env=dict(WITH_BYTECODE_CACHE), stdout=subprocess.PIPE)
-        for _ in range(2)
+        subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env={**WITH_BYTECODE_CACHE, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+        )
+        for rank in range(2)
     ]
-    prepared = []
+    reports = []
     for proc in procs:
         out, _ = proc.communicate()
         if proc.returncode != 0:
             raise SystemExit("a rank failed")
-        prepared.append(json.loads(out.decode().strip().splitlines()[-1])["seconds"])
-    return time.perf_counter() - start, max(prepared)
+        reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+    ready = max(r["ready_at"] for r in reports) - start
+    return ready, max(r["seconds"] for r in reports)
 
 
 def main() -> None:
@@ -221,9 +275,9 @@ def main() -> None:
             f"{count} conversations, {size_mb:.1f} MB of JSONL; demo tokenizer, seq_len {SEQ_LEN}"
         )
         cache, small_cache = work / "cache", work / "small-cache"
-        figures: dict[str, list[tuple[float, float, float, float]]] = {}
+        figures: dict[str, list[Figures]] = {}
 
-        def record(name: str, value: tuple[float, float, float, float]) -> None:
+        def record(name: str, value: Figures) -> None:
             figures.setdefault(name, []).append(value)
 
         two_ranks: list[tuple[float, float]] = []
@@ -240,9 +294,10 @@ def main() -> None:
             record("cold, 64", _measure(small_cmd, small_cache))
             record("warm, 64", _measure(small_cmd))
             shutil.rmtree(cache, ignore_errors=True)
-            start = time.perf_counter()
-            inner, *_ = _measure(_command("--child", "prepare", str(big), str(cache)), cache)
-            one_rank.append((time.perf_counter() - start, inner))
+            start = time.time()
+            sample = run_child(_command("--child", "prepare", str(big), str(cache)), REPO)
+            report = json.loads(sample.stdout.strip().splitlines()[-1])
+            one_rank.append((report["ready_at"] - start, report["seconds"]))
             two_ranks.append(_two_ranks(big, cache))
 
         def med(name: str, index: int) -> float:
@@ -255,30 +310,51 @@ def main() -> None:
                 f"{med(name, 0):.2f}",
                 f"{med(name, 0) / base:.2f}x",
                 f"{med(name, 1):.2f}",
-                f"{med(name, 2):.0f}",
-                f"{med(name, 3):.0f}",
+                *(f"{med(name, i):.0f}" for i in range(2, 8)),
             ]
             for name in figures
         ]
-        print_table(["", "prep s", "vs baseline", "process s", "peak RSS MB", "anon RSS MB"], rows)
+        print_table(
+            [
+                "",
+                "prep s",
+                "vs baseline",
+                "process s",
+                "peak RSS MB",
+                "anon MB",
+                "file MB",
+                "epoch anon MB",
+                "epoch file MB",
+                "epoch peak MB",
+            ],
+            rows,
+        )
+        print(
+            "peak RSS: the process's VmHWM up to the first batch (build_dataset, the epoch's "
+            "order, one batch); anon/file: resident then; epoch: after reading every example once"
+        )
         warm_vs_cold = med("warm", 0) / med("cold", 0)
         print(f"second run / cold: {warm_vs_cold:.1%} of the cold preparation (target <= 10%)")
         print(
             f"cold / plain apply_chat_template loop: {med('cold', 0) / base:.2f}x (target <= 1.5x)"
         )
         for kind in ("cold", "warm"):
-            growth = med(kind, 2) - med(f"{kind}, 64", 2)
-            anon = med(kind, 3) - med(f"{kind}, 64", 3)
+
+            def grown(index: int, kind: str = kind) -> float:
+                return med(kind, index) - med(f"{kind}, 64", index)
+
             print(
-                f"RSS growth 64 -> {count} conversations, {kind}: peak {growth:+.0f} MB "
-                f"(anonymous at the end {anon:+.0f} MB; the rest is the mapped cache's pages)"
+                f"RSS growth 64 -> {count} conversations, {kind}: peak {grown(2):+.0f} MB up to "
+                f"the first batch (resident then: anonymous {grown(3):+.0f} MB, file-backed "
+                f"{grown(4):+.0f} MB); after one epoch's reads: anonymous {grown(5):+.0f} MB, "
+                f"file-backed {grown(6):+.0f} MB, peak {grown(7):+.0f} MB (target <= 60 MB)"
             )
-        for index, what in ((0, "process wall, both ready"), (1, "data preparation")):
+        for index, what in ((0, "process start to data ready"), (1, "data preparation")):
             two = statistics.median(v[index] for v in two_ranks)
             one = statistics.median(v[index] for v in one_rank)
             print(
                 f"2 ranks vs 1 rank cold ({what}): {two:.2f} s vs {one:.2f} s, ratio "
-                f"{two / one:.2f} (target <= 1.0: one build, the other rank maps it)"
+                f"{two / one:.2f} (target <= 1.0: one build, the other rank reads it)"
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -285,6 +285,29 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
+_DIGEST_CHARS = 64
+
+
+def broadcast_digest(digest: str | None, env: DistEnv) -> str | None:
+    """Rank 0's sha256 hex digest (None when it has none) on every rank; the other ranks wait
+    for it. Returns `digest` itself for a single process. Every rank takes part whatever rank
+    0 holds (what is not a 64-character ASCII digest reaches the others as None), so none is
+    left waiting."""
+    if not _active(env):
+        return digest
+    device = env.device if env.backend == "nccl" else torch.device("cpu")
+    buffer = torch.zeros(_DIGEST_CHARS + 1, dtype=torch.uint8, device=device)
+    raw = (digest or "").encode("ascii", errors="replace")
+    if env.rank == 0 and len(raw) == _DIGEST_CHARS:
+        buffer[0] = 1
+        buffer[1:] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0)
+    if env.rank == 0:
+        return digest
+    values = buffer.cpu().tolist()
+    return bytes(values[1:]).decode("ascii") if values[0] == 1 else None
+
+
 # ---------------------------------------------------------------------------------------------
 # DDP for the drafter
 # ---------------------------------------------------------------------------------------------

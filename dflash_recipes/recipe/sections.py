@@ -285,7 +285,7 @@ class DataSection(Record):
     answer_only_loss: bool = True
     #: Optional held-out conversations (same formats) for `eval` and `training.eval_steps`.
     eval_data_path: str | None = attrs.field(default=None, validator=non_empty_str)
-    #: Where the tokenized data is cached (tokenized once, memory-mapped by every run and
+    #: Where the tokenized data is cached (tokenized once, read in place by every run and
     #: rank); null: <output_dir>/data_cache.
     cache_dir: str | None = attrs.field(default=None, validator=non_empty_str)
     #: Processes that tokenize a new cache; null: the cores this process may use.

@@ -1,2 +1,2 @@
-"""Training inputs: conversations tokenized once into a memory-mapped cache and batched,
+"""Training inputs: conversations tokenized once into a cache read in place and batched,
 captured hidden states, and the capture command."""

@@ -35,6 +35,7 @@ from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.data.conversations import TokenizedExample, TrainDataset, build_dataset
 from dflash_recipes.executor.data.offline import final_norm
+from dflash_recipes.executor.data.token_cache import CachedExamples
 from dflash_recipes.executor.distributed import (
     DistEnv,
     barrier,
@@ -109,7 +110,12 @@ def planned_manifest(
     )
     dtype = plan.base_model.dtype
     per_token = bytes_per_token(len(taps), facts.hidden_size, dtype, last_hidden=last)
-    counts = [len(example.input_ids) for example in dataset.examples]
+    examples = dataset.examples
+    counts = (
+        examples.lengths()
+        if isinstance(examples, CachedExamples)
+        else [len(example.input_ids) for example in examples]
+    )
     table = plan_shards(counts, bytes_per_token=per_token, max_shard_bytes=max_shard_bytes)
     base = Path(plan.base_model.path)
     data_path = plan.data.data_path
@@ -222,7 +228,7 @@ class _Capture:
             msg = "data.data_path is not set: capture needs the JSONL conversations to run over"
             raise DataError(msg)
         tokenizer = load_tokenizer(plan)
-        dataset = build_dataset(plan, tokenizer)
+        dataset = build_dataset(plan, tokenizer, env=env)
         manifest = planned_manifest(plan, dataset, max_shard_bytes=self.max_shard_bytes)
         if is_main(env):
             logger.info("data: %s", dataset.summary)

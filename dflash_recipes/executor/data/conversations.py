@@ -2,7 +2,7 @@
 
 Reading (formats, columns, skipped rows) is torch-free and lives in
 :mod:`dflash_recipes.data`; tokenizing and masking in
-:mod:`~dflash_recipes.executor.data.tokenize`; the tokenize-once cache (memory-mapped, shared by
+:mod:`~dflash_recipes.executor.data.tokenize`; the tokenize-once cache (read in place, shared by
 the ranks, keyed by a fingerprint of everything that changes tokens) in
 :mod:`~dflash_recipes.executor.data.token_cache`. This module puts them together for a plan and
 batches the result. The reading names are re-exported here for existing imports.
@@ -29,7 +29,7 @@ from dflash_recipes.data.conversations import (
     read_conversations,
     summarize,
 )
-from dflash_recipes.data.sources import resolve_source
+from dflash_recipes.data.sources import DataSource, content_sha256, resolve_source
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.token_build import default_num_proc, prepared_examples
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
@@ -41,6 +41,7 @@ from dflash_recipes.executor.data.tokenize import (
     resolve_template,
     tokenize_conversation,
 )
+from dflash_recipes.executor.distributed import DistEnv, broadcast_digest
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
@@ -50,7 +51,7 @@ from dflash_recipes.records import Record
 class TrainDataset(Record):
     """Tokenized examples plus the pad id batches use and the stats of how they were made."""
 
-    #: A tuple, or the memory-mapped examples of the cache (read on access).
+    #: A tuple, or the examples of the cache (read from its files on access).
     examples: Sequence[TokenizedExample]
     pad_token_id: int
     stats: DatasetStats
@@ -75,15 +76,18 @@ def build_dataset(
     tokenizer: PreTrainedTokenizerBase,
     *,
     split: Literal["train", "eval"] = "train",
+    env: DistEnv | None = None,
 ) -> TrainDataset:
     """The plan's data (`data.data_path`, or `data.eval_data_path`), tokenized and masked.
 
     Tokenized once into the cache (`data.cache_dir`, default ``output_dir/data_cache``) with
-    `data.num_proc` processes, then memory-mapped; see
+    `data.num_proc` processes, then read in place; see
     :mod:`~dflash_recipes.executor.data.token_cache`. Conversations that cannot open a single
     block (``draft.block_size`` tokens starting on two consecutive supervised tokens within
     ``training.training_seq_len``) are skipped with a reason. Raises DataError when nothing
-    usable remains, quoting the first reasons.
+    usable remains, quoting the first reasons. Under torchrun (`env` of a joined process
+    group) rank 0 alone reads the input to hash it (the cache key) and sends the hash to the
+    other ranks, which wait for it.
     """
     data = plan.data
     raw_path = data.data_path if split == "train" else data.eval_data_path
@@ -107,11 +111,33 @@ def build_dataset(
         settings,
         cache_dir=Path(cache_dir),
         num_proc=data.num_proc or default_num_proc(),
+        data_sha256=None if env is None else _shared_input_sha256(source, env),
     )
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     return TrainDataset(examples, int(pad), stats, path)
+
+
+def _shared_input_sha256(source: DataSource, env: DistEnv) -> str | None:
+    """The input's content hash, computed by rank 0 alone and sent to the other ranks (None
+    for a single process: the cache computes it). A rank 0 that cannot read the input stops
+    every rank with a DataError instead of leaving them waiting."""
+    if not env.is_distributed:
+        return None
+    digest = problem = None
+    if env.rank == 0:
+        try:
+            digest = content_sha256(source)
+        except DataError as exc:
+            problem = exc
+    shared = broadcast_digest(digest, env)
+    if problem is not None:
+        raise problem
+    if shared is None:
+        msg = f"rank 0 could not read the data {source.path}; its error says why"
+        raise DataError(msg)
+    return shared
 
 
 @attrs.frozen(eq=False)

@@ -45,7 +45,7 @@ from dflash_recipes.executor.data.token_cache import (
     LOCK_NAME,
     META_FILE,
     WAIT_ENV,
-    MappedExamples,
+    CachedExamples,
     TokenizeSettings,
     cache_key,
     entry_name,
@@ -302,17 +302,19 @@ def prepared_examples(
     cache_dir: Path,
     num_proc: int,
     wait_s: float | None = None,
-) -> tuple[MappedExamples, DatasetStats, bool]:
+    data_sha256: str | None = None,
+) -> tuple[CachedExamples, DatasetStats, bool]:
     """The input's examples from the cache, built first when needed: (examples, stats, built).
 
     Raises DataError when nothing is usable (nothing is cached then), when the cache folder
     cannot be written, or when another process holds the build for longer than `wait_s`.
+    `data_sha256`: the input's content hash when rank 0 computed it for this job.
     """
-    key = cache_key(source, tokenizer, settings)
+    key = cache_key(source, tokenizer, settings, data_sha256=data_sha256)
     directory = cache_dir / entry_name(key)
     problem, meta = entry_problem(directory, key)
     if problem is None:
-        return MappedExamples(directory), read_stats(meta), False
+        return CachedExamples(directory), read_stats(meta), False
     wait = wait_seconds() if wait_s is None else wait_s
     created = _first_missing(cache_dir)
     try:
@@ -321,7 +323,7 @@ def prepared_examples(
         ):
             problem, meta = entry_problem(directory, key)  # another process may have built it
             if problem is None:
-                return MappedExamples(directory), read_stats(meta), False
+                return CachedExamples(directory), read_stats(meta), False
             remove_stale_staging(directory)
             if problem != "absent":
                 logger.warning(
@@ -329,7 +331,7 @@ def prepared_examples(
                     source.path,
                 )  # fmt: skip
                 shutil.rmtree(directory, ignore_errors=True)
-            build_entry(source, tokenizer, settings, key, directory, num_proc=num_proc)
+            stats = build_entry(source, tokenizer, settings, key, directory, num_proc=num_proc)
     except DataError:
         # Unusable data leaves nothing behind: not even the folders (the run's output
         # directory among them) that taking the lock created. The error is the same on
@@ -350,11 +352,9 @@ def prepared_examples(
             "set data.cache_dir to a writable folder with free space"
         )
         raise DataError(msg) from None
-    problem, meta = entry_problem(directory, key)
-    if problem is not None:  # pragma: no cover - a concurrent writer replaced it
-        msg = f"the tokenized data cache {directory} just written is not usable: {problem}"
-        raise DataError(msg)
-    return MappedExamples(directory), read_stats(meta), True
+    # Not verified again: this process wrote every byte under the lock and hashed it while
+    # writing (meta.json's checksums, for the next start).
+    return CachedExamples(directory), stats, True
 
 
 __all__ = [

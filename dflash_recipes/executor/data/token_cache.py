@@ -1,4 +1,4 @@
-"""The tokenized-data cache: tokenize once, memory-map on every later start and on every rank.
+"""The tokenized-data cache: tokenize once, read in place on every later start and on every rank.
 
 A cache entry is a folder ``CACHE_DIR/<name>/`` holding four flat arrays and ``meta.json``:
 
@@ -23,8 +23,11 @@ process that finds it held (another rank, another run) waits for the entry inste
 it again, up to :data:`WAIT_ENV` seconds (default :data:`DEFAULT_WAIT_S`), then stops with a
 message naming the holder: one tokenization per job, never a silent hang.
 
-**Memory.** Reading maps the arrays (numpy memmap): resident memory does not grow with the
-number of conversations, and the pages are shared by the ranks of a node.
+**Memory.** Nothing of an entry is loaded up front: :class:`CachedExamples` reads an example's
+bytes when it is used (positional reads through the page cache, which the ranks of a node
+share), so resident memory does not grow with the number of conversations, neither while
+preparing the data nor over an epoch. Verifying an entry hashes its files with buffered reads
+(page cache, not this process's memory).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import overload
@@ -42,6 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.data.conversations import SkippedLine
 from dflash_recipes.data.sources import DataSource, content_sha256
+from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
 from dflash_recipes.records import Record
 
@@ -95,11 +101,17 @@ def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cache_key(
-    source: DataSource, tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings
+    source: DataSource,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TokenizeSettings,
+    *,
+    data_sha256: str | None = None,
 ) -> dict[str, object]:
-    """The fingerprint an entry is made for (see the module docstring)."""
+    """The fingerprint an entry is made for (see the module docstring). `data_sha256`: the
+    input's :func:`~dflash_recipes.data.sources.content_sha256` when another rank computed
+    it for this job; None hashes the input here."""
     return {
-        "data_sha256": content_sha256(source),
+        "data_sha256": content_sha256(source) if data_sha256 is None else data_sha256,
         "answer_only_loss": settings.answer_only_loss,
         "training_seq_len": settings.max_len,
         "block_size": settings.block_size,
@@ -121,15 +133,37 @@ def entry_name(key: dict[str, object]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class MappedExamples(Sequence[TokenizedExample]):
-    """The examples of a cache entry, read from memory-mapped arrays on access."""
+class CachedExamples(Sequence[TokenizedExample]):
+    """The examples of a cache entry, read from its arrays on access.
+
+    Each access reads the example's bytes with positional reads (``os.pread``): they come
+    from the operating system's page cache (shared by the ranks of a node, reclaimable), and
+    only the example read is held by this process. Nothing is read up front, so opening an
+    entry costs the same for 64 or 2 million conversations, and an epoch's reads do not add
+    the cache's pages to the process's resident memory as a memory map would.
+    """
 
     def __init__(self, directory: Path) -> None:
-        arrays = [np.memmap(directory / name, dtype=dtype, mode="r") for name, dtype in ARRAYS]
-        self._ids, self._mask, self._offsets, self._truncated = arrays
+        self._directory = directory
+        self._fds: dict[str, int] = {}
+        self._closer = weakref.finalize(self, _close_all, self._fds)
+        for name, _ in ARRAYS:
+            self._fds[name] = os.open(directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._count = os.fstat(self._fds["truncated.bin"]).st_size
 
     def __len__(self) -> int:
-        return len(self._truncated)
+        return self._count
+
+    def _read(self, name: str, dtype: type[np.generic], first: int, count: int) -> np.ndarray:
+        size = np.dtype(dtype).itemsize
+        data = os.pread(self._fds[name], count * size, first * size)
+        if len(data) != count * size:
+            msg = (
+                f"the tokenized data cache {self._directory} changed while in use ({name} is "
+                "shorter than its offsets say); delete that folder and rerun"
+            )
+            raise DataError(msg)
+        return np.frombuffer(data, dtype=dtype)
 
     @overload
     def __getitem__(self, index: int) -> TokenizedExample: ...
@@ -145,11 +179,11 @@ class MappedExamples(Sequence[TokenizedExample]):
         if not 0 <= index < len(self):
             msg = f"example {index} out of range ({len(self)} examples)"
             raise IndexError(msg)
-        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
+        start, end = (int(v) for v in self._read("offsets.bin", np.int64, index, 2))
         return TokenizedExample(
-            self._ids[start:end].tolist(),
-            self._mask[start:end].tolist(),
-            bool(self._truncated[index]),
+            self._read("input_ids.bin", np.int32, start, end - start).tolist(),
+            self._read("loss_mask.bin", np.uint8, start, end - start).tolist(),
+            bool(self._read("truncated.bin", np.uint8, index, 1)[0]),
         )
 
     def __iter__(self) -> Iterator[TokenizedExample]:
@@ -157,8 +191,22 @@ class MappedExamples(Sequence[TokenizedExample]):
             yield self[index]
 
     def lengths(self) -> list[int]:
-        """The token count of every example (without reading the tokens)."""
-        return np.diff(self._offsets).tolist()  # type: ignore[no-any-return]
+        """The token count of every example (from the offsets alone, not the tokens)."""
+        offsets = self._read("offsets.bin", np.int64, 0, len(self) + 1)
+        return np.diff(offsets).tolist()  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (CachedExamples, (self._directory,))
+
+    def close(self) -> None:
+        """Close the entry's files (also done when the object is collected)."""
+        self._closer()
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 def _file_sha256(path: Path) -> str:
@@ -258,7 +306,7 @@ __all__ = [
     "DEFAULT_WAIT_S",
     "META_FILE",
     "WAIT_ENV",
-    "MappedExamples",
+    "CachedExamples",
     "TokenizeSettings",
     "cache_key",
     "entry_name",

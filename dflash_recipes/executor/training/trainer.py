@@ -248,7 +248,7 @@ class Trainer:
         if self.plan.data.data_path is None:
             msg = "the plan has no data.data_path; set it in the recipe and recompile"
             raise DataError(msg)
-        return build_dataset(self.plan, tokenizer)
+        return build_dataset(self.plan, tokenizer, env=self.env)
 
     def _setup(self) -> _Setup:
         """Check the resume state and the export target, load data and model, warm-start or

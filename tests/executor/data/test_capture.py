@@ -141,6 +141,39 @@ def test_killed_capture_resumes_and_equals_an_uninterrupted_one(tmp_path: Path) 
             assert (whole / name).read_bytes() == (parts / name).read_bytes(), name
 
 
+def test_a_folder_of_parquet_or_jsonl_files_captures_like_the_same_jsonl(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    plan = _plan(tmp_path, "run")
+    assert plan.data.data_path is not None
+    lines = Path(plan.data.data_path).read_text(encoding="utf-8").splitlines()
+    half = len(lines) // 2
+    (tmp_path / "parquet").mkdir()
+    (tmp_path / "jsonl").mkdir()
+    for name, part in (("a", lines[:half]), ("b", lines[half:])):
+        table = pa.Table.from_pylist([json.loads(line) for line in part])
+        pq.write_table(table, tmp_path / "parquet" / f"{name}.parquet")
+        (tmp_path / "jsonl" / f"{name}.jsonl").write_text("\n".join(part) + "\n")
+    reference = tmp_path / "from-one-jsonl"
+    capture_plan(plan, reference, max_shard_bytes=SHARD_BYTES, progress=False)
+    expected = json.loads((reference / MANIFEST_FILE).read_text())
+    names = sorted(p.name for p in reference.iterdir() if p.suffix == ".safetensors")
+    assert len(names) > 1
+    for folder in ("parquet", "jsonl"):
+        other = _plan(tmp_path, f"run-{folder}", f"data.data_path={tmp_path / folder}")
+        out = tmp_path / f"from-{folder}"
+        capture_plan(other, out, max_shard_bytes=SHARD_BYTES, progress=False)
+        for name in names:
+            assert (out / name).read_bytes() == (reference / name).read_bytes(), (folder, name)
+        manifest = json.loads((out / MANIFEST_FILE).read_text())
+        assert manifest["data_path"] == str(tmp_path / folder)
+        assert manifest["data_sha256"] not in (None, expected["data_sha256"])
+        ignored = ("data_path", "data_sha256")
+        assert {k: v for k, v in manifest.items() if k not in ignored} == {
+            k: v for k, v in expected.items() if k not in ignored
+        }, folder
+
+
 def test_capture_writes_only_safetensors_and_json(tmp_path: Path) -> None:
     plan = _plan(tmp_path, "run", "dflash.dflash_self_logit_distillation=true")
     out = tmp_path / "capture"

@@ -497,3 +497,82 @@ def test_a_real_batch_flows_through_anchors_labels_and_the_loss(tmp_path: Path) 
     out = dflash_loss(logits, labels, label_mask, objective=plan.draft.objective)
     torch.autograd.backward(out.loss)
     assert torch.isfinite(out.loss) and out.per_position_count[1] == 6
+
+
+_RANK = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+sys.path.insert(0, str(Path(sys.argv[3]).parent.parent))
+from test_conversations import _tokenizer
+from testkit.tiny import tiny_plan
+from dflash_recipes.data import sources
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data import conversations, token_cache
+from dflash_recipes.executor.distributed import (
+    detect_dist_env, init_distributed, shutdown_distributed,
+)
+env = detect_dist_env("cpu")
+hashed = []
+def counting(source):  # the one function that reads the whole input to hash it
+    hashed.append(env.rank)
+    if sys.argv[4] == "unreadable":
+        raise DataError("data file cannot be read: Permission denied")
+    return sources.content_sha256(source)
+conversations.content_sha256 = token_cache.content_sha256 = counting
+init_distributed(env)
+plan = tiny_plan(Path(sys.argv[1]), data_path=sys.argv[2], training_seq_len=64, num_proc=1)
+try:
+    dataset = conversations.build_dataset(plan, _tokenizer(), env=env)
+    result = {"hashed": len(hashed), "n": len(dataset), "first": dataset.examples[0].input_ids}
+except DataError as exc:
+    result = {"error": str(exc)}
+shutdown_distributed()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("case", ["readable", "unreadable"])
+def test_under_torchrun_rank_0_alone_hashes_the_input(tmp_path: Path, case: str) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
+    data = _write(tmp_path / "d.jsonl", [json.dumps({"messages": turns})] * 5)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    base["OMP_NUM_THREADS"] = "1"
+    here = str(Path(__file__).parent)
+    argv = [sys.executable, "-c", _RANK, str(tmp_path / "run"), str(data), here, case]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if case == "readable":
+        assert [r["hashed"] for r in results] == [1, 0]
+        assert results[0]["n"] == results[1]["n"] == 5
+        assert results[0]["first"] == results[1]["first"]
+    else:  # rank 0 cannot hash it: both ranks stop with an error, neither waits forever
+        assert "Permission denied" in results[0]["error"]
+        assert "rank 0 could not read the data" in results[1]["error"]

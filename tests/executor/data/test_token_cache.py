@@ -138,6 +138,18 @@ def test_a_corrupt_or_foreign_cache_is_rebuilt_with_a_warning(
     assert _cache_entries(plan) == [entry]
 
 
+def test_a_cache_cut_short_while_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    data = _write(tmp_path / "d.jsonl", 10)
+    plan = _plan(tmp_path, data)
+    dataset = build_dataset(plan, _tokenizer())
+    assert dataset.examples[-1].input_ids  # read on access, from the entry's files
+    (entry,) = _cache_entries(plan)
+    ids = entry / "input_ids.bin"
+    os.truncate(ids, ids.stat().st_size // 2)
+    with pytest.raises(DataError, match=r"changed while in use .*delete that folder and rerun"):
+        list(dataset.examples)
+
+
 _BUILD = """
 import json, sys
 from pathlib import Path

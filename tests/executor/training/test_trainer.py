@@ -358,3 +358,28 @@ def test_parquet_a_folder_and_a_save_to_disk_folder_train_exactly_like_the_jsonl
     assert len(reference) == 2
     for name in ("train.parquet", "parts", "saved"):
         assert losses(f"run-{name}", str(tmp_path / name)) == reference, name
+
+
+def test_a_recipe_with_num_proc_2_tokenizes_and_trains_exactly_like_num_proc_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_recipes.executor.data import token_build
+
+    # Small chunks and no inline limit: the 60 demo conversations really go to two processes.
+    monkeypatch.setattr(token_build, "CHUNK", 8)
+    monkeypatch.setattr(token_build, "INLINE_LIMIT", 0)
+    arrays: dict[int, dict[str, bytes]] = {}
+    losses: dict[int, list[float]] = {}
+    for num_proc in (1, 2):
+        name = f"np{num_proc}"
+        run_plan(
+            _plan(tmp_path, name, "training.max_steps=2", f"data.num_proc={num_proc}"),
+            progress=False,
+        )
+        (entry,) = (p for p in (tmp_path / name / "data_cache").iterdir() if p.is_dir())
+        arrays[num_proc] = {p.name: p.read_bytes() for p in sorted(entry.iterdir())}
+        rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[num_proc] = [r["loss"] for r in map(json.loads, rows) if r["kind"] == "train"]
+    assert {"input_ids.bin", "loss_mask.bin", "offsets.bin", "meta.json"} <= set(arrays[1])
+    assert arrays[2] == arrays[1]
+    assert len(losses[1]) == 2 and losses[2] == losses[1]
