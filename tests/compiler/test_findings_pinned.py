@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 from testkit.compiling import compile_in, make_training_checkpoint
-from testkit.st_fixtures import drafter_config, write_base_model, write_drafter_checkpoint
+from testkit.st_fixtures import (
+    drafter_config,
+    drafter_tensors,
+    write_base_model,
+    write_drafter_checkpoint,
+    write_json,
+    write_raw_safetensors,
+    write_safetensors,
+)
 
 from dflash_recipes.compiler.compilation import CompileResult
 from dflash_recipes.files.run_dir import PLAN_FILE
@@ -60,6 +68,35 @@ def _s(setup: Callable[[Path], None] | None = None, **recipe: Any) -> Scenario:
         return make_recipe(**recipe)
 
     return build
+
+
+def _tensors(
+    tmp: Path, renames: dict[str, str] | None = None, add: dict[str, Any] | None = None
+) -> None:
+    """A drafter whose tensors are stored under `renames` (z-lab name -> stored name), with
+    `add` (stored name -> (dtype, shape)) stored besides."""
+    tensors = drafter_tensors()
+    stored = {(renames or {}).get(n, n): spec for n, spec in tensors.items()}
+    write_safetensors(tmp / "drafter" / "model.safetensors", {**stored, **(add or {})})
+    write_json(tmp / "drafter" / "config.json", drafter_config())
+
+
+def _without_taps_config() -> dict[str, Any]:
+    config = drafter_config()
+    del config["dflash_config"]["target_layer_ids"]  # type: ignore[attr-defined]
+    del config["dflash_config"]["mask_token_id"]  # type: ignore[attr-defined]
+    return config
+
+
+def _truncated_weights(tmp: Path) -> None:
+    """Weights cut short, next to a config.json stating neither taps nor mask."""
+    write_raw_safetensors(tmp / "drafter" / "model.safetensors", b'{"a": 1}', length=4096)
+    write_json(tmp / "drafter" / "config.json", _without_taps_config())
+
+
+def _unreadable_config(tmp: Path) -> None:
+    _drafter(tmp, write_config=False)
+    (tmp / "drafter" / "config.json").write_text('{"hidden_size": 32,', encoding="utf-8")
 
 
 def _resume(tmp: Path) -> None:
@@ -149,6 +186,20 @@ SCENARIOS: dict[str, Scenario] = {
         lambda t: ((t / "drafter").mkdir(), (t / "drafter" / "config.json").write_text("{}"))
     ),
     "base-model-missing": _s(_drafter, model="nowhere"),
+    # checkpoint_checks: known layouts, clashes, tensors no layout reads, damaged inputs
+    "layout-renamed": _s(lambda t: _tensors(t, {"fc.weight": "encoder.fc.weight"})),
+    "name-clash": _s(
+        lambda t: _tensors(t, add={"encoder.fc.weight": drafter_tensors()["fc.weight"]})
+    ),
+    "unknown-extra-tensor": _s(lambda t: _tensors(t, add={"encoder.gate.weight": ("BF16", (32,))})),
+    "tensor-missing-no-fix": _s(lambda t: _drafter(t, drop=["hidden_norm.weight"])),
+    "weights-truncated": _s(_truncated_weights),
+    "config-json-unreadable": _s(_unreadable_config),
+    "rms-norm-eps-differs": _s(_drafter, arch={"rms_norm_eps": 1e-5}),
+    "another-target-twice": _s(
+        lambda t: _drafter(t, config=drafter_config(num_target_layers=36, vocab=300))
+    ),
+    "plain-checkpoint-into-domino-unshifted": _s(_drafter, arch={**DOMINO, "shift_label": False}),
 }
 
 
