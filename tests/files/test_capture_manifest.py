@@ -366,3 +366,60 @@ def test_a_file_hash_streams_the_whole_file(tmp_path: Path) -> None:
     data = bytes(range(256)) * (2**13 + 1)  # more than one 1 MiB chunk
     path.write_bytes(data)
     assert cm.file_sha256(path) == cm.hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# the sizes and names a capture is cut into (the same at capture, resume and read time)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shard_and_tensor_names_are_zero_padded_and_the_teacher_state_is_listed_last() -> None:
+    assert cm.shard_file_name(3) == "shard-00003.safetensors"
+    assert cm.sample_tensor_names(12, last_hidden=False) == (
+        "000000012.input_ids",
+        "000000012.loss_mask",
+        "000000012.taps",
+    )
+    assert cm.sample_tensor_names(12, last_hidden=True)[3:] == ("000000012.last_hidden",)
+
+
+def test_a_token_costs_its_states_one_int32_id_and_one_mask_byte() -> None:
+    # 2 taps of 4 float32 values, + 4 bytes of id + 1 byte of mask
+    assert cm.bytes_per_token(2, 4, "float32", last_hidden=False) == 2 * 4 * 4 + 5 == 37
+    # the teacher's last hidden state is one more state; bfloat16 halves the states
+    assert cm.bytes_per_token(2, 4, "bfloat16", last_hidden=True) == 3 * 4 * 2 + 5
+    # the disk estimate: tokens at that cost plus a header allowance per tensor
+    per_tensor = cm.HEADER_BYTES_PER_TENSOR
+    assert cm.estimate_bytes([2, 3], 2, 4, "float32", last_hidden=False) == 37 * 5 + per_tensor * 6
+    assert cm.estimate_bytes([2, 3], 2, 4, "float32", last_hidden=True) == (
+        cm.bytes_per_token(2, 4, "float32", last_hidden=True) * 5 + per_tensor * 8
+    )
+
+
+@pytest.mark.parametrize(
+    ("counts", "bound", "shards"),
+    [
+        ([2, 3, 1], 60, [(0, 3)]),  # exactly at the bound: one shard
+        ([2, 3, 1], 59, [(0, 2), (2, 1)]),  # one byte less: the last sample opens a shard
+        ([1, 20, 1], 50, [(0, 1), (1, 1), (2, 1)]),  # an oversized sample stands alone
+        ([20], 50, [(0, 1)]),
+        ([], 50, []),
+    ],
+)
+def test_samples_are_cut_into_shards_in_order_at_the_byte_bound(
+    counts: list[int], bound: int, shards: list[tuple[int, int]]
+) -> None:
+    assert cm.plan_shards(counts, bytes_per_token=10, max_shard_bytes=bound) == shards
+
+
+def test_teacher_states_are_needed_by_self_distillation_and_by_dspark_with_a_tv_weight() -> None:
+    def needs(sld: bool, projector: str, tv: float) -> bool:
+        return cm.needs_teacher(
+            self_logit_distillation=sld, projector_type=projector, dspark_tv_weight=tv
+        )
+
+    assert needs(True, "dflash", 0.0)
+    assert needs(False, "dspark", 0.5)
+    assert not needs(False, "dspark", 0.0)
+    assert not needs(False, "dflash", 0.5)
+    assert not needs(False, "domino", 0.5)
