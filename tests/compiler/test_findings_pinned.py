@@ -116,6 +116,22 @@ def _resume_after_a_run(tmp: Path, make_recipe: RecipeFactory) -> Recipe:
     return recipe
 
 
+def _resume_after(first: dict[str, Any], then: dict[str, Any]) -> Scenario:
+    """A resume whose recipe changed from `first` to `then` (arch fields) since the run began;
+    the run's init checkpoint is gone."""
+
+    def build(tmp: Path, make_recipe: RecipeFactory) -> Recipe:
+        _drafter(tmp)
+        started = compile_in(tmp, make_recipe(arch=first, training={"output_dir": "out"}))
+        assert started.plan is not None, started.diagnostics
+        make_training_checkpoint(tmp / "out", 10)
+        (tmp / "out" / PLAN_FILE).write_text(started.plan.to_json(), encoding="utf-8")
+        shutil.rmtree(tmp / "drafter")
+        return make_recipe(arch=then, training={"output_dir": "out"})
+
+    return build
+
+
 SCENARIOS: dict[str, Scenario] = {
     "warm-start-takes-taps-and-mask": _s(_drafter),
     "taps-differ": _s(_drafter, arch={"target_layer_ids": (2, 6)}),
@@ -199,6 +215,17 @@ SCENARIOS: dict[str, Scenario] = {
     "another-target-twice": _s(
         lambda t: _drafter(t, config=drafter_config(num_target_layers=36, vocab=300))
     ),
+    # id_checks: what a resumed run's plan supplies, taps no formula can place
+    "resume-keeps-full-attention": _resume_after({"layer_types": ("full_attention",) * 2}, {}),
+    "resume-layer-types-wrong-length": _resume_after(
+        {"layer_types": SLIDING, "sliding_window": 64}, {"num_hidden_layers": 3}
+    ),
+    "default-taps-impossible": _s(
+        lambda t: write_base_model(t / "base", layers=1),
+        init=None,
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "no-mask-no-base-model": _s(init=None, model="nowhere"),
     "plain-checkpoint-into-domino-unshifted": _s(_drafter, arch={**DOMINO, "shift_label": False}),
 }
 
