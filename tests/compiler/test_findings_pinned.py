@@ -226,6 +226,7 @@ SCENARIOS: dict[str, Scenario] = {
         dflash={"dflash_mask_token_id": 1},
     ),
     "no-mask-no-base-model": _s(init=None, model="nowhere"),
+    "draft-layers-unset": _s(_drafter, arch={"num_hidden_layers": None}),
     "plain-checkpoint-into-domino-unshifted": _s(_drafter, arch={**DOMINO, "shift_label": False}),
 }
 
