@@ -227,6 +227,29 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "no-mask-no-base-model": _s(init=None, model="nowhere"),
     "draft-layers-unset": _s(_drafter, arch={"num_hidden_layers": None}),
+    # recipe_checks: the rules on the recipe alone
+    "kv-heads-prime-heads": _s(
+        init=None,
+        arch={"num_attention_heads": 5, "num_key_value_heads": 3},
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "kv-heads-above-heads": _s(
+        init=None,
+        arch={"num_attention_heads": 4, "num_key_value_heads": 6},
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "dim-unset-checkpoint-unreadable": _s(
+        lambda t: write_raw_safetensors(t / "drafter" / "model.safetensors", b"{", length=9),
+        arch={"target_layer_ids": (1, 5), "num_attention_heads": None},
+        dflash={"dflash_mask_token_id": 250},
+    ),
+    "resume-dim-unset": _resume_after({}, {"intermediate_size": None}),
+    "confidence-head-without-dspark": _s(
+        init=None, arch={"use_confidence_head": True}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "domino-prefix-fills-the-block": _s(
+        init=None, arch={**DOMINO, "pure_draft_prefix_len": 16}, dflash={"dflash_mask_token_id": 1}
+    ),
     "plain-checkpoint-into-domino-unshifted": _s(_drafter, arch={**DOMINO, "shift_label": False}),
 }
 
