@@ -388,14 +388,15 @@ def test_shards_out_of_order_or_resized_are_named(tmp_path: Path) -> None:
 def test_an_incomplete_or_unreadable_capture_is_one_finding(tmp_path: Path) -> None:
     shards = (
         ShardEntry("shard-00000.safetensors", 0, 2, 5, bytes=10),
-        ShardEntry("shard-00001.safetensors", 2, 1, 2),
+        ShardEntry("shard-00001.safetensors", 2, 1, 2, bytes=10),
+        ShardEntry("shard-00002.safetensors", 3, 1, 2),
     )
     (tmp_path / "manifest.json").write_text(_manifest(shards=shards, complete=False).to_json())
     found = check_capture(tmp_path, _EXPECT)
     assert [(f.code, f.message, f.hint) for f in found] == [
         (
             "capture-unreadable",
-            f"the capture in {tmp_path} is incomplete (1 of 2 shards recorded): `dflash-recipe "
+            f"the capture in {tmp_path} is incomplete (2 of 3 shards recorded): `dflash-recipe "
             "capture` was stopped before it finished",
             "rerun the same `dflash-recipe capture` command: it resumes shard by shard",
         )
