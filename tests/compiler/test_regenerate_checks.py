@@ -164,6 +164,7 @@ def test_output_path_equal_to_the_training_data_warns(
     result = _compile(tmp_path, _with(make_recipe(), output_path=train_file.name))
     assert result.plan is not None  # training on the regenerated file is the point
     found = _only(result, "regenerate-output-is-data")
+    assert found.severity is Severity.WARNING and found.path == "regenerate.output_path"
     assert "`dflash-recipe regenerate` would refuse to write over the prompts" in found.message
     assert found.hint == "to regenerate again, pass the prompts with --input FILE"
 
@@ -257,7 +258,7 @@ def test_each_base_url_reason_word_for_word(url: str, why: str | None) -> None:
 
 
 def test_an_upper_case_host_keeps_its_name_in_the_endpoints() -> None:
-    assert chat_completions_url("http://GPU-BOX:8000/") == "http://GPU-BOX:8000/v1/chat/completions"
+    assert chat_completions_url("http://GPU-BOX/") == "http://GPU-BOX/v1/chat/completions"
 
 
 def test_each_section_finding_reads_word_for_word(monkeypatch: pytest.MonkeyPatch) -> None:
