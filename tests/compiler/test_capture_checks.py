@@ -154,6 +154,12 @@ def test_another_base_model_is_an_error_another_template_a_warning(
     assert result.plan is not None
     warning = _only(result, "capture-chat-template-changed")
     assert warning.severity == Severity.WARNING
+    # the same template from another file is the same rendering: nothing to say
+    same = tmp_path / "same.jinja"
+    shutil.copyfile(TARGET / "chat_template.jinja", same)
+    result = _compile(capture, f"data.chat_template={same}")
+    assert result.plan is not None
+    assert [d for d in result.diagnostics if d.path == "data.hidden_states_path"] == []
 
 
 def test_missing_truncated_and_corrupted_shards_are_named(capture: Path) -> None:
@@ -405,3 +411,18 @@ def test_an_incomplete_or_unreadable_capture_is_one_finding(tmp_path: Path) -> N
     found = check_capture(tmp_path, _EXPECT)
     assert [f.code for f in found] == ["capture-unreadable"] and found[0].hint == RECAPTURE
     assert found[0].message.startswith(f"{tmp_path / 'manifest.json'}: not valid JSON")
+
+
+def test_a_capture_trains_without_data_path_and_a_teacher_objective_needs_its_states(
+    capture: Path,
+) -> None:
+    result = _compile(capture, "data.data_path=null")
+    assert result.plan is not None, [str(d) for d in result.diagnostics]
+    assert [d for d in result.diagnostics if d.path == "data.hidden_states_path"] == []
+    dspark = (
+        "dflash.dflash_architecture_config.projector_type=dspark",
+        "dflash.dflash_architecture_config.markov_rank=4",
+        "dflash.dflash_dspark_tv_weight=0.5",
+    )
+    found = _only(_compile(capture, *dspark), "capture-no-teacher-states")
+    assert found.severity is Severity.ERROR

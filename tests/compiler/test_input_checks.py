@@ -233,7 +233,10 @@ def test_every_missing_input_is_reported_not_only_the_first(
         "against the recipe's folder)"
     )
     assert by_path["data.eval_data_path"].code == "data-hub-id"
-    assert "runs never download data" in by_path["data.eval_data_path"].message
+    assert by_path["data.eval_data_path"].message == (
+        "data.eval_data_path 'org/held-out' is not a local file or folder; it looks like a "
+        "Hugging Face Hub dataset id, and runs never download data"
+    )
     # a template path that looks like a hub id is a missing file: templates are never on the hub
     data = {"data_path": "org/train", "chat_template": long_name}
     by_path = {d.path: d for d in compile_in(tmp_path, make_recipe(data=data)).diagnostics}
@@ -242,6 +245,15 @@ def test_every_missing_input_is_reported_not_only_the_first(
     assert by_path["data.chat_template"].message.endswith(
         "does not exist (a .jinja chat template file expected)"
     )
+    # a template that looks like a hub id is still a missing file; a present one is not
+    # where the checking stops
+    (tmp_path / "chat.jinja").write_text("{{ messages }}", encoding="utf-8")
+    for template, code in (("org/chat", "data-file-missing"), ("chat.jinja", None)):
+        data = {"chat_template": template, "eval_data_path": "absent.jsonl"}
+        by_path = {d.path: d for d in compile_in(tmp_path, make_recipe(data=data)).diagnostics}
+        found = by_path.get("data.chat_template")
+        assert (found.code if found else None) == code, template
+        assert by_path["data.eval_data_path"].code == "data-file-missing"
     data = {"data_path": "absent.jsonl"}
     d = only(compile_in(tmp_path, make_recipe(data=data)), "data-file-missing")
     assert d.message.endswith("does not exist (a JSONL file of training conversations expected)")
@@ -307,3 +319,22 @@ def test_a_previous_plan_over_the_size_bound_is_not_read(
         (tmp_path / "out" / PLAN_FILE).write_text(padded, encoding="utf-8")
         taken = "taps-from-previous-run" in codes(compile_in(tmp_path, recipe))
         assert taken is read, size
+
+
+# -- the capture cross-check's inputs ---------------------------------------------------------
+
+
+def test_a_capture_with_a_missing_base_model_or_without_taps_is_not_cross_checked(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    (tmp_path / "capture").mkdir()
+    data = {"hidden_states_path": "capture"}
+    result = compile_in(tmp_path, make_recipe(model="nowhere", data=data))
+    assert "base-model-not-found" in codes(result)
+    assert not [d for d in result.diagnostics if d.path == "data.hidden_states_path"]
+    config = json.loads((drafter / "config.json").read_text())
+    del config["dflash_config"]["target_layer_ids"]
+    (drafter / "config.json").write_text(json.dumps(config))
+    result = compile_in(tmp_path, make_recipe(data=data))
+    assert "taps-unknown" in codes(result)
+    assert not [d for d in result.diagnostics if d.path == "data.hidden_states_path"]
