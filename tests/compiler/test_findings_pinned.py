@@ -148,6 +148,9 @@ SCENARIOS: dict[str, Scenario] = {
     "another-target": _s(lambda t: _drafter(t, config=drafter_config(num_target_layers=36))),
     "hidden-size-mismatch": _s(lambda t: (_drafter(t), write_base_model(t / "base", hidden=64))),
     "layout-mismatch": _s(lambda t: _drafter(t, intermediate=96, config=drafter_config())),
+    "layout-mismatch-two-fixes": _s(
+        lambda t: _drafter(t, intermediate=96, layers=3, config=drafter_config())
+    ),
     "head-into-plain-recipe": _s(lambda t: _drafter(t, projector_type="dspark", markov_rank=4)),
     "plain-checkpoint-into-domino": _s(_drafter, arch=DOMINO),
     "partly-present-head": _s(
