@@ -70,6 +70,13 @@ def _s(setup: Callable[[Path], None] | None = None, **recipe: Any) -> Scenario:
     return build
 
 
+def _without_layer_types(tmp: Path) -> None:
+    """A checkpoint whose config.json says nothing about attention kinds (full by default)."""
+    config = drafter_config()
+    del config["layer_types"]
+    _drafter(tmp, config=config)
+
+
 def _tensors(
     tmp: Path, renames: dict[str, str] | None = None, add: dict[str, Any] | None = None
 ) -> None:
@@ -167,6 +174,15 @@ SCENARIOS: dict[str, Scenario] = {
     "sliding-differs": _s(_sliding_drafter, arch={"layer_types": SLIDING, "sliding_window": 512}),
     "sliding-checkpoint-without-window": _s(lambda t: _sliding_drafter(t, window=None)),
     "layer-types-wrong-length": _s(_drafter, arch={"layer_types": ("full_attention",)}),
+    "sliding-layer-types-wrong-length": _s(
+        init=None, arch={"layer_types": ("sliding_attention",)}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "sliding-recipe-without-window": _s(
+        init=None, arch={"layer_types": SLIDING}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "sliding-recipe-checkpoint-silent": _s(
+        _without_layer_types, arch={"layer_types": SLIDING, "sliding_window": 512}
+    ),
     "window-without-sliding-layers": _s(_drafter, arch={"sliding_window": 512}),
     "rope-differs": _s(lambda t: _drafter(t, config=drafter_config(rope_theta=10_000.0))),
     "config-json-missing": _s(
