@@ -788,7 +788,12 @@ FIELD_SCENARIOS: dict[str, Scenario] = {
         dc={"target_layer_ids": None, "target_hidden_size": 1}
     ),
     "target-hidden-a-bool": Scenario(dc={"target_hidden_size": True}),
+    "target-hidden-a-string": Scenario(dc={"target_hidden_size": "32"}),
+    "target-hidden-zero-without-taps": Scenario(
+        dc={"target_layer_ids": None, "target_hidden_size": 0}
+    ),
     "two-header-contradictions": Scenario(top={"hidden_size": 64, "num_hidden_layers": 3}),
+    "header-size-a-string": Scenario(top={"hidden_size": "32"}),
     "value-of-60-characters": Scenario(top={"quantization_config": {"quant_method": "q" * 40}}),
     "value-of-61-characters": Scenario(top={"quantization_config": {"quant_method": "q" * 41}}),
 }
