@@ -8,6 +8,7 @@ into findings against the recipe and the base model.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -365,7 +366,7 @@ class _Checker:
             if found is None or key not in shown or found[0] == shown[key]:
                 continue
             contradictions.append(
-                f"`{found[1]}: {_json(found[0])}` but the tensors show {shown[key]}"
+                f"`{found[1]}: {_json_typed(found[0])}` but the tensors show {shown[key]}"
             )
         fc = shapes.get("fc.weight")
         target_hidden = _dflash_field(self.config, "target_hidden_size")
@@ -383,7 +384,7 @@ class _Checker:
             if wrong:
                 per_tap = f" ({fc_in // n_taps} per tap for {n_taps} taps)" if n_taps else ""
                 contradictions.append(
-                    f"`{target_hidden[1]}: {_json(value)}` but fc.weight takes {fc_in} "
+                    f"`{target_hidden[1]}: {_json_typed(value)}` but fc.weight takes {fc_in} "
                     f"inputs{per_tap}"
                 )
         if not contradictions:
@@ -404,6 +405,11 @@ def _at(section: Mapping[str, object], key: str, prefix: str = _DC) -> tuple[obj
     if section.get(key) is None:
         return None
     return section[key], prefix + key
+
+
+def _json_typed(value: object) -> str:
+    """`_json`, with a string quoted: a size given as the string "32" is not the number 32."""
+    return json.dumps(value) if isinstance(value, str) else _json(value)
 
 
 def _json(value: object) -> str:

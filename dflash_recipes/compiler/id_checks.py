@@ -276,9 +276,12 @@ class DraftIdChecks(CompileState):
     ) -> None:
         if self.config is None or not self.config.readable:
             return
-        full = ("full_attention",) * (self.arch.num_hidden_layers or 0)
+        layers = self.arch.num_hidden_layers
+        full = ("full_attention",) * layers if layers is not None else None
         mine = types if types is not None else full
         theirs = stated_types if stated_types is not None else full
+        if mine is None or theirs is None:
+            return  # the default needs num_hidden_layers, whose absence is arch-dim-missing
         if mine == theirs and (stated_window is None or window == stated_window):
             return
         said = f"[{', '.join(theirs)}]" + (

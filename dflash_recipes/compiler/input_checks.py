@@ -178,16 +178,7 @@ class InputChecks(CompileState):
                 "point training.output_dir at a new or existing directory",
             )
             return
-        try:
-            if output_dir.exists() and not output_dir.is_dir():
-                self.emit(
-                    OUTPUT_DIR_UNUSABLE,
-                    "training.output_dir",
-                    f"training.output_dir {output_dir} is a file; checkpoints, metrics and the "
-                    "export are written into a directory",
-                    "point training.output_dir at a new or existing directory",
-                )
-                return
+        try:  # output_dir_problem refused a file here already
             latest = latest_complete_checkpoint(output_dir)
         except OSError as exc:
             self.emit(

@@ -154,6 +154,12 @@ def test_another_base_model_is_an_error_another_template_a_warning(
     assert result.plan is not None
     warning = _only(result, "capture-chat-template-changed")
     assert warning.severity == Severity.WARNING
+    # the same template from another file is the same rendering: nothing to say
+    same = tmp_path / "same.jinja"
+    shutil.copyfile(TARGET / "chat_template.jinja", same)
+    result = _compile(capture, f"data.chat_template={same}")
+    assert result.plan is not None
+    assert [d for d in result.diagnostics if d.path == "data.hidden_states_path"] == []
 
 
 def test_missing_truncated_and_corrupted_shards_are_named(capture: Path) -> None:
@@ -388,14 +394,15 @@ def test_shards_out_of_order_or_resized_are_named(tmp_path: Path) -> None:
 def test_an_incomplete_or_unreadable_capture_is_one_finding(tmp_path: Path) -> None:
     shards = (
         ShardEntry("shard-00000.safetensors", 0, 2, 5, bytes=10),
-        ShardEntry("shard-00001.safetensors", 2, 1, 2),
+        ShardEntry("shard-00001.safetensors", 2, 1, 2, bytes=10),
+        ShardEntry("shard-00002.safetensors", 3, 1, 2),
     )
     (tmp_path / "manifest.json").write_text(_manifest(shards=shards, complete=False).to_json())
     found = check_capture(tmp_path, _EXPECT)
     assert [(f.code, f.message, f.hint) for f in found] == [
         (
             "capture-unreadable",
-            f"the capture in {tmp_path} is incomplete (1 of 2 shards recorded): `dflash-recipe "
+            f"the capture in {tmp_path} is incomplete (2 of 3 shards recorded): `dflash-recipe "
             "capture` was stopped before it finished",
             "rerun the same `dflash-recipe capture` command: it resumes shard by shard",
         )
@@ -404,3 +411,18 @@ def test_an_incomplete_or_unreadable_capture_is_one_finding(tmp_path: Path) -> N
     found = check_capture(tmp_path, _EXPECT)
     assert [f.code for f in found] == ["capture-unreadable"] and found[0].hint == RECAPTURE
     assert found[0].message.startswith(f"{tmp_path / 'manifest.json'}: not valid JSON")
+
+
+def test_a_capture_trains_without_data_path_and_a_teacher_objective_needs_its_states(
+    capture: Path,
+) -> None:
+    result = _compile(capture, "data.data_path=null")
+    assert result.plan is not None, [str(d) for d in result.diagnostics]
+    assert [d for d in result.diagnostics if d.path == "data.hidden_states_path"] == []
+    dspark = (
+        "dflash.dflash_architecture_config.projector_type=dspark",
+        "dflash.dflash_architecture_config.markov_rank=4",
+        "dflash.dflash_dspark_tv_weight=0.5",
+    )
+    found = _only(_compile(capture, *dspark), "capture-no-teacher-states")
+    assert found.severity is Severity.ERROR

@@ -17,12 +17,12 @@ import attrs
 import pytest
 from testkit.checkpoint_fields import compile_with_config, nested
 from testkit.compiling import only
-from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
+from testkit.st_fixtures import drafter_config, drafter_tensors, write_drafter_checkpoint
 
 from dflash_recipes.checkpoint.config_fields import CHECKPOINT_FIELDS
 from dflash_recipes.checkpoint.hfconfig import checkpoint_config_from_mapping
 from dflash_recipes.compiler.compilation import CompileResult, compile_recipe
-from dflash_recipes.compiler.field_checks import check_checkpoint_fields
+from dflash_recipes.compiler.field_checks import HeadAlignment, check_checkpoint_fields
 from dflash_recipes.diagnostics import Severity, registered_codes
 from dflash_recipes.recipe.sections import Recipe
 
@@ -712,3 +712,136 @@ def test_a_dflash_config_that_is_not_an_object_is_read_as_empty() -> None:
         config, None, where="c", training_seq_len=64, projector_type="domino"
     )
     assert [f.code for f in findings if f.code != "checkpoint-field-unknown"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the inventory's checks called directly, word for word: boundaries and the head alignment
+# ---------------------------------------------------------------------------------------------
+
+SCENARIO_GOLDEN = Path(__file__).with_name("field_scenarios.golden.json")
+
+
+@attrs.frozen
+class Scenario:
+    """Top-level config.json edits, `dflash_config` edits, the head the tensors hold, the
+    recipe's projector and head alignment (None: drop the key)."""
+
+    top: Mapping[str, object] = attrs.field(factory=dict)
+    dc: Mapping[str, object] = attrs.field(factory=dict)
+    head: Mapping[str, object] = attrs.field(factory=dict)
+    projector: str = "dflash"
+    alignment: Mapping[str, object] = attrs.field(factory=dict)
+    extra_tensors: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+
+
+_DOM = {"projector_type": "domino", "emb_dim": 16, "gru_hidden_dim": 8}
+_DSP = {"projector_type": "dspark", "markov_rank": 4}
+
+FIELD_SCENARIOS: dict[str, Scenario] = {
+    "dflash2-tensor-and-field": Scenario(
+        dc={"selector_top_k": 4}, extra_tensors={"candidate_selector.weight": (32, 2)}
+    ),
+    "dflash2-architectures-listed-first": Scenario(
+        top={"architectures": ["DFlash2DraftModel"]}, dc={"conv_kernel_size": 3}
+    ),
+    "unknown-field": Scenario(top={"my_new_field": 1}),
+    "swa-window-as-sliding-window": Scenario(
+        top={"sliding_window": 2048}, dc={"swa_window_size": 2048}
+    ),
+    "swa-window-not-sliding-window": Scenario(
+        top={"sliding_window": 2048}, dc={"swa_window_size": 1024}
+    ),
+    "plain-recipe-ignores-head-fields": Scenario(dc={"shift_label": False}),
+    "domino-unshifted-prefix-0": Scenario(
+        dc={"shift_label": False, "pure_draft_prefix_len": 0}, head=_DOM, projector="domino"
+    ),
+    "domino-unshifted-as-the-recipe": Scenario(
+        dc={"shift_label": False, "pure_draft_prefix_len": 1},
+        head=_DOM,
+        projector="domino",
+        alignment={"shift_label": False},
+    ),
+    "domino-shifted-into-unshifted-recipe": Scenario(
+        dc={"shift_label": True}, head=_DOM, projector="domino", alignment={"shift_label": False}
+    ),
+    "dspark-ignores-a-prefix": Scenario(
+        dc={"shift_label": False, "pure_draft_prefix_len": 0}, head=_DSP, projector="dspark"
+    ),
+    "dspark-head-kind-differs": Scenario(
+        dc={"markov_head_type": "gated"}, head=_DSP, projector="dspark"
+    ),
+    "dspark-vanilla-head": Scenario(
+        dc={"markov_head_type": "vanilla"}, head=_DSP, projector="dspark"
+    ),
+    "draft-vocab-is-the-vocab": Scenario(top={"draft_vocab_size": 256}),
+    "draft-vocab-reduced": Scenario(top={"draft_vocab_size": 128}),
+    "draft-vocab-without-vocab": Scenario(top={"draft_vocab_size": 256, "vocab_size": None}),
+    "target-hidden-without-taps-divides": Scenario(
+        dc={"target_layer_ids": None, "target_hidden_size": 32}
+    ),
+    "target-hidden-without-taps-not-a-divisor": Scenario(
+        dc={"target_layer_ids": None, "target_hidden_size": 48}
+    ),
+    "target-hidden-zero": Scenario(dc={"target_hidden_size": 0}),
+    "target-hidden-negative": Scenario(dc={"target_hidden_size": -32}),
+    "target-hidden-one-without-taps": Scenario(
+        dc={"target_layer_ids": None, "target_hidden_size": 1}
+    ),
+    "target-hidden-a-bool": Scenario(dc={"target_hidden_size": True}),
+    "target-hidden-a-string": Scenario(dc={"target_hidden_size": "32"}),
+    "target-hidden-zero-without-taps": Scenario(
+        dc={"target_layer_ids": None, "target_hidden_size": 0}
+    ),
+    "two-header-contradictions": Scenario(top={"hidden_size": 64, "num_hidden_layers": 3}),
+    "header-size-a-string": Scenario(top={"hidden_size": "32"}),
+    "value-of-60-characters": Scenario(top={"quantization_config": {"quant_method": "q" * 40}}),
+    "value-of-61-characters": Scenario(top={"quantization_config": {"quant_method": "q" * 41}}),
+}
+
+
+def _scenario_findings(scenario: Scenario) -> list[dict[str, str]]:
+    config = drafter_config(variant=dict(scenario.head) or None)
+    for key, value in scenario.top.items():
+        config.pop(key) if value is None else config.__setitem__(key, value)
+    for key, value in scenario.dc.items():
+        section = nested(config)
+        section.pop(key) if value is None else section.__setitem__(key, value)
+    tensors = drafter_tensors(**scenario.head)  # type: ignore[arg-type]
+    shapes = {name: tuple(shape) for name, (_, shape) in tensors.items()}
+    shapes.update(scenario.extra_tensors)
+    findings = check_checkpoint_fields(
+        config,
+        shapes,
+        where="init checkpoint c/config.json",
+        training_seq_len=64,
+        projector_type=scenario.projector,
+        alignment=HeadAlignment(**scenario.alignment),  # type: ignore[arg-type]
+    )
+    return [
+        {
+            "code": f.code,
+            "severity": f.severity.value,
+            "path": f.path,
+            "text": f"{f.message} | {f.hint}",
+        }
+        for f in findings
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_SCENARIOS))
+def test_each_field_scenario_reads_as_pinned(name: str) -> None:
+    found = _scenario_findings(FIELD_SCENARIOS[name])
+    pinned = (
+        json.loads(SCENARIO_GOLDEN.read_text(encoding="utf-8")) if SCENARIO_GOLDEN.is_file() else {}
+    )
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        pinned[name] = found
+        SCENARIO_GOLDEN.write_text(
+            json.dumps(pinned, indent=1, sort_keys=True) + "\n", encoding="utf-8"
+        )
+    assert found == pinned.get(name)
+
+
+def test_every_pinned_field_scenario_still_exists() -> None:
+    pinned = json.loads(SCENARIO_GOLDEN.read_text(encoding="utf-8"))
+    assert sorted(pinned) == sorted(FIELD_SCENARIOS)

@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 from testkit.compiling import compile_in, make_training_checkpoint
-from testkit.st_fixtures import drafter_config, write_base_model, write_drafter_checkpoint
+from testkit.st_fixtures import (
+    drafter_config,
+    drafter_tensors,
+    write_base_model,
+    write_drafter_checkpoint,
+    write_json,
+    write_raw_safetensors,
+    write_safetensors,
+)
 
 from dflash_recipes.compiler.compilation import CompileResult
 from dflash_recipes.files.run_dir import PLAN_FILE
@@ -62,6 +70,42 @@ def _s(setup: Callable[[Path], None] | None = None, **recipe: Any) -> Scenario:
     return build
 
 
+def _without_layer_types(tmp: Path) -> None:
+    """A checkpoint whose config.json says nothing about attention kinds (full by default)."""
+    config = drafter_config()
+    del config["layer_types"]
+    _drafter(tmp, config=config)
+
+
+def _tensors(
+    tmp: Path, renames: dict[str, str] | None = None, add: dict[str, Any] | None = None
+) -> None:
+    """A drafter whose tensors are stored under `renames` (z-lab name -> stored name), with
+    `add` (stored name -> (dtype, shape)) stored besides."""
+    tensors = drafter_tensors()
+    stored = {(renames or {}).get(n, n): spec for n, spec in tensors.items()}
+    write_safetensors(tmp / "drafter" / "model.safetensors", {**stored, **(add or {})})
+    write_json(tmp / "drafter" / "config.json", drafter_config())
+
+
+def _without_taps_config() -> dict[str, Any]:
+    config = drafter_config()
+    del config["dflash_config"]["target_layer_ids"]  # type: ignore[attr-defined]
+    del config["dflash_config"]["mask_token_id"]  # type: ignore[attr-defined]
+    return config
+
+
+def _truncated_weights(tmp: Path) -> None:
+    """Weights cut short, next to a config.json stating neither taps nor mask."""
+    write_raw_safetensors(tmp / "drafter" / "model.safetensors", b'{"a": 1}', length=4096)
+    write_json(tmp / "drafter" / "config.json", _without_taps_config())
+
+
+def _unreadable_config(tmp: Path) -> None:
+    _drafter(tmp, write_config=False)
+    (tmp / "drafter" / "config.json").write_text('{"hidden_size": 32,', encoding="utf-8")
+
+
 def _resume(tmp: Path) -> None:
     _drafter(tmp)
     make_training_checkpoint(tmp / "out", 3)
@@ -77,6 +121,22 @@ def _resume_after_a_run(tmp: Path, make_recipe: RecipeFactory) -> Recipe:
     (tmp / "out" / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
     shutil.rmtree(tmp / "drafter")
     return recipe
+
+
+def _resume_after(first: dict[str, Any], then: dict[str, Any]) -> Scenario:
+    """A resume whose recipe changed from `first` to `then` (arch fields) since the run began;
+    the run's init checkpoint is gone."""
+
+    def build(tmp: Path, make_recipe: RecipeFactory) -> Recipe:
+        _drafter(tmp)
+        started = compile_in(tmp, make_recipe(arch=first, training={"output_dir": "out"}))
+        assert started.plan is not None, started.diagnostics
+        make_training_checkpoint(tmp / "out", 10)
+        (tmp / "out" / PLAN_FILE).write_text(started.plan.to_json(), encoding="utf-8")
+        shutil.rmtree(tmp / "drafter")
+        return make_recipe(arch=then, training={"output_dir": "out"})
+
+    return build
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -95,6 +155,9 @@ SCENARIOS: dict[str, Scenario] = {
     "another-target": _s(lambda t: _drafter(t, config=drafter_config(num_target_layers=36))),
     "hidden-size-mismatch": _s(lambda t: (_drafter(t), write_base_model(t / "base", hidden=64))),
     "layout-mismatch": _s(lambda t: _drafter(t, intermediate=96, config=drafter_config())),
+    "layout-mismatch-two-fixes": _s(
+        lambda t: _drafter(t, intermediate=96, layers=3, config=drafter_config())
+    ),
     "head-into-plain-recipe": _s(lambda t: _drafter(t, projector_type="dspark", markov_rank=4)),
     "plain-checkpoint-into-domino": _s(_drafter, arch=DOMINO),
     "partly-present-head": _s(
@@ -111,6 +174,15 @@ SCENARIOS: dict[str, Scenario] = {
     "sliding-differs": _s(_sliding_drafter, arch={"layer_types": SLIDING, "sliding_window": 512}),
     "sliding-checkpoint-without-window": _s(lambda t: _sliding_drafter(t, window=None)),
     "layer-types-wrong-length": _s(_drafter, arch={"layer_types": ("full_attention",)}),
+    "sliding-layer-types-wrong-length": _s(
+        init=None, arch={"layer_types": ("sliding_attention",)}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "sliding-recipe-without-window": _s(
+        init=None, arch={"layer_types": SLIDING}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "sliding-recipe-checkpoint-silent": _s(
+        _without_layer_types, arch={"layer_types": SLIDING, "sliding_window": 512}
+    ),
     "window-without-sliding-layers": _s(_drafter, arch={"sliding_window": 512}),
     "rope-differs": _s(lambda t: _drafter(t, config=drafter_config(rope_theta=10_000.0))),
     "config-json-missing": _s(
@@ -149,6 +221,55 @@ SCENARIOS: dict[str, Scenario] = {
         lambda t: ((t / "drafter").mkdir(), (t / "drafter" / "config.json").write_text("{}"))
     ),
     "base-model-missing": _s(_drafter, model="nowhere"),
+    # checkpoint_checks: known layouts, clashes, tensors no layout reads, damaged inputs
+    "layout-renamed": _s(lambda t: _tensors(t, {"fc.weight": "encoder.fc.weight"})),
+    "name-clash": _s(
+        lambda t: _tensors(t, add={"encoder.fc.weight": drafter_tensors()["fc.weight"]})
+    ),
+    "unknown-extra-tensor": _s(lambda t: _tensors(t, add={"encoder.gate.weight": ("BF16", (32,))})),
+    "tensor-missing-no-fix": _s(lambda t: _drafter(t, drop=["hidden_norm.weight"])),
+    "weights-truncated": _s(_truncated_weights),
+    "config-json-unreadable": _s(_unreadable_config),
+    "rms-norm-eps-differs": _s(_drafter, arch={"rms_norm_eps": 1e-5}),
+    "another-target-twice": _s(
+        lambda t: _drafter(t, config=drafter_config(num_target_layers=36, vocab=300))
+    ),
+    # id_checks: what a resumed run's plan supplies, taps no formula can place
+    "resume-keeps-full-attention": _resume_after({"layer_types": ("full_attention",) * 2}, {}),
+    "resume-layer-types-wrong-length": _resume_after(
+        {"layer_types": SLIDING, "sliding_window": 64}, {"num_hidden_layers": 3}
+    ),
+    "default-taps-impossible": _s(
+        lambda t: write_base_model(t / "base", layers=1),
+        init=None,
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "no-mask-no-base-model": _s(init=None, model="nowhere"),
+    "draft-layers-unset": _s(_drafter, arch={"num_hidden_layers": None}),
+    # recipe_checks: the rules on the recipe alone
+    "kv-heads-prime-heads": _s(
+        init=None,
+        arch={"num_attention_heads": 5, "num_key_value_heads": 3},
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "kv-heads-above-heads": _s(
+        init=None,
+        arch={"num_attention_heads": 4, "num_key_value_heads": 6},
+        dflash={"dflash_mask_token_id": 1},
+    ),
+    "dim-unset-checkpoint-unreadable": _s(
+        lambda t: write_raw_safetensors(t / "drafter" / "model.safetensors", b"{", length=9),
+        arch={"target_layer_ids": (1, 5), "num_attention_heads": None},
+        dflash={"dflash_mask_token_id": 250},
+    ),
+    "resume-dim-unset": _resume_after({}, {"intermediate_size": None}),
+    "confidence-head-without-dspark": _s(
+        init=None, arch={"use_confidence_head": True}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "domino-prefix-fills-the-block": _s(
+        init=None, arch={**DOMINO, "pure_draft_prefix_len": 16}, dflash={"dflash_mask_token_id": 1}
+    ),
+    "plain-checkpoint-into-domino-unshifted": _s(_drafter, arch={**DOMINO, "shift_label": False}),
 }
 
 

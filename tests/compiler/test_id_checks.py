@@ -230,3 +230,12 @@ def test_resume_keeps_the_eps_of_the_run_after_the_checkpoint_is_gone(
     assert result.plan.draft.architecture.rms_norm_eps == 1e-5
     info = only(result, "rms-norm-eps-from-previous-run")
     assert info.severity is Severity.INFO and "1e-05" in info.message
+
+
+def test_unset_num_hidden_layers_is_one_error_not_also_a_layer_types_warning(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    write_drafter_checkpoint(tmp_path / "drafter")
+    result = compile_in(tmp_path, make_recipe(arch={"num_hidden_layers": None}))
+    assert [d.code for d in result.errors] == ["arch-dim-missing"]
+    assert "checkpoint-layer-types-differ" not in {d.code for d in result.diagnostics}

@@ -14,11 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from testkit.compiling import RecipeFactory, compile_in, only
+from testkit.compiling import RecipeFactory, codes, compile_in, make_training_checkpoint, only
 
 from dflash_recipes.cli import main
+from dflash_recipes.compiler.compilation import compile_recipe
+from dflash_recipes.compiler.input_checks import output_dir_problem
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.files.crashsafe import write_output
+from dflash_recipes.files.run_dir import PLAN_FILE
 from dflash_recipes.plan.run_plan import RunPlan
 
 DEV_NULL = Path("/dev/null")
@@ -181,3 +184,157 @@ def test_a_truncated_parquet_file_is_a_compile_error(
     result = compile_in(tmp_path, make_recipe(data={"data_path": "t.parquet"}))
     d = only(result, "data-unreadable")
     assert "cannot be read as a Parquet file" in d.message and "\n" not in d.message
+
+
+def test_the_columns_finding_names_the_file_and_says_how_to_fix_it(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    (tmp_path / "parts").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"text": "a"}]), tmp_path / "parts" / "a.parquet")
+    result = compile_in(tmp_path, make_recipe(data={"data_path": "parts"}))
+    d = only(result, "data-columns-missing")
+    assert d.message.startswith(f"{tmp_path / 'parts' / 'a.parquet'} has no 'messages'")
+    assert d.hint == (
+        "rename the column that holds the turns to 'messages' (role/content) or "
+        "'conversations' (from/value), or point data.data_path at another input"
+    )
+
+
+def test_an_unreadable_input_is_named_by_its_setting(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    (tmp_path / "empty").mkdir()
+    result = compile_in(tmp_path, make_recipe(data={"eval_data_path": "empty"}))
+    d = only(result, "data-unreadable")
+    assert d.path == "data.eval_data_path"
+    assert "holds no .parquet, .arrow, .jsonl or .jsonl.gz file; set data.eval_data_path" in (
+        d.message
+    )
+
+
+# -- data files that are missing, folders or unnamable ----------------------------------------
+
+
+def test_every_missing_input_is_reported_not_only_the_first(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    (tmp_path / "templates").mkdir()
+    long_name = "t" * 300 + ".jinja"  # the file system refuses the name: not there either
+    data = {"chat_template": "templates", "eval_data_path": "org/held-out"}
+    by_path = {d.path: d for d in compile_in(tmp_path, make_recipe(data=data)).diagnostics}
+    template = by_path["data.chat_template"]
+    assert template.code == "data-file-missing"
+    assert template.message == (
+        f"data.chat_template {tmp_path / 'templates'} is a directory, not a file "
+        "(a .jinja chat template file expected)"
+    )
+    assert template.hint == (
+        "point data.chat_template at a .jinja chat template file (a relative path is resolved "
+        "against the recipe's folder)"
+    )
+    assert by_path["data.eval_data_path"].code == "data-hub-id"
+    assert by_path["data.eval_data_path"].message == (
+        "data.eval_data_path 'org/held-out' is not a local file or folder; it looks like a "
+        "Hugging Face Hub dataset id, and runs never download data"
+    )
+    # a template path that looks like a hub id is a missing file: templates are never on the hub
+    data = {"data_path": "org/train", "chat_template": long_name}
+    by_path = {d.path: d for d in compile_in(tmp_path, make_recipe(data=data)).diagnostics}
+    assert by_path["data.data_path"].code == "data-hub-id"
+    assert by_path["data.chat_template"].code == "data-file-missing"
+    assert by_path["data.chat_template"].message.endswith(
+        "does not exist (a .jinja chat template file expected)"
+    )
+    # a template that looks like a hub id is still a missing file; a present one is not
+    # where the checking stops
+    (tmp_path / "chat.jinja").write_text("{{ messages }}", encoding="utf-8")
+    for template, code in (("org/chat", "data-file-missing"), ("chat.jinja", None)):
+        data = {"chat_template": template, "eval_data_path": "absent.jsonl"}
+        by_path = {d.path: d for d in compile_in(tmp_path, make_recipe(data=data)).diagnostics}
+        found = by_path.get("data.chat_template")
+        assert (found.code if found else None) == code, template
+        assert by_path["data.eval_data_path"].code == "data-file-missing"
+    data = {"data_path": "absent.jsonl"}
+    d = only(compile_in(tmp_path, make_recipe(data=data)), "data-file-missing")
+    assert d.message.endswith("does not exist (a JSONL file of training conversations expected)")
+
+
+def test_without_a_recipe_folder_relative_inputs_are_resolved_against_the_working_directory(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = compile_recipe(make_recipe(data={"eval_data_path": "absent.jsonl"}))
+    d = only(result, "data-file-missing")
+    assert d.hint is not None and d.hint.endswith("resolved against the working directory)")
+
+
+# -- the output directory ---------------------------------------------------------------------
+
+
+def test_an_output_dir_that_cannot_be_a_directory_says_why(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    assert output_dir_problem(tmp_path / "new" / "deeper") is None
+    assert output_dir_problem(tmp_path) is None
+    assert output_dir_problem(tmp_path / "a\0b") == (
+        "contains a NUL byte, which no file system accepts"
+    )
+    assert output_dir_problem(tmp_path / "file") == "exists and is a regular file, not a directory"
+    assert output_dir_problem(tmp_path / "file" / "run" / "deeper") == (
+        f"lies below {tmp_path / 'file'}, which is a regular file, not a directory"
+    )
+    assert output_dir_problem(tmp_path / ("n" * 300)) == "cannot be used: File name too long"
+
+
+def test_an_output_dir_that_cannot_be_listed_is_one_error(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "out").mkdir()
+    listdir = os.listdir
+
+    def refuse(path: str | os.PathLike[str] = ".") -> list[str]:
+        if Path(path) == tmp_path / "out":
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", refuse)
+    result = compile_in(tmp_path, make_recipe(training={"output_dir": "out"}))
+    d = only(result, "output-dir-unusable")
+    assert d.path == "training.output_dir"
+    assert d.message == (
+        f"training.output_dir {tmp_path / 'out'} cannot be listed: Permission denied"
+    )
+    assert d.hint == "make it readable and writable by this user, or choose another directory"
+
+
+def test_a_previous_plan_over_the_size_bound_is_not_read(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    first = compile_in(tmp_path, make_recipe(training={"output_dir": "out"}))
+    assert first.plan is not None
+    make_training_checkpoint(tmp_path / "out", 10)
+    plan_text = first.plan.to_json()
+    recipe = make_recipe(init=None, training={"output_dir": "out"})
+    for size, read in ((16 * 2**20, True), (16 * 2**20 + 1, False)):
+        padded = plan_text + " " * (size - len(plan_text.encode()))
+        (tmp_path / "out" / PLAN_FILE).write_text(padded, encoding="utf-8")
+        taken = "taps-from-previous-run" in codes(compile_in(tmp_path, recipe))
+        assert taken is read, size
+
+
+# -- the capture cross-check's inputs ---------------------------------------------------------
+
+
+def test_a_capture_with_a_missing_base_model_or_without_taps_is_not_cross_checked(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    (tmp_path / "capture").mkdir()
+    data = {"hidden_states_path": "capture"}
+    result = compile_in(tmp_path, make_recipe(model="nowhere", data=data))
+    assert "base-model-not-found" in codes(result)
+    assert not [d for d in result.diagnostics if d.path == "data.hidden_states_path"]
+    config = json.loads((drafter / "config.json").read_text())
+    del config["dflash_config"]["target_layer_ids"]
+    (drafter / "config.json").write_text(json.dumps(config))
+    result = compile_in(tmp_path, make_recipe(data=data))
+    assert "taps-unknown" in codes(result)
+    assert not [d for d in result.diagnostics if d.path == "data.hidden_states_path"]

@@ -13,10 +13,13 @@ from dflash_recipes.compiler.compilation import CompileResult, compile_file, com
 from dflash_recipes.compiler.regenerate_checks import (
     base_url_problem,
     chat_completions_url,
+    check_regenerate,
+    default_regenerate_plan,
     models_url,
     output_problem,
+    regenerate_plan,
 )
-from dflash_recipes.diagnostics import Diagnostic
+from dflash_recipes.diagnostics import Diagnostic, Severity
 from dflash_recipes.errors import RecipeError
 from dflash_recipes.files.regenerate_output import prompt_key
 from dflash_recipes.recipe.loader import load_recipe
@@ -161,6 +164,7 @@ def test_output_path_equal_to_the_training_data_warns(
     result = _compile(tmp_path, _with(make_recipe(), output_path=train_file.name))
     assert result.plan is not None  # training on the regenerated file is the point
     found = _only(result, "regenerate-output-is-data")
+    assert found.severity is Severity.WARNING and found.path == "regenerate.output_path"
     assert "`dflash-recipe regenerate` would refuse to write over the prompts" in found.message
     assert found.hint == "to regenerate again, pass the prompts with --input FILE"
 
@@ -229,3 +233,147 @@ def test_an_output_that_is_the_input_itself_is_refused(tmp_path: Path) -> None:
             hint,
         )
     assert output_problem(tmp_path / "answers.jsonl", prompts) is None
+
+
+# -- each rule's words, and the boundaries of the rules -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("https://h/v1", None),
+        ("http://h:8000", None),
+        ("//h/v1", "must start with http:// or https:// (scheme: none)"),
+        ("https://", "has no host name"),
+        ("http://h/v1?key=1", "must not carry a query (?...) or a fragment (#...)"),
+        ("http://h/v1#top", "must not carry a query (?...) or a fragment (#...)"),
+        (
+            "http://h/v1/chat/completions/",
+            "is the chat endpoint itself; give the base URL (ending in /v1)",
+        ),
+    ],
+)
+def test_each_base_url_reason_word_for_word(url: str, why: str | None) -> None:
+    assert base_url_problem(url) == why
+
+
+def test_an_upper_case_host_keeps_its_name_in_the_endpoints() -> None:
+    assert chat_completions_url("http://GPU-BOX/") == "http://GPU-BOX/v1/chat/completions"
+
+
+def test_each_section_finding_reads_word_for_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DFLASH_ABSENT_KEY", raising=False)
+    server = RegenerateSection(
+        base_url="ftp://h/v1", api_key_env="DFLASH_ABSENT_KEY", max_new_tokens=513
+    )
+    found = check_regenerate(server, training_seq_len=512, output=None, source=None, resolve=True)
+    assert [attrs.astuple(f) for f in found] == [
+        (
+            "regenerate-bad-url",
+            Severity.ERROR,
+            "regenerate.base_url",
+            "regenerate.base_url 'ftp://h/v1' must start with http:// or https:// (scheme: ftp)",
+            "set regenerate.base_url to the server's OpenAI API, e.g. http://localhost:8000/v1 "
+            "(vLLM) or http://localhost:30000/v1 (SGLang)",
+        ),
+        (
+            "regenerate-api-key-unset",
+            Severity.WARNING,
+            "regenerate.api_key_env",
+            "regenerate.api_key_env names DFLASH_ABSENT_KEY, which is not set in this "
+            "environment; requests would be sent without an API key",
+            "export DFLASH_ABSENT_KEY=... before `dflash-recipe regenerate`, or set "
+            "regenerate.api_key_env: null for a server without a key",
+        ),
+        (
+            "regenerate-max-new-tokens",
+            Severity.ERROR,
+            "regenerate.max_new_tokens",
+            "regenerate.max_new_tokens is 513 but training.training_seq_len is 512: longer "
+            "answers would be cut off in training, so generating them wastes the server's time",
+            "set regenerate.max_new_tokens to at most 512 (leave room for the prompt), or raise "
+            "training.training_seq_len",
+        ),
+    ]
+    local = RegenerateSection(model="m", max_new_tokens=512, request_timeout_s=5.0)
+    found = check_regenerate(local, training_seq_len=512, output=None, source=None, resolve=True)
+    assert [attrs.astuple(f) for f in found] == [
+        (
+            "regenerate-server-field-unused",
+            Severity.WARNING,
+            f"regenerate.{name}",
+            f"regenerate.{name} is set but regenerate.base_url is not: answers are generated "
+            f"locally with transformers, which ignores {name}",
+            f"set regenerate.base_url to your server (e.g. http://localhost:8000/v1), or delete "
+            f"regenerate.{name}",
+        )
+        for name in ("model", "request_timeout_s")
+    ]
+
+
+def test_an_unusable_output_is_an_error_only_when_files_are_looked_at(tmp_path: Path) -> None:
+    section = RegenerateSection()
+    output = tmp_path / "adir"
+    output.mkdir()
+    found = check_regenerate(
+        section, training_seq_len=512, output=output, source=None, resolve=True
+    )
+    assert [attrs.astuple(f) for f in found] == [
+        (
+            "regenerate-output-unusable",
+            Severity.ERROR,
+            "regenerate.output_path",
+            f"the output {output} is a directory",
+            "set regenerate.output_path (or --output) to a new .jsonl file",
+        )
+    ]
+    assert (
+        check_regenerate(section, training_seq_len=512, output=output, source=None, resolve=False)
+        == []
+    )
+
+
+def test_the_output_folder_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hint = "set regenerate.output_path (or --output) to a new .jsonl file"
+    output = tmp_path / "answers.jsonl"
+    parts = tmp_path / "answers.jsonl.parts"
+    parts.mkdir()  # the shards of an earlier run: resumed, not refused
+    assert output_problem(output, None) is None
+    parts.rmdir()
+    parts.write_text("")
+    assert output_problem(output, None) == (
+        "regenerate-output-unusable",
+        f"{parts} (where the output's shards go) is a file, not a folder",
+        f"move {parts} away, or {hint}",
+    )
+    long = tmp_path / ("n" * 300 + ".jsonl")
+    assert output_problem(long, None) == (
+        "regenerate-output-unusable",
+        f"the output {long} cannot be inspected: File name too long",
+        hint,
+    )
+    access = os.access
+    asked: list[int] = []
+
+    def read_only(path: object, mode: int, **kwargs: object) -> bool:
+        if path == tmp_path:
+            asked.append(mode)
+            return not mode & os.W_OK
+        return access(path, mode, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", read_only)
+    assert output_problem(tmp_path / "new.jsonl", None) == (
+        "regenerate-output-unusable",
+        f"the output's folder {tmp_path} is not writable by this user",
+        f"make {tmp_path} writable, or {hint}",
+    )
+    assert asked == [os.W_OK | os.X_OK]
+
+
+def test_the_plan_settings_of_a_section_and_of_none() -> None:
+    section = RegenerateSection(api_key_env="SERVER_KEY", max_new_tokens=100)
+    plan = regenerate_plan(section, None, training_seq_len=512)
+    assert (plan.api_key_env, plan.max_new_tokens, plan.output_path) == ("SERVER_KEY", 100, None)
+    default = default_regenerate_plan(256)
+    assert default == regenerate_plan(RegenerateSection(), None, training_seq_len=256)
+    assert (default.base_url, default.max_new_tokens, default.output_path) == (None, 256, None)

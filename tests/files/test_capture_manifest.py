@@ -7,9 +7,11 @@ what training on a capture relies on; each test fails if its rule is removed or 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -223,14 +225,19 @@ def test_a_manifest_over_the_bound_is_not_read(
 # ---------------------------------------------------------------------------------------------
 
 
-def _write_shard(path: Path, lengths: dict[int, int], **override: np.ndarray) -> Path:
+def _write_shard(path: Path, lengths: dict[int, int], **override: np.ndarray | None) -> Path:
+    """A shard of samples of these lengths; `override` replaces tensors (None: leaves it out)."""
     tensors: dict[str, np.ndarray] = {}
     for index, length in lengths.items():
         base = f"{index:09d}"
         tensors[f"{base}.input_ids"] = np.zeros(length, dtype=np.int32)
         tensors[f"{base}.loss_mask"] = np.ones(length, dtype=np.uint8)
         tensors[f"{base}.taps"] = np.zeros((length, 2, 4), dtype=np.float32)
-    tensors.update(override)
+    for name, value in override.items():
+        if value is None:
+            del tensors[name]
+        else:
+            tensors[name] = value
     save_file(tensors, str(path))
     return path
 
@@ -264,6 +271,7 @@ def test_a_shard_that_matches_its_entry_has_no_problem(tmp_path: Path) -> None:
             {},
             "holds tensors the manifest does not list (e.g. 000000002.input_ids)",
         ),
+        ({0: 2, 1: 3}, {"000000001.taps": None}, {}, "has no tensors for sample 1"),
         ({0: 2, 1: 3}, {}, {"num_tokens": 6}, "holds 5 tokens, the manifest says 6"),
         (
             {0: 2, 1: 3},
@@ -272,12 +280,21 @@ def test_a_shard_that_matches_its_entry_has_no_problem(tmp_path: Path) -> None:
             "has no tensors for sample 1",
         ),
     ],
-    ids=["missing-sample", "over-length", "tap-count", "tap-dtype", "extra", "tokens", "ids-2d"],
+    ids=[
+        "missing-sample",
+        "over-length",
+        "tap-count",
+        "tap-dtype",
+        "extra",
+        "no-taps",
+        "tokens",
+        "ids-2d",
+    ],
 )
 def test_each_shard_header_rule_says_what_differs(
     tmp_path: Path,
     lengths: dict[int, int],
-    override: dict[str, np.ndarray],
+    override: dict[str, np.ndarray | None],
     entry_changes: dict[str, int],
     problem: str,
 ) -> None:
@@ -366,3 +383,128 @@ def test_a_file_hash_streams_the_whole_file(tmp_path: Path) -> None:
     data = bytes(range(256)) * (2**13 + 1)  # more than one 1 MiB chunk
     path.write_bytes(data)
     assert cm.file_sha256(path) == cm.hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# the sizes and names a capture is cut into (the same at capture, resume and read time)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shard_and_tensor_names_are_zero_padded_and_the_teacher_state_is_listed_last() -> None:
+    assert cm.shard_file_name(3) == "shard-00003.safetensors"
+    assert cm.sample_tensor_names(12, last_hidden=False) == (
+        "000000012.input_ids",
+        "000000012.loss_mask",
+        "000000012.taps",
+    )
+    assert cm.sample_tensor_names(12, last_hidden=True)[3:] == ("000000012.last_hidden",)
+
+
+def test_a_token_costs_its_states_one_int32_id_and_one_mask_byte() -> None:
+    # 2 taps of 4 float32 values, + 4 bytes of id + 1 byte of mask
+    assert cm.bytes_per_token(2, 4, "float32", last_hidden=False) == 2 * 4 * 4 + 5 == 37
+    # the teacher's last hidden state is one more state; bfloat16 halves the states
+    assert cm.bytes_per_token(2, 4, "bfloat16", last_hidden=True) == 3 * 4 * 2 + 5
+    # the disk estimate: tokens at that cost plus a header allowance per tensor
+    per_tensor = cm.HEADER_BYTES_PER_TENSOR
+    assert cm.estimate_bytes([2, 3], 2, 4, "float32", last_hidden=False) == 37 * 5 + per_tensor * 6
+    assert cm.estimate_bytes([2, 3], 2, 4, "float32", last_hidden=True) == (
+        cm.bytes_per_token(2, 4, "float32", last_hidden=True) * 5 + per_tensor * 8
+    )
+
+
+@pytest.mark.parametrize(
+    ("counts", "bound", "shards"),
+    [
+        ([2, 3, 1], 60, [(0, 3)]),  # exactly at the bound: one shard
+        ([2, 3, 1], 59, [(0, 2), (2, 1)]),  # one byte less: the last sample opens a shard
+        ([1, 20, 1], 50, [(0, 1), (1, 1), (2, 1)]),  # an oversized sample stands alone
+        ([5, 1, 4], 50, [(0, 1), (1, 2)]),  # a new shard starts empty: 10 + 40 fits exactly
+        ([20], 50, [(0, 1)]),
+        ([], 50, []),
+    ],
+)
+def test_samples_are_cut_into_shards_in_order_at_the_byte_bound(
+    counts: list[int], bound: int, shards: list[tuple[int, int]]
+) -> None:
+    assert cm.plan_shards(counts, bytes_per_token=10, max_shard_bytes=bound) == shards
+
+
+def test_teacher_states_are_needed_by_self_distillation_and_by_dspark_with_a_tv_weight() -> None:
+    def needs(sld: bool, projector: str, tv: float) -> bool:
+        return cm.needs_teacher(
+            self_logit_distillation=sld, projector_type=projector, dspark_tv_weight=tv
+        )
+
+    assert needs(True, "dflash", 0.0)
+    assert needs(False, "dspark", 0.5)
+    assert not needs(False, "dspark", 0.0)
+    assert not needs(False, "dflash", 0.5)
+    assert not needs(False, "domino", 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# formats that outlive a version: hashes recorded in manifests, the manifest's own fields
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_samples_hash_is_the_documented_byte_format() -> None:
+    """Length (u64 LE), ids (i32 LE), mask bytes, per sample: a manifest written by an earlier
+    version must still match."""
+    samples = [([1, 70000], [0, 1]), ([3], [1])]
+    expected = cm.hashlib.sha256()
+    for ids, mask in samples:
+        expected.update(struct.pack("<Q", len(ids)) + struct.pack(f"<{len(ids)}i", *ids))
+        expected.update(bytes(mask))
+    assert cm.samples_sha256(samples) == expected.hexdigest()
+
+
+def test_the_tokenizer_hash_covers_each_tokenizer_file_by_name_and_content(
+    tmp_path: Path,
+) -> None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    seen = {cm.tokenizer_sha256(tmp_path)}
+    for name in names:
+        (tmp_path / name).write_text(name)
+        seen.add(cm.tokenizer_sha256(tmp_path))
+    assert len(seen) == 5 and None in seen  # none, then each file added changes it
+    expected = cm.hashlib.sha256()
+    for name in names:
+        digest = cm.file_sha256(tmp_path / name)
+        expected.update(name.encode() + b"\0" + digest.encode() + b"\0")
+    assert cm.tokenizer_sha256(tmp_path) == expected.hexdigest()
+
+
+def test_a_shard_hash_with_other_characters_than_lower_hex_is_refused() -> None:
+    for value in ("X" * 64, "A" * 64, "0" * 63):
+        shard = {**attrs.asdict(manifest().shards[0]), "sha256": value}
+        assert "shards[0]'s sha256 and samples_sha256 must be 64 hex digits" in refusal(
+            raw(shards=[shard])
+        )
+
+
+def test_a_shards_samples_hash_survives_the_round_trip() -> None:
+    entry = ShardEntry("shard-00000.safetensors", 0, 2, 5, bytes=1, sha256=HEX, samples_sha256=HEX)
+    written = manifest(shards=(entry,))
+    read = parse_manifest(written.to_json(), "cap/manifest.json")
+    assert read.shards[0].samples_sha256 == HEX
+    assert read.to_json() == written.to_json()
+
+
+def test_the_identity_ignores_progress_but_not_what_a_shard_holds() -> None:
+    entry = manifest().shards[0]
+    unsized = ShardEntry(entry.file, 0, 2, 5)
+    assert manifest(shards=(unsized,), complete=False).identity() == manifest().identity()
+    other = ShardEntry(entry.file, 0, 1, 5, bytes=1, sha256=HEX)
+    assert manifest(shards=(other,)).identity() != manifest().identity()
+
+
+def test_the_manifest_is_indented_key_sorted_json_of_exactly_its_fields() -> None:
+    text = manifest().to_json()
+    assert text.startswith('{\n  "answer_only_loss": true,\n  "base_config_sha256": "')
+    assert text.endswith("}\n")
+    data = json.loads(text)
+    assert list(data) == sorted(data)
+    fields = {f.name for f in attrs.fields(CaptureManifest)}
+    assert set(data) == fields | {"format", "format_version"}
+    assert data["target_layer_ids"] == [1, 5]

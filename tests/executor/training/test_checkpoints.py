@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -266,3 +267,104 @@ def test_pruning_keeps_the_checkpoint_just_saved_even_when_it_is_the_oldest(
     assert [step for step, _ in complete_checkpoints(out)] == [1, 3]
     save_training_checkpoint(out, 4, module, optimizer, scheduler, {}, save_total_limit=1)
     assert [step for step, _ in complete_checkpoints(out)] == [4]
+
+
+# ---------------------------------------------------------------------------------------------
+# what a restore puts back, and what each refusal says
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_restore_puts_the_scheduler_back_where_it_was_and_needs_none(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 2, module, optimizer, scheduler, {})
+    other, other_opt, other_sched = trained(tmp_path, seed=5)
+    for _ in range(3):
+        other_opt.step()
+        other_sched.step()
+    assert other_sched.last_epoch == 5
+    restore_training_checkpoint(path, other, other_opt, other_sched)
+    assert other_sched.last_epoch == 2
+    assert other_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    # an optimizer alone (a run without a schedule) restores without one
+    assert restore_training_checkpoint(path, other, other_opt)["step"] == 2
+
+
+def test_a_nan_in_the_trainer_state_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    module, optimizer, _ = trained(tmp_path)
+    with pytest.raises(ValueError, match=r"JSON-serialisable \(no NaN\)"):
+        save_training_checkpoint(tmp_path / "out", 1, module, optimizer, None, {"loss": math.nan})
+    assert not (tmp_path / "out" / "checkpoint-00000001").exists()
+
+
+def test_the_first_save_creates_a_nested_output_dir(tmp_path: Path) -> None:
+    module, optimizer, _ = trained(tmp_path)
+    out = tmp_path / "runs" / "a" / "out"
+    path = save_training_checkpoint(out, 1, module, optimizer, None, {})
+    assert path == out / "checkpoint-00000001" and path.is_dir()
+
+
+def test_a_damaged_or_oversized_trainer_state_says_what_to_do(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    state = path / "trainer_state.json"
+    fix = "the checkpoint is damaged: delete it to resume from the previous one"
+    state.write_text('{"step": 4')
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, module)
+    assert str(info.value).startswith(f"{state}: cannot read the trainer state: ")
+    assert str(info.value).endswith(f"; {fix}")
+    text = '{"step": 4}'
+    state.write_text(text + " " * (2**20 - len(text)))  # at the 1 MiB bound: read
+    assert restore_training_checkpoint(path, module)["step"] == 4
+    state.write_text(text + " " * (2**20 + 1 - len(text)))
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, module)
+    assert str(info.value).startswith(f"{state}: cannot read the trainer state: ")
+
+
+def test_the_refusals_of_a_restore_name_their_reason(tmp_path: Path) -> None:
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    bigger = DFlashDraftModel(tiny_plan(tmp_path, intermediate_size=96).resolved_draft())
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, bigger)
+    assert str(info.value).startswith(
+        f"training checkpoint {path} does not match this drafter (was the recipe's architecture "
+        "changed since it was saved?):\n"
+    )
+    with open(path / "optimizer.pt", "wb") as handle:
+        pickle.dump({"optimizer": _Payload()}, handle, protocol=2)
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, module, optimizer)
+    assert str(info.value) == (
+        f"{path / 'optimizer.pt'} holds objects other than tensors and plain containers; it was "
+        "not written by dflash-recipe and is refused (loaded with weights_only=True)"
+    )
+    cut = b"\x80\x02}q\x00"
+    (path / "optimizer.pt").write_bytes(cut)
+    with pytest.raises(Exception) as loader:  # what torch itself says about these bytes
+        torch.load(path / "optimizer.pt", weights_only=True)
+    lines = str(loader.value).splitlines()  # (this stream's error has no text at all)
+    said = f"{type(loader.value).__name__}: {lines[0] if lines else ''}"
+    with pytest.raises(CheckpointError) as info:
+        restore_training_checkpoint(path, module, optimizer)
+    assert str(info.value) == (
+        f"{path / 'optimizer.pt'} is unreadable ({said}); it is truncated or corrupt"
+    )
+
+
+def test_an_environment_forcing_free_unpickling_does_not_reach_the_optimizer_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch honours TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only where weights_only is not passed."""
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
+    with open(path / "optimizer.pt", "wb") as handle:
+        pickle.dump({"optimizer": _Payload()}, handle, protocol=2)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(CheckpointError, match="not written by dflash-recipe"):
+        restore_training_checkpoint(path, module, optimizer)
+    assert not (tmp_path / "PWNED").exists()
