@@ -95,6 +95,12 @@ def hold_directory_lock(
         os.close(fd)
 
 
+#: The longest pause between two tries of a held lock: how late a waiting process (another
+#: rank waiting for the data cache) can notice that the holder is done. A try is one
+#: non-blocking flock call, so ten a second cost nothing.
+_MAX_PAUSE_S = 0.1
+
+
 def _lock_within(fd: int, wait_s: float) -> bool:
     """Take the flock of `fd`, retrying for up to `wait_s` seconds; False if still held."""
     deadline = time.monotonic() + wait_s
@@ -110,7 +116,7 @@ def _lock_within(fd: int, wait_s: float) -> bool:
         if left <= 0:
             return False
         time.sleep(min(pause, left))
-        pause = min(pause * 2, 1.0)
+        pause = min(pause * 2, _MAX_PAUSE_S)
 
 
 __all__ = ["LOCK_FILE", "describe_holder", "hold_directory_lock"]

@@ -176,3 +176,28 @@ def test_the_holder_record_is_one_line_of_sorted_keys(tmp_path: Path) -> None:
     with hold_directory_lock(tmp_path, purpose="run") as lock:
         text = lock.read_text(encoding="utf-8")
     assert text.count("\n") == 1 and list(json.loads(text)) == sorted(json.loads(text))
+
+
+def test_a_waiting_process_tries_again_at_least_every_tenth_of_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another rank waiting for the data cache notices its builder is done within 0.1 s."""
+    from dflash_recipes.files import locking
+
+    held = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file description: a real second holder
+    clock = [0.0]
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        clock[0] += seconds
+        if clock[0] >= 5.0:  # the holder finishes after five seconds
+            os.close(held)
+
+    monkeypatch.setattr(locking.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(locking.time, "sleep", sleep)
+    with hold_directory_lock(tmp_path, purpose="run", wait_s=60.0):
+        pass
+    assert 5.0 <= clock[0] <= 5.1  # taken at the first try after the holder let go
+    assert pauses[0] == 0.05 and max(pauses) == 0.1
