@@ -201,3 +201,32 @@ def test_a_waiting_process_tries_again_at_least_every_tenth_of_a_second(
         pass
     assert 5.0 <= clock[0] <= 5.1  # taken at the first try after the holder let go
     assert pauses[0] == 0.05 and max(pauses) == 0.1
+
+
+def test_a_lock_still_held_when_the_wait_is_spent_is_refused_after_waiting_all_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_recipes.files import locking
+
+    held = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    clock = [0.0]
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        assert seconds > 0 and len(pauses) < 100, "waiting without end"
+        pauses.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(locking.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(locking.time, "sleep", sleep)
+    try:
+        with (
+            pytest.raises(DirectoryLockedError, match="is in use by another"),
+            hold_directory_lock(tmp_path, purpose="run", wait_s=0.3),
+        ):
+            pass
+    finally:
+        os.close(held)
+    assert clock[0] == pytest.approx(0.3)  # the whole wait, then the refusal
+    assert pauses[:3] == [0.05, 0.1, 0.1]
