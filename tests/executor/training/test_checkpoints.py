@@ -116,14 +116,19 @@ class _Payload:
         return (exec, ("open('PWNED', 'w').write('x')",))
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["default", "forcing-env"])
 def test_optimizer_file_is_never_unpickled_freely(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forced: bool
 ) -> None:
+    """Also with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 in the environment: torch honours it only
+    where weights_only is not passed."""
     module, optimizer, scheduler = trained(tmp_path)
     path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
     with open(path / "optimizer.pt", "wb") as handle:
         pickle.dump({"optimizer": _Payload()}, handle, protocol=2)
     monkeypatch.chdir(tmp_path)
+    if forced:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError, match="not written by dflash-recipe") as info:
         restore_training_checkpoint(path, module, optimizer)
     assert isinstance(info.value.__cause__, pickle.UnpicklingError)
@@ -353,18 +358,3 @@ def test_the_refusals_of_a_restore_name_their_reason(tmp_path: Path) -> None:
     assert str(info.value) == (
         f"{path / 'optimizer.pt'} is unreadable ({said}); it is truncated or corrupt"
     )
-
-
-def test_an_environment_forcing_free_unpickling_does_not_reach_the_optimizer_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """torch honours TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only where weights_only is not passed."""
-    module, optimizer, scheduler = trained(tmp_path)
-    path = save_training_checkpoint(tmp_path / "out", 4, module, optimizer, scheduler, {})
-    with open(path / "optimizer.pt", "wb") as handle:
-        pickle.dump({"optimizer": _Payload()}, handle, protocol=2)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    with pytest.raises(CheckpointError, match="not written by dflash-recipe"):
-        restore_training_checkpoint(path, module, optimizer)
-    assert not (tmp_path / "PWNED").exists()
