@@ -18,6 +18,7 @@ from testkit.compiling import (
     compile_in,
     make_training_checkpoint,
     only,
+    recompile_after_checkpoint_without_drafter,
 )
 from testkit.st_fixtures import (
     base_model_config,
@@ -30,7 +31,6 @@ from testkit.st_fixtures import (
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.diagnostics import Severity
-from dflash_recipes.files.run_dir import PLAN_FILE
 
 ARCH = "dflash.dflash_architecture_config"
 
@@ -375,14 +375,7 @@ def test_resume_takes_unset_taps_and_mask_from_the_previous_plan(
     tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
 ) -> None:
     recipe = make_recipe()
-    first = compile_in(tmp_path, recipe)
-    assert first.plan is not None
-    output_dir = tmp_path / "outputs" / "dflash"
-    make_training_checkpoint(output_dir, 10)
-    (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
-    shutil.rmtree(drafter)
-
-    result = compile_in(tmp_path, recipe)
+    result = recompile_after_checkpoint_without_drafter(tmp_path, recipe, drafter)
     assert result.ok, result.diagnostics
     assert result.plan is not None
     assert result.plan.draft.target_layer_ids == (1, 5)

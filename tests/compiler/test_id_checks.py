@@ -3,16 +3,19 @@ the taps, compared when the recipe states them, and bad input rejected with one 
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from testkit.compiling import compile_in, make_training_checkpoint, only, text
+from testkit.compiling import (
+    compile_in,
+    only,
+    recompile_after_checkpoint_without_drafter,
+    text,
+)
 from testkit.st_fixtures import drafter_config, write_drafter_checkpoint
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.diagnostics import Severity
-from dflash_recipes.files.run_dir import PLAN_FILE
 from dflash_recipes.recipe.sections import Recipe
 
 RecipeFactory = Callable[..., Recipe]
@@ -125,13 +128,7 @@ def test_resume_keeps_the_windows_of_the_run_after_the_checkpoint_is_gone(
 ) -> None:
     drafter = sliding_drafter(tmp_path, window=64)
     recipe = make_recipe()
-    first = compile_in(tmp_path, recipe)
-    assert first.plan is not None
-    output_dir = tmp_path / "outputs" / "dflash"
-    make_training_checkpoint(output_dir, 10)
-    (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
-    shutil.rmtree(drafter)
-    result = compile_in(tmp_path, recipe)
+    result = recompile_after_checkpoint_without_drafter(tmp_path, recipe, drafter)
     assert result.plan is not None, result.diagnostics
     arch = result.plan.draft.architecture
     assert (arch.layer_types, arch.sliding_window) == (SLIDING, 64)
@@ -219,13 +216,7 @@ def test_resume_keeps_the_eps_of_the_run_after_the_checkpoint_is_gone(
         tmp_path / "drafter", config=drafter_config(rms_norm_eps=1e-5)
     )
     recipe = make_recipe()
-    first = compile_in(tmp_path, recipe)
-    assert first.plan is not None
-    output_dir = tmp_path / "outputs" / "dflash"
-    make_training_checkpoint(output_dir, 10)
-    (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
-    shutil.rmtree(drafter)
-    result = compile_in(tmp_path, recipe)
+    result = recompile_after_checkpoint_without_drafter(tmp_path, recipe, drafter)
     assert result.plan is not None, result.diagnostics
     assert result.plan.draft.architecture.rms_norm_eps == 1e-5
     info = only(result, "rms-norm-eps-from-previous-run")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
 from dflash_recipes.diagnostics import Diagnostic, Severity, registered_codes
-from dflash_recipes.files.run_dir import CHECKPOINT_FILES, checkpoint_dir_name
+from dflash_recipes.files.run_dir import CHECKPOINT_FILES, PLAN_FILE, checkpoint_dir_name
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.recipe.sections import Recipe
 
@@ -69,3 +70,17 @@ def make_training_checkpoint(output_dir: Path, step: int, *, complete: bool = Tr
     for name in CHECKPOINT_FILES if complete else CHECKPOINT_FILES[:-1]:
         (folder / name).write_bytes(b"x")
     return folder
+
+
+def recompile_after_checkpoint_without_drafter(
+    tmp_path: Path, recipe: Recipe, drafter: Path
+) -> CompileResult:
+    """Compile `recipe`, let a run reach step 10 with that plan, delete the init checkpoint
+    `drafter`, and compile again: the resume that must take what it needs from the plan."""
+    first = compile_in(tmp_path, recipe)
+    assert first.plan is not None
+    output_dir = tmp_path / "outputs" / "dflash"
+    make_training_checkpoint(output_dir, 10)
+    (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
+    shutil.rmtree(drafter)
+    return compile_in(tmp_path, recipe)
