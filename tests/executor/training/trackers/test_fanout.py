@@ -8,7 +8,6 @@ W&B's offline run file with the framing reader in testkit.wandb_records.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
@@ -16,12 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from testkit.cli_runner import cli
 from testkit.compiling import SMALL_RUN, TINY_SCRATCH, tiny_scratch_plan
+from testkit.tracking import child_env, metrics_rows, run_acting_at_step
 from testkit.wandb_records import offline_run_files, read_wandb_run
 
 from dflash_recipes.executor.training.resume import summary_line
@@ -32,28 +31,6 @@ from dflash_recipes.plan.run_plan import RunPlan
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ALL = "training.report_to=[tensorboard,mlflow,wandb]"
-
-
-@pytest.fixture
-def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """Each tracker's own variables, pointing into tmp_path (W&B offline: no server)."""
-    env = {
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}",
-        "MLFLOW_EXPERIMENT_NAME": "drafters",
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path / "wandb-dir"),
-        "WANDB_PROJECT": "dflash-tests",
-        "WANDB_SILENT": "true",
-    }
-    (tmp_path / "store").mkdir()
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    yield env
-
-
-def _rows(run_dir: Path, kind: str) -> list[dict[str, object]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if row["kind"] == kind]
 
 
 def _tensorboard(logging_dir: Path) -> object:
@@ -86,9 +63,9 @@ def test_every_tracker_gets_what_metrics_jsonl_has(
     plan = tiny_scratch_plan(tmp_path / "run", "training.max_steps=2", "training.eval_steps=2", ALL)
     run_plan(plan, progress=False)
     out = tmp_path / "run"
-    train, evals = _rows(out, "train"), _rows(out, "eval")
+    train, evals = metrics_rows(out, "train"), metrics_rows(out, "eval")
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [2]
-    summary = _rows(out, "summary")[0]
+    summary = metrics_rows(out, "summary")[0]
 
     # TensorBoard: under <output_dir>/tensorboard by default; float32 scalars.
     tb = _tensorboard(out / "tensorboard")
@@ -159,15 +136,6 @@ run_plan(RunPlan.from_json(Path(sys.argv[1]).read_text()), progress=False)
 """
 
 
-def _child_env() -> dict[str, str]:
-    """This environment for a child process, without the W&B service an earlier test of this
-    process started (its address is in WANDB_SERVICE): a killed child would leave its run open
-    in that shared service; in real use the killed process's own service goes with it."""
-    env = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _resumable_plan(tmp_path: Path) -> RunPlan:
     return tiny_scratch_plan(
         tmp_path / "run",
@@ -185,7 +153,7 @@ def test_kill_9_then_resume_continues_the_same_tracker_runs(
     plan_file.write_text(_resumable_plan(tmp_path).to_json(), encoding="utf-8")
     child = subprocess.run(
         [sys.executable, "-c", KILLED_CHILD, str(plan_file)],
-        env=_child_env(),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -193,7 +161,7 @@ def test_kill_9_then_resume_continues_the_same_tracker_runs(
     )
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
     out = tmp_path / "run"
-    assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3]
+    assert [r["step"] for r in metrics_rows(out, "train")] == [1, 2, 3]
     first_ids = json.loads((out / TRACKERS_FILE).read_text())
     (killed,) = _mlflow_runs(tracker_env)
     assert killed.info.status == "RUNNING"  # type: ignore[attr-defined]
@@ -202,7 +170,7 @@ def test_kill_9_then_resume_continues_the_same_tracker_runs(
     assert resumed.resume is not None and resumed.resume.step == 2
     summary = run_plan(resumed, progress=False)
     assert summary.steps == 5 and summary.tracker_problems == ()
-    train = _rows(out, "train")
+    train = metrics_rows(out, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]  # step 3 redone, logged once
     assert json.loads((out / TRACKERS_FILE).read_text()) == first_ids
 
@@ -279,30 +247,21 @@ def test_a_tracker_failing_mid_run_is_warned_about_once_and_training_goes_on(
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
-        class StopServerAtStep2(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                if record.getMessage().startswith("step 2 ") and server.poll() is None:
-                    server.kill()
-                    server.wait(timeout=30)
+        def stop_server() -> None:
+            server.kill()
+            server.wait(timeout=30)
 
-        train_logger = logging.getLogger("dflash_recipes.train")
-        handler = StopServerAtStep2()
-        train_logger.addHandler(handler)
-        try:
-            plan = tiny_scratch_plan(
-                tmp_path / "run", "training.max_steps=4", "training.report_to=[mlflow,tensorboard]"
-            )
-            with caplog.at_level(logging.INFO, logger="dflash_recipes.train"):
-                summary = run_plan(plan, progress=False)
-        finally:
-            train_logger.removeHandler(handler)
+        plan = tiny_scratch_plan(
+            tmp_path / "run", "training.max_steps=4", "training.report_to=[mlflow,tensorboard]"
+        )
+        summary = run_acting_at_step(plan, 2, stop_server, caplog)
     finally:
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)
     out = tmp_path / "run"
     assert summary.steps == 4 and (out / "export" / "model.safetensors").is_file()
-    assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics_rows(out, "train")] == [1, 2, 3, 4]
     warnings = [r.getMessage() for r in caplog.records if "tracker mlflow failed" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "training goes on and metrics.jsonl keeps every row" in warnings[0]
@@ -375,7 +334,7 @@ def test_two_ranks_under_torchrun_give_one_writer_per_tracker(
     plan_file.write_text(plan.to_json(), encoding="utf-8")
     env = {
         key: value
-        for key, value in _child_env().items()
+        for key, value in child_env().items()
         if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     }
     argv = ["run", str(plan_file), "--nproc-per-node", "2", "--no-progress"]
@@ -389,7 +348,7 @@ def test_two_ranks_under_torchrun_give_one_writer_per_tracker(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "ddp"
-    assert [r["step"] for r in _rows(out, "train")] == [1, 2]
+    assert [r["step"] for r in metrics_rows(out, "train")] == [1, 2]
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     tb = _tensorboard(out / "tensorboard")
     assert [e.step for e in tb.Scalars("train/loss")] == [1, 2]  # type: ignore[attr-defined]

@@ -7,7 +7,6 @@ worker process it starts, which the tests kill or signal as an operator (or the 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import re
@@ -16,34 +15,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from testkit.compiling import tiny_scratch_plan
+from testkit.tracking import child_env, metrics_rows, run_acting_at_step
 from testkit.wandb_records import offline_run_files, read_wandb_run
 
 from dflash_recipes.executor.training.resume import summary_line
 from dflash_recipes.executor.training.trackers import process as process_module
 from dflash_recipes.executor.training.trackers.process import WORKER_MODULE, TrackerProcess, gather
 from dflash_recipes.executor.training.trackers.worker import NICE_INCREMENT
-from dflash_recipes.executor.training.trainer import run_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    env = {
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "MLFLOW_EXPERIMENT_NAME": "drafters",
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path / "wandb-dir"),
-        "WANDB_SILENT": "true",
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    yield env
 
 
 def _worker_pids(parent: int) -> list[int]:
@@ -63,11 +47,6 @@ def _worker_pids(parent: int) -> list[int]:
     return found
 
 
-def _rows(run_dir: Path, kind: str) -> list[dict[str, object]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if row["kind"] == kind]
-
-
 @pytest.mark.slow
 def test_the_tracker_process_killed_mid_run_is_warned_about_once_and_training_goes_on(
     tmp_path: Path, tracker_env: dict[str, str], caplog: pytest.LogCaptureFixture
@@ -75,31 +54,22 @@ def test_the_tracker_process_killed_mid_run_is_warned_about_once_and_training_go
     killed: list[int] = []
     loaded: list[bool] = []
 
-    class KillTrackersAtStep2(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("step 2 ") and not killed:
-                (pid,) = _worker_pids(os.getpid())
-                # The trackers need no torch: the process does not load it (start-up, memory).
-                loaded.append("libtorch" in Path(f"/proc/{pid}/maps").read_text())
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+    def kill_trackers() -> None:
+        (pid,) = _worker_pids(os.getpid())
+        # The trackers need no torch: the process does not load it (start-up, memory).
+        loaded.append("libtorch" in Path(f"/proc/{pid}/maps").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
-    train_logger = logging.getLogger("dflash_recipes.train")
-    handler = KillTrackersAtStep2()
-    train_logger.addHandler(handler)
-    try:
-        plan = tiny_scratch_plan(
-            tmp_path / "run", "training.max_steps=4", "training.report_to=[tensorboard,mlflow]"
-        )
-        with caplog.at_level(logging.INFO, logger="dflash_recipes.train"):
-            summary = run_plan(plan, progress=False)
-    finally:
-        train_logger.removeHandler(handler)
+    plan = tiny_scratch_plan(
+        tmp_path / "run", "training.max_steps=4", "training.report_to=[tensorboard,mlflow]"
+    )
+    summary = run_acting_at_step(plan, 2, kill_trackers, caplog)
     assert killed, "the tracker process was not found"
     assert loaded == [False]
     out = tmp_path / "run"
     assert summary.steps == 4 and (out / "export" / "model.safetensors").is_file()
-    assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics_rows(out, "train")] == [1, 2, 3, 4]
     warnings = [r.getMessage() for r in caplog.records if "tracker process" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("tracker process (tensorboard, mlflow) ended with exit code -9")
@@ -150,11 +120,9 @@ def test_ctrl_c_stops_training_and_the_tracker_process_closes_the_runs_as_stoppe
     )
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan.to_json(), encoding="utf-8")
-    env = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
-    env["OMP_NUM_THREADS"] = "1"
     child = subprocess.run(
         [sys.executable, "-c", INTERRUPTED_CHILD, str(plan_file)],
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -163,7 +131,7 @@ def test_ctrl_c_stops_training_and_the_tracker_process_closes_the_runs_as_stoppe
     )
     assert child.returncode == 3, child.stderr[-3000:]
     out = tmp_path / "run"
-    steps = [r["step"] for r in _rows(out, "train")]
+    steps = [r["step"] for r in metrics_rows(out, "train")]
     assert 2 <= steps[-1] < 6  # stopped early, at a step boundary
     from mlflow.tracking import MlflowClient
 
