@@ -287,25 +287,60 @@ def barrier(env: DistEnv) -> None:
 
 _DIGEST_CHARS = 64
 
+#: The longest text :func:`broadcast_text` carries (a message longer than this is cut).
+TEXT_LIMIT = 4096
+
+
+def _coordination_device(env: DistEnv) -> torch.device:
+    return env.device if env.backend == "nccl" else torch.device("cpu")
+
+
+def broadcast_text(text: str | None, env: DistEnv) -> str | None:
+    """Rank 0's `text` (None when it has none) on every rank; the other ranks wait for it.
+
+    UTF-8, cut to :data:`TEXT_LIMIT` bytes (on a character boundary). Returns `text` itself
+    for a single process and on rank 0. Every rank takes part whatever rank 0 holds, so none
+    is left waiting; nothing is pickled."""
+    if not _active(env):
+        return text
+    device = _coordination_device(env)
+    # [has text, length (2 bytes, big-endian), the UTF-8 bytes...]
+    buffer = torch.zeros(3 + TEXT_LIMIT, dtype=torch.uint8, device=device)
+    if env.rank == 0 and text is not None:
+        raw = text.encode("utf-8")[:TEXT_LIMIT].decode("utf-8", errors="ignore").encode("utf-8")
+        header = bytes([1]) + len(raw).to_bytes(2, "big")
+        buffer[: 3 + len(raw)] = torch.tensor(list(header + raw), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0)
+    if env.rank == 0:
+        return text
+    values = bytes(buffer.cpu().tolist())
+    if values[0] != 1:
+        return None
+    return values[3 : 3 + int.from_bytes(values[1:3], "big")].decode("utf-8")
+
 
 def broadcast_digest(digest: str | None, env: DistEnv) -> str | None:
     """Rank 0's sha256 hex digest (None when it has none) on every rank; the other ranks wait
     for it. Returns `digest` itself for a single process. Every rank takes part whatever rank
-    0 holds (what is not a 64-character ASCII digest reaches the others as None), so none is
-    left waiting."""
+    0 holds (what is not a 64-character ASCII hex digest reaches the others as None), so none
+    is left waiting."""
+    ok = digest is not None and len(digest) == _DIGEST_CHARS and digest.isascii()
+    shared = broadcast_text(digest if ok else None, env)
+    if env.rank == 0 or not _active(env):
+        return digest
+    return shared
+
+
+def first_rank_where(flag: bool, env: DistEnv) -> int | None:
+    """The lowest rank whose `flag` is true, on every rank; None when no rank's is. A single
+    process: 0 when `flag`, else None."""
     if not _active(env):
-        return digest
-    device = env.device if env.backend == "nccl" else torch.device("cpu")
-    buffer = torch.zeros(_DIGEST_CHARS + 1, dtype=torch.uint8, device=device)
-    raw = (digest or "").encode("ascii", errors="replace")
-    if env.rank == 0 and len(raw) == _DIGEST_CHARS:
-        buffer[0] = 1
-        buffer[1:] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=0)
-    if env.rank == 0:
-        return digest
-    values = buffer.cpu().tolist()
-    return bytes(values[1:]).decode("ascii") if values[0] == 1 else None
+        return 0 if flag else None
+    mine = env.rank if flag else env.world_size
+    lowest = torch.tensor([mine], dtype=torch.int64, device=_coordination_device(env))
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    found = int(lowest.item())
+    return found if found < env.world_size else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,6 +611,7 @@ def launch_torchrun(argv: Sequence[str]) -> int:
 
 __all__ = [
     "DEFAULT_RDZV_ID",
+    "TEXT_LIMIT",
     "TORCHRUN_ENV_VARS",
     "TORCHRUN_MODULE",
     "WORKER_SHUTDOWN_TIMEOUT_S",
@@ -584,8 +620,11 @@ __all__ = [
     "DistEnv",
     "all_reduce_sum",
     "barrier",
+    "broadcast_digest",
+    "broadcast_text",
     "build_torchrun_argv",
     "detect_dist_env",
+    "first_rank_where",
     "global_batch_loss",
     "init_distributed",
     "is_launched_process",

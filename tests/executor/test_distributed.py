@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -363,48 +361,17 @@ def _teardown_cycles() -> int:
     return done
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        TEARDOWN_PORTS=",".join(str(_free_port()) for _ in range(TEARDOWN_CYCLES)),
-        WORLD_SIZE="2",
-        OMP_NUM_THREADS="1",
-    )
+    from testkit.ranks import free_port, run_ranks  # not at the top: ranks run this file
+
+    env = {"TEARDOWN_PORTS": ",".join(str(free_port()) for _ in range(TEARDOWN_CYCLES))}
     start = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(tmp_path)],
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                pytest.fail("the 2-process run hung (a process group teardown deadlock?)")
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    argv = [sys.executable, __file__, str(tmp_path)]
+    what = "the 2-process run (a process group teardown deadlock?)"
+    ranks = run_ranks(argv, env=env, timeout=60, what=what)
     elapsed = time.monotonic() - start
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out}"
+    for rank, result in enumerate(ranks):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout}{result.stderr}"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
 
     assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)

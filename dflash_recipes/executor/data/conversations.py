@@ -33,6 +33,7 @@ from dflash_recipes.data.sources import DataSource, content_sha256, resolve_sour
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.token_build import default_num_proc, prepared_examples
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
+from dflash_recipes.executor.data.token_shared import shared_prepared_examples
 from dflash_recipes.executor.data.tokenize import (
     MAX_CHARS_PER_TOKEN,
     DatasetStats,
@@ -87,7 +88,8 @@ def build_dataset(
     ``training.training_seq_len``) are skipped with a reason. Raises DataError when nothing
     usable remains, quoting the first reasons. Under torchrun (`env` of a joined process
     group) rank 0 alone reads the input to hash it (the cache key) and sends the hash to the
-    other ranks, which wait for it.
+    other ranks, which wait for it; a build is then shared, each rank tokenizing a slice (see
+    :mod:`~dflash_recipes.executor.data.token_shared`).
     """
     data = plan.data
     raw_path = data.data_path if split == "train" else data.eval_data_path
@@ -105,14 +107,16 @@ def build_dataset(
         block_size=plan.draft.block_size,
     )
     cache_dir = data.cache_dir or str(Path(plan.training.output_dir) / DATA_CACHE_DIR)
-    examples, stats, _ = prepared_examples(
-        source,
-        tokenizer,
-        settings,
-        cache_dir=Path(cache_dir),
-        num_proc=data.num_proc or default_num_proc(),
-        data_sha256=None if env is None else _shared_input_sha256(source, env),
-    )
+    num_proc = data.num_proc or default_num_proc()
+    if env is not None and env.is_distributed:
+        examples, stats, _ = shared_prepared_examples(
+            source, tokenizer, settings, cache_dir=Path(cache_dir), num_proc=num_proc, env=env,
+            data_sha256=_shared_input_sha256(source, env),
+        )  # fmt: skip
+    else:
+        examples, stats, _ = prepared_examples(
+            source, tokenizer, settings, cache_dir=Path(cache_dir), num_proc=num_proc
+        )
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

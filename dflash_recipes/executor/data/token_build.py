@@ -162,7 +162,7 @@ def default_num_proc() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _chunks(
+def chunk_stream(
     source: DataSource, answer_only_loss: bool, skipped: list[SkippedLine]
 ) -> Iterator[list[RawConversation]]:
     chunk: list[RawConversation] = []
@@ -178,7 +178,7 @@ def _chunks(
         yield chunk
 
 
-def _results(
+def chunk_results(
     chunks: Iterator[list[RawConversation]],
     tokenizer: PreTrainedTokenizerBase,
     settings: TokenizeSettings,
@@ -208,6 +208,47 @@ def _write(handle: IO[bytes], digest: hashlib._Hash, array: np.ndarray) -> None:
     digest.update(data)
 
 
+def write_entry(
+    staging: Path,
+    results: Iterable[ChunkResult],
+    skipped: list[SkippedLine],
+    source: DataSource,
+    key: dict[str, object],
+) -> DatasetStats:
+    """Write `results`, in order, as a cache entry's arrays and meta.json into `staging`.
+
+    `skipped` holds the conversations skipped while reading (it may still grow while `results`
+    is consumed); the chunks' own skips join it. Raises DataError when no example is usable.
+    """
+    handles = {name: (staging / name).open("wb") for name, _ in ARRAYS}
+    digests = {name: hashlib.sha256() for name, _ in ARRAYS}
+    used = tokens = supervised = truncated = 0
+    try:
+        _write(handles["offsets.bin"], digests["offsets.bin"], np.zeros(1, np.int64))
+        for result in results:
+            _write(handles["input_ids.bin"], digests["input_ids.bin"], result.ids)
+            _write(handles["loss_mask.bin"], digests["loss_mask.bin"], result.mask)
+            ends = tokens + np.cumsum(result.lengths, dtype=np.int64)
+            _write(handles["offsets.bin"], digests["offsets.bin"], ends)
+            _write(handles["truncated.bin"], digests["truncated.bin"], result.truncated)
+            used += len(result.lengths)
+            tokens += int(result.lengths.sum())
+            supervised += int(result.mask.sum(dtype=np.int64))
+            truncated += int(result.truncated.sum(dtype=np.int64))
+            skipped.extend(SkippedLine(*item) for item in result.skipped)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    skipped.sort(key=lambda item: item.line)
+    if used == 0:
+        raise no_usable_conversation(source.path, skipped)
+    stats = DatasetStats(used, tuple(skipped), tokens, supervised, truncated)
+    checksums = {name: digest.hexdigest() for name, digest in digests.items()}
+    meta = meta_record(key, stats, checksums, source.path)
+    (staging / META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+    return stats
+
+
 def build_entry(
     source: DataSource,
     tokenizer: PreTrainedTokenizerBase,
@@ -224,39 +265,21 @@ def build_entry(
     started = time.perf_counter()
     skipped: list[SkippedLine] = []
     with staged_directory(directory) as staging:
-        handles = {name: (staging / name).open("wb") for name, _ in ARRAYS}
-        digests = {name: hashlib.sha256() for name, _ in ARRAYS}
-        used = tokens = supervised = truncated = 0
-        try:
-            _write(handles["offsets.bin"], digests["offsets.bin"], np.zeros(1, np.int64))
-            chunks = _chunks(source, settings.answer_only_loss, skipped)
-            for result in _results(chunks, tokenizer, settings, num_proc):
-                _write(handles["input_ids.bin"], digests["input_ids.bin"], result.ids)
-                _write(handles["loss_mask.bin"], digests["loss_mask.bin"], result.mask)
-                ends = tokens + np.cumsum(result.lengths, dtype=np.int64)
-                _write(handles["offsets.bin"], digests["offsets.bin"], ends)
-                _write(handles["truncated.bin"], digests["truncated.bin"], result.truncated)
-                used += len(result.lengths)
-                tokens += int(result.lengths.sum())
-                supervised += int(result.mask.sum(dtype=np.int64))
-                truncated += int(result.truncated.sum(dtype=np.int64))
-                skipped.extend(SkippedLine(*item) for item in result.skipped)
-        finally:
-            for handle in handles.values():
-                handle.close()
-        skipped.sort(key=lambda item: item.line)
-        if used == 0:
-            raise no_usable_conversation(source.path, skipped)
-        stats = DatasetStats(used, tuple(skipped), tokens, supervised, truncated)
-        checksums = {name: digest.hexdigest() for name, digest in digests.items()}
-        meta = meta_record(key, stats, checksums, source.path)
-        (staging / META_FILE).write_text(json.dumps(meta), encoding="utf-8")
-    logger.info(
-        "tokenized %s into %s: %d conversations in %.1f s (%d process%s)",
-        source.path, directory, used, time.perf_counter() - started, num_proc,
-        "" if num_proc == 1 else "es",
-    )  # fmt: skip
+        chunks = chunk_stream(source, settings.answer_only_loss, skipped)
+        results = chunk_results(chunks, tokenizer, settings, num_proc)
+        stats = write_entry(staging, results, skipped, source, key)
+    log_build(source, directory, stats, started, f"{num_proc} process" + "es" * (num_proc != 1))
     return stats
+
+
+def log_build(
+    source: DataSource, directory: Path, stats: DatasetStats, started: float, how: str
+) -> None:
+    """The log line of a finished build (`how`: "2 processes", "2 ranks, ...")."""
+    logger.info(
+        "tokenized %s into %s: %d conversations in %.1f s (%s)",
+        source.path, directory, stats.conversations_used, time.perf_counter() - started, how,
+    )  # fmt: skip
 
 
 def tokenize_all(
@@ -284,7 +307,7 @@ def wait_seconds() -> float:
     return value
 
 
-def _first_missing(directory: Path) -> Path | None:
+def first_missing(directory: Path) -> Path | None:
     """The outermost folder of `directory`'s path that does not exist yet (None: it exists)."""
     missing = None
     for folder in (directory, *directory.parents):
@@ -292,6 +315,15 @@ def _first_missing(directory: Path) -> Path | None:
             break
         missing = folder
     return missing
+
+
+def unwritable_cache(cache_dir: Path, exc: OSError) -> DataError:
+    """The error of a cache folder that cannot be written (no permission, a full disk)."""
+    msg = (
+        f"cannot write the tokenized data cache in {cache_dir}: {exc.strerror or exc}; "
+        "set data.cache_dir to a writable folder with free space"
+    )
+    return DataError(msg)
 
 
 def prepared_examples(
@@ -316,7 +348,7 @@ def prepared_examples(
     if problem is None:
         return CachedExamples(directory), read_stats(meta), False
     wait = wait_seconds() if wait_s is None else wait_s
-    created = _first_missing(cache_dir)
+    created = first_missing(cache_dir)
     try:
         with hold_directory_lock(
             cache_dir, purpose="data tokenization", lock_name=LOCK_NAME, wait_s=wait
@@ -347,11 +379,7 @@ def prepared_examples(
         )
         raise DataError(msg) from None
     except OSError as exc:
-        msg = (
-            f"cannot write the tokenized data cache in {cache_dir}: {exc.strerror or exc}; "
-            "set data.cache_dir to a writable folder with free space"
-        )
-        raise DataError(msg) from None
+        raise unwritable_cache(cache_dir, exc) from None
     # Not verified again: this process wrote every byte under the lock and hashed it while
     # writing (meta.json's checksums, for the next start).
     return CachedExamples(directory), stats, True
@@ -362,9 +390,15 @@ __all__ = [
     "INLINE_LIMIT",
     "ChunkResult",
     "build_entry",
+    "chunk_results",
+    "chunk_stream",
     "default_num_proc",
+    "first_missing",
+    "log_build",
     "prepared_examples",
     "tokenize_all",
     "tokenize_chunk",
+    "unwritable_cache",
     "wait_seconds",
+    "write_entry",
 ]

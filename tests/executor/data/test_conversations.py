@@ -534,41 +534,18 @@ print(json.dumps(result))
 
 @pytest.mark.parametrize("case", ["readable", "unreadable"])
 def test_under_torchrun_rank_0_alone_hashes_the_input(tmp_path: Path, case: str) -> None:
-    import os
-    import socket
-    import subprocess
     import sys
+
+    from testkit.ranks import run_ranks
 
     turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
     data = _write(tmp_path / "d.jsonl", [json.dumps({"messages": turns})] * 5)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    base["OMP_NUM_THREADS"] = "1"
     here = str(Path(__file__).parent)
     argv = [sys.executable, "-c", _RANK, str(tmp_path / "run"), str(data), here, case]
-    procs = [
-        subprocess.Popen(
-            argv,
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
     results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    for rank in run_ranks(argv):
+        assert rank.returncode == 0, rank.stderr[-3000:]
+        results.append(json.loads(rank.stdout.strip().splitlines()[-1]))
     if case == "readable":
         assert [r["hashed"] for r in results] == [1, 0]
         assert results[0]["n"] == results[1]["n"] == 5

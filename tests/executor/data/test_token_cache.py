@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-from functools import cache
 from pathlib import Path
 
 import pytest
+from testkit.cache_data import cache_tokenizer, write_cache_data
 from testkit.tiny import tiny_plan
-from transformers import PreTrainedTokenizerFast
 
 from dflash_recipes.data.sources import resolve_source
 from dflash_recipes.errors import DataError
@@ -26,29 +25,9 @@ from dflash_recipes.executor.data.token_cache import (
     TokenizeSettings,
 )
 from dflash_recipes.executor.data.tokenize import tokenize_conversation
-from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
+from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
 from dflash_recipes.files.locking import hold_directory_lock
 from dflash_recipes.plan.run_plan import RunPlan
-
-CORPUS = ["the capital of france is paris", "why did the cat sit on the computer", "hello world"]
-WORDS = "the capital of france is paris why did cat sit on computer hello world".split()  # noqa: SIM905
-
-
-@cache
-def _tokenizer() -> PreTrainedTokenizerFast:
-    return build_tiny_tokenizer(CORPUS)
-
-
-def _write(path: Path, n: int, *, salt: int = 0) -> Path:
-    lines = []
-    for i in range(n):
-        q = " ".join(WORDS[(i + salt + k) % len(WORDS)] for k in range(3 + i % 5))
-        a = " ".join(WORDS[(2 * i + k) % len(WORDS)] for k in range(6 + i % 7))
-        turns = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        lines.append(json.dumps({"messages": turns}))
-    lines.insert(1, "not json")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def _plan(tmp_path: Path, data: Path, **overrides: object) -> RunPlan:
@@ -63,12 +42,12 @@ def _cache_entries(plan: RunPlan) -> list[Path]:
 def test_cached_examples_equal_freshly_tokenized_ones_and_a_rerun_reads_the_cache(
     tmp_path: Path,
 ) -> None:
-    data = _write(tmp_path / "d.jsonl", 40)
+    data = write_cache_data(tmp_path / "d.jsonl", 40)
     plan = _plan(tmp_path, data)
-    first = build_dataset(plan, _tokenizer())
+    first = build_dataset(plan, cache_tokenizer())
     fresh = [
         tokenize_conversation(
-            _tokenizer(),
+            cache_tokenizer(),
             c.messages,
             chat_template=TINY_CHAT_TEMPLATE,
             answer_only_loss=True,
@@ -84,22 +63,22 @@ def test_cached_examples_equal_freshly_tokenized_ones_and_a_rerun_reads_the_cach
     settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, plan.draft.block_size)
     root = Path(plan.training.output_dir) / "data_cache"
     again, stats, built = prepared_examples(
-        source, _tokenizer(), settings, cache_dir=root, num_proc=1
+        source, cache_tokenizer(), settings, cache_dir=root, num_proc=1
     )
     assert not built and stats == first.stats
     assert list(again) == list(first.examples)
 
 
 def test_an_edit_that_keeps_size_and_mtime_is_tokenized_again(tmp_path: Path) -> None:
-    data = _write(tmp_path / "d.jsonl", 10)
+    data = write_cache_data(tmp_path / "d.jsonl", 10)
     plan = _plan(tmp_path, data)
-    before = build_dataset(plan, _tokenizer()).examples[0]
+    before = build_dataset(plan, cache_tokenizer()).examples[0]
     info = data.stat()
     data.write_bytes(data.read_bytes().replace(b"the capital", b"the computer", 1))
     data.write_bytes(data.read_bytes()[: info.st_size].ljust(info.st_size, b"\n"))
     os.utime(data, ns=(info.st_atime_ns, info.st_mtime_ns))
     assert data.stat().st_size == info.st_size and data.stat().st_mtime_ns == info.st_mtime_ns
-    after = build_dataset(plan, _tokenizer()).examples[0]
+    after = build_dataset(plan, cache_tokenizer()).examples[0]
     assert after.input_ids != before.input_ids
     assert len(_cache_entries(plan)) == 2
 
@@ -116,9 +95,9 @@ def test_an_edit_that_keeps_size_and_mtime_is_tokenized_again(tmp_path: Path) ->
 def test_a_corrupt_or_foreign_cache_is_rebuilt_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, said: str
 ) -> None:
-    data = _write(tmp_path / "d.jsonl", 10)
+    data = write_cache_data(tmp_path / "d.jsonl", 10)
     plan = _plan(tmp_path, data)
-    good = list(build_dataset(plan, _tokenizer()).examples)
+    good = list(build_dataset(plan, cache_tokenizer()).examples)
     (entry,) = _cache_entries(plan)
     meta = json.loads((entry / META_FILE).read_text())
     if damage == "ids":
@@ -131,7 +110,7 @@ def test_a_corrupt_or_foreign_cache_is_rebuilt_with_a_warning(
         meta["key"]["version" if damage == "version" else "tokenizer_sha256"] = "other"
         (entry / META_FILE).write_text(json.dumps(meta))
     with caplog.at_level(logging.WARNING):
-        again = build_dataset(plan, _tokenizer())
+        again = build_dataset(plan, cache_tokenizer())
     assert list(again.examples) == good
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and said in warnings[0] and "tokenizing" in warnings[0]
@@ -139,9 +118,9 @@ def test_a_corrupt_or_foreign_cache_is_rebuilt_with_a_warning(
 
 
 def test_a_cache_cut_short_while_in_use_is_a_clear_error(tmp_path: Path) -> None:
-    data = _write(tmp_path / "d.jsonl", 10)
+    data = write_cache_data(tmp_path / "d.jsonl", 10)
     plan = _plan(tmp_path, data)
-    dataset = build_dataset(plan, _tokenizer())
+    dataset = build_dataset(plan, cache_tokenizer())
     assert dataset.examples[-1].input_ids  # read on access, from the entry's files
     (entry,) = _cache_entries(plan)
     ids = entry / "input_ids.bin"
@@ -154,7 +133,7 @@ _BUILD = """
 import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[4])
-from test_token_cache import _tokenizer
+from testkit.cache_data import cache_tokenizer
 from dflash_recipes.data.sources import resolve_source
 from dflash_recipes.executor.data.token_build import prepared_examples
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
@@ -164,7 +143,7 @@ settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
 print("ready", flush=True)
 sys.stdin.readline()
 examples, stats, built = prepared_examples(
-    source, _tokenizer(), settings, cache_dir=Path(sys.argv[2]), num_proc=1,
+    source, cache_tokenizer(), settings, cache_dir=Path(sys.argv[2]), num_proc=1,
     wait_s=float(sys.argv[3]),
 )
 print(json.dumps({"built": built, "n": len(examples), "first": examples[0].input_ids}))
@@ -175,7 +154,7 @@ def _builder(data: Path, cache_dir: Path, wait_s: float = 120.0) -> subprocess.P
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     argv = [sys.executable, "-c", _BUILD, str(data), str(cache_dir), str(wait_s)]
     proc = subprocess.Popen(
-        [*argv, str(Path(__file__).parent)],
+        [*argv, str(Path(__file__).parents[2])],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -193,7 +172,7 @@ def _go(proc: subprocess.Popen[str]) -> None:
 
 
 def test_two_ranks_starting_together_tokenize_once(tmp_path: Path) -> None:
-    data = _write(tmp_path / "d.jsonl", 3000)
+    data = write_cache_data(tmp_path / "d.jsonl", 3000)
     ranks = [_builder(data, tmp_path / "cache") for _ in range(2)]
     for proc in ranks:
         _go(proc)
@@ -210,7 +189,7 @@ def test_two_ranks_starting_together_tokenize_once(tmp_path: Path) -> None:
 def test_a_builder_killed_mid_build_leaves_nothing_trusted_and_a_rerun_builds(
     tmp_path: Path,
 ) -> None:
-    data = _write(tmp_path / "d.jsonl", 6000)
+    data = write_cache_data(tmp_path / "d.jsonl", 6000)
     cache_dir = tmp_path / "cache"
     proc = _builder(data, cache_dir)
     _go(proc)
@@ -231,7 +210,7 @@ def test_a_builder_killed_mid_build_leaves_nothing_trusted_and_a_rerun_builds(
 
 
 def test_waiting_for_a_stuck_builder_ends_with_a_clear_error(tmp_path: Path) -> None:
-    data = _write(tmp_path / "d.jsonl", 5)
+    data = write_cache_data(tmp_path / "d.jsonl", 5)
     source = resolve_source(data, setting="data.data_path")
     settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
     cache_dir = tmp_path / "cache"
@@ -239,6 +218,6 @@ def test_waiting_for_a_stuck_builder_ends_with_a_clear_error(tmp_path: Path) -> 
     waited = pytest.raises(DataError, match=r"waited 0 s .*DFLASH_DATA_CACHE_WAIT_S")
     with lock, waited as info:
         prepared_examples(
-            source, _tokenizer(), settings, cache_dir=cache_dir, num_proc=1, wait_s=0.3
+            source, cache_tokenizer(), settings, cache_dir=cache_dir, num_proc=1, wait_s=0.3
         )
     assert "data tokenization (pid" in str(info.value)
