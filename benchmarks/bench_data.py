@@ -10,8 +10,9 @@ Writes N synthetic multi-turn conversations (default 20,000, about 1 KB each; `-
   use), then one pass over every example, as an epoch reads them;
 - **warm**: the same with the cache of the cold run (a second start, a resume, another rank);
 - **2 ranks cold**: the two ranks of a gloo process group started together on an empty cache,
-  as torchrun starts them (rank 0 hashes the input and sends the hash; one rank tokenizes,
-  the other waits and reads), against one process cold;
+  as torchrun starts them (rank 0 hashes the input and sends the hash; each rank tokenizes a
+  slice with `data.num_proc / LOCAL_WORLD_SIZE` = 1 process, its own; rank 0 merges the
+  slices), against one process cold (2 tokenizing processes);
 - resident memory of cold and warm at 64 and at N conversations, each child a fresh
   interpreter reading its own ``/proc/self/status``: the peak (VmHWM) up to the first batch
   (``build_dataset``, the epoch's order, one batch: what a run pays before its first step),
@@ -227,7 +228,12 @@ def _two_ranks(data: Path, cache: Path) -> tuple[float, float]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    group = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }
     start = time.time()
     procs = [
         subprocess.Popen(
@@ -354,7 +360,7 @@ def main() -> None:
             one = statistics.median(v[index] for v in one_rank)
             print(
                 f"2 ranks vs 1 rank cold ({what}): {two:.2f} s vs {one:.2f} s, ratio "
-                f"{two / one:.2f} (target <= 1.0: one build, the other rank reads it)"
+                f"{two / one:.2f} (target <= 1.0: one build, a slice per rank)"
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -288,7 +288,8 @@ class DataSection(Record):
     #: Where the tokenized data is cached (tokenized once, read in place by every run and
     #: rank); null: <output_dir>/data_cache.
     cache_dir: str | None = attrs.field(default=None, validator=non_empty_str)
-    #: Processes that tokenize a new cache; null: the cores this process may use.
+    #: Processes that tokenize a new cache; null: the cores this process may use. Under
+    #: torchrun the node's ranks share them, each tokenizing a slice.
     num_proc: int | None = attrs.field(default=None, validator=IntRange(1, 1024))
     #: Directory written by `dflash-recipe capture`: train offline from its safetensors shards
     #: (the target's decoder is not run); compile checks it against the plan.
