@@ -202,7 +202,7 @@ def _build_together(
         chunks = chunk_stream(source, settings.answer_only_loss, skipped)
         mine = (c for i, c in enumerate(chunks) if i % env.world_size == env.rank)
         results = chunk_results(mine, tokenizer, settings, per_rank)
-        _write_part(staging / part_name(env.rank), results)
+        write_part(staging / part_name(env.rank), results)
     except DataError as exc:
         failure = exc
     except OSError as exc:
@@ -220,7 +220,7 @@ def _build_together(
     problem: str | None = None
     if env.rank == 0:
         try:
-            merged = _merged_results(staging, env.world_size, skipped)
+            merged = merged_results(staging, env.world_size, skipped)
             stats = write_entry(staging, merged, skipped, source, key)
             for rank in range(env.world_size):
                 shutil.rmtree(staging / part_name(rank))
@@ -243,7 +243,8 @@ def _build_together(
     return CachedExamples(directory), read_stats(meta), False
 
 
-def _write_part(part: Path, results: Iterable[ChunkResult]) -> None:
+def write_part(part: Path, results: Iterable[ChunkResult]) -> None:
+    """Write a rank's chunk results, in order, into the new folder `part`."""
     part.mkdir()
     skipped: list[tuple[int, str, str]] = []
     with contextlib.ExitStack() as files:
@@ -268,7 +269,7 @@ def _read(handle: IO[bytes], dtype: type[np.generic], count: int, part: Path) ->
     return np.frombuffer(data, dtype=dtype)
 
 
-def _merged_results(
+def merged_results(
     staging: Path, world_size: int, skipped: list[SkippedLine]
 ) -> Iterator[ChunkResult]:
     """The chunks of every part, back in input order (chunk i is part i % W's chunk i // W);
@@ -301,4 +302,10 @@ def _merged_results(
         raise DataError(msg)
 
 
-__all__ = ["part_name", "ranks_on_this_node", "shared_prepared_examples"]
+__all__ = [
+    "merged_results",
+    "part_name",
+    "ranks_on_this_node",
+    "shared_prepared_examples",
+    "write_part",
+]

@@ -6,7 +6,10 @@ Each test runs two real gloo ranks (separate processes, as torchrun starts them)
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from testkit.cache_data import cache_tokenizer, write_cache_data
 from testkit.ranks import run_ranks
 
 from dflash_recipes.data.sources import resolve_source
+from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.token_build import CHUNK, prepared_examples
 from dflash_recipes.executor.data.token_cache import LOCK_NAME, TokenizeSettings
 from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
@@ -29,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from testkit.cache_data import cache_tokenizer as _tokenizer
 from dflash_recipes.data.sources import resolve_source
+from dflash_recipes.errors import DataError
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data import token_build, token_shared
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
@@ -47,6 +52,15 @@ def counting(tokenizer, settings, chunk):  # every conversation this rank tokeni
         raise DataError("the tokenizer produced a token id outside int32 (rank 1's own error)")
     return plain(tokenizer, settings, chunk)
 token_build.tokenize_chunk = counting
+if mode == "say-when-waiting":  # tell the test when this rank waits for the lock, one-builder way
+    plain_lock = token_build.hold_directory_lock
+    def saying(directory, **kwargs):
+        Path(directory).parent.joinpath(f"waiting-{env.rank}").touch()
+        return plain_lock(directory, **kwargs)
+    token_build.hold_directory_lock = saying
+import io, logging
+log = io.StringIO()
+logging.getLogger("dflash_recipes").addHandler(logging.StreamHandler(log))
 source = resolve_source(Path(data), setting="data.data_path")
 settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
 try:
@@ -58,6 +72,7 @@ try:
         "built": built, "tokenized": sum(tokenized), "n": len(examples),
         "ids": [examples[i].input_ids for i in range(len(examples))],
         "skipped": [[s.line, s.kind, s.reason] for s in stats.skipped],
+        "log": log.getvalue(),
     }
 except DataError as exc:
     result = {"error": str(exc)}
@@ -121,12 +136,42 @@ def test_two_ranks_each_tokenize_a_slice_of_one_entry_equal_to_one_process(tmp_p
     assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_a_second_start_of_two_ranks_reads_the_entry(tmp_path: Path) -> None:
+def test_a_second_start_reads_the_entry_and_a_corrupt_one_is_rebuilt_with_a_warning(
+    tmp_path: Path,
+) -> None:
     data = _data(tmp_path, n=300)
-    _ranks(data, str(tmp_path / "shared"))
+    first = _ranks(data, str(tmp_path / "shared"))
     again = _ranks(data, str(tmp_path / "shared"))
     assert [(r["built"], r["tokenized"]) for r in again] == [(False, 0), (False, 0)]
-    assert again[0]["ids"] == again[1]["ids"]
+    assert again[0]["ids"] == again[1]["ids"] == first[0]["ids"]
+    entry = _only_entry(tmp_path / "shared")
+    ids = entry / "input_ids.bin"
+    ids.write_bytes(bytes(len(ids.read_bytes())))  # same size, other tokens
+    third = _ranks(data, str(tmp_path / "shared"), "log")
+    assert [(r["built"], r["tokenized"]) for r in third] == [(True, CHUNK), (False, 304 - CHUNK)]
+    assert third[0]["ids"] == third[1]["ids"] == first[0]["ids"]
+    assert f"data cache {entry} is not used" in str(third[0]["log"])
+    assert _only_entry(tmp_path / "shared") == entry
+
+
+def test_slices_that_do_not_fit_together_are_refused(tmp_path: Path) -> None:
+    from dflash_recipes.executor.data.token_build import tokenize_chunk
+    from dflash_recipes.executor.data.token_shared import merged_results, write_part
+
+    chunk = [(i, (("user", "hello"), ("assistant", "paris is the capital"))) for i in range(3)]
+    result = tokenize_chunk(cache_tokenizer(), SETTINGS, chunk)
+    write_part(tmp_path / "part-0", [result, result])
+    write_part(tmp_path / "part-1", [result])
+    merged = list(merged_results(tmp_path, 2, []))
+    assert [len(r.lengths) for r in merged] == [3, 3, 3]
+    ids = tmp_path / "part-1" / "input_ids.bin"
+    ids.write_bytes(ids.read_bytes()[:-4])
+    with pytest.raises(DataError, match=r"^the tokenized slice .*part-1 is cut short; rerun"):
+        list(merged_results(tmp_path, 2, []))
+    shutil.rmtree(tmp_path / "part-1")
+    write_part(tmp_path / "part-1", [result, result, result])  # more than its turn allows
+    with pytest.raises(DataError, match=r"^the tokenized slices in .* do not fit together"):
+        list(merged_results(tmp_path, 2, []))
 
 
 def test_ranks_that_do_not_share_the_cache_folder_each_build_their_own(tmp_path: Path) -> None:
@@ -137,6 +182,11 @@ def test_ranks_that_do_not_share_the_cache_folder_each_build_their_own(tmp_path:
     assert [r["tokenized"] for r in reports] == [304, 304]  # each all of it, once
     entries = [_only_entry(tmp_path / f"node-{rank}") for rank in range(2)]
     assert _files(entries[0]) == _files(entries[1])
+    # One node's disk was wiped: its rank builds again, the other keeps its entry as it is.
+    shutil.rmtree(tmp_path / "node-1")
+    again = _ranks(data, str(tmp_path / "node-RANK"), "log")
+    assert [(r["built"], r["tokenized"]) for r in again] == [(False, 0), (True, 304)]
+    assert again[0]["log"] == "" and again[0]["ids"] == again[1]["ids"]
 
 
 def test_a_slice_that_fails_stops_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
@@ -173,6 +223,33 @@ def test_while_another_job_holds_the_cache_every_rank_waits_on_the_lock(tmp_path
             f"waited 0 s for the tokenized data cache in {cache_dir}"
         )
         assert "data tokenization (pid" in str(report["error"])
+
+
+def test_when_the_other_job_is_done_one_rank_builds_and_the_other_reads(tmp_path: Path) -> None:
+    data = _data(tmp_path, n=300)
+    cache_dir = tmp_path / "cache"
+    lock = hold_directory_lock(cache_dir, purpose="data tokenization", lock_name=LOCK_NAME)
+    lock.__enter__()
+
+    def release_once_both_wait() -> None:
+        # Well past both ranks' start; a rank 0 that waited for the lock itself would hold
+        # it by then and build in slices.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all((tmp_path / f"waiting-{rank}").exists() for rank in range(2)):
+                break
+            time.sleep(0.05)
+        lock.__exit__(None, None, None)
+
+    releaser = threading.Thread(target=release_once_both_wait)
+    releaser.start()
+    try:
+        reports = _ranks(data, str(cache_dir), "say-when-waiting", DFLASH_DATA_CACHE_WAIT_S="120")
+    finally:
+        releaser.join()
+    # Both waited on the lock; the first to take it built everything, the other read it.
+    assert sorted((r["built"], r["tokenized"]) for r in reports) == [(False, 0), (True, 304)]
+    assert reports[0]["ids"] == reports[1]["ids"]
 
 
 @pytest.mark.parametrize("local_world_size", ["", "1", "2", "x"])
