@@ -21,7 +21,9 @@ when complete (:func:`~dflash_recipes.files.crashsafe.staged_directory`); a ``ki
 only a staging folder, removed by the next builder. Builders take the cache folder's lock; a
 process that finds it held (another rank, another run) waits for the entry instead of building
 it again, up to :data:`WAIT_ENV` seconds (default :data:`DEFAULT_WAIT_S`), then stops with a
-message naming the holder: one tokenization per job, never a silent hang.
+message naming the holder: one tokenization per job, never a silent hang. Under torchrun the
+ranks of a job build an entry together, a slice each
+(:mod:`~dflash_recipes.executor.data.token_shared`).
 
 **Memory.** Nothing of an entry is loaded up front: :class:`CachedExamples` reads an example's
 bytes when it is used (positional reads through the page cache, which the ranks of a node
