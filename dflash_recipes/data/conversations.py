@@ -150,20 +150,28 @@ def iter_conversations(
 ) -> Iterator[Conversation | SkippedLine]:
     """Each row of `source` in order: a usable conversation or why it was skipped (streamed)."""
     for number, row in iter_rows(source):
-        try:
-            if isinstance(row, RawLine):
-                if row.text is None:
-                    yield SkippedLine(number, "not UTF-8", row.error or "not valid UTF-8")
-                    continue
-                if not row.text.strip():
-                    continue
-                messages = _parse_line(row.text, answer_only_loss=answer_only_loss)
-            else:
-                messages = parse_record(row, answer_only_loss=answer_only_loss)
-        except _LineProblem as problem:
-            yield SkippedLine(number, problem.kind, problem.reason)
-            continue
-        yield Conversation(number, messages)
+        item = conversation_of(number, row, answer_only_loss=answer_only_loss)
+        if item is not None:
+            yield item
+
+
+def conversation_of(
+    number: int, row: RawLine | dict[str, object], *, answer_only_loss: bool
+) -> Conversation | SkippedLine | None:
+    """One row of :func:`~dflash_recipes.data.sources.iter_rows` read: a usable conversation,
+    why it is skipped, or None for a blank JSONL line (not counted)."""
+    try:
+        if isinstance(row, RawLine):
+            if row.text is None:
+                return SkippedLine(number, "not UTF-8", row.error or "not valid UTF-8")
+            if not row.text.strip():
+                return None
+            messages = _parse_line(row.text, answer_only_loss=answer_only_loss)
+        else:
+            messages = parse_record(row, answer_only_loss=answer_only_loss)
+    except _LineProblem as problem:
+        return SkippedLine(number, problem.kind, problem.reason)
+    return Conversation(number, messages)
 
 
 class _LineProblem(Exception):
@@ -258,6 +266,7 @@ __all__ = [
     "Message",
     "Role",
     "SkippedLine",
+    "conversation_of",
     "iter_conversations",
     "no_usable_conversation",
     "parse_record",

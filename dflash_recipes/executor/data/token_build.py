@@ -317,6 +317,17 @@ def first_missing(directory: Path) -> Path | None:
     return missing
 
 
+def clear_for_build(directory: Path, problem: str, source: DataSource) -> None:
+    """Under the lock, before building `directory`: remove what killed builders left and an
+    entry that is not used (`problem`, other than "absent"), with a warning that says why."""
+    remove_stale_staging(directory)
+    if problem != "absent":
+        logger.warning(
+            "data cache %s is not used: %s; tokenizing %s again", directory, problem, source.path
+        )
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def unwritable_cache(cache_dir: Path, exc: OSError) -> DataError:
     """The error of a cache folder that cannot be written (no permission, a full disk)."""
     msg = (
@@ -356,13 +367,7 @@ def prepared_examples(
             problem, meta = entry_problem(directory, key)  # another process may have built it
             if problem is None:
                 return CachedExamples(directory), read_stats(meta), False
-            remove_stale_staging(directory)
-            if problem != "absent":
-                logger.warning(
-                    "data cache %s is not used: %s; tokenizing %s again", directory, problem,
-                    source.path,
-                )  # fmt: skip
-                shutil.rmtree(directory, ignore_errors=True)
+            clear_for_build(directory, problem, source)
             stats = build_entry(source, tokenizer, settings, key, directory, num_proc=num_proc)
     except DataError:
         # Unusable data leaves nothing behind: not even the folders (the run's output
@@ -392,6 +397,7 @@ __all__ = [
     "build_entry",
     "chunk_results",
     "chunk_stream",
+    "clear_for_build",
     "default_num_proc",
     "first_missing",
     "log_build",

@@ -8,10 +8,11 @@ entry, the ranks build it together:
    folder of the entry and tells the other ranks its name.
 2. Every rank checks that its own cache folder holds that folder (the ranks share the cache
    folder: the same path on a file system they share).
-3. Rank ``r`` of ``W`` reads the whole input and tokenizes chunks ``r, r + W, r + 2W, ...`` of
-   it (:data:`~dflash_recipes.executor.data.token_build.CHUNK` usable conversations each) into
-   its part folder there, with ``data.num_proc // LOCAL_WORLD_SIZE`` processes (at least one:
-   its own). ``data.num_proc`` is so the processes of a node, in all.
+3. The input's rows are cut into blocks of
+   :data:`~dflash_recipes.executor.data.token_build.CHUNK` rows. Rank ``r`` of ``W`` parses and
+   tokenizes blocks ``r, r + W, r + 2W, ...`` (it skips over the other rows without parsing
+   them) into its part folder there, with ``data.num_proc // LOCAL_WORLD_SIZE`` processes (at
+   least one: its own). ``data.num_proc`` is so the processes of a node, in all.
 4. Rank 0 interleaves the parts back into input order, writing the entry exactly as one process
    writes it (byte-identical files), publishes it by a rename and releases the lock; every rank
    then reads the entry.
@@ -33,25 +34,26 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from dflash_recipes.data.conversations import SkippedLine
-from dflash_recipes.data.sources import DataSource
+from dflash_recipes.data.conversations import SkippedLine, conversation_of
+from dflash_recipes.data.sources import DataSource, iter_rows
 from dflash_recipes.errors import DataError, DirectoryLockedError
 from dflash_recipes.executor.data.token_build import (
+    CHUNK,
     ChunkResult,
+    RawConversation,
     chunk_results,
-    chunk_stream,
+    clear_for_build,
     first_missing,
     log_build,
     prepared_examples,
@@ -69,10 +71,8 @@ from dflash_recipes.executor.data.token_cache import (
 )
 from dflash_recipes.executor.data.tokenize import DatasetStats
 from dflash_recipes.executor.distributed import DistEnv, broadcast_text, first_rank_where
-from dflash_recipes.files.crashsafe import publish_directory, remove_stale_staging, staging_name
+from dflash_recipes.files.crashsafe import publish_directory, staging_name
 from dflash_recipes.files.locking import hold_directory_lock
-
-logger = logging.getLogger(__name__)
 
 #: A rank's part of the staging folder: its chunks' arrays, one after the other.
 _PART_ARRAYS: tuple[tuple[str, type[np.generic]], ...] = (
@@ -169,13 +169,7 @@ def _start_build(
     if problem is None:
         return _FALL_BACK  # built meanwhile; ranks that still see no entry build their own
     try:
-        remove_stale_staging(directory)
-        if problem != "absent":
-            logger.warning(
-                "data cache %s is not used: %s; tokenizing %s again", directory, problem,
-                source.path,
-            )  # fmt: skip
-            shutil.rmtree(directory, ignore_errors=True)
+        clear_for_build(directory, problem, source)
         staging = staging_name(directory, uuid.uuid4().hex[:8])
         staging.mkdir()
     except OSError as exc:
@@ -196,13 +190,12 @@ def _build_together(
 ) -> tuple[CachedExamples, DatasetStats, bool]:
     started = time.perf_counter()
     per_rank = max(1, num_proc // ranks_on_this_node(env))
-    skipped: list[SkippedLine] = []  # while reading: the same on every rank
+    skipped: list[SkippedLine] = []  # this rank's, while reading
     failure: DataError | None = None
     try:
-        chunks = chunk_stream(source, settings.answer_only_loss, skipped)
-        mine = (c for i, c in enumerate(chunks) if i % env.world_size == env.rank)
-        results = chunk_results(mine, tokenizer, settings, per_rank)
-        write_part(staging / part_name(env.rank), results)
+        blocks = row_blocks(source, settings.answer_only_loss, env.rank, env.world_size, skipped)
+        results = chunk_results(blocks, tokenizer, settings, per_rank)
+        write_part(staging / part_name(env.rank), results, skipped)
     except DataError as exc:
         failure = exc
     except OSError as exc:
@@ -220,8 +213,9 @@ def _build_together(
     problem: str | None = None
     if env.rank == 0:
         try:
-            merged = merged_results(staging, env.world_size, skipped)
-            stats = write_entry(staging, merged, skipped, source, key)
+            every_skip: list[SkippedLine] = []
+            merged = merged_results(staging, env.world_size, every_skip)
+            stats = write_entry(staging, merged, every_skip, source, key)
             for rank in range(env.world_size):
                 shutil.rmtree(staging / part_name(rank))
             publish_directory(staging, directory)
@@ -243,8 +237,31 @@ def _build_together(
     return CachedExamples(directory), read_stats(meta), False
 
 
-def write_part(part: Path, results: Iterable[ChunkResult]) -> None:
-    """Write a rank's chunk results, in order, into the new folder `part`."""
+def row_blocks(
+    source: DataSource, answer_only_loss: bool, rank: int, world_size: int,
+    skipped: list[SkippedLine],
+) -> Iterator[list[RawConversation]]:  # fmt: skip
+    """The usable conversations of each of rank `rank`'s blocks of rows, in order: blocks of
+    :data:`CHUNK` rows, every `world_size`-th from block `rank` (one list per block, empty when
+    it has none). Only these rows are parsed; their skipped rows join `skipped`."""
+    rows = enumerate(iter_rows(source))
+    mine = ((i, row) for i, row in rows if (i // CHUNK) % world_size == rank)
+    for _, block in itertools.groupby(mine, key=lambda item: item[0] // CHUNK):
+        chunk: list[RawConversation] = []
+        for _, (number, row) in block:
+            item = conversation_of(number, row, answer_only_loss=answer_only_loss)
+            if isinstance(item, SkippedLine):
+                skipped.append(item)
+            elif item is not None:
+                chunk.append((item.line, tuple((m.role, m.content) for m in item.messages)))
+        yield chunk
+
+
+def write_part(
+    part: Path, results: Iterable[ChunkResult], skipped_reading: Sequence[SkippedLine] = ()
+) -> None:
+    """Write a rank's chunk results, in order, into the new folder `part`, and the rows it
+    skipped (`skipped_reading`, read after `results` is consumed, and the chunks' own)."""
     part.mkdir()
     skipped: list[tuple[int, str, str]] = []
     with contextlib.ExitStack() as files:
@@ -257,6 +274,7 @@ def write_part(part: Path, results: Iterable[ChunkResult]) -> None:
             handles["truncated.bin"].write(result.truncated.tobytes())
             table.write(np.array([len(result.lengths), len(result.ids)], np.int64).tobytes())
             skipped.extend(result.skipped)
+    skipped.extend((item.line, item.kind, item.reason) for item in skipped_reading)
     (part / _PART_SKIPPED).write_text(json.dumps(skipped), encoding="utf-8")
 
 

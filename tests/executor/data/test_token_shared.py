@@ -52,6 +52,12 @@ def counting(tokenizer, settings, chunk):  # every conversation this rank tokeni
         raise DataError("the tokenizer produced a token id outside int32 (rank 1's own error)")
     return plain(tokenizer, settings, chunk)
 token_build.tokenize_chunk = counting
+parsed = []
+plain_parse = token_shared.conversation_of
+def parsing(number, row, **kwargs):  # every row this rank parses
+    parsed.append(number)
+    return plain_parse(number, row, **kwargs)
+token_shared.conversation_of = parsing
 if mode == "say-when-waiting":  # tell the test when this rank waits for the lock, one-builder way
     plain_lock = token_build.hold_directory_lock
     def saying(directory, **kwargs):
@@ -69,7 +75,7 @@ try:
         data_sha256=None,
     )
     result = {
-        "built": built, "tokenized": sum(tokenized), "n": len(examples),
+        "built": built, "tokenized": sum(tokenized), "parsed": len(parsed), "n": len(examples),
         "ids": [examples[i].input_ids for i in range(len(examples))],
         "skipped": [[s.line, s.kind, s.reason] for s in stats.skipped],
         "log": log.getvalue(),
@@ -121,15 +127,17 @@ def test_two_ranks_each_tokenize_a_slice_of_one_entry_equal_to_one_process(tmp_p
     reports = _ranks(data, str(tmp_path / "shared"))
 
     assert [r["built"] for r in reports] == [True, False]  # rank 0 publishes, once
-    usable = 4 * CHUNK - 24 + 4  # what the reader yields (the non-JSON line is skipped there)
-    chunk_sizes = [min(CHUNK, usable - start) for start in range(0, usable, CHUNK)]
-    slices = [sum(chunk_sizes[rank::2]) for rank in range(2)]
-    assert [r["tokenized"] for r in reports] == slices == [2 * CHUNK, usable - 2 * CHUNK]
+    rows = 4 * CHUNK - 24 + 1 + 4  # conversations, the line that is not JSON, four short ones
+    blocks = [min(CHUNK, rows - start) for start in range(0, rows, CHUNK)]
+    mine = [sum(blocks[rank::2]) for rank in range(2)]  # blocks of rows 0, 2 and 1, 3
+    assert [r["parsed"] for r in reports] == mine == [2 * CHUNK, rows - 2 * CHUNK]
+    # Rank 0's rows hold the line that is not JSON (row 2): skipped while reading.
+    assert [r["tokenized"] for r in reports] == [mine[0] - 1, mine[1]]
     # The same entry, byte for byte, as one process writes; every rank reads all of it.
     assert _files(_only_entry(tmp_path / "shared")) == _files(_only_entry(tmp_path / "one"))
     expected_ids = [list(one[i].input_ids) for i in range(len(one))]
     for report in reports:
-        assert report["n"] == len(one) == usable - 4
+        assert report["n"] == len(one) == rows - 1 - 4
         assert report["ids"] == expected_ids
         assert report["skipped"] == [[s.line, s.kind, s.reason] for s in stats.skipped]
     assert [s.kind for s in stats.skipped].count("nothing to supervise") == 4
@@ -148,7 +156,10 @@ def test_a_second_start_reads_the_entry_and_a_corrupt_one_is_rebuilt_with_a_warn
     ids = entry / "input_ids.bin"
     ids.write_bytes(bytes(len(ids.read_bytes())))  # same size, other tokens
     third = _ranks(data, str(tmp_path / "shared"), "log")
-    assert [(r["built"], r["tokenized"]) for r in third] == [(True, CHUNK), (False, 304 - CHUNK)]
+    assert [(r["built"], r["tokenized"]) for r in third] == [
+        (True, CHUNK - 1),
+        (False, 305 - CHUNK),
+    ]
     assert third[0]["ids"] == third[1]["ids"] == first[0]["ids"]
     assert f"data cache {entry} is not used" in str(third[0]["log"])
     assert _only_entry(tmp_path / "shared") == entry
