@@ -28,12 +28,11 @@ SETTINGS = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
 SHORT = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "x"}]}
 
 _RANK = """
-import json, sys
+import io, json, logging, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from testkit.cache_data import cache_tokenizer as _tokenizer
+from testkit.cache_data import cache_tokenizer
 from dflash_recipes.data.sources import resolve_source
-from dflash_recipes.errors import DataError
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data import token_build, token_shared
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
@@ -64,14 +63,13 @@ if mode == "say-when-waiting":  # tell the test when this rank waits for the loc
         Path(directory).parent.joinpath(f"waiting-{env.rank}").touch()
         return plain_lock(directory, **kwargs)
     token_build.hold_directory_lock = saying
-import io, logging
 log = io.StringIO()
 logging.getLogger("dflash_recipes").addHandler(logging.StreamHandler(log))
 source = resolve_source(Path(data), setting="data.data_path")
 settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
 try:
     examples, stats, built = token_shared.shared_prepared_examples(
-        source, _tokenizer(), settings, cache_dir=Path(cache_dir), num_proc=2, env=env,
+        source, cache_tokenizer(), settings, cache_dir=Path(cache_dir), num_proc=2, env=env,
         data_sha256=None,
     )
     result = {
@@ -98,7 +96,7 @@ def _ranks(data: Path, cache_dir: str, mode: str = "plain", **env: str) -> list[
 
 def _data(tmp_path: Path, n: int = 4 * CHUNK - 24) -> Path:
     """`n` conversations (and a line that is not JSON) plus four that open no block, spread
-    over the chunks so that both ranks' slices skip some."""
+    over the blocks of rows so that both ranks' slices skip some."""
     path = write_cache_data(tmp_path / "d.jsonl", n)
     lines = path.read_text(encoding="utf-8").splitlines()
     short = json.dumps(SHORT)
