@@ -322,7 +322,7 @@ def broadcast_text(text: str | None, env: DistEnv) -> str | None:
 def broadcast_digest(digest: str | None, env: DistEnv) -> str | None:
     """Rank 0's sha256 hex digest (None when it has none) on every rank; the other ranks wait
     for it. Returns `digest` itself for a single process. Every rank takes part whatever rank
-    0 holds (what is not a 64-character ASCII hex digest reaches the others as None), so none
+    0 holds (what is not a 64-character ASCII digest reaches the others as None), so none
     is left waiting."""
     ok = digest is not None and len(digest) == _DIGEST_CHARS and digest.isascii()
     shared = broadcast_text(digest if ok else None, env)
