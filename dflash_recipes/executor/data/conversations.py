@@ -123,12 +123,10 @@ def build_dataset(
     return TrainDataset(examples, int(pad), stats, path)
 
 
-def _shared_input_sha256(source: DataSource, env: DistEnv) -> str | None:
-    """The input's content hash, computed by rank 0 alone and sent to the other ranks (None
-    for a single process: the cache computes it). A rank 0 that cannot read the input stops
-    every rank with a DataError instead of leaving them waiting."""
-    if not env.is_distributed:
-        return None
+def _shared_input_sha256(source: DataSource, env: DistEnv) -> str:
+    """The input's content hash, computed by rank 0 alone and sent to the other ranks of a
+    distributed `env`. A rank 0 that cannot read the input stops every rank with a DataError
+    instead of leaving them waiting."""
     digest = problem = None
     if env.rank == 0:
         try:
