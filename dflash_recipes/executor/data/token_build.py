@@ -14,6 +14,7 @@ The entry is written into a staging folder and published by a rename (crash-safe
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
@@ -268,14 +269,24 @@ def build_entry(
         chunks = chunk_stream(source, settings.answer_only_loss, skipped)
         results = chunk_results(chunks, tokenizer, settings, num_proc)
         stats = write_entry(staging, results, skipped, source, key)
-    log_build(source, directory, stats, started, f"{num_proc} process" + "es" * (num_proc != 1))
+    log_build(source, directory, stats, started, processes=num_proc)
     return stats
 
 
 def log_build(
-    source: DataSource, directory: Path, stats: DatasetStats, started: float, how: str
+    source: DataSource,
+    directory: Path,
+    stats: DatasetStats,
+    started: float,
+    *,
+    processes: int,
+    ranks: int = 1,
 ) -> None:
-    """The log line of a finished build (`how`: "2 processes", "2 ranks, ...")."""
+    """The log line of a finished build: by `processes` processes, or by `ranks` ranks of a
+    job, a slice each, each with `processes` processes."""
+    how = f"{processes} process" + ("es" if processes != 1 else "")
+    if ranks > 1:
+        how = f"{ranks} ranks, a slice each, {how}"
     logger.info(
         "tokenized %s into %s: %d conversations in %.1f s (%s)",
         source.path, directory, stats.conversations_used, time.perf_counter() - started, how,
@@ -305,6 +316,21 @@ def wait_seconds() -> float:
         msg = f"{WAIT_ENV}={raw!r} is not a number of seconds >= 0; unset it or fix it"
         raise DataError(msg)
     return value
+
+
+@contextlib.contextmanager
+def removed_on_data_error(cache_dir: Path) -> Iterator[None]:
+    """Unusable data leaves nothing behind: on a DataError in the block, remove the folders of
+    `cache_dir`'s path that did not exist when it began (the run's output directory among
+    them, made by taking the lock), after what the block held is released. The error is the
+    same on every rank, so no other builder is left waiting on that lock."""
+    created = first_missing(cache_dir)
+    try:
+        yield
+    except DataError:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def first_missing(directory: Path) -> Path | None:
@@ -359,23 +385,16 @@ def prepared_examples(
     if problem is None:
         return CachedExamples(directory), read_stats(meta), False
     wait = wait_seconds() if wait_s is None else wait_s
-    created = first_missing(cache_dir)
+    lock = hold_directory_lock(
+        cache_dir, purpose="data tokenization", lock_name=LOCK_NAME, wait_s=wait
+    )
     try:
-        with hold_directory_lock(
-            cache_dir, purpose="data tokenization", lock_name=LOCK_NAME, wait_s=wait
-        ):
+        with removed_on_data_error(cache_dir), lock:
             problem, meta = entry_problem(directory, key)  # another process may have built it
             if problem is None:
                 return CachedExamples(directory), read_stats(meta), False
             clear_for_build(directory, problem, source)
             stats = build_entry(source, tokenizer, settings, key, directory, num_proc=num_proc)
-    except DataError:
-        # Unusable data leaves nothing behind: not even the folders (the run's output
-        # directory among them) that taking the lock created. The error is the same on
-        # every rank, so no other builder is left waiting on that lock.
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
     except DirectoryLockedError as exc:
         msg = (
             f"waited {wait:.0f} s for the tokenized data cache in {cache_dir}: {exc}; if that "
@@ -402,6 +421,7 @@ __all__ = [
     "first_missing",
     "log_build",
     "prepared_examples",
+    "removed_on_data_error",
     "tokenize_all",
     "tokenize_chunk",
     "unwritable_cache",

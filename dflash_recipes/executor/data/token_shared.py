@@ -54,9 +54,9 @@ from dflash_recipes.executor.data.token_build import (
     RawConversation,
     chunk_results,
     clear_for_build,
-    first_missing,
     log_build,
     prepared_examples,
+    removed_on_data_error,
     unwritable_cache,
     write_entry,
 )
@@ -120,27 +120,23 @@ def shared_prepared_examples(
     problem, meta = entry_problem(directory, key)
     if first_rank_where(problem is not None, env) is None:
         return CachedExamples(directory), read_stats(meta), False
-    created = first_missing(cache_dir) if env.rank == 0 else None
-    try:
-        with contextlib.ExitStack() as held:
-            answer = None
-            if env.rank == 0:
-                answer = _start_build(held, cache_dir, directory, key, source)
-            answer = broadcast_text(answer, env) or ""
-            if answer.startswith(_STOP):
-                raise DataError(answer[len(_STOP) :])
-            if answer.startswith(_BUILD):
-                # Each rank looks in its own cache folder: the same folder when it is shared.
-                staging = cache_dir / answer[len(_BUILD) :]
-                if first_rank_where(not staging.is_dir(), env) is None:
-                    return _build_together(
-                        staging, directory, source, tokenizer, settings, key, num_proc, env
-                    )
-                # Not every rank sees rank 0's folder: each builds in its own cache folder.
-    except DataError:
-        if created is not None:  # unusable data leaves nothing behind, not even the folders
-            shutil.rmtree(created, ignore_errors=True)
-        raise
+    # Rank 0 alone removes what the build created: it alone creates folders here.
+    cleanup = removed_on_data_error(cache_dir) if env.rank == 0 else contextlib.nullcontext()
+    with cleanup, contextlib.ExitStack() as held:
+        answer = None
+        if env.rank == 0:
+            answer = _start_build(held, cache_dir, directory, key, source)
+        answer = broadcast_text(answer, env) or ""
+        if answer.startswith(_STOP):
+            raise DataError(answer[len(_STOP) :])
+        if answer.startswith(_BUILD):
+            # Each rank looks in its own cache folder: the same folder when it is shared.
+            staging = cache_dir / answer[len(_BUILD) :]
+            if first_rank_where(not staging.is_dir(), env) is None:
+                return _build_together(
+                    staging, directory, source, tokenizer, settings, key, num_proc, env
+                )
+            # Not every rank sees rank 0's folder: each builds in its own cache folder.
     return prepared_examples(
         source, tokenizer, settings, cache_dir=cache_dir, num_proc=num_proc, wait_s=wait_s,
         data_sha256=data_sha256,
@@ -227,8 +223,7 @@ def _build_together(
     if problem is not None:
         raise DataError(problem)
     if stats is not None:
-        how = f"{env.world_size} ranks, a slice each, {per_rank} process" + "es" * (per_rank > 1)
-        log_build(source, directory, stats, started, how)
+        log_build(source, directory, stats, started, processes=per_rank, ranks=env.world_size)
         return CachedExamples(directory), stats, True
     found, meta = entry_problem(directory, key)
     if found is not None:
