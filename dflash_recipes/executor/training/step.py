@@ -167,7 +167,7 @@ class DraftStep(nn.Module):
                 targets.target_logits, anchors, block_size=block, shift=targets.shift
             ).float()
         distill_teacher = teacher if objective.self_logit_distillation else None
-        logits: Tensor = head(hidden.to(_weight_dtype(head))).float()
+        logits = _lm_head_logits(head, hidden)
         kind = self.drafter.spec.projector_type
         if kind == "dflash":
             return dflash_loss(
@@ -320,6 +320,21 @@ def step_inputs(
             shift=spec.label_shift,
         ),
     )
+
+
+def _lm_head_logits(head: nn.Module, hidden: Tensor) -> Tensor:
+    """float32 ``[..., vocab]`` logits of ``hidden [..., H]`` through one 2-D GEMM.
+
+    A chunk of blocks is a strided view of the step's states (``[B, n, K, H]`` split on the
+    block axis); fed to ``nn.Linear`` as is, matmul cannot fold its leading dims without a
+    copy while the states require grad, and runs a batched matmul that re-reads the whole
+    vocabulary matrix once per block (64% of the step's CUDA time on an H200). One contiguous
+    ``[rows, H]`` operand makes it a single GEMM that reads the matrix once.
+    """
+    width = hidden.shape[-1]
+    rows = hidden.to(_weight_dtype(head)).reshape(-1, width).contiguous()
+    logits: Tensor = head(rows)
+    return logits.float().view(*hidden.shape[:-1], logits.shape[-1])
 
 
 def _weight_dtype(module: nn.Module) -> torch.dtype:

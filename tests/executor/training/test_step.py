@@ -8,10 +8,11 @@ import pytest
 import torch
 from testkit.tiny import TINY_VOCAB, randomize, tiny_plan, tiny_target
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_recipes.executor.data.conversations import Batch
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
-from dflash_recipes.executor.training.anchors import sample_anchors
+from dflash_recipes.executor.training.anchors import AnchorBatch, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput, combine_losses, dflash_loss
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
 from dflash_recipes.plan.run_plan import RunPlan
@@ -45,7 +46,7 @@ VARIANTS = {
 }
 
 
-def _step_inputs(plan: RunPlan) -> tuple[DraftStep, StepInputs]:
+def _step_inputs(plan: RunPlan, rows: int = BATCH) -> tuple[DraftStep, StepInputs]:
     """A DraftStep over random weights and one micro-step's inputs (prompts unsupervised)."""
     model = convert(tiny_target(plan), plan)
     drafter = dflash_module(model)
@@ -58,7 +59,9 @@ def _step_inputs(plan: RunPlan) -> tuple[DraftStep, StepInputs]:
     loss_mask[0, :9] = 0  # a prompt: the two rows supervise different numbers of positions
     loss_mask[1, :3] = 0
     drawn = sample_anchors(loss_mask, attention, block_size=BLOCK, num_anchors=7, generator=gen)
-    batch = Batch(ids, attention, loss_mask, epoch=0, next_index=BATCH)
+    ids, attention, loss_mask = ids[:rows], attention[:rows], loss_mask[:rows]
+    drawn = AnchorBatch(drawn.anchors[:rows], drawn.valid[:rows])
+    batch = Batch(ids, attention, loss_mask, epoch=0, next_index=rows)
     inputs = step_inputs(model, spec, plan.draft.objective, batch, drawn, step=3, total_steps=10)
     return DraftStep(drafter, lm_head(model), plan.draft.objective), inputs
 
@@ -141,3 +144,41 @@ def test_combine_losses_weights_chunks_by_their_supervision(tmp_path: Path) -> N
     assert not torch.allclose(naive, whole.loss)
     with pytest.raises(ValueError, match="at least one chunk"):
         combine_losses([])
+
+
+class _WeightReads(TorchDispatchMode):
+    """Records the name of every aten op that reads `weight`'s storage, with its operands' dims."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.storage = weight.untyped_storage().data_ptr()
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Tensor)]
+        if any(t.untyped_storage().data_ptr() == self.storage for t in tensors):
+            self.ops.append((func.overloadpacket.__name__, tuple(t.dim() for t in tensors)))
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {"t", "transpose", "view", "_unsafe_view", "expand", "detach", "alias", "as_strided"}
+
+
+@pytest.mark.parametrize("batch", [1, BATCH])
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_lm_head_is_one_2d_gemm_per_chunk(tmp_path: Path, batch: int, blocks: int | None) -> None:
+    """The vocabulary matrix is read by one mm per chunk (forward, recompute, input gradient),
+    never by a batched matmul over blocks (a chunk is a strided view of the step's states)."""
+    plan = tiny_plan(tmp_path, block_size=BLOCK)
+    step, inputs = _step_inputs(plan, rows=batch)
+    n_blocks = inputs.targets.labels.shape[1]
+    if blocks is not None:
+        step.max_chunk_logits = blocks * batch * BLOCK * TINY_VOCAB
+    chunks = -(-n_blocks // step.blocks_per_chunk(batch, n_blocks))
+    weight = step._lm_head.weight  # type: ignore[union-attr]
+    with _WeightReads(weight) as reads:
+        step(inputs).loss.backward()
+    compute = [(name, dims) for name, dims in reads.ops if name not in _VIEWS]
+    assert all(name == "mm" and dims == (2, 2) for name, dims in compute), compute
+    # chunked: forward, the checkpoint's recompute and the input gradient; whole: no recompute
+    assert len(compute) == (3 * chunks if chunks > 1 else 2)
