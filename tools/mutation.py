@@ -68,11 +68,10 @@ _COMPILE_TESTS = tuple(
         "regenerate_checks",
         "field_checks",
         "compilation",
-        "model_paths",
         "codes",
         "findings_pinned",
     )
-)
+) + ("tests/checkpoint/test_model_paths.py",)
 
 GROUPS: tuple[Group, ...] = (
     Group(

@@ -44,7 +44,7 @@ from dflash_recipes.compiler.field_checks import (
     HeadAlignment,
     check_checkpoint_fields,
 )
-from dflash_recipes.compiler.model_paths import inspect_checkpoint_dir
+from dflash_recipes.checkpoint.model_paths import inspect_checkpoint_dir
 from dflash_recipes.compiler.state import (
     ARCH_PATH,
     INIT_PATH,

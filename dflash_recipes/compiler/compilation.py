@@ -26,7 +26,7 @@ from dflash_recipes.compiler.codes import (
 )
 from dflash_recipes.compiler.id_checks import DEFAULT_RMS_NORM_EPS, DraftIdChecks
 from dflash_recipes.compiler.input_checks import InputChecks
-from dflash_recipes.compiler.model_paths import resolve_local_path
+from dflash_recipes.checkpoint.model_paths import resolve_local_path
 from dflash_recipes.compiler.recipe_checks import SchemaChecks
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, has_errors, sort_diagnostics
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR

@@ -20,7 +20,7 @@ from dflash_recipes.compiler.codes import (
     OUTPUT_DIR_UNUSABLE,
     RESUME_FROM_CHECKPOINT,
 )
-from dflash_recipes.compiler.model_paths import inspect_model_dir
+from dflash_recipes.checkpoint.model_paths import inspect_model_dir
 from dflash_recipes.compiler.state import (
     INIT_PATH,
     MODEL_PATH,

@@ -20,7 +20,7 @@ from dflash_recipes.checkpoint.weight_index import CheckpointWeights
 from dflash_recipes.compiler.codes import (
     LAYER_TYPES_LENGTH,
 )
-from dflash_recipes.compiler.model_paths import resolve_local_path
+from dflash_recipes.checkpoint.model_paths import resolve_local_path
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, code_severity
 from dflash_recipes.plan.run_plan import ResumePlan, RunPlan, TargetFacts
 from dflash_recipes.recipe.sections import DFlashArchitectureConfig, Recipe
