@@ -9,6 +9,7 @@ import math
 
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
 from dflash_recipes.checkpoint.known_layouts import KNOWN_LAYOUTS, canonical_weights
+from dflash_recipes.checkpoint.model_paths import inspect_checkpoint_dir
 from dflash_recipes.checkpoint.tensor_layout import (
     ARCHITECTURE_FIELDS,
     LayoutSpec,
@@ -44,7 +45,6 @@ from dflash_recipes.compiler.field_checks import (
     HeadAlignment,
     check_checkpoint_fields,
 )
-from dflash_recipes.checkpoint.model_paths import inspect_checkpoint_dir
 from dflash_recipes.compiler.state import (
     ARCH_PATH,
     INIT_PATH,
