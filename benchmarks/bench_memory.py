@@ -40,7 +40,7 @@ from bench_step_overhead import MASK_TOKEN, RECIPE, SHAPES, _make_target
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.compiler.resources.estimate import estimate_resources
+from dflash_recipes.plan.resources.estimate import estimate_resources
 from dflash_recipes.executor.data.conversations import Batch
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head, load_base_model
 from dflash_recipes.executor.training.anchors import sample_batch_anchors
