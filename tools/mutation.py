@@ -99,6 +99,12 @@ GROUPS: tuple[Group, ...] = (
         (_PKG + "plan/value_checks.py",),
         ("tests/plan/test_value_checks.py", "tests/plan/test_run_plan.py"),
     ),
+    # the URL and output rules `compile` and `regenerate` share
+    Group(
+        "regenerate-settings",
+        (_PKG + "plan/regenerate_settings.py",),
+        ("tests/plan/test_regenerate_settings.py", "tests/compiler/test_regenerate_checks.py"),
+    ),
     Group(
         "crashsafe",
         (_PKG + "files/crashsafe.py",),

@@ -271,7 +271,7 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
 def _regenerate_plan(
     section: RegenerateSection, output: Path | None, *, training_seq_len: int
 ) -> RegeneratePlan:
-    from dflash_recipes.compiler.regenerate_checks import regenerate_plan
+    from dflash_recipes.plan.regenerate_settings import regenerate_plan
 
     return regenerate_plan(section, output, training_seq_len=training_seq_len)
 
