@@ -270,6 +270,7 @@ __all__ = [
     "RegeneratePlan",
     "ResumePlan",
     "RopePlan",
+    "RopeValue",
     "RunPlan",
     "TargetFacts",
     "TrainingPlan",
