@@ -60,7 +60,6 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.plan.resources.estimate import estimate_resources, target_dims
 from dflash_recipes.executor.data.conversations import Batch as TokenBatch
 from dflash_recipes.executor.distributed import (
     DistEnv,
@@ -84,6 +83,7 @@ from dflash_recipes.executor.model.masks import build_dense_block_mask, build_fl
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
+from dflash_recipes.plan.resources.estimate import estimate_resources, target_dims
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]

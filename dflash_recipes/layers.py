@@ -25,7 +25,7 @@ class Layer(NamedTuple):
 LAYERS: tuple[Layer, ...] = (
     Layer(("", "__main__"), "the entry points: the public names, `python -m dflash_recipes`"),
     Layer(("cli",), "the `dflash-recipe` commands, a thin shell over the library"),
-    Layer(("executor.demo",), "the demo, which compiles recipes and trains on them as a user would"),
+    Layer(("executor.demo",), "the demo: compiles recipes and trains on them as a user would"),
     Layer(
         ("compiler", "executor", "report"),
         "recipe -> plan (no torch); plan -> trained drafter (the only torch); the metrics PNG",

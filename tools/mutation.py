@@ -58,20 +58,23 @@ _PKG = "dflash_recipes/"
 #: The compile checks are exercised through whole compiles, by the tests of every check family
 #: (a taps warning is asserted where the checkpoint is tested); the capture tests are left out
 #: (they capture with the tiny target first, which each mutant would have to repeat).
-_COMPILE_TESTS = tuple(
-    f"tests/compiler/test_{name}.py"
-    for name in (
-        "checkpoint_checks",
-        "id_checks",
-        "input_checks",
-        "recipe_checks",
-        "regenerate_checks",
-        "field_checks",
-        "compilation",
-        "codes",
-        "findings_pinned",
-    )
-) + ("tests/checkpoint/test_model_paths.py",)
+_COMPILE_TESTS = (
+    *(
+        f"tests/compiler/test_{name}.py"
+        for name in (
+            "checkpoint_checks",
+            "id_checks",
+            "input_checks",
+            "recipe_checks",
+            "regenerate_checks",
+            "field_checks",
+            "compilation",
+            "codes",
+            "findings_pinned",
+        )
+    ),
+    "tests/checkpoint/test_model_paths.py",
+)
 
 GROUPS: tuple[Group, ...] = (
     Group(

@@ -1,6 +1,11 @@
 """Cross-checks of the init checkpoint: its config.json and safetensors header against the
 recipe and the base model (width, taps range, mask row, RoPE, rms_norm_eps, block size, the
 field inventory, the tensor layout and head presence). Reads headers only, never tensor data.
+
+:func:`read_init_checkpoint` belongs to the reading phase and returns what it read (an
+:class:`~dflash_recipes.compiler.state.InitCheckpoint`); the cross-checks take it, with the taps
+and mask the id checks resolved, and :func:`check_layout` returns the heads that train from
+scratch.
 """
 
 from __future__ import annotations

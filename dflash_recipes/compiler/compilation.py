@@ -7,6 +7,12 @@ Two levels, one code path:
   model's config.json read, a resume detected in `training.output_dir`, and the init
   checkpoint's config.json and safetensors header(s) cross-checked against the recipe.
 
+:func:`compile_recipe` is the sequence of phases, top to bottom: read what the recipe points at,
+check the recipe on its own, resolve the drafter's ids, cross-check what was read against them,
+build the plan. The checks are functions of the values they are given
+(:mod:`~dflash_recipes.compiler.state`), so a phase cannot run before the one whose result it
+takes.
+
 Every finding is a :class:`~dflash_recipes.diagnostics.Diagnostic` with a registered code, the
 dotted recipe path it concerns, what is wrong and the fix. Nothing here raises for bad input
 and nothing reads tensor data: a 2 GB drafter costs a few kilobytes of header.

@@ -1,6 +1,10 @@
 """Taps, mask token id, attention kinds and rms_norm_eps: from the recipe, else the resumed run,
 else the init checkpoint, else the default formula (taps) or the documented default (rms_norm_eps,
 1e-6); the mask id is never guessed.
+
+Each resolver is a function of the recipe and of what the reading phase found
+(:class:`~dflash_recipes.compiler.state.WhatWasRead`); :func:`resolve_draft_ids` runs them in the
+order their findings are reported and returns the :class:`DraftIds` the plan gets.
 """
 
 from __future__ import annotations

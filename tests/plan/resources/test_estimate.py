@@ -266,7 +266,7 @@ def test_compile_with_resources_imports_no_torch(qwen3_8b: Path) -> None:
 def test_the_executor_constants_are_the_estimates() -> None:
     torch = pytest.importorskip("torch")
     del torch
-    from dflash_recipes.plan.resources import estimate as resources
     from dflash_recipes.executor.training import step
+    from dflash_recipes.plan.resources import estimate as resources
 
     assert resources.MAX_CHUNK_LOGITS == step.MAX_CHUNK_LOGITS
