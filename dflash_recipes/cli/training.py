@@ -178,7 +178,7 @@ def capture_command(
 
 def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:
     """The recipe's data.hidden_states_path (absolute, against the recipe's folder), or None."""
-    from dflash_recipes.compiler.model_paths import resolve_local_path
+    from dflash_recipes.checkpoint.model_paths import resolve_local_path
     from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
 
     loaded = load_recipe_with_diagnostics(Path(recipe), overrides=tuple(overrides))

@@ -11,16 +11,13 @@ not import it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 
+from dflash_recipes.checkpoint.target_facts import RopePlan, TargetFacts
 from dflash_recipes.errors import PlanError
+from dflash_recipes.plan.parts import ArchitecturePlan, DraftPlan
 from dflash_recipes.recipe.choices import MarkovHeadType, ProjectorType
 from dflash_recipes.records import Record
-
-if TYPE_CHECKING:  # run_plan imports this module to resolve a plan
-    from dflash_recipes.plan.run_plan import ArchitecturePlan, RopePlan, RunPlan
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -97,10 +94,10 @@ class ResolvedDraft(Record):
         return self.sliding_window if self.layer_type(index) == "sliding_attention" else None
 
 
-def resolve_draft(plan: RunPlan) -> ResolvedDraft:
-    """Collect the drafter spec from a plan; PlanError lists every unresolved field."""
-    arch = plan.draft.architecture
-    facts = plan.base_model.facts
+def resolve_draft(draft: DraftPlan, facts: TargetFacts | None) -> ResolvedDraft:
+    """Collect the drafter spec from a plan's draft and base-model facts; PlanError lists every
+    unresolved field (``RunPlan.resolved_draft()`` calls it)."""
+    arch = draft.architecture
     missing: list[str] = []
     for name in (
         "num_hidden_layers",
@@ -111,9 +108,9 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
     ):
         if getattr(arch, name) is None:
             missing.append(f"draft.architecture.{name}")
-    if plan.draft.mask_token_id is None:
+    if draft.mask_token_id is None:
         missing.append("draft.mask_token_id")
-    if plan.draft.target_layer_ids is None:
+    if draft.target_layer_ids is None:
         missing.append("draft.target_layer_ids")
     if facts is None:
         missing.append("base_model.facts")
@@ -129,8 +126,8 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
     assert arch.num_key_value_heads is not None
     assert arch.head_dim is not None
     assert arch.intermediate_size is not None
-    assert plan.draft.mask_token_id is not None
-    assert plan.draft.target_layer_ids is not None
+    assert draft.mask_token_id is not None
+    assert draft.target_layer_ids is not None
     _check_layer_types(arch)
     return ResolvedDraft(
         hidden_size=facts.hidden_size,
@@ -144,9 +141,9 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
         num_target_layers=facts.num_hidden_layers,
         max_position_embeddings=facts.max_position_embeddings,
         rope=facts.rope,
-        block_size=plan.draft.block_size,
-        mask_token_id=plan.draft.mask_token_id,
-        target_layer_ids=plan.draft.target_layer_ids,
+        block_size=draft.block_size,
+        mask_token_id=draft.mask_token_id,
+        target_layer_ids=draft.target_layer_ids,
         projector_type=arch.projector_type,
         emb_dim=arch.emb_dim,
         gru_hidden_dim=arch.gru_hidden_dim,

@@ -395,6 +395,23 @@ class DFlashArchitectureConfig(Record):
     sliding_window: int | None = attrs.field(default=None, validator=positive_int)
 
 
+# Paper guidance for the decay gamma, block size -> gamma (docs/dflash.md, "Block size and the
+# decay gamma").
+_DECAY_POINTS: tuple[tuple[int, float], ...] = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_loss_decay_factor(block_size: int) -> float:
+    """gamma for `exp(-(k-1)/gamma)` when `dflash_loss_decay_factor` is null: 4 for B=8, 5 for
+    B=10, 7 for B=16.
+
+    Other block sizes interpolate linearly through those points, extrapolating from the
+    nearest pair outside them, and never go below 1.0. The compiler writes the value into the
+    plan; `init` writes it into a starter recipe.
+    """
+    (b0, g0), (b1, g1) = _DECAY_POINTS[:2] if block_size <= 10 else _DECAY_POINTS[1:]
+    return max(1.0, g0 + (block_size - b0) * (g1 - g0) / (b1 - b0))
+
+
 @attrs.frozen(repr=False, eq=False, slots=False)
 class DFlashSection(Record):
     """DFlash training: block drafting, the warm start and the loss."""
@@ -492,4 +509,5 @@ __all__ = [
     "Recipe",
     "RegenerateSection",
     "TrainingSection",
+    "default_loss_decay_factor",
 ]

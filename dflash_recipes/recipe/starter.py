@@ -25,6 +25,11 @@ from dflash_recipes.checkpoint.hfconfig import (
     read_target_config,
 )
 from dflash_recipes.checkpoint.known_layouts import canonical_weights
+from dflash_recipes.checkpoint.model_paths import (
+    inspect_checkpoint_dir,
+    inspect_model_dir,
+    resolve_local_path,
+)
 from dflash_recipes.checkpoint.tensor_layout import (
     ARCHITECTURE_FIELDS,
     HEAD_FIELDS,
@@ -32,14 +37,9 @@ from dflash_recipes.checkpoint.tensor_layout import (
     default_target_layer_ids,
 )
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
-from dflash_recipes.compiler.compilation import default_loss_decay_factor
-from dflash_recipes.compiler.model_paths import (
-    inspect_checkpoint_dir,
-    inspect_model_dir,
-    resolve_local_path,
-)
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
+from dflash_recipes.recipe.sections import default_loss_decay_factor
 from dflash_recipes.records import Record
 
 #: Draft layers of a new drafter: the released Qwen3 DFlash drafters use 5.

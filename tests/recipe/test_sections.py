@@ -13,6 +13,7 @@ from dflash_recipes import (
     Recipe,
     TrainingSection,
 )
+from dflash_recipes.recipe.sections import default_loss_decay_factor
 
 
 def make() -> Recipe:
@@ -79,3 +80,25 @@ def test_recipes_are_frozen_and_hashable_by_value() -> None:
 def test_model_is_required() -> None:
     with pytest.raises(TypeError, match="model"):
         Recipe()  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "gamma"),
+    [
+        (16, 7.0),
+        (10, 5.0),
+        (8, 4.0),
+        (9, 4.5),
+        (13, 6.0),
+        (12, 5 + 2 / 3),
+        (32, 7 + 16 / 3),
+        (4, 2.0),
+        (2, 1.0),
+    ],
+)
+def test_loss_decay_default_follows_the_paper_points(block_size: int, gamma: float) -> None:
+    assert default_loss_decay_factor(block_size) == pytest.approx(gamma)
+
+
+def test_decay_default_never_drops_below_one() -> None:
+    assert all(default_loss_decay_factor(b) >= 1.0 for b in range(2, 129))

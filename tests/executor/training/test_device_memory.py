@@ -9,11 +9,11 @@ import pytest
 import torch
 from testkit.compiling import tiny_scratch_plan
 
-from dflash_recipes.compiler.resources.estimate import GIB, estimate_resources
 from dflash_recipes.errors import ResourceError
 from dflash_recipes.executor.training.device_memory import check_device_memory
 from dflash_recipes.executor.training.trainer import run_plan
 from dflash_recipes.files.run_dir import EXPORT_DIR
+from dflash_recipes.plan.resources.estimate import GIB, estimate_resources
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,10 @@
 """What would fit a device: the search `compile --device-memory` and `run` report when a
-plan's estimated memory per rank (:mod:`~dflash_recipes.compiler.resources`) exceeds it.
+plan's estimated memory per rank (:mod:`~dflash_recipes.plan.resources.estimate`) exceeds it.
 
-Imported only on that path, so a compile that fits pays nothing for it.
+Imported only on that path, so a compile that fits pays nothing for it. The compiler turns the
+advice into the `resources-exceed-device` diagnostic
+(:func:`~dflash_recipes.compiler.resource_report.device_diagnostic`); `run` refuses with the same
+message and hint (:mod:`~dflash_recipes.executor.training.device_memory`).
 """
 
 from __future__ import annotations
@@ -11,9 +14,7 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.compiler.codes import RESOURCES_EXCEED_DEVICE
-from dflash_recipes.compiler.resources.estimate import (
-    GIB,
+from dflash_recipes.plan.resources.estimate import (
     Device,
     ResourcePlan,
     TargetDims,
@@ -21,7 +22,6 @@ from dflash_recipes.compiler.resources.estimate import (
     gib,
     read_target_dims,
 )
-from dflash_recipes.diagnostics import Diagnostic, Severity
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
 
@@ -145,33 +145,4 @@ def exceed_message(
     return message, hint
 
 
-def device_diagnostic(
-    plan: RunPlan,
-    resources: ResourcePlan,
-    device_memory: float,
-    *,
-    recipe_file: str | None,
-    target: TargetDims | None = None,
-) -> Diagnostic | None:
-    """The `resources-exceed-device` error when `resources` need more than `device_memory`
-    GiB per rank (with what would fit), else None."""
-    device_bytes = int(device_memory * GIB)
-    if resources.memory.total <= device_bytes:
-        return None
-    advice = fit_advice(
-        plan, device_bytes, world_size=resources.world_size, device=resources.device, target=target
-    )
-    message, hint = exceed_message(
-        plan, resources, device_bytes, advice, where=f"--device-memory {device_memory:g}"
-    )
-    return Diagnostic(
-        severity=Severity.ERROR,
-        code=RESOURCES_EXCEED_DEVICE,
-        path="training",
-        message=message,
-        hint=hint,
-        file=recipe_file,
-    )
-
-
-__all__ = ["FitAdvice", "device_diagnostic", "exceed_message", "fit_advice"]
+__all__ = ["FitAdvice", "exceed_message", "fit_advice"]

@@ -24,7 +24,7 @@ Memory per rank, in bytes:
   CUDA context and library workspaces plus :data:`FRAGMENTATION` of the activations for the
   caching allocator's fragmentation (none on CPU).
 
-What would fit a smaller device is :mod:`~dflash_recipes.compiler.resources.fit`'s (loaded
+What would fit a smaller device is :mod:`~dflash_recipes.plan.resources.fit`'s (loaded
 only when a plan does not fit). The activation model is validated against real training steps by
 ``benchmarks/bench_memory.py`` (CPU) and ``benchmarks/gpu_check.py`` (CUDA).
 """

@@ -12,7 +12,7 @@ from testkit.st_fixtures import (
     write_json,
 )
 
-from dflash_recipes.compiler.model_paths import (
+from dflash_recipes.checkpoint.model_paths import (
     CheckpointDirProblem,
     inspect_checkpoint_dir,
     inspect_model_dir,

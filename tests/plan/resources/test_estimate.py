@@ -17,13 +17,13 @@ from testkit.fixture_8b import make_fixture
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.compiler.codes import RESOURCES_EXCEED_DEVICE
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.compiler.resources.estimate import (
+from dflash_recipes.plan.resources.estimate import (
     GIB,
     estimate_resources,
     is_decoder_layer_tensor,
     read_target_dims,
 )
-from dflash_recipes.compiler.resources.fit import fit_advice
+from dflash_recipes.plan.resources.fit import fit_advice
 from dflash_recipes.plan.run_plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -266,7 +266,7 @@ def test_compile_with_resources_imports_no_torch(qwen3_8b: Path) -> None:
 def test_the_executor_constants_are_the_estimates() -> None:
     torch = pytest.importorskip("torch")
     del torch
-    from dflash_recipes.compiler.resources import estimate as resources
     from dflash_recipes.executor.training import step
+    from dflash_recipes.plan.resources import estimate as resources
 
     assert resources.MAX_CHUNK_LOGITS == step.MAX_CHUNK_LOGITS

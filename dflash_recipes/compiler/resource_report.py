@@ -1,18 +1,25 @@
-"""The resource plan as `compile` shows it: the GiB table, step and disk lines, time at an MFU."""
+"""The resource plan as `compile` reports it: the GiB table, step and disk lines, time at an MFU,
+and the `resources-exceed-device` error of `compile --device-memory`.
+
+The estimate itself is :mod:`dflash_recipes.plan.resources` (the executor's `run` reads it too).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_recipes.compiler.resources.estimate import (
+from dflash_recipes.compiler.codes import RESOURCES_EXCEED_DEVICE
+from dflash_recipes.diagnostics import Diagnostic, Severity
+from dflash_recipes.errors import ResourceError
+from dflash_recipes.plan.resources.estimate import (
     DEFAULT_PEAK_TFLOPS,
+    GIB,
     ResourcePlan,
     TargetDims,
     estimate_resources,
     gib,
     read_target_dims,
 )
-from dflash_recipes.errors import ResourceError
 from dflash_recipes.plan.run_plan import RunPlan
 
 # ---------------------------------------------------------------------------------------------
@@ -137,4 +144,41 @@ def render_for_compile(
     )
 
 
-__all__ = ["compile_resources", "count_sequences", "render_for_compile", "render_resources"]
+def device_diagnostic(
+    plan: RunPlan,
+    resources: ResourcePlan,
+    device_memory: float,
+    *,
+    recipe_file: str | None,
+    target: TargetDims | None = None,
+) -> Diagnostic | None:
+    """The `resources-exceed-device` error when `resources` need more than `device_memory`
+    GiB per rank (with what would fit), else None."""
+    device_bytes = int(device_memory * GIB)
+    if resources.memory.total <= device_bytes:
+        return None
+    from dflash_recipes.plan.resources.fit import exceed_message, fit_advice  # only on refusal
+
+    advice = fit_advice(
+        plan, device_bytes, world_size=resources.world_size, device=resources.device, target=target
+    )
+    message, hint = exceed_message(
+        plan, resources, device_bytes, advice, where=f"--device-memory {device_memory:g}"
+    )
+    return Diagnostic(
+        severity=Severity.ERROR,
+        code=RESOURCES_EXCEED_DEVICE,
+        path="training",
+        message=message,
+        hint=hint,
+        file=recipe_file,
+    )
+
+
+__all__ = [
+    "compile_resources",
+    "count_sequences",
+    "device_diagnostic",
+    "render_for_compile",
+    "render_resources",
+]
