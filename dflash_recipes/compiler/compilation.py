@@ -33,6 +33,7 @@ from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
     BaseModelPlan,
+    CardPlan,
     DataPlan,
     DraftPlan,
     InitCheckpointPlan,
@@ -42,7 +43,7 @@ from dflash_recipes.plan.run_plan import (
     TrainingPlan,
 )
 from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
-from dflash_recipes.recipe.sections import Recipe, RegenerateSection
+from dflash_recipes.recipe.sections import CardSection, Recipe, RegenerateSection
 from dflash_recipes.records import Record
 
 #: The warnings about a warm start that the plan carries for `run` to log again when it loads
@@ -190,6 +191,7 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                     if training.logging_dir is not None
                     else self.absolute(training.output_dir) / "tensorboard"
                 ),
+                eval_min_tau=training.eval_min_tau,
             ),
             draft=DraftPlan(
                 block_size=dflash.dflash_block_size,
@@ -247,6 +249,7 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                 if recipe.regenerate != RegenerateSection()
                 else None
             ),
+            card=_card_plan(recipe.card),
         )
 
     def check_regenerate(self, *, resolve: bool) -> None:
@@ -274,6 +277,18 @@ def _regenerate_plan(
     from dflash_recipes.compiler.regenerate_checks import regenerate_plan
 
     return regenerate_plan(section, output, training_seq_len=training_seq_len)
+
+
+def _card_plan(section: CardSection) -> CardPlan | None:
+    """The recipe's `card:` section as the plan carries it (None: left at its defaults)."""
+    if section == CardSection():
+        return None
+    return CardPlan(
+        description=section.description,
+        license=section.license,
+        base_model=section.base_model,
+        datasets=section.datasets,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

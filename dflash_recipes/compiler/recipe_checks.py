@@ -11,6 +11,7 @@ from dflash_recipes.checkpoint.tensor_layout import (
 from dflash_recipes.compiler.codes import (
     ARCH_DIM_MISSING,
     EVAL_DATA_UNSET,
+    EVAL_GATE_UNMEASURED,
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
@@ -43,6 +44,31 @@ class SchemaChecks(CompileState):
                 "set, so there is nothing to evaluate on",
                 "set data.eval_data_path to a JSONL file of held-out conversations, or set "
                 "training.eval_steps: null",
+            )
+        self.check_eval_gate()
+
+    def check_eval_gate(self) -> None:
+        """An acceptance gate needs a held-out measurement: eval_steps and eval data."""
+        training, data = self.recipe.training, self.recipe.data
+        if training.eval_min_tau is None:
+            return
+        missing = [
+            name
+            for name, value in (
+                ("training.eval_steps", training.eval_steps),
+                ("data.eval_data_path", data.eval_data_path),
+            )
+            if value is None
+        ]
+        if missing:
+            self.emit(
+                EVAL_GATE_UNMEASURED,
+                "training.eval_min_tau",
+                f"training.eval_min_tau is {training.eval_min_tau} but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set, so the run measures no "
+                "held-out tau and would always fail the gate",
+                "set training.eval_steps (e.g. to max_steps, to measure the final weights) and "
+                "data.eval_data_path, or set training.eval_min_tau: null",
             )
 
     def check_dims_set(self) -> None:

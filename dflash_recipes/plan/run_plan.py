@@ -66,8 +66,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
 #: `logging_dir` (experiment trackers). 4: the draft's `shift_label`, `pure_draft_prefix_len`
 #: and `markov_head_type` (Domino and DSpark as ModelOpt computes them). 5: the data's
-#: `cache_dir` and `num_proc` (the tokenized-data cache).
-PLAN_FORMAT_VERSION = 5
+#: `cache_dir` and `num_proc` (the tokenized-data cache). 6: the training's `eval_min_tau` and
+#: the `card` section (the export's model card).
+PLAN_FORMAT_VERSION = 6
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -158,6 +159,8 @@ class TrainingPlan(Record):
     run_name: str
     #: TensorBoard's event directory, absolute (resolved: <output_dir>/tensorboard by default).
     logging_dir: str
+    #: The acceptance gate of `run`: the least held-out tau the run must measure (None: none).
+    eval_min_tau: float | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -268,6 +271,17 @@ class RegeneratePlan(Record):
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
+class CardPlan(Record):
+    """What the recipe's `card:` section adds to the model card of every export."""
+
+    description: str | None = None
+    license: str | None = None
+    #: The target's Hub id (OWNER/NAME), or None: inferred from the target's path, if it can be.
+    base_model: str | None = None
+    datasets: tuple[str, ...] | None = None
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
 class RunPlan(Record):
     """Everything the executor needs for one run, resolved and fingerprinted."""
 
@@ -283,6 +297,8 @@ class RunPlan(Record):
     overrides: tuple[str, ...] = ()
     #: The recipe's `regenerate:` section; None when the recipe left it at its defaults.
     regenerate: RegeneratePlan | None = None
+    #: The recipe's `card:` section; None when the recipe left it at its defaults.
+    card: CardPlan | None = None
     #: True when the compiler read config.json/headers (not just the schema).
     resolved: bool = False
     format_version: int = PLAN_FORMAT_VERSION
@@ -438,6 +454,7 @@ __all__ = [
     "RECOMPILE_HINT",
     "ArchitecturePlan",
     "BaseModelPlan",
+    "CardPlan",
     "DataPlan",
     "DraftPlan",
     "InitCheckpointPlan",

@@ -18,6 +18,7 @@ import attrs
 
 from dflash_recipes.recipe import sections as recipe_module
 from dflash_recipes.recipe.sections import (
+    CardSection,
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,
@@ -134,6 +135,8 @@ def plan_value_problems(plan: RunPlan) -> list[str]:
         problems += _check_section(
             "regenerate", plan.regenerate, _section_rules(plan.regenerate, RegenerateSection)
         )
+    if plan.card is not None:
+        problems += _check_section("card", plan.card, _section_rules(plan.card, CardSection))
     if plan.resume is not None:
         problems += _run("resume.step", _STEP, plan.resume.step, "step")
         problems += _run(
