@@ -14,6 +14,7 @@ after the checkpoint and the export are written.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -99,8 +100,6 @@ def last_training_measurement(run_dir: Path, up_to_step: int | None = None) -> M
     Reads ``run_dir/metrics.jsonl`` (bounded); lines that do not parse are skipped, as the
     metrics reader of a resumed run does. None when the file is missing or holds no eval row.
     """
-    import json
-
     path = run_dir / METRICS_FILE
     try:
         if not path.is_file() or path.stat().st_size > METRICS_MAX_BYTES:
@@ -166,7 +165,9 @@ def run_gate_line(plan: RunPlan) -> str | None:
             f"{plan.training.eval_steps}), training.eval_min_tau requires tau >= {required:g}"
         )
     return acceptance_shortfall(
-        measured.tau, required, setting=f"training.eval_min_tau, held-out eval at step {measured.step}"
+        measured.tau,
+        required,
+        setting=f"training.eval_min_tau, held-out eval at step {measured.step}",
     )
 
 

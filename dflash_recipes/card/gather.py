@@ -194,11 +194,15 @@ def _warm_start(plan: RunPlan) -> str | None:
     if init.trained_block_size is not None:
         said.append(f"trained at block size {init.trained_block_size}")
     try:
-        earlier = parse_card_data(read_regular_file(Path(init.path) / CARD_DATA_FILE, max_bytes=_JSON_LIMIT))
+        earlier = parse_card_data(
+            read_regular_file(Path(init.path) / CARD_DATA_FILE, max_bytes=_JSON_LIMIT)
+        )
     except (FileReadProblem, CardDataError):
         earlier = None
     if earlier is not None:
-        said.append(f"exported by dflash-recipes from plan {earlier.training.plan_fingerprint[:12]}")
+        said.append(
+            f"exported by dflash-recipes from plan {earlier.training.plan_fingerprint[:12]}"
+        )
     if init.heads_from_scratch:
         said.append("heads trained from scratch: " + ", ".join(init.heads_from_scratch))
     return f"`{name}`" + (f" ({'; '.join(said)})" if said else "")
@@ -277,8 +281,8 @@ def training_facts(
         sequences_per_step=per_step * processes if processes is not None else None,
         batch=(
             f"{training.per_device_train_batch_size} per device x "
-            f"{training.gradient_accumulation_steps} accumulated x "
-            f"{processes if processes is not None else '?'} processes"
+            f"{training.gradient_accumulation_steps} accumulated"
+            + (f" x {processes} processes" if processes is not None else " per process")
         ),
         training_seq_len=training.training_seq_len,
         dataset_tokens=tokens,

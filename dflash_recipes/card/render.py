@@ -19,7 +19,14 @@ import json
 
 import yaml
 
-from dflash_recipes.card.facts import CARD_DATA_FILE, CardFacts, DataFile, DrafterFacts, Measurement, TrainingFacts
+from dflash_recipes.card.facts import (
+    CARD_DATA_FILE,
+    CardFacts,
+    DataFile,
+    DrafterFacts,
+    Measurement,
+    TrainingFacts,
+)
 
 #: As released DFlash drafters' cards say (the drafter loads with AutoModel and remote code).
 LIBRARY_NAME = "transformers"
@@ -69,16 +76,24 @@ def _what_it_is(d: DrafterFacts, t: TrainingFacts) -> list[str]:
     window = f", sliding window {d.sliding_window}" if d.sliding_window is not None else ""
     rows = [
         ("kind", d.head),
-        ("target", f"`{t.target}` ({d.num_target_layers} layers, hidden {d.hidden_size}, "
-         f"vocabulary {d.vocab_size})"),
+        (
+            "target",
+            f"`{t.target}` ({d.num_target_layers} layers, hidden {d.hidden_size}, "
+            f"vocabulary {d.vocab_size})",
+        ),
         ("block size", f"{d.block_size} ({d.drafted_tokens} proposals per verification step)"),
         ("draft layers", f"{d.num_hidden_layers} ({layers}{window})"),
-        ("attention", f"{d.num_attention_heads} heads, {d.num_key_value_heads} key/value heads, "
-         f"head_dim {d.head_dim}; MLP {d.intermediate_size}"),
+        (
+            "attention",
+            f"{d.num_attention_heads} heads, {d.num_key_value_heads} key/value heads, "
+            f"head_dim {d.head_dim}; MLP {d.intermediate_size}",
+        ),
         ("taps (target_layer_ids)", json.dumps(list(d.target_layer_ids))),
         ("mask token id", str(d.mask_token_id)),
-        ("parameters", f"{d.parameters:,} in {d.tensors} tensors ({d.dtype}, "
-         f"{d.weights_bytes:,} bytes)"),
+        (
+            "parameters",
+            f"{d.parameters:,} in {d.tensors} tensors ({d.dtype}, {d.weights_bytes:,} bytes)",
+        ),
     ]
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 
@@ -111,7 +126,7 @@ def _how_trained(t: TrainingFacts) -> list[str]:
     per_step = (
         f"{t.sequences_per_step} sequences per step ({t.batch})"
         if t.sequences_per_step is not None
-        else f"sequences per step: {t.batch}"
+        else f"sequences per step: {t.batch} (processes not recorded)"
     )
     steps = f"{t.steps:,} optimiser steps" if t.steps is not None else "not recorded"
     lines.append(f"- Steps: {steps} (the plan: {t.planned}); {per_step}.")
@@ -184,11 +199,19 @@ def _serving(facts: CardFacts) -> list[str]:
     block = facts.drafter.block_size
     target = facts.training.base_model or "TARGET"
     config = json.dumps(
-        {"method": "dflash", "model": DRAFTER, "num_speculative_tokens": vllm_speculative_tokens(block)}
+        {
+            "method": "dflash",
+            "model": DRAFTER,
+            "num_speculative_tokens": vllm_speculative_tokens(block),
+        }
     )
     lines = [
         f"`{DRAFTER}` is this repository's id or the directory holding these files"
-        + ("" if facts.training.base_model else f"; `TARGET` is the target (`{facts.training.target}`)")
+        + (
+            ""
+            if facts.training.base_model
+            else f"; `TARGET` is the target (`{facts.training.target}`)"
+        )
         + f". The block size is {block}: vLLM drafts `num_speculative_tokens` "
         f"{vllm_speculative_tokens(block)} (block size - 1), SGLang takes the block size.",
         "",
@@ -209,6 +232,12 @@ def _serving(facts: CardFacts) -> list[str]:
         "Transformers: `AutoModel.from_pretrained(DRAFTER, trust_remote_code=True)` builds the "
         "drafter from `dflash.py` (it drafts for the target; it is not a language model alone).",
     ]
+    if facts.drafter.kind != "dflash":
+        lines += [
+            "",
+            f"> vLLM's `dflash` method has no {facts.drafter.kind} head: it would serve the "
+            "DFlash backbone without it, or refuse the head's tensors.",
+        ]
     for note in facts.serving_notes:
         lines += ["", f"> {note.removeprefix('warning: ')}"]
     return lines
