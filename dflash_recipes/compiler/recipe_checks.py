@@ -27,7 +27,8 @@ from dflash_recipes.compiler.state import (
 
 
 class SchemaChecks(CompileState):
-    """Dims set, grouped-query heads, head fields per projector, distinct taps, eval data."""
+    """Dims set, grouped-query heads, head fields per projector, distinct taps, eval data and
+    the acceptance gate's measurement."""
 
     def check_schema(self) -> None:
         self.check_attention()
