@@ -282,7 +282,11 @@ def training_facts(
         batch=(
             f"{training.per_device_train_batch_size} per device x "
             f"{training.gradient_accumulation_steps} accumulated"
-            + (f" x {processes} processes" if processes is not None else " per process")
+            + (
+                f" x {processes} process{'es' if processes != 1 else ''}"
+                if processes is not None
+                else " per process"
+            )
         ),
         training_seq_len=training.training_seq_len,
         dataset_tokens=tokens,
