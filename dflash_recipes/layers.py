@@ -31,6 +31,11 @@ LAYERS: tuple[Layer, ...] = (
         "recipe -> plan (no torch); plan -> trained drafter (the only torch); the metrics PNG",
     ),
     Layer(
+        ("card",),
+        "the export's model card and the acceptance gate: rendered from the plan and the "
+        "measurements, torch-free",
+    ),
+    Layer(
         ("plan",),
         "the contract between compiler and executor: the run plan, what it costs, the resolved "
         "drafter, the regenerate settings",

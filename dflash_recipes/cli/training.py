@@ -14,6 +14,7 @@ from dflash_recipes.cli.group import (
     _ANY_PATH_STR,
     _DIRECTORY,
     _FILE_STR,
+    EXIT_FINDINGS,
     EXIT_USAGE,
     _fail,
     _setup_logging,
@@ -88,9 +89,16 @@ def run_command(
     # errors: the group's one handler
     summary = run_plan(plan, progress=not no_progress, verify_capture=verify_capture)
     if os.environ.get("RANK", "0") == "0":
+        from dflash_recipes.card.acceptance import run_gate_line
         from dflash_recipes.executor.training.resume import summary_line as run_summary_line
 
         click.echo(run_summary_line(summary), err=True)
+        # training.eval_min_tau: judged once the run is finished and exported (docs/dflash.md,
+        # "The model card and the acceptance gate").
+        gate = run_gate_line(plan) if summary.steps >= summary.planned_steps else None
+        if gate is not None:
+            click.echo(gate, err=True)
+            sys.exit(EXIT_FINDINGS)
 
 
 @main.command("capture")

@@ -56,6 +56,7 @@ from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
     BaseModelPlan,
+    CardPlan,
     DataPlan,
     DraftPlan,
     InitCheckpointPlan,
@@ -65,7 +66,12 @@ from dflash_recipes.plan.run_plan import (
     TrainingPlan,
 )
 from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
-from dflash_recipes.recipe.sections import Recipe, RegenerateSection, default_loss_decay_factor
+from dflash_recipes.recipe.sections import (
+    CardSection,
+    Recipe,
+    RegenerateSection,
+    default_loss_decay_factor,
+)
 from dflash_recipes.records import Record
 
 #: The warnings about a warm start that the plan carries for `run` to log again when it loads
@@ -265,6 +271,7 @@ def build_plan(
                 if training.logging_dir is not None
                 else absolute(training.output_dir) / "tensorboard"
             ),
+            eval_min_tau=training.eval_min_tau,
         ),
         draft=DraftPlan(
             block_size=dflash.dflash_block_size,
@@ -320,6 +327,7 @@ def build_plan(
             if recipe.regenerate != RegenerateSection()
             else None
         ),
+        card=_card_plan(recipe.card),
     )
 
 
@@ -361,6 +369,18 @@ def _regenerate_plan(
     from dflash_recipes.plan.regenerate_settings import regenerate_plan
 
     return regenerate_plan(section, output, training_seq_len=training_seq_len)
+
+
+def _card_plan(section: CardSection) -> CardPlan | None:
+    """The recipe's `card:` section as the plan carries it (None: left at its defaults)."""
+    if section == CardSection():
+        return None
+    return CardPlan(
+        description=section.description,
+        license=section.license,
+        base_model=section.base_model,
+        datasets=section.datasets,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

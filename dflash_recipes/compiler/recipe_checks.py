@@ -17,6 +17,7 @@ from dflash_recipes.checkpoint.tensor_layout import (
 from dflash_recipes.compiler.codes import (
     ARCH_DIM_MISSING,
     EVAL_DATA_UNSET,
+    EVAL_GATE_UNMEASURED,
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
@@ -57,6 +58,32 @@ def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) ->
             "set, so there is nothing to evaluate on",
             "set data.eval_data_path to a JSONL file of held-out conversations, or set "
             "training.eval_steps: null",
+        )
+    check_eval_gate(inputs, report)
+
+
+def check_eval_gate(inputs: CompileInputs, report: Report) -> None:
+    """An acceptance gate needs a held-out measurement: eval_steps and eval data."""
+    training, data = inputs.recipe.training, inputs.recipe.data
+    if training.eval_min_tau is None:
+        return
+    missing = [
+        name
+        for name, value in (
+            ("training.eval_steps", training.eval_steps),
+            ("data.eval_data_path", data.eval_data_path),
+        )
+        if value is None
+    ]
+    if missing:
+        report.emit(
+            EVAL_GATE_UNMEASURED,
+            "training.eval_min_tau",
+            f"training.eval_min_tau is {training.eval_min_tau} but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set, so the run measures no "
+            "held-out tau and would always fail the gate",
+            "set training.eval_steps (e.g. to max_steps, to measure the final weights) and "
+            "data.eval_data_path, or set training.eval_min_tau: null",
         )
 
 

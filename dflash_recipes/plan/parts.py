@@ -80,6 +80,8 @@ class TrainingPlan(Record):
     run_name: str
     #: TensorBoard's event directory, absolute (resolved: <output_dir>/tensorboard by default).
     logging_dir: str
+    #: The acceptance gate of `run`: the least held-out tau the run must measure (None: none).
+    eval_min_tau: float | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -189,9 +191,21 @@ class RegeneratePlan(Record):
     output_path: str | None
 
 
+@attrs.frozen(repr=False, eq=False, slots=False)
+class CardPlan(Record):
+    """What the recipe's `card:` section adds to the model card of every export."""
+
+    description: str | None = None
+    license: str | None = None
+    #: The target's Hub id (OWNER/NAME), or None: inferred from the target's path, if it can be.
+    base_model: str | None = None
+    datasets: tuple[str, ...] | None = None
+
+
 __all__ = [
     "ArchitecturePlan",
     "BaseModelPlan",
+    "CardPlan",
     "DataPlan",
     "DraftPlan",
     "InitCheckpointPlan",

@@ -28,6 +28,7 @@ from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
 from dflash_recipes.plan.parts import (
     ArchitecturePlan,
     BaseModelPlan,
+    CardPlan,
     DataPlan,
     DraftPlan,
     InitCheckpointPlan,
@@ -75,8 +76,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
 #: `logging_dir` (experiment trackers). 4: the draft's `shift_label`, `pure_draft_prefix_len`
 #: and `markov_head_type` (Domino and DSpark as ModelOpt computes them). 5: the data's
-#: `cache_dir` and `num_proc` (the tokenized-data cache).
-PLAN_FORMAT_VERSION = 5
+#: `cache_dir` and `num_proc` (the tokenized-data cache). 6: the training's `eval_min_tau` and
+#: the `card` section (the export's model card).
+PLAN_FORMAT_VERSION = 6
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -100,6 +102,8 @@ class RunPlan(Record):
     overrides: tuple[str, ...] = ()
     #: The recipe's `regenerate:` section; None when the recipe left it at its defaults.
     regenerate: RegeneratePlan | None = None
+    #: The recipe's `card:` section; None when the recipe left it at its defaults.
+    card: CardPlan | None = None
     #: True when the compiler read config.json/headers (not just the schema).
     resolved: bool = False
     format_version: int = PLAN_FORMAT_VERSION
@@ -187,6 +191,7 @@ class RunPlan(Record):
             init_checkpoint=plan.init_checkpoint,
             regenerate=plan.regenerate,
             resume=plan.resume,
+            card=plan.card,
         )
         if problems:
             listed = "\n".join(f"  {problem}" for problem in problems)
@@ -263,6 +268,7 @@ __all__ = [
     "RECOMPILE_HINT",
     "ArchitecturePlan",
     "BaseModelPlan",
+    "CardPlan",
     "DataPlan",
     "DraftPlan",
     "InitCheckpointPlan",

@@ -18,6 +18,7 @@ import attrs
 
 from dflash_recipes.plan.parts import (
     BaseModelPlan,
+    CardPlan,
     DataPlan,
     DraftPlan,
     InitCheckpointPlan,
@@ -27,6 +28,7 @@ from dflash_recipes.plan.parts import (
 )
 from dflash_recipes.recipe import sections as recipe_module
 from dflash_recipes.recipe.sections import (
+    CardSection,
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,
@@ -88,6 +90,7 @@ def plan_value_problems(
     init_checkpoint: InitCheckpointPlan | None,
     regenerate: RegeneratePlan | None,
     resume: ResumePlan | None,
+    card: CardPlan | None,
 ) -> list[str]:
     """Every value of a plan's parts that breaks its rule, as `dotted.path: message` (empty:
     fine); ``RunPlan.from_dict`` passes its parts."""
@@ -147,6 +150,8 @@ def plan_value_problems(
         problems += _check_section(
             "regenerate", regenerate, _section_rules(regenerate, RegenerateSection)
         )
+    if card is not None:
+        problems += _check_section("card", card, _section_rules(card, CardSection))
     if resume is not None:
         problems += _run("resume.step", _STEP, resume.step, "step")
         problems += _run(

@@ -157,6 +157,20 @@ def test_an_edited_regenerate_section_is_revalidated(plan_dict: dict[str, Any]) 
     assert RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate})).regenerate
 
 
+def test_an_edited_card_section_is_revalidated(plan_dict: dict[str, Any]) -> None:
+    """The card's values are checked like a recipe's: no local path smuggled in as a Hub id."""
+    card = {
+        "description": "ours",
+        "license": "mit",
+        "base_model": "/srv/models/x",
+        "datasets": None,
+    }
+    with pytest.raises(PlanError, match=r"card\.base_model: base_model must name Hugging Face"):
+        RunPlan.from_dict(refingerprint({**plan_dict, "card": card}))
+    card["base_model"] = "Qwen/Qwen3-8B"
+    assert RunPlan.from_dict(refingerprint({**plan_dict, "card": card})).card is not None
+
+
 def test_a_plan_of_the_previous_format_is_told_to_recompile(plan_dict: dict[str, Any]) -> None:
     """A plan written before the schema grew is refused as old, not as edited by hand."""
     old = refingerprint({**plan_dict, "format_version": PLAN_FORMAT_VERSION - 1})
@@ -267,6 +281,7 @@ def _problems(plan: RunPlan) -> list[str]:
         init_checkpoint=plan.init_checkpoint,
         regenerate=plan.regenerate,
         resume=plan.resume,
+        card=plan.card,
     )
 
 

@@ -6,6 +6,7 @@ import attrs
 import pytest
 
 from dflash_recipes import (
+    CardSection,
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,
@@ -53,6 +54,10 @@ def test_defaults_fill_the_unnamed_sections() -> None:
         ),
         (lambda: ModelSection(model_name_or_path=""), "non-empty string"),
         (lambda: DFlashSection(dflash_dpace_alpha=0.0), r"\(0, 1\]"),
+        (lambda: CardSection(base_model="/models/Qwen3-8B"), "never a local path"),
+        (lambda: CardSection(datasets=("ok/name", "data/")), "OWNER/NAME"),
+        (lambda: CardSection(license="Apache 2.0"), "license id as the Hub writes it"),
+        (lambda: TrainingSection(eval_min_tau=0.0), "eval_min_tau must be a finite number > 0"),
     ],
 )
 def test_python_construction_runs_the_same_validators(build: object, message: str) -> None:

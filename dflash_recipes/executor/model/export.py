@@ -30,6 +30,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_recipes.card.writer import write_model_card
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.checkpoint.tensor_layout import (
     compare_layout,
@@ -201,6 +202,7 @@ def export_drafter(
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
         (staging / CONFIG_FILE).write_text(text, encoding="utf-8")
         (staging / REMOTE_CODE_FILE).write_bytes(remote_code_source())
+        write_model_card(staging, plan, sources=sources, serving_notes=serving_warnings(spec))
         files = [child.name for child in staging.iterdir()]
         (staging / EXPORT_MARKER).write_text(export_marker_text(files), encoding="utf-8")
     for warning in serving_warnings(spec):
