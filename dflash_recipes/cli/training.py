@@ -70,7 +70,7 @@ def run_command(
 
     plan = load_plan_or_recipe(recipe_or_plan, overrides)
     if (nproc_per_node is not None or nnodes > 1) and not is_launched_process():
-        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+        from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
             [recipe_or_plan, *overrides]
@@ -152,7 +152,7 @@ def capture_command(
             EXIT_USAGE,
         )
     if nproc_per_node is not None and not is_launched_process():
-        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+        from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
             [recipe_or_plan, *overrides, "--output", str(target), "--shard-mib", str(shard_mib)]
