@@ -1,9 +1,19 @@
-"""The torchrun command `run --nproc-per-node` builds, and its launch."""
+"""The torchrun command `run --nproc-per-node` builds, and its launch.
+
+The stop grace is tested twice over: with the installed torchrun (``--shutdown-timeout``) and
+with an argument parser shaped like torch 2.11's, which has no such option; both launches
+really start torchrun with stand-in workers and stop them with a SIGTERM to the launcher.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +23,9 @@ from dflash_recipes.executor.launch import (
     WORKER_SHUTDOWN_TIMEOUT_S,
     build_torchrun_argv,
     launch_torchrun,
+    torchrun_parser,
 )
+from dflash_recipes.executor.torchrun import kept_stop_signals
 
 
 def _parse_as_torchrun(argv: list[str]) -> dict[str, object]:
@@ -103,3 +115,108 @@ def test_launch_returns_the_exit_code() -> None:
     assert launch_torchrun([sys.executable, "-c", killed]) == 128 + signal.SIGTERM
     with pytest.raises(LaunchError, match="could not start"):
         launch_torchrun(["/nonexistent/torchrun-binary"])
+
+
+# ---------------------------------------------------------------------------------------------
+# a torchrun without --shutdown-timeout (torch 2.9 to 2.11)
+# ---------------------------------------------------------------------------------------------
+
+
+def _torchrun_2_11_parser(*, signals_to_handle: bool = True) -> argparse.ArgumentParser:
+    """torchrun's parser as torch 2.11 has it, for the options the launcher uses: no
+    --shutdown-timeout (torch 2.12 added it), --signals-to-handle with its default."""
+    parser = argparse.ArgumentParser(prog="torchrun")
+    parser.add_argument("--nnodes", "--nnodes", type=str, default="1:1")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=str, default="1")
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", type=str, default="static")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", type=str, default="")
+    parser.add_argument("--rdzv-id", "--rdzv_id", type=str, default="none")
+    parser.add_argument("--standalone", action="store_true")
+    if signals_to_handle:
+        parser.add_argument(
+            "--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        )
+    parser.add_argument("-m", "--module", action="store_true")
+    parser.add_argument("training_script", type=str)
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def test_without_shutdown_timeout_torchrun_leaves_the_stop_signals_to_the_wrapper() -> None:
+    old = _torchrun_2_11_parser()
+    argv = build_torchrun_argv(["plan.json"], nproc_per_node=2, parser=old)
+    assert "--shutdown-timeout" not in argv
+    # every option is one the old torchrun takes, and it handles the signals less TERM/INT
+    args = vars(old.parse_args(argv[3:]))
+    assert args["signals_to_handle"] == "SIGHUP,SIGQUIT"
+    assert (args["standalone"], args["training_script_args"]) == (True, ["run", "plan.json"])
+    # the wrapper reads the same command and takes SIGTERM and SIGINT
+    assert kept_stop_signals(argv[3:]) == (signal.SIGTERM, signal.SIGINT)
+    new = build_torchrun_argv(["plan.json"], nproc_per_node=2)
+    assert kept_stop_signals(new[3:]) == ()
+
+
+def test_a_torchrun_that_can_keep_no_grace_is_refused() -> None:
+    with pytest.raises(LaunchError) as info:
+        build_torchrun_argv(
+            ["plan.json"], nproc_per_node=2, parser=_torchrun_2_11_parser(signals_to_handle=False)
+        )
+    assert str(info.value).startswith(
+        "this torchrun accepts neither --shutdown-timeout nor --signals-to-handle"
+    )
+    assert "pip install 'torch>=" in str(info.value)
+
+
+_STAND_IN_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+
+out, rank = Path(sys.argv[1]), os.environ["RANK"]
+terms = []
+signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+(out / f"ready{rank}").write_text("")
+while not terms:
+    time.sleep(0.02)
+if rank == "0":
+    time.sleep(3.0)  # rank 0 saves for longer than torchrun's own deadline (1 s here)
+(out / f"saved{rank}").write_text(str(len(terms)))
+sys.exit(128 + signal.SIGTERM)
+"""
+
+
+def _wait_for(paths: list[Path], process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while not all(p.exists() for p in paths):
+        assert process.poll() is None, "the launch ended before its workers were ready"
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torchrun", ["installed", "2.11-shaped"])
+def test_a_sigterm_to_the_launcher_lets_every_worker_finish_its_save(
+    torchrun: str, tmp_path: Path
+) -> None:
+    parser = torchrun_parser() if torchrun == "installed" else _torchrun_2_11_parser()
+    argv = build_torchrun_argv(["unused"], nproc_per_node=2, parser=parser)
+    worker = tmp_path / "worker.py"
+    worker.write_text(_STAND_IN_WORKER, encoding="utf-8")
+    # torchrun as built, the stand-in worker in place of `-m dflash_recipes.cli run ...`
+    argv = [*argv[: argv.index("-m", 3)], str(worker), str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    # torchrun's default deadline after a stop signal, where no option sets it (torch >= 2.12)
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    driver = "import sys\nfrom dflash_recipes.executor.launch import launch_torchrun\n"
+    driver += f"sys.exit(launch_torchrun({argv!r}))\n"
+    launcher = subprocess.Popen([sys.executable, "-c", driver], env=env)
+    try:
+        _wait_for([tmp_path / "ready0", tmp_path / "ready1"], launcher)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    # each worker got the SIGTERM once and finished: rank 1's early exit did not make torchrun
+    # signal rank 0 again, and nothing SIGKILLed rank 0 during its longer "save"
+    saved = {p.name: p.read_text() for p in tmp_path.glob("saved*")}
+    assert saved == {"saved0": "1", "saved1": "1"}
