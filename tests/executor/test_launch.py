@@ -220,3 +220,51 @@ def test_a_sigterm_to_the_launcher_lets_every_worker_finish_its_save(
     # signal rank 0 again, and nothing SIGKILLed rank 0 during its longer "save"
     saved = {p.name: p.read_text() for p in tmp_path.glob("saved*")}
     assert saved == {"saved0": "1", "saved1": "1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# dflash-recipe run --nproc-per-node N: torchrun for real (gloo)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "extra"),
+    [(1, ()), (2, ("training.fsdp=true",))],
+    ids=["1-rank", "2-ranks-fsdp2"],
+)
+def test_run_with_nproc_per_node_trains_through_torchrun(
+    nproc: int, extra: tuple[str, ...], tmp_path: Path
+) -> None:
+    from testkit.compiling import SMALL_RUN, TINY_SCRATCH
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_recipes",
+            "run",
+            str(TINY_SCRATCH),
+            f"training.output_dir={out}",
+            *SMALL_RUN,
+            "training.max_steps=2",
+            "training.per_device_train_batch_size=1",
+            *extra,
+            "--nproc-per-node",
+            str(nproc),
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("done: 2 steps, "), done.stderr[-3000:]
+    assert (out / "export" / "model.safetensors").is_file()
+    assert "unrecognized arguments" not in done.stderr
