@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -458,13 +458,20 @@ def _keep_output_recording(model: nn.Module) -> Callable[[], None]:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # transformers < 5 returns hidden states without this registry
         return lambda: None
+    # typed as the newest release's registry class; 5.17's is a plain dict (checked below)
+    registry: Any = _CAN_RECORD_REGISTRY
+
+    def key(module: nn.Module) -> object:
+        # transformers 5.17 keys a plain dict by str(class); later releases take the module
+        return str(type(module)) if isinstance(registry, dict) else module
+
     modules = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-    saved = [(m, _CAN_RECORD_REGISTRY.get(m)) for m in modules]
+    saved = [(m, registry.get(key(m))) for m in modules]
 
     def restore() -> None:
         for module, records in saved:
-            if records and not _CAN_RECORD_REGISTRY.get(module):
-                _CAN_RECORD_REGISTRY[module] = records
+            if records and not registry.get(key(module)):
+                registry[key(module)] = records
 
     return restore
 
