@@ -462,8 +462,9 @@ def _keep_output_recording(model: nn.Module) -> Callable[[], None]:
     registry: Any = _CAN_RECORD_REGISTRY
 
     def key(module: nn.Module) -> object:
-        # transformers 5.17 keys a plain dict by str(class); later releases take the module
-        return str(type(module)) if isinstance(registry, dict) else module
+        # transformers 5.17's registry is a plain dict keyed by str(class); later releases use a
+        # dict subclass that takes the module (and keys by its class itself)
+        return str(type(module)) if type(registry) is dict else module
 
     modules = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     saved = [(m, registry.get(key(m))) for m in modules]
