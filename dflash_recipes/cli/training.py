@@ -69,14 +69,24 @@ def run_command(
     """
     from dflash_recipes.executor.distributed import is_launched_process
 
+    launching = nproc_per_node is not None or nnodes > 1
+    if not launching and (rdzv_endpoint is not None or rdzv_id is not None):
+        given = "--rdzv-endpoint" if rdzv_endpoint is not None else "--rdzv-id"
+        _fail(
+            f"{given} applies only to a torchrun launch, and this command starts none: add "
+            "--nproc-per-node N (the processes on each node) and, for several nodes, --nnodes N, "
+            "or drop the rendezvous options for a single-process run",
+            EXIT_USAGE,
+        )
     plan = load_plan_or_recipe(recipe_or_plan, overrides)
-    if (nproc_per_node is not None or nnodes > 1) and not is_launched_process():
-        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+    if launching and not is_launched_process():
+        from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
             [recipe_or_plan, *overrides]
             + (["--no-progress"] if no_progress else [])
-            + (["--verify-capture"] if verify_capture else []),
+            + (["--verify-capture"] if verify_capture else [])
+            + (["-v"] if verbose else []),
             nproc_per_node=nproc_per_node or 1,
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
@@ -160,11 +170,12 @@ def capture_command(
             EXIT_USAGE,
         )
     if nproc_per_node is not None and not is_launched_process():
-        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+        from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
             [recipe_or_plan, *overrides, "--output", str(target), "--shard-mib", str(shard_mib)]
-            + (["--no-progress"] if no_progress else []),
+            + (["--no-progress"] if no_progress else [])
+            + (["-v"] if verbose else []),
             nproc_per_node=nproc_per_node,
             command="capture",
         )

@@ -6,13 +6,20 @@ re-exports the model core; import submodules directly for the rest (``data``, ``
 
 The names below are loaded on first use (PEP 562): importing a submodule that needs no torch
 (``regenerate`` against a server) does not pay for the model code through this file.
+
+Importing it refuses a torch or transformers older than the executor runs on, in one line
+naming both versions (:mod:`dflash_recipes.executor.versions`; it reads their metadata and
+imports neither).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dflash_recipes.executor.versions import check_versions
 from dflash_recipes.lazy import lazy_exports
+
+check_versions()
 
 if TYPE_CHECKING:
     from dflash_recipes.executor.model.convert import (

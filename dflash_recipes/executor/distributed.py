@@ -2,10 +2,9 @@
 
 A run is distributed when a launcher has set the torchrun environment (`RANK`, `WORLD_SIZE`,
 `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`): `dflash-recipe run --nproc-per-node N` relaunches
-itself through `torch.distributed.run` (wrapped by :mod:`dflash_recipes.executor.torchrun`;
-see :func:`build_torchrun_argv`), and any other launcher that sets the same variables (Slurm +
-torchrun, Kubernetes operators) works too. Without those variables the run is a single
-process and every helper here is a cheap no-op.
+itself through `torch.distributed.run` (:mod:`dflash_recipes.executor.launch`), and any other
+launcher that sets the same variables (Slurm + torchrun, Kubernetes operators) works too.
+Without those variables the run is a single process and every helper here is a cheap no-op.
 
 A trainer uses it like this::
 
@@ -28,11 +27,9 @@ Gloo is the backend on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 import os
-import re
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -56,15 +53,6 @@ TORCHRUN_ENV_VARS: tuple[str, ...] = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-
-#: The module that runs torchrun (:mod:`dflash_recipes.executor.torchrun`).
-TORCHRUN_MODULE = "dflash_recipes.executor.torchrun"
-
-#: Seconds torchrun waits for its workers after forwarding a stop signal before SIGKILL.
-WORKER_SHUTDOWN_TIMEOUT_S = 900
-
-#: Rendezvous id used for multi-node runs when none is given (all nodes must agree on it).
-DEFAULT_RDZV_ID = "dflash-recipes"
 
 #: How long backend threads get to release finished work before the group is destroyed.
 _DRAIN_SECONDS = 0.2
@@ -470,13 +458,21 @@ def _keep_output_recording(model: nn.Module) -> Callable[[], None]:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # transformers < 5 returns hidden states without this registry
         return lambda: None
+    # typed as the newest release's registry class; 5.17's is a plain dict (checked below)
+    registry: Any = _CAN_RECORD_REGISTRY
+
+    def key(module: nn.Module) -> object:
+        # transformers 5.17's registry is a plain dict keyed by str(class); later releases use a
+        # dict subclass that takes the module (and keys by its class itself)
+        return str(type(module)) if type(registry) is dict else module
+
     modules = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-    saved = [(m, _CAN_RECORD_REGISTRY.get(m)) for m in modules]
+    saved = [(m, registry.get(key(m))) for m in modules]
 
     def restore() -> None:
         for module, records in saved:
-            if records and not _CAN_RECORD_REGISTRY.get(module):
-                _CAN_RECORD_REGISTRY[module] = records
+            if records and not registry.get(key(module)):
+                registry[key(module)] = records
 
     return restore
 
@@ -508,113 +504,9 @@ def _find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     return parent, layers
 
 
-# ---------------------------------------------------------------------------------------------
-# torchrun launch
-# ---------------------------------------------------------------------------------------------
-
-_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})$")
-_RDZV_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_LAUNCH_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--rdzv-endpoint")
-
-
-def build_torchrun_argv(
-    target_argv: Sequence[str],
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    command: str = "run",
-) -> list[str]:
-    """The command that runs `dflash-recipe COMMAND TARGET_ARGV...` in N processes per node.
-
-    Single node without an endpoint: `--standalone` (a local rendezvous on a free port).
-    Multi-node (or any given endpoint): c10d rendezvous at HOST:PORT, the same command on every
-    node, the same `rdzv_id` everywhere (default :data:`DEFAULT_RDZV_ID`; use the job id so two
-    jobs on one endpoint do not mix). Invalid values raise LaunchError.
-    """
-    if (
-        isinstance(nproc_per_node, bool)
-        or not isinstance(nproc_per_node, int)
-        or nproc_per_node < 1
-    ):
-        msg = f"--nproc-per-node must be a positive integer (processes), got {nproc_per_node!r}"
-        raise LaunchError(msg)
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        msg = f"--nnodes must be a positive integer, got {nnodes!r}"
-        raise LaunchError(msg)
-    if nnodes > 1 and rdzv_endpoint is None:
-        msg = (
-            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, an address of the first node "
-            "that every node can reach (for example --rdzv-endpoint node001:29500)"
-        )
-        raise LaunchError(msg)
-    if rdzv_endpoint is not None:
-        match = _HOST_PORT.match(rdzv_endpoint)
-        if match is None or not 1 <= int(match.group("port")) <= 65535:
-            msg = (
-                f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (a host name or IP address "
-                "and a TCP port 1..65535, for example node001:29500 or [fd00::1]:29500)"
-            )
-            raise LaunchError(msg)
-    if rdzv_id is not None:
-        if rdzv_endpoint is None:
-            msg = "--rdzv-id only applies with --rdzv-endpoint (multi-node rendezvous)"
-            raise LaunchError(msg)
-        if not _RDZV_ID.match(rdzv_id):
-            msg = f"--rdzv-id {rdzv_id!r} must be letters, digits, '.', '_' or '-' (e.g. a job id)"
-            raise LaunchError(msg)
-    clashing = [a for a in target_argv if a.split("=", 1)[0] in _LAUNCH_OPTIONS]
-    if clashing:
-        msg = (
-            f"launch options {clashing} must not be passed to the processes torchrun starts "
-            "(they would launch again); pass only the plan or recipe and its overrides"
-        )
-        raise LaunchError(msg)
-    # torch.distributed.run itself, minus its traceback when a stop signal ends it
-    argv = [sys.executable, "-m", TORCHRUN_MODULE, "--nproc-per-node", str(nproc_per_node)]
-    # torchrun SIGKILLs its workers this long after forwarding a SIGTERM: longer than any
-    # save, so that the scheduler's own grace period is the one that counts.
-    argv += ["--shutdown-timeout", str(WORKER_SHUTDOWN_TIMEOUT_S)]
-    if rdzv_endpoint is None:
-        argv.append("--standalone")
-    else:
-        argv += [
-            "--nnodes",
-            str(nnodes),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            rdzv_endpoint,
-            "--rdzv-id",
-            rdzv_id if rdzv_id is not None else DEFAULT_RDZV_ID,
-        ]
-    argv += ["-m", "dflash_recipes.cli", command, *target_argv]
-    return argv
-
-
-def launch_torchrun(argv: Sequence[str]) -> int:
-    """Run the torchrun command and return its exit code (128+N when killed by signal N).
-
-    The signals this launcher receives are passed on
-    (:func:`~dflash_recipes.executor.signals.run_forwarding_signals`): a SIGTERM sent to it
-    stops the workers at a step boundary with a checkpoint, exactly as one sent to a worker.
-    """
-    from dflash_recipes.executor.signals import run_forwarding_signals
-
-    try:
-        return run_forwarding_signals(argv)
-    except OSError as exc:
-        msg = f"could not start {argv[0] if argv else '(empty command)'}: {exc}"
-        raise LaunchError(msg) from exc
-
-
 __all__ = [
-    "DEFAULT_RDZV_ID",
     "TEXT_LIMIT",
     "TORCHRUN_ENV_VARS",
-    "TORCHRUN_MODULE",
-    "WORKER_SHUTDOWN_TIMEOUT_S",
     "Backend",
     "DevicePreference",
     "DistEnv",
@@ -622,14 +514,12 @@ __all__ = [
     "barrier",
     "broadcast_digest",
     "broadcast_text",
-    "build_torchrun_argv",
     "detect_dist_env",
     "first_rank_where",
     "global_batch_loss",
     "init_distributed",
     "is_launched_process",
     "is_main",
-    "launch_torchrun",
     "shard_target_fsdp2",
     "shutdown_distributed",
     "wrap_ddp",
