@@ -50,7 +50,7 @@ from _measure import print_table, verdict
 from torch import Tensor, nn
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -71,7 +71,7 @@ from dflash_recipes.executor.training.anchors import (
     block_labels,
     sample_anchors,
 )
-from dflash_recipes.executor.training.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 

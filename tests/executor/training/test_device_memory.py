@@ -12,7 +12,7 @@ from testkit.compiling import tiny_scratch_plan
 from dflash_recipes.compiler.resources.estimate import GIB, estimate_resources
 from dflash_recipes.errors import ResourceError
 from dflash_recipes.executor.training.device_memory import check_device_memory
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.run_dir import EXPORT_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,8 +18,8 @@ from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.training.optimizer import lr_factor
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.setup.optimizer import lr_factor
 from dflash_recipes.files.run_dir import complete_checkpoints
 from dflash_recipes.plan.run_plan import RunPlan
 

@@ -1,4 +1,4 @@
-"""Distributed helpers: torchrun environment, launch command, and a real 2-process gloo run.
+"""DDP and FSDP2 wrappers: no-ops for one process, and a real 2-process gloo run.
 
 The multi-process test starts this file as a script twice with the variables torchrun sets
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `detect_dist_env` reads a real
@@ -9,112 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
-from dflash_recipes.errors import LaunchError
-from dflash_recipes.executor.distributed import (
-    DEFAULT_RDZV_ID,
-    WORKER_SHUTDOWN_TIMEOUT_S,
-    DistEnv,
-    barrier,
-    build_torchrun_argv,
-    detect_dist_env,
-    init_distributed,
-    is_launched_process,
-    is_main,
-    launch_torchrun,
-    shard_target_fsdp2,
-    shutdown_distributed,
-    wrap_ddp,
-)
-
-TORCHRUN_ENV = {
-    "RANK": "1",
-    "WORLD_SIZE": "2",
-    "LOCAL_RANK": "1",
-    "MASTER_ADDR": "127.0.0.1",
-    "MASTER_PORT": "29500",
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# detect_dist_env
-# ---------------------------------------------------------------------------------------------
-
-
-def test_no_launcher_variables_is_a_single_cpu_process() -> None:
-    env = detect_dist_env("cpu", environ={"MASTER_ADDR": "somehost"})
-    assert env == DistEnv(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        is_distributed=False,
-        backend="gloo",
-        device=torch.device("cpu"),
-    )
-    assert is_main(env)
-
-
-def test_torchrun_environment_is_read() -> None:
-    env = detect_dist_env("cpu", environ=TORCHRUN_ENV)
-    assert (env.rank, env.world_size, env.local_rank) == (1, 2, 1)
-    assert env.is_distributed
-    assert env.backend == "gloo"
-    assert not is_main(env)
-    assert is_launched_process(TORCHRUN_ENV)
-    assert not is_launched_process({"LOCAL_RANK": "0"})
-
-
-def test_world_size_one_under_torchrun_is_not_distributed() -> None:
-    env = detect_dist_env("cpu", environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-    assert not env.is_distributed
-
-
-@pytest.mark.parametrize(
-    ("environ", "expected"),
-    [
-        ({"RANK": "0"}, "WORLD_SIZE, LOCAL_RANK not"),
-        ({"RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE not"),
-        ({**TORCHRUN_ENV, "RANK": "2"}, "RANK=2 is outside 0..1"),
-        ({**TORCHRUN_ENV, "WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE=0 must be at least 1"),
-        ({**TORCHRUN_ENV, "RANK": "one"}, "RANK='one' is not an integer"),
-        ({**TORCHRUN_ENV, "RANK": "0", "LOCAL_RANK": "1"}, "LOCAL_RANK=1 is inconsistent"),
-        ({k: v for k, v in TORCHRUN_ENV.items() if k != "MASTER_ADDR"}, "MASTER_ADDR not set"),
-        ({**TORCHRUN_ENV, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
-    ],
-)
-def test_partial_or_inconsistent_environment_says_how_to_launch(
-    environ: dict[str, str], expected: str
-) -> None:
-    with pytest.raises(LaunchError) as info:
-        detect_dist_env("cpu", environ=environ)
-    assert expected in str(info.value)
-    assert "--nproc-per-node" in str(info.value)
-
-
-def test_cuda_requested_without_cuda_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(LaunchError, match=r"set training\.device: cpu"):
-        detect_dist_env("cuda", environ={})
-    assert detect_dist_env("auto", environ={}).device == torch.device("cpu")
-
-
-def test_cuda_picks_the_local_rank_gpu_and_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    env = detect_dist_env("auto", environ=TORCHRUN_ENV)
-    assert env.device == torch.device("cuda", 1)
-    assert env.backend == "nccl"
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(LaunchError, match="only 1 CUDA device"):
-        detect_dist_env("cuda", environ=TORCHRUN_ENV)
+from dflash_recipes.executor.collectives import barrier
+from dflash_recipes.executor.dist_env import detect_dist_env, init_distributed, shutdown_distributed
+from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 
 
 def test_single_process_helpers_are_no_ops() -> None:
@@ -127,100 +31,6 @@ def test_single_process_helpers_are_no_ops() -> None:
     assert shard_target_fsdp2(module, env) is module
     shutdown_distributed()
     shutdown_distributed()
-
-
-# ---------------------------------------------------------------------------------------------
-# build_torchrun_argv / launch_torchrun
-# ---------------------------------------------------------------------------------------------
-
-
-def _parse_as_torchrun(argv: list[str]) -> dict[str, object]:
-    """Parse our command with torchrun's own parser, so the flags are ones torchrun accepts."""
-    from torch.distributed.run import get_args_parser
-
-    assert argv[:3] == [sys.executable, "-m", "dflash_recipes.executor.torchrun"]
-    return vars(get_args_parser().parse_args(argv[3:]))
-
-
-def test_single_node_command_is_standalone() -> None:
-    argv = build_torchrun_argv(["plan.json"], nproc_per_node=2)
-    assert argv == [
-        sys.executable,
-        "-m",
-        "dflash_recipes.executor.torchrun",
-        "--nproc-per-node",
-        "2",
-        "--shutdown-timeout",
-        str(WORKER_SHUTDOWN_TIMEOUT_S),
-        "--standalone",
-        "-m",
-        "dflash_recipes.cli",
-        "run",
-        "plan.json",
-    ]
-    args = _parse_as_torchrun(argv)
-    assert args["standalone"] is True
-    assert args["shutdown_timeout"] == WORKER_SHUTDOWN_TIMEOUT_S
-    assert args["nproc_per_node"] == "2"
-    assert args["module"] is True
-    assert args["training_script"] == "dflash_recipes.cli"
-    assert args["training_script_args"] == ["run", "plan.json"]
-
-
-def test_multi_node_command_uses_c10d_rendezvous() -> None:
-    argv = build_torchrun_argv(
-        ["recipe.yaml", "training.max_steps=10"],
-        nproc_per_node=8,
-        nnodes=4,
-        rdzv_endpoint="node001:29500",
-        rdzv_id="123456",
-    )
-    args = _parse_as_torchrun(argv)
-    assert args["standalone"] is False
-    assert (args["nnodes"], args["nproc_per_node"]) == ("4", "8")
-    assert (args["rdzv_backend"], args["rdzv_endpoint"], args["rdzv_id"]) == (
-        "c10d",
-        "node001:29500",
-        "123456",
-    )
-    assert args["training_script_args"] == ["run", "recipe.yaml", "training.max_steps=10"]
-    default_id = build_torchrun_argv(["p.json"], nproc_per_node=1, rdzv_endpoint="[fd00::1]:29400")
-    assert _parse_as_torchrun(default_id)["rdzv_id"] == DEFAULT_RDZV_ID
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "expected"),
-    [
-        ({"nproc_per_node": 0}, "--nproc-per-node must be a positive integer"),
-        ({"nproc_per_node": 2, "nnodes": 0}, "--nnodes must be a positive integer"),
-        ({"nproc_per_node": 2, "nnodes": 2}, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-        ({"nproc_per_node": 2, "nnodes": 2, "rdzv_endpoint": "node001"}, "is not HOST:PORT"),
-        ({"nproc_per_node": 2, "rdzv_endpoint": "node001:99999"}, "is not HOST:PORT"),
-        ({"nproc_per_node": 2, "rdzv_endpoint": "bad host:1"}, "is not HOST:PORT"),
-        ({"nproc_per_node": 2, "rdzv_id": "42"}, "--rdzv-id only applies with --rdzv-endpoint"),
-        (
-            {"nproc_per_node": 2, "rdzv_endpoint": "h:1", "rdzv_id": "a b"},
-            "--rdzv-id 'a b' must be",
-        ),
-    ],
-)
-def test_invalid_launch_options_are_explained(kwargs: dict[str, object], expected: str) -> None:
-    with pytest.raises(LaunchError) as info:
-        build_torchrun_argv(["plan.json"], **kwargs)  # type: ignore[arg-type]
-    assert expected in str(info.value)
-
-
-def test_launch_options_are_not_forwarded_to_the_workers() -> None:
-    with pytest.raises(LaunchError, match="would launch again"):
-        build_torchrun_argv(["plan.json", "--nproc-per-node=2"], nproc_per_node=2)
-
-
-def test_launch_returns_the_exit_code() -> None:
-    assert launch_torchrun([sys.executable, "-c", "raise SystemExit(3)"]) == 0 + 3
-    killed = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
-    assert launch_torchrun([sys.executable, "-c", killed]) == 128 + signal.SIGTERM
-    with pytest.raises(LaunchError, match="could not start"):
-        launch_torchrun(["/nonexistent/torchrun-binary"])
 
 
 # ---------------------------------------------------------------------------------------------

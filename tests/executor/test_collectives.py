@@ -1,4 +1,5 @@
-"""The small collectives the ranks coordinate with: rank 0's text, the lowest rank with a flag."""
+"""The small collectives the ranks coordinate with: rank 0's text, every rank's text, the lowest
+rank with a flag."""
 
 from __future__ import annotations
 
@@ -7,20 +8,22 @@ import sys
 
 from testkit.ranks import run_ranks
 
-from dflash_recipes.executor.distributed import (
+from dflash_recipes.executor.collectives import (
+    GATHER_LIMIT,
     TEXT_LIMIT,
     broadcast_digest,
     broadcast_text,
-    detect_dist_env,
     first_rank_where,
+    gather_texts,
 )
+from dflash_recipes.executor.dist_env import detect_dist_env
 
 _RANK = """
 import json
-from dflash_recipes.executor.distributed import (
-    TEXT_LIMIT, broadcast_digest, broadcast_text, detect_dist_env, first_rank_where,
-    init_distributed, shutdown_distributed,
+from dflash_recipes.executor.collectives import (
+    GATHER_LIMIT, TEXT_LIMIT, broadcast_digest, broadcast_text, first_rank_where, gather_texts,
 )
+from dflash_recipes.executor.dist_env import detect_dist_env, init_distributed, shutdown_distributed
 env = detect_dist_env("cpu")
 init_distributed(env)
 mine = lambda text: text if env.rank == 0 else "not rank 0's"
@@ -34,6 +37,8 @@ out = {
     "none set": first_rank_where(False, env),
     "rank 1 set": first_rank_where(env.rank == 1, env),
     "both set": first_rank_where(True, env),
+    "gathered": gather_texts(f"rank {env.rank} \u00e9", env),
+    "gathered long": gather_texts("x" * (GATHER_LIMIT + 10) if env.rank else "", env),
 }
 shutdown_distributed()
 print(json.dumps(out))
@@ -53,6 +58,9 @@ def test_rank_0s_text_and_the_lowest_flagged_rank_reach_every_rank() -> None:
     assert r1["digest"] == "ab" * 32 and r1["not a digest"] is None and r0["not a digest"] == "ab"
     for report in reports:
         assert (report["none set"], report["rank 1 set"], report["both set"]) == (None, 1, 0)
+        # every rank's text in rank order, on every rank; a long one cut to GATHER_LIMIT bytes
+        assert report["gathered"] == ["rank 0 \u00e9", "rank 1 \u00e9"]
+        assert report["gathered long"] == ["", "x" * GATHER_LIMIT]
 
 
 def test_a_single_process_keeps_its_own_values() -> None:
@@ -60,3 +68,4 @@ def test_a_single_process_keeps_its_own_values() -> None:
     assert broadcast_text("x", env) == "x" and broadcast_text(None, env) is None
     assert broadcast_digest("ab", env) == "ab"
     assert first_rank_where(True, env) == 0 and first_rank_where(False, env) is None
+    assert gather_texts("x", env) == ["x"]
