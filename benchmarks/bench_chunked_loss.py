@@ -50,7 +50,7 @@ def _child(
     import torch
 
     from dflash_recipes.compiler.compilation import compile_file
-    from dflash_recipes.executor.data.conversations import Batch
+    from dflash_recipes.executor.data.train_dataset import Batch
     from dflash_recipes.executor.model.convert import (
         convert,
         dflash_module,

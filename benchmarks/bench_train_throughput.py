@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,

@@ -60,14 +60,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.conversations import Batch as TokenBatch
-from dflash_recipes.executor.distributed import (
-    DistEnv,
-    init_distributed,
-    shard_target_fsdp2,
-    shutdown_distributed,
-    wrap_ddp,
-)
+from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
+from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -80,6 +74,7 @@ from dflash_recipes.executor.model.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.model.masks import build_dense_block_mask, build_flex_block_mask
+from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs

@@ -97,22 +97,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-#: THE allowlist: imports the rules below accept for now, each an arrow issue 39 part 3 removes
-#: on the executor side (helper branches i39a and i39b); the coordinator empties it after
-#: merging them. Every rule skips these edges and nothing else; an entry whose import is gone
-#: fails `test_every_allowed_import_still_exists`, so the list cannot outlive its reason.
-KNOWN_BACKWARD_IMPORTS: dict[tuple[str, str], str] = {
-    (
-        "dflash_recipes.executor.training.metrics",
-        "dflash_recipes.executor.training.trackers.fanout",
-    ): "issue 39 part 3 (i39a): metrics and trackers/jsonl/fanout import each other (circle "
-    "metrics -> trackers.fanout -> trackers.jsonl -> metrics, the first arrow type-only)",
-    (
-        "dflash_recipes.executor.training.resume",
-        "dflash_recipes.executor.training.trainer",
-    ): "issue 39 part 3 (i39a): resume imports TrainSummary from the trainer, which imports "
-    "resume (type-only circle inside executor/training)",
-}
+#: THE allowlist: imports the rules below accept for now, each with the reason and the change
+#: that removes it (empty: every rule holds without exception). Every rule skips these edges and
+#: nothing else; an entry whose import is gone fails `test_every_allowed_import_still_exists`,
+#: so the list cannot outlive its reason.
+KNOWN_BACKWARD_IMPORTS: dict[tuple[str, str], str] = {}
 
 
 @functools.cache

@@ -67,7 +67,7 @@ def run_command(
       dflash-recipe run plan.json --nproc-per-node 8
       dflash-recipe run plan.json --nproc-per-node 8 --nnodes 2 --rdzv-endpoint node0:29500
     """
-    from dflash_recipes.executor.distributed import is_launched_process
+    from dflash_recipes.executor.dist_env import is_launched_process
 
     launching = nproc_per_node is not None or nnodes > 1
     if not launching and (rdzv_endpoint is not None or rdzv_id is not None):
@@ -94,13 +94,13 @@ def run_command(
         )
         sys.exit(launch_torchrun(argv))
     _setup_logging(verbose)
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
 
     # errors: the group's one handler
     summary = run_plan(plan, progress=not no_progress, verify_capture=verify_capture)
     if os.environ.get("RANK", "0") == "0":
         from dflash_recipes.card.acceptance import run_gate_line
-        from dflash_recipes.executor.training.resume import summary_line as run_summary_line
+        from dflash_recipes.executor.training.summary import summary_line as run_summary_line
 
         click.echo(run_summary_line(summary), err=True)
         # training.eval_min_tau: judged once the run is finished and exported (docs/dflash.md,
@@ -150,7 +150,7 @@ def capture_command(
       dflash-recipe capture recipe.yaml --output /data/capture --nproc-per-node 8
       dflash-recipe run recipe.yaml data.hidden_states_path=/data/capture
     """
-    from dflash_recipes.executor.distributed import is_launched_process
+    from dflash_recipes.executor.dist_env import is_launched_process
 
     # The capture is what data.hidden_states_path will name: compile without it (a capture
     # that does not exist yet must not fail the compile), but take it as the default output.

@@ -4,7 +4,7 @@
 (wrapped by :mod:`dflash_recipes.executor.torchrun`) that reruns the same `dflash-recipe`
 command in every worker; :func:`launch_torchrun` runs it, passing on the signals the launcher
 receives (:func:`~dflash_recipes.executor.signals.run_forwarding_signals`). The workers find
-their rank in the torchrun environment (:mod:`dflash_recipes.executor.distributed`).
+their rank in the torchrun environment (:mod:`dflash_recipes.executor.dist_env`).
 
 The command uses only options the installed torchrun accepts, asked of torchrun's own argument
 parser (:func:`torchrun_parser`), not of a table of torch versions. The one that differs

@@ -1,7 +1,7 @@
 """`dflash-recipe capture`: run the frozen target over the training data once, write shards.
 
 The data is read, rendered, masked and truncated exactly as online training does
-(:func:`~dflash_recipes.executor.data.conversations.build_dataset`), and the samples keep the order
+(:func:`~dflash_recipes.executor.data.train_dataset.build_dataset`), and the samples keep the order
 of the
 data file. They are cut into shards of a bounded size by a pure function of the data and the
 plan (:func:`~dflash_recipes.files.capture_manifest.plan_shards`), so a rerun cuts the same shards:
@@ -33,12 +33,13 @@ from torch import Tensor
 
 from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError, PlanError
-from dflash_recipes.executor.data.conversations import TokenizedExample, TrainDataset, build_dataset
+from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.data.offline import final_norm
 from dflash_recipes.executor.data.token_cache import CachedExamples
-from dflash_recipes.executor.distributed import (
+from dflash_recipes.executor.data.tokenize import TokenizedExample
+from dflash_recipes.executor.data.train_dataset import TrainDataset, build_dataset
+from dflash_recipes.executor.dist_env import (
     DistEnv,
-    barrier,
     detect_dist_env,
     init_distributed,
     is_main,

@@ -2,7 +2,7 @@
 
 With ``data.hidden_states_path`` the trainer never runs the target's decoder. The token ids and
 loss masks of every sample (a few bytes a token) are read once into a
-:class:`~dflash_recipes.executor.data.conversations.TrainDataset`, so batching, the seeded epoch
+:class:`~dflash_recipes.executor.data.train_dataset.TrainDataset`, so batching, the seeded epoch
 order, rank
 sharding and resumption are exactly those of online training. The tapped states (kilobytes a
 token) stay on disk: each micro-batch reads only its rows' tensors through ``safe_open``
@@ -38,7 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.data.conversations import DatasetStats, TokenizedExample, TrainDataset
+from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
+from dflash_recipes.executor.data.train_dataset import TrainDataset
 from dflash_recipes.executor.model.convert import torch_dtype
 from dflash_recipes.files.capture_manifest import (
     CaptureManifest,

@@ -165,7 +165,7 @@ def _fmt_acc(acc: tuple[float, ...]) -> str:
 def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoResult:
     """Run the demo in `workdir` (runs are resumed/reused on a rerun unless `fresh`)."""
     from dflash_recipes.executor.evaluation.evaluate import run_eval
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
 
     started = time.perf_counter()
     workdir = Path(workdir).resolve()

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import Batch
 from dflash_recipes.executor.data.offline import CapturedStates, teacher_logits
+from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.model.convert import (
     ConvertedModel,
     embed_tokens,

@@ -7,7 +7,7 @@ hold before a GPU is touched (docs/dflash.md, "Will it fit?").
 Memory per rank, in bytes:
 
 - ``target_weights``: every target tensor in the plan's dtype. With ``training.fsdp`` over
-  more than one rank, as :func:`~dflash_recipes.executor.distributed.shard_target_fsdp2`
+  more than one rank, as :func:`~dflash_recipes.executor.parallel_wrappers.shard_target_fsdp2`
   shards: the tensors of the decoder layers (``...layers.<i>.``) split on their first dim over
   the world size (padded up, as FSDP2 pads), everything else (embeddings, final norm,
   ``lm_head``) whole on every rank. Offline training without evaluation loads no decoder.

@@ -19,7 +19,7 @@ from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data import capture as capture_module
 from dflash_recipes.executor.data.capture import capture_plan
 from dflash_recipes.executor.training import step as step_module
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.capture_manifest import MANIFEST_FILE, read_manifest
 from dflash_recipes.files.locking import LOCK_FILE
 from dflash_recipes.plan.run_plan import RunPlan

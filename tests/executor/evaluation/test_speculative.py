@@ -14,8 +14,8 @@ import torch
 from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
+from dflash_recipes.data.conversations import Conversation, Message, read_conversations
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.data.conversations import Conversation, Message, read_conversations
 from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
 from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate
 from dflash_recipes.executor.evaluation.evaluate import (

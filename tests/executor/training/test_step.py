@@ -10,7 +10,7 @@ from testkit.tiny import TINY_VOCAB, randomize, tiny_plan, tiny_target
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
 from dflash_recipes.executor.training.anchors import AnchorBatch, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput, combine_losses, dflash_loss

@@ -1,4 +1,4 @@
-"""Reading JSONL conversations, tokenizing with loss masks, datasets and resumable batches."""
+"""The training dataset: reading conversations, tokenizing with loss masks, resumable batches."""
 
 from __future__ import annotations
 
@@ -11,18 +11,19 @@ import torch
 from testkit.tiny import tiny_plan
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from dflash_recipes.data.conversations import Message, read_conversations
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import (
+from dflash_recipes.executor.data.tokenize import (
     DatasetStats,
-    Message,
     TokenizedExample,
+    tokenize_conversation,
+)
+from dflash_recipes.executor.data.train_dataset import (
     TrainDataset,
     batches,
     batches_per_epoch,
     build_dataset,
     epoch_order,
-    read_conversations,
-    tokenize_conversation,
 )
 from dflash_recipes.executor.demo.tiny_tokenizer import (
     TINY_CHAT_TEMPLATE,
@@ -504,12 +505,12 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 sys.path.insert(0, str(Path(sys.argv[3]).parent.parent))
-from test_conversations import _tokenizer
+from test_train_dataset import _tokenizer
 from testkit.tiny import tiny_plan
 from dflash_recipes.data import sources
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data import conversations, token_cache
-from dflash_recipes.executor.distributed import (
+from dflash_recipes.executor.data import token_cache, train_dataset
+from dflash_recipes.executor.dist_env import (
     detect_dist_env, init_distributed, shutdown_distributed,
 )
 env = detect_dist_env("cpu")
@@ -519,11 +520,11 @@ def counting(source):  # the one function that reads the whole input to hash it
     if sys.argv[4] == "unreadable":
         raise DataError("data file cannot be read: Permission denied")
     return sources.content_sha256(source)
-conversations.content_sha256 = token_cache.content_sha256 = counting
+train_dataset.content_sha256 = token_cache.content_sha256 = counting
 init_distributed(env)
 plan = tiny_plan(Path(sys.argv[1]), data_path=sys.argv[2], training_seq_len=64, num_proc=1)
 try:
-    dataset = conversations.build_dataset(plan, _tokenizer(), env=env)
+    dataset = train_dataset.build_dataset(plan, _tokenizer(), env=env)
     result = {"hashed": len(hashed), "n": len(dataset), "first": dataset.examples[0].input_ids}
 except DataError as exc:
     result = {"error": str(exc)}

@@ -1,11 +1,11 @@
-"""Training data for the executor: the plan's input -> cached, tokenized examples -> batches.
+"""The training dataset of a plan: its input -> cached, tokenized examples -> seeded batches.
 
-Reading (formats, columns, skipped rows) is torch-free and lives in
-:mod:`dflash_recipes.data`; tokenizing and masking in
+Reading conversations (formats, columns, skipped rows) is torch-free and lives in
+:mod:`dflash_recipes.data.conversations`; tokenizing and masking in
 :mod:`~dflash_recipes.executor.data.tokenize`; the tokenize-once cache (read in place, shared by
 the ranks, keyed by a fingerprint of everything that changes tokens) in
-:mod:`~dflash_recipes.executor.data.token_cache`. This module puts them together for a plan and
-batches the result. The reading names are re-exported here for existing imports.
+:mod:`~dflash_recipes.executor.data.token_cache`. This module puts them together for a plan
+(:func:`build_dataset`, a :class:`TrainDataset`) and batches the result (:func:`batches`).
 """
 
 from __future__ import annotations
@@ -20,29 +20,20 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from dflash_recipes.data.conversations import (
-    Conversation,
-    ConversationFile,
-    Message,
-    Role,
-    SkippedLine,
-    read_conversations,
-    summarize,
-)
+from dflash_recipes.data.conversations import summarize
 from dflash_recipes.data.sources import DataSource, content_sha256, resolve_source
 from dflash_recipes.errors import DataError
+from dflash_recipes.executor.collectives import broadcast_digest
 from dflash_recipes.executor.data.token_build import default_num_proc, prepared_examples
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
 from dflash_recipes.executor.data.token_shared import shared_prepared_examples
 from dflash_recipes.executor.data.tokenize import (
-    MAX_CHARS_PER_TOKEN,
     DatasetStats,
     TokenizedExample,
     read_chat_template,
     resolve_template,
-    tokenize_conversation,
 )
-from dflash_recipes.executor.distributed import DistEnv, broadcast_digest
+from dflash_recipes.executor.dist_env import DistEnv
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
@@ -232,22 +223,10 @@ def _collate(examples: Sequence[TokenizedExample], pad: int, epoch: int, next_in
 
 
 __all__ = [
-    "MAX_CHARS_PER_TOKEN",
     "Batch",
-    "Conversation",
-    "ConversationFile",
-    "DatasetStats",
-    "Message",
-    "Role",
-    "SkippedLine",
-    "TokenizedExample",
     "TrainDataset",
     "batches",
     "batches_per_epoch",
     "build_dataset",
     "epoch_order",
-    "read_chat_template",
-    "read_conversations",
-    "summarize",
-    "tokenize_conversation",
 ]

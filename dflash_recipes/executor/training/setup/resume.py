@@ -1,42 +1,43 @@
-"""What keeps a run directory consistent: the run lock, what to resume, metrics after resume.
+"""The resume builder: the run lock, which checkpoint to resume, restoring it on every rank.
 
-- :func:`locked_run_directory`: the trainer's rank 0 holds the directory's exclusive lock
-  (:mod:`dflash_recipes.files.locking`) from before the first file is written until after the final
-  export, so a second `run` on the same ``output_dir`` fails at once, naming the holder.
-- :func:`checkpoint_to_resume`: the checkpoint the plan resumes from; a checkpoint the plan
+- :func:`locked_run_directory`: rank 0 holds the directory's exclusive lock
+  (:mod:`dflash_recipes.files.locking`) from before the first file is written until after the
+  final export, so a second `run` on the same ``output_dir`` fails at once, naming the holder.
+- :func:`resume_checkpoint`: the checkpoint the plan resumes from, as rank 0 sees
+  ``output_dir`` (:func:`checkpoint_to_resume`), received by every rank; a checkpoint the plan
   does not know about is refused, never overwritten.
-- :func:`restore_newest_readable`: a resume tries the chosen checkpoint, then older complete
-  ones, newest first, and says in a warning which one it used and why it skipped the others.
-- :func:`drop_metrics_after`: rows of steps that a resumed run will redo are removed from
-  ``metrics.jsonl`` (atomically) so that each step appears once.
+- :func:`restore`: rank 0 restores that checkpoint, or else the newest older complete one
+  that reads cleanly (:func:`restore_newest_readable`, with a warning saying which and why),
+  and every other rank restores the very checkpoint rank 0 read: a stale view of the
+  directory on one node cannot start the ranks at different steps. Rows of steps the resumed
+  run will redo are removed from ``metrics.jsonl`` (atomically) so that each step appears once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import attrs
 from torch import nn
 
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
+from dflash_recipes.executor.coordination import rank0_decides, stop_if_any_rank_failed
+from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.checkpoints import Stateful, restore_training_checkpoint
 from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.files.locking import LOCK_FILE, hold_directory_lock
-from dflash_recipes.files.metrics_rows import drop_metrics_after, last_train_row
+from dflash_recipes.files.metrics_rows import drop_metrics_after
 from dflash_recipes.files.run_dir import (
+    METRICS_FILE,
     TRAINER_STATE,
     checkpoint_step,
     complete_checkpoints,
     latest_complete_checkpoint,
 )
-
-if TYPE_CHECKING:
-    from dflash_recipes.executor.training.trainer import TrainSummary
-    from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.plan.run_plan import RunPlan
 
 logger = logging.getLogger("dflash_recipes.train")
 
@@ -115,32 +116,6 @@ def restore_newest_readable(
     raise CheckpointError(msg)
 
 
-def summary_line(summary: TrainSummary) -> str:
-    """The one line `dflash-recipe run` prints at the end: finished, resumed-finished, stopped;
-    then which trackers missed rows, if any did."""
-    line = _summary_line(summary)
-    if summary.tracker_problems:
-        line += "; trackers: " + "; ".join(summary.tracker_problems) + " (metrics.jsonl has all)"
-    return line
-
-
-def _summary_line(summary: TrainSummary) -> str:
-    loss = "n/a" if math.isnan(summary.final_loss) else f"{summary.final_loss:.4f}"
-    figures = f"loss {loss}, estimated acceptance length {summary.acceptance_length_estimate:.2f}"
-    if summary.steps < summary.planned_steps:
-        return (
-            f"stopped after {summary.steps} of {summary.planned_steps} steps, {figures}; "
-            "no export (rerun to resume)"
-        )
-    if summary.steps_this_run == 0 and summary.resumed_from_step is not None:
-        return (
-            f"already finished: {summary.steps} of {summary.planned_steps} steps were done "
-            f"before, nothing left to train; {figures} (last logged), export "
-            f"{summary.export_dir}"
-        )
-    return f"done: {summary.steps} steps, {figures}, export {summary.export_dir}"
-
-
 def checkpoint_to_resume(plan: RunPlan, output_dir: Path) -> Path | None:
     """The checkpoint a run of `plan` resumes from (None: a fresh run), as the plan says.
 
@@ -191,11 +166,114 @@ def _saved_by(checkpoint: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@attrs.frozen
+class ResumePoint:
+    """Where training starts: the optimiser step and the data position of the next batch."""
+
+    #: Optimiser steps already done (0 for a fresh run).
+    step: int
+    #: The epoch and the index into its order of the next batch.
+    epoch: int
+    next_index: int
+    #: The checkpoint restored; None for a fresh run.
+    checkpoint: Path | None
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step of the restored checkpoint; None for a fresh run."""
+        return self.step if self.checkpoint is not None else None
+
+
+FRESH = ResumePoint(step=0, epoch=0, next_index=0, checkpoint=None)
+
+
+def resume_checkpoint(plan: RunPlan, env: DistEnv) -> Path | None:
+    """The checkpoint every rank resumes from (None: a fresh run), decided by rank 0 alone.
+
+    Rank 0 looks at ``output_dir`` (:func:`checkpoint_to_resume`), every other rank receives its
+    answer, or its refusal as the same error: one node's stale view of a network filesystem
+    cannot make the ranks disagree.
+    """
+    output_dir = Path(plan.training.output_dir)
+
+    def decide() -> str | None:
+        chosen = checkpoint_to_resume(plan, output_dir)
+        return None if chosen is None else str(chosen)
+
+    answer = rank0_decides(decide, env)
+    return None if answer is None else Path(answer)
+
+
+def restore(
+    chosen: Path | None,
+    output_dir: Path,
+    module: nn.Module,
+    optimizer: Stateful,
+    scheduler: Stateful,
+    env: DistEnv,
+) -> ResumePoint:
+    """Restore `chosen` (from :func:`resume_checkpoint`) into every rank; :data:`FRESH` for None.
+
+    Rank 0 restores it, or the newest older complete checkpoint that reads cleanly
+    (:func:`restore_newest_readable`); the other ranks wait, then restore the checkpoint rank 0
+    read. A rank that cannot read it stops every rank (CheckpointError naming the rank). On
+    rank 0 the rows of steps after the checkpoint leave ``metrics.jsonl``: they are redone.
+    """
+    if chosen is None:
+        return FRESH
+    point = FRESH
+
+    def read_on_rank0() -> str:
+        nonlocal point
+        used, state = restore_newest_readable(chosen, output_dir, module, optimizer, scheduler)
+        point = _resume_point(used, state)
+        return str(used)
+
+    used = Path(rank0_decides(read_on_rank0, env) or chosen)
+    problem: CheckpointError | None = None
+    if env.rank != 0:
+        try:
+            point = _resume_point(
+                used, restore_training_checkpoint(used, module, optimizer, scheduler)
+            )
+        except CheckpointError as exc:
+            problem = exc
+    stop_if_any_rank_failed(
+        problem, env, what=f"restore {used}, the checkpoint rank 0 resumes from",
+        error=CheckpointError,
+    )  # fmt: skip
+    if is_main(env):
+        logger.info(
+            "resumed from %s (step %d); dflash_init_checkpoint is ignored", used, point.step
+        )
+        # The steps after the checkpoint are redone: their old rows go.
+        drop_metrics_after(output_dir / METRICS_FILE, point.step)
+    return point
+
+
+def _resume_point(checkpoint: Path, state: dict[str, object]) -> ResumePoint:
+    return ResumePoint(
+        step=_int(state, "step"),
+        epoch=_int(state, "epoch"),
+        next_index=_int(state, "next_index"),
+        checkpoint=checkpoint,
+    )
+
+
+def _int(state: dict[str, object], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int):
+        msg = f"trainer_state.json has no integer {key!r}; the checkpoint is from another tool"
+        raise CheckpointError(msg)
+    return value
+
+
 __all__ = [
+    "FRESH",
+    "ResumePoint",
     "checkpoint_to_resume",
-    "drop_metrics_after",
-    "last_train_row",
     "locked_run_directory",
+    "restore",
     "restore_newest_readable",
-    "summary_line",
+    "resume_checkpoint",
 ]

@@ -17,7 +17,7 @@ from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 from dflash_recipes.cli import main
 from dflash_recipes.files.locking import LOCK_FILE
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,14 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GATED_RUN = """
 import sys, time
 from pathlib import Path
-from dflash_recipes.executor.training import trainer as train
+from dflash_recipes.executor.training.save_policy import SavePolicy
 gate = Path(sys.argv[1])
-real_save = train.Trainer._save
+real_save = SavePolicy.save
 def gated_save(self, *args, **kwargs):
     while not gate.exists():
         time.sleep(0.05)
     return real_save(self, *args, **kwargs)
-train.Trainer._save = gated_save
+SavePolicy.save = gated_save
 sys.argv = ["dflash-recipe", *sys.argv[2:]]
 from dflash_recipes.cli import run_cli
 run_cli()

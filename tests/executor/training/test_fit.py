@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -18,8 +17,7 @@ from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.training.optimizer import lr_factor
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.run_dir import complete_checkpoints
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -135,16 +133,6 @@ def test_unusable_data_stops_before_writing_anything(tmp_path: Path) -> None:
     text = str(info.value)
     assert "line 1" in text and "line 2" in text
     assert not (tmp_path / "bad").exists()
-
-
-def test_schedule_warmup_then_cosine() -> None:
-    factors = [lr_factor(s, total_steps=10, warmup_ratio=0.2, kind="cosine") for s in range(10)]
-    assert factors[0] == pytest.approx(0.5) and factors[1] == pytest.approx(1.0)
-    assert factors[2] == pytest.approx(1.0)
-    assert factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
-    assert all(a >= b for a, b in itertools.pairwise(factors[1:]))
-    assert lr_factor(5, total_steps=10, warmup_ratio=0.0, kind="constant") == 1.0
-    assert lr_factor(5, total_steps=10, warmup_ratio=0.0, kind="linear") == pytest.approx(0.5)
 
 
 _CHUNKING_SITECUSTOMIZE = """
