@@ -134,11 +134,12 @@ class InputChecks(CompileState):
         if data.hidden_states_path is None or taps is None or facts is None:
             return
         # Imported here: only an offline recipe pays for the capture checks at start-up.
+        from dflash_recipes.checkpoint.kinds.protocol import ObjectiveTerms
+        from dflash_recipes.checkpoint.kinds.registry import needs_teacher
         from dflash_recipes.compiler.capture_checks import CaptureExpectation, check_capture
         from dflash_recipes.files.capture_manifest import (
             base_config_sha256,
             chat_template_sha256,
-            needs_teacher,
             tokenizer_sha256,
         )
 
@@ -152,9 +153,11 @@ class InputChecks(CompileState):
             training_seq_len=self.recipe.training.training_seq_len,
             answer_only_loss=data.answer_only_loss,
             needs_last_hidden=needs_teacher(
-                self_logit_distillation=objective.dflash_self_logit_distillation,
-                projector_type=self.arch.projector_type,
-                dspark_tv_weight=float(objective.dflash_dspark_tv_weight),
+                self.arch.projector_type,
+                ObjectiveTerms(
+                    self_logit_distillation=objective.dflash_self_logit_distillation,
+                    dspark_tv_weight=float(objective.dflash_dspark_tv_weight),
+                ),
             ),
             base_config_sha256=base_config_sha256(base),
             tokenizer_sha256=tokenizer_sha256(base),

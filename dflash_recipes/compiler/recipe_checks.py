@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from dflash_recipes.checkpoint.tensor_layout import (
-    ARCHITECTURE_FIELDS,
+from dflash_recipes.checkpoint.kinds.registry import (
     HEAD_FIELD_MEANING,
-    HEAD_FIELD_OWNERS,
-    HEAD_FIELDS,
+    KIND_FIELD_OWNERS,
+    kind_facts,
 )
+from dflash_recipes.checkpoint.tensor_layout import ARCHITECTURE_FIELDS
 from dflash_recipes.compiler.codes import (
     ARCH_DIM_MISSING,
     EVAL_DATA_UNSET,
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
-    PURE_DRAFT_PREFIX_RANGE,
     TAPS_DUPLICATE,
 )
 from dflash_recipes.compiler.state import (
@@ -31,7 +30,7 @@ class SchemaChecks(CompileState):
     def check_schema(self) -> None:
         self.check_attention()
         self.check_head_fields()
-        self.check_prefix_range()
+        self.check_kind_rules()
         self.check_taps_unique()
         self.check_layer_types_length(self.arch.layer_types, "")
         training, data = self.recipe.training, self.recipe.data
@@ -83,7 +82,7 @@ class SchemaChecks(CompileState):
 
     def check_head_fields(self) -> None:
         projector = self.arch.projector_type
-        for name in HEAD_FIELDS[projector]:
+        for name in kind_facts(projector).head_fields:
             if getattr(self.arch, name) is not None:
                 continue
             found = self.dims.values.get(name)
@@ -98,12 +97,11 @@ class SchemaChecks(CompileState):
                 f"({HEAD_FIELD_MEANING[name]}), which is not set",
                 hint,
             )
-        owners = HEAD_FIELD_OWNERS
+        # Head sizes and switches (use_confidence_head) another kind owns.
+        owners = KIND_FIELD_OWNERS
         unused = [n for n, owner in owners.items() if owner != projector and getattr(self.arch, n)]
-        if self.arch.use_confidence_head and projector != "dspark":
-            unused.append("use_confidence_head")
         for name in unused:
-            owner = owners.get(name, "dspark")
+            owner = owners[name]
             self.emit(
                 HEAD_FIELD_UNUSED,
                 f"{ARCH_PATH}.{name}",
@@ -112,19 +110,12 @@ class SchemaChecks(CompileState):
                 f"delete {name}, or set dflash_architecture_config.projector_type: {owner}",
             )
 
-    def check_prefix_range(self) -> None:
-        """Domino's uncorrected prefix must leave the block at least one corrected position."""
-        prefix, block = self.arch.pure_draft_prefix_len, self.recipe.dflash.dflash_block_size
-        if self.arch.projector_type != "domino" or prefix <= block - 1:
-            return
-        self.emit(
-            PURE_DRAFT_PREFIX_RANGE,
-            f"{ARCH_PATH}.pure_draft_prefix_len",
-            f"pure_draft_prefix_len {prefix} leaves no block position for Domino's head to "
-            f"correct: it must lie in [0, {block - 1}] (dflash_block_size {block} minus 1)",
-            "set dflash_architecture_config.pure_draft_prefix_len: 1 (ModelOpt's default, the "
-            f"only value SGLang serves), or any value up to {block - 1}",
-        )
+    def check_kind_rules(self) -> None:
+        """The projector type's own rules (Domino: the uncorrected prefix leaves the block at
+        least one corrected position)."""
+        block = self.recipe.dflash.dflash_block_size
+        for finding in kind_facts(self.arch.projector_type).recipe_findings(self.arch, block):
+            self.emit(finding.code, f"{ARCH_PATH}.{finding.field}", finding.message, finding.hint)
 
     def check_taps_unique(self) -> None:
         taps = self.arch.target_layer_ids
