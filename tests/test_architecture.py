@@ -308,3 +308,80 @@ def test_the_enumeration_scan_finds_a_second_home(tmp_path: Path) -> None:
     copy = tmp_path / "m.py"
     copy.write_text('X = ("dflash", "domino")\nY: "Literal[1]"\n')
     assert _enumerations(copy, _choice("PROJECTOR_TYPES")) == [(1, {"dflash", "domino"})]
+
+
+#: Where a drafter kind's name may be written: its two homes (the torch-free facts and the torch
+#: half, each a module per kind beside its registry) and the enumeration itself.
+_KIND_HOMES = (
+    PACKAGE / "checkpoint" / "kinds",
+    PACKAGE / "executor" / "kinds",
+    PACKAGE / "recipe" / "choices.py",
+)
+
+
+def _kind_names_used(path: Path, names: frozenset[str]) -> list[tuple[int, str]]:
+    """(line, name) of each string constant in `path` naming a drafter kind, docstrings and a
+    field's `default=` aside: the comparisons, lookups and branches of an `if kind == ...`
+    chain all spell one."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            allowed.add(id(body[0].value))  # a docstring
+        if isinstance(node, ast.keyword) and node.arg == "default":
+            allowed.add(id(node.value))  # a recipe or layout field's default kind
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value in names
+        and id(node) not in allowed
+    ]
+
+
+def test_no_drafter_kind_is_named_outside_its_homes() -> None:
+    # one home per kind (docs/dflash.md, "Add a drafter kind"): code elsewhere asks the kind's
+    # registry (kind_facts, kind_modules) and never branches on a projector type's name
+    names = _choice("PROJECTOR_TYPES")
+    outside = {
+        str(p.relative_to(ROOT)): hits
+        for p in _modules()
+        if not any(p == home or home in p.parents for home in _KIND_HOMES)
+        and (hits := _kind_names_used(p, names))
+    }
+    assert not outside, f"drafter kinds named outside their homes: {outside}"
+
+
+def test_kind_modules_are_reached_through_their_registries() -> None:
+    # a module that imports a kind's module directly has a kind chain in disguise
+    kinds = {
+        f"dflash_recipes.{half}.kinds.{name}"
+        for half in ("checkpoint", "executor")
+        for name in _choice("PROJECTOR_TYPES")
+    }
+    graph = import_graph()
+    direct = {
+        name: sorted(edges & kinds)
+        for name, edges in graph.items()
+        if edges & kinds and ".kinds." not in name
+    }
+    assert not direct, direct
+    assert kinds <= set(graph), "a kind has no module in one of its two homes"
+
+
+def test_the_kind_name_scan_finds_a_chain_and_spares_docstrings_and_defaults(
+    tmp_path: Path,
+) -> None:
+    chain = tmp_path / "m.py"
+    chain.write_text(
+        '"""dspark in a docstring."""\n'
+        "import attrs\n"
+        'x = attrs.field(default="dflash")\n'
+        'if kind == "domino":\n'
+        "    pass\n"
+        'y = {"dspark": 1}.get(kind, "dflash")\n'
+    )
+    found = _kind_names_used(chain, _choice("PROJECTOR_TYPES"))
+    assert sorted(found) == [(4, "domino"), (6, "dflash"), (6, "dspark")]

@@ -152,11 +152,12 @@ def check_capture(
     if data.hidden_states_path is None or taps is None or facts is None:
         return
     # Imported here: only an offline recipe pays for the capture checks at start-up.
+    from dflash_recipes.checkpoint.kinds.protocol import ObjectiveTerms
+    from dflash_recipes.checkpoint.kinds.registry import needs_teacher
     from dflash_recipes.compiler import capture_checks
     from dflash_recipes.files.capture_manifest import (
         base_config_sha256,
         chat_template_sha256,
-        needs_teacher,
         tokenizer_sha256,
     )
 
@@ -170,9 +171,11 @@ def check_capture(
         training_seq_len=recipe.training.training_seq_len,
         answer_only_loss=data.answer_only_loss,
         needs_last_hidden=needs_teacher(
-            self_logit_distillation=objective.dflash_self_logit_distillation,
-            projector_type=inputs.arch.projector_type,
-            dspark_tv_weight=float(objective.dflash_dspark_tv_weight),
+            inputs.arch.projector_type,
+            ObjectiveTerms(
+                self_logit_distillation=objective.dflash_self_logit_distillation,
+                dspark_tv_weight=float(objective.dflash_dspark_tv_weight),
+            ),
         ),
         base_config_sha256=base_config_sha256(base),
         tokenizer_sha256=tokenizer_sha256(base),

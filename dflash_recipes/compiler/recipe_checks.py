@@ -7,13 +7,12 @@ reads more, the dims of the init checkpoint (for its hints), and so runs after t
 
 from __future__ import annotations
 
-from dflash_recipes.checkpoint.tensor_layout import (
-    ARCHITECTURE_FIELDS,
+from dflash_recipes.checkpoint.kinds.registry import (
     HEAD_FIELD_MEANING,
-    HEAD_FIELD_OWNERS,
-    HEAD_FIELDS,
-    CheckpointDims,
+    KIND_FIELD_OWNERS,
+    kind_facts,
 )
+from dflash_recipes.checkpoint.tensor_layout import ARCHITECTURE_FIELDS, CheckpointDims
 from dflash_recipes.compiler.codes import (
     ARCH_DIM_MISSING,
     EVAL_DATA_UNSET,
@@ -22,7 +21,6 @@ from dflash_recipes.compiler.codes import (
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
     LAYER_TYPES_LENGTH,
-    PURE_DRAFT_PREFIX_RANGE,
     TAPS_DUPLICATE,
 )
 from dflash_recipes.compiler.state import (
@@ -46,7 +44,7 @@ def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) ->
     arch = inputs.arch
     check_attention(arch, report)
     check_head_fields(arch, dims, report)
-    check_prefix_range(arch, inputs.recipe.dflash.dflash_block_size, report)
+    check_kind_rules(arch, inputs.recipe.dflash.dflash_block_size, report)
     check_taps_unique(arch, report)
     check_layer_types_length(arch, arch.layer_types, "", report)
     training, data = inputs.recipe.training, inputs.recipe.data
@@ -133,7 +131,7 @@ def check_attention(arch: DFlashArchitectureConfig, report: Report) -> None:
 def check_head_fields(arch: DFlashArchitectureConfig, dims: CheckpointDims, report: Report) -> None:
     """The head fields the projector needs are set, and no other projector's are."""
     projector = arch.projector_type
-    for name in HEAD_FIELDS[projector]:
+    for name in kind_facts(projector).head_fields:
         if getattr(arch, name) is not None:
             continue
         found = dims.values.get(name)
@@ -148,12 +146,11 @@ def check_head_fields(arch: DFlashArchitectureConfig, dims: CheckpointDims, repo
             f"({HEAD_FIELD_MEANING[name]}), which is not set",
             hint,
         )
-    owners = HEAD_FIELD_OWNERS
+    # Head sizes and switches (use_confidence_head) another kind owns.
+    owners = KIND_FIELD_OWNERS
     unused = [n for n, owner in owners.items() if owner != projector and getattr(arch, n)]
-    if arch.use_confidence_head and projector != "dspark":
-        unused.append("use_confidence_head")
     for name in unused:
-        owner = owners.get(name, "dspark")
+        owner = owners[name]
         report.emit(
             HEAD_FIELD_UNUSED,
             f"{ARCH_PATH}.{name}",
@@ -163,19 +160,11 @@ def check_head_fields(arch: DFlashArchitectureConfig, dims: CheckpointDims, repo
         )
 
 
-def check_prefix_range(arch: DFlashArchitectureConfig, block: int, report: Report) -> None:
-    """Domino's uncorrected prefix must leave the block at least one corrected position."""
-    prefix = arch.pure_draft_prefix_len
-    if arch.projector_type != "domino" or prefix <= block - 1:
-        return
-    report.emit(
-        PURE_DRAFT_PREFIX_RANGE,
-        f"{ARCH_PATH}.pure_draft_prefix_len",
-        f"pure_draft_prefix_len {prefix} leaves no block position for Domino's head to "
-        f"correct: it must lie in [0, {block - 1}] (dflash_block_size {block} minus 1)",
-        "set dflash_architecture_config.pure_draft_prefix_len: 1 (ModelOpt's default, the "
-        f"only value SGLang serves), or any value up to {block - 1}",
-    )
+def check_kind_rules(arch: DFlashArchitectureConfig, block: int, report: Report) -> None:
+    """The projector type's own rules (Domino: the uncorrected prefix leaves the block at least
+    one corrected position)."""
+    for finding in kind_facts(arch.projector_type).recipe_findings(arch, block):
+        report.emit(finding.code, f"{ARCH_PATH}.{finding.field}", finding.message, finding.hint)
 
 
 def check_taps_unique(arch: DFlashArchitectureConfig, report: Report) -> None:
@@ -224,8 +213,8 @@ __all__ = [
     "check_attention",
     "check_dims_set",
     "check_head_fields",
+    "check_kind_rules",
     "check_layer_types_length",
-    "check_prefix_range",
     "check_schema",
     "check_taps_unique",
 ]

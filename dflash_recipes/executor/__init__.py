@@ -22,6 +22,8 @@ from dflash_recipes.lazy import lazy_exports
 check_versions()
 
 if TYPE_CHECKING:
+    from dflash_recipes.executor.kinds.domino import DominoHead
+    from dflash_recipes.executor.kinds.dspark import DSparkHead
     from dflash_recipes.executor.model.convert import (
         ConvertedModel,
         convert,
@@ -32,7 +34,6 @@ if TYPE_CHECKING:
     )
     from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
     from dflash_recipes.executor.model.export import export_drafter
-    from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
     from dflash_recipes.executor.model.masks import (
         DraftMask,
         build_dense_block_mask,
@@ -60,8 +61,8 @@ _HOMES = {
     "DFlashDraftModel": "model.draft",
     "taps_from_hidden_states": "model.draft",
     "export_drafter": "model.export",
-    "DSparkHead": "model.heads",
-    "DominoHead": "model.heads",
+    "DSparkHead": "kinds.dspark",
+    "DominoHead": "kinds.domino",
     "DraftMask": "model.masks",
     "build_dense_block_mask": "model.masks",
     "build_flex_block_mask": "model.masks",

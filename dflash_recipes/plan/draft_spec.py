@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import attrs
 
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.target_facts import RopePlan, TargetFacts
 from dflash_recipes.errors import PlanError
 from dflash_recipes.plan.parts import ArchitecturePlan, DraftPlan
@@ -59,9 +60,10 @@ class ResolvedDraft(Record):
     def label_shift(self) -> int:
         """1 when block position k predicts anchor + k + 1 (a head with shift_label), else 0.
 
-        Plain DFlash is always 0: position k predicts anchor + k and position 0 is the anchor.
+        Plain DFlash is always 0 (its kind has no label shift): position k predicts anchor + k
+        and position 0 is the anchor.
         """
-        return int(self.projector_type != "dflash" and self.shift_label)
+        return int(kind_facts(self.projector_type).shifts_labels and self.shift_label)
 
     @property
     def drafted_tokens(self) -> int:
@@ -75,15 +77,10 @@ class ResolvedDraft(Record):
 
     @property
     def head_description(self) -> str:
-        """The head as it drafts, in words: ``dflash`` (no head), ``domino (shift_label true,
-        pure_draft_prefix_len 1)``, ``dspark vanilla (shift_label true)``."""
-        if self.projector_type == "dflash":
-            return "dflash (no head)"
-        shift = f"shift_label {'true' if self.shift_label else 'false'}"
-        if self.projector_type == "domino":
-            return f"domino ({shift}, pure_draft_prefix_len {self.pure_draft_prefix_len})"
-        confidence = ", confidence head" if self.use_confidence_head else ""
-        return f"dspark {self.markov_head_type} ({shift}{confidence})"
+        """The head as it drafts, in words (``KindFacts.describe``): ``dflash`` (no head),
+        ``domino (shift_label true, pure_draft_prefix_len 1)``, ``dspark vanilla (shift_label
+        true)``."""
+        return kind_facts(self.projector_type).describe(self)
 
     def layer_type(self, index: int) -> str:
         """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""

@@ -31,10 +31,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from dflash_recipes.checkpoint.kinds.registry import needs_teacher
 from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.collectives import barrier
-from dflash_recipes.executor.data.offline import final_norm
 from dflash_recipes.executor.data.token_cache import CachedExamples
 from dflash_recipes.executor.data.tokenize import TokenizedExample
 from dflash_recipes.executor.data.train_dataset import TrainDataset, build_dataset
@@ -45,7 +45,12 @@ from dflash_recipes.executor.dist_env import (
     is_main,
     shutdown_distributed,
 )
-from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, target_forward
+from dflash_recipes.executor.model.convert import (
+    final_norm,
+    load_base_model,
+    load_tokenizer,
+    target_forward,
+)
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, stopped_capture
 from dflash_recipes.files.capture_manifest import (
     MANIFEST_FILE,
@@ -56,7 +61,6 @@ from dflash_recipes.files.capture_manifest import (
     chat_template_sha256,
     estimate_bytes,
     file_sha256,
-    needs_teacher,
     parse_manifest,
     plan_shards,
     sample_tensor_names,
@@ -104,11 +108,7 @@ def planned_manifest(
     spec = plan.resolved_draft()
     objective = plan.draft.objective
     taps = tuple(spec.target_layer_ids)
-    last = needs_teacher(
-        self_logit_distillation=objective.self_logit_distillation,
-        projector_type=spec.projector_type,
-        dspark_tv_weight=objective.dspark_tv_weight,
-    )
+    last = needs_teacher(spec.projector_type, objective)
     dtype = plan.base_model.dtype
     per_token = bytes_per_token(len(taps), facts.hidden_size, dtype, last_hidden=last)
     examples = dataset.examples

@@ -39,6 +39,7 @@ from typing import Literal
 
 import attrs
 
+from dflash_recipes.checkpoint.kinds import registry as kinds
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
 from dflash_recipes.errors import CheckpointError, ResourceError
@@ -438,9 +439,7 @@ def estimate_resources(
     b, t = training.per_device_train_batch_size, training.training_seq_len
     n, k = objective.num_anchors, plan.draft.block_size
     q = n * k  # packed block positions per row
-    needs_teacher = objective.self_logit_distillation or (
-        arch.projector_type == "dspark" and objective.dspark_tv_weight > 0
-    )
+    needs_teacher = kinds.needs_teacher(arch.projector_type, objective)
 
     # Step inputs, alive for the whole drafter phase: tapped states (float32, plus autocast's
     # bf16 copy fc saves), block embeddings, RoPE tables, labels, teacher logits.
@@ -499,9 +498,9 @@ def estimate_resources(
     loss_peak = chunk_logits * (3 * f32 + (mm if autocast else 0))
     if needs_teacher:
         loss_peak += chunk_logits * 2 * f32  # the teacher's softmax and gathered logits
-    if arch.projector_type != "dflash":
-        # A head's corrected logits and their log-softmax: a rough count, not measured.
-        loss_peak += chunk_logits * 2 * f32
+    # What the kind's head keeps beyond the plain loss (Domino, DSpark: the corrected logits and
+    # their log-softmax, a rough count).
+    loss_peak += chunk_logits * kinds.kind_facts(arch.projector_type).loss_logit_copies * f32
     # Backward frees what each op saved as it goes: the transient is about the gradients of
     # the widest op's inputs and output (the SwiGLU's [Q, I] tensors).
     backward_transient = 3 * b * q * max(inter, h) * f32

@@ -95,8 +95,8 @@ def test_offline_training_equals_online(
 def test_offline_loads_no_decoder_layers_and_recomputes_the_teacher(
     tmp_path: Path, model_type: str
 ) -> None:
-    from dflash_recipes.executor.data.offline import load_target_without_decoder, teacher_logits
-    from dflash_recipes.executor.model.convert import lm_head
+    from dflash_recipes.executor.data.offline import load_target_without_decoder
+    from dflash_recipes.executor.model.convert import lm_head, teacher_logits
 
     plan = tiny_plan(tmp_path, target_model_type=model_type)
     full = tiny_target(plan, save=True)

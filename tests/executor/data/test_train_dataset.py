@@ -30,8 +30,8 @@ from dflash_recipes.executor.demo.tiny_tokenizer import (
     build_tiny_tokenizer,
     spare_token_ids,
 )
+from dflash_recipes.executor.kinds.dflash import dflash_loss
 from dflash_recipes.executor.training.anchors import block_inputs, block_labels, sample_anchors
-from dflash_recipes.executor.training.loss import dflash_loss
 from dflash_recipes.plan.run_plan import RunPlan
 
 CORPUS = [

@@ -18,12 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.offline import (
-    CapturedStates,
-    CaptureReader,
-    capture_dataset,
-    open_capture,
-)
+from dflash_recipes.executor.data.offline import CaptureReader, capture_dataset, open_capture
 from dflash_recipes.executor.data.train_dataset import (
     Batch,
     TrainDataset,
@@ -33,6 +28,7 @@ from dflash_recipes.executor.data.train_dataset import (
     epoch_order,
 )
 from dflash_recipes.executor.dist_env import DistEnv, is_main
+from dflash_recipes.executor.model.convert import CapturedStates
 from dflash_recipes.executor.training.anchors import batch_positions
 from dflash_recipes.plan.run_plan import RunPlan
 
