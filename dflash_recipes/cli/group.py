@@ -25,6 +25,7 @@ from dflash_recipes.diagnostics import (
     sort_diagnostics,
     summary_line,
 )
+from dflash_recipes.echo import bound_message
 from dflash_recipes.errors import DFlashRecipeError, Interrupted
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ EXIT_USAGE = 2
 
 
 def _fail(message: str, code: int = EXIT_FINDINGS) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {bound_message(message)}", err=True)
     sys.exit(code)
 
 
