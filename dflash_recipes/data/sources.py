@@ -61,6 +61,7 @@ _DATASET_INFO = "dataset_info.json"
 ROWS_PER_BATCH = 1024
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MAX_JSON_BYTES = 64 << 20
+_BOM = b"\xef\xbb\xbf"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -344,7 +345,9 @@ def _jsonl_rows(path: Path, fmt: FileFormat) -> Iterator[tuple[int, RawLine | di
                     yield number, RawLine(None, why, kind="line too long")
                     continue
                 try:
-                    yield number, RawLine(raw.decode("utf-8"))
+                    # a byte-order mark (Windows editors write one first) is not content, as
+                    # in every JSON the project reads
+                    yield number, RawLine(raw.removeprefix(_BOM).decode("utf-8"))
                 except UnicodeDecodeError as exc:
                     yield number, RawLine(None, f"not valid UTF-8 ({exc.reason})")
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
@@ -382,11 +385,14 @@ def _table_rows(path: Path, fmt: FileFormat) -> Iterator[tuple[int, dict[str, ob
             else:
                 chunks = iter(reader)
             for batch in chunks:
+                # An Arrow file's offsets are not checked when it is mapped: a damaged one would
+                # read out of bounds. Full validation (offsets, UTF-8) first, then the rows.
+                batch.validate(full=True)
                 for start in range(0, batch.num_rows, ROWS_PER_BATCH):
                     for row in batch.slice(start, ROWS_PER_BATCH).to_pylist():
                         number += 1
                         yield number, row
-    except (OSError, pa.ArrowException) as exc:
+    except (OSError, ValueError, pa.ArrowException) as exc:
         raise _unreadable(path, fmt, exc) from None
 
 
