@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from testkit.cli_runner import cli
-from testkit.st_fixtures import base_model_config, drafter_config, write_json
+from testkit.st_fixtures import base_model_config, write_json
 
 #: The most a refusal of one bad value may print (the recipe's other findings included).
 SMALL_OUTPUT = 8000
