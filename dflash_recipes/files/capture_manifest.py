@@ -349,7 +349,7 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
     if not isinstance(raw, dict) or raw.get("format") != CAPTURE_FORMAT:
         raise bad(f'not a capture manifest (no "format": "{CAPTURE_FORMAT}")')
     version = raw.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS:
+    if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:  # not true, 2.0
         readable = " and ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
         msg = (
             f"{where}: capture format version {shorten(version)}, this dflash-recipes reads "
@@ -375,7 +375,10 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
     if len(taps) > MAX_LIST_ENTRIES or max(taps) > MAX_LAYER_INDEX:
         want = f"at most {MAX_LIST_ENTRIES} layer ids in [0, {MAX_LAYER_INDEX}]"
         raise bad(f"target_layer_ids must be {want}")
-    if raw.get("dtype") not in DTYPE_BYTES or not isinstance(raw.get("base_model_path"), str):
+    dtype = raw.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is not hashable
+        dtype = None
+    if dtype is None or not isinstance(raw.get("base_model_path"), str):
         raise bad(f"dtype must be one of {', '.join(DTYPE_BYTES)} and base_model_path a string")
     shards_raw = raw.get("shards")
     if not isinstance(shards_raw, list):
