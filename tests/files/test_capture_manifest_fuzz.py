@@ -146,3 +146,26 @@ def test_the_template_hash_reads_a_config_with_a_30_digit_integer(tmp_path: Path
     config = '{"model_max_length": 1000000000000000019884624838656, "chat_template": "t"}'
     (tmp_path / "tokenizer_config.json").write_text(config, encoding="utf-8")
     assert chat_template_sha256(None, tmp_path) is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [
+        ("hidden_size", plausible_maximum("hidden_size")),
+        ("block_size", plausible_maximum("block_size")),
+        ("training_seq_len", 2**24),
+        ("num_tokens", 2**63 - 1),
+    ],
+)
+def test_a_size_at_its_bound_is_read_and_one_beyond_is_refused(name: str, bound: int) -> None:
+    assert getattr(parse_manifest(json.dumps({**GOOD, name: bound}), "m"), name) == bound
+    with pytest.raises(DataError) as caught:
+        parse_manifest(json.dumps({**GOOD, name: bound + 1}), "m")
+    assert str(caught.value).startswith(f"m: {name} must be at most {bound}, got {bound + 1}; ")
+
+
+def test_taps_beyond_the_layer_bound_are_refused() -> None:
+    with pytest.raises(
+        DataError, match=r"target_layer_ids must be at most 4096 layer ids in \[0, 4095\]"
+    ):
+        parse_manifest(json.dumps({**GOOD, "target_layer_ids": [1, MAX_LAYER_INDEX + 1]}), "m")
