@@ -25,7 +25,7 @@ from dflash_recipes.compiler.codes import (
     HEADS_FROM_SCRATCH,
 )
 from dflash_recipes.compiler.id_checks import DEFAULT_RMS_NORM_EPS, DraftIdChecks
-from dflash_recipes.compiler.input_checks import InputChecks
+from dflash_recipes.compiler.input_checks import InputChecks, check_tracker_libraries
 from dflash_recipes.compiler.model_paths import resolve_local_path
 from dflash_recipes.compiler.recipe_checks import SchemaChecks
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, has_errors, sort_diagnostics
@@ -324,6 +324,7 @@ def compile_recipe(
         if work.check_checkpoint_fields():  # a DFlash 2 checkpoint gets one error, no layout diff
             work.check_layout(taps)
         work.check_capture(taps)
+        check_tracker_libraries(work)
     else:
         mask = recipe.dflash.dflash_mask_token_id
         if mask is None and recipe.dflash.dflash_init_checkpoint is None:
