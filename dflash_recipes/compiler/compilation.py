@@ -29,6 +29,7 @@ from dflash_recipes.compiler.input_checks import InputChecks, check_tracker_libr
 from dflash_recipes.compiler.model_paths import resolve_local_path
 from dflash_recipes.compiler.recipe_checks import SchemaChecks
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, has_errors, sort_diagnostics
+from dflash_recipes.files.data_cache import default_data_cache_dir
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
@@ -160,7 +161,8 @@ class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
                 cache_dir=str(
                     self.absolute(data.cache_dir)
                     if data.cache_dir is not None
-                    else self.absolute(training.output_dir) / DATA_CACHE_DIR
+                    else default_data_cache_dir()
+                    or self.absolute(training.output_dir) / DATA_CACHE_DIR  # no home folder
                 ),
                 num_proc=data.num_proc,
             ),

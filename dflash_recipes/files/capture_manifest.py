@@ -399,10 +399,12 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
             )
         first, count, tokens = (entry.get(k) for k in ("first_sample", "num_samples", "num_tokens"))
         size = entry.get("bytes")
-        if not all(_int(n) and n <= MAX_COUNT for n in (first, count, tokens)) or (
-            size is not None and not (_int(size) and size <= MAX_COUNT)
+        if not (_int(first) and _int(count) and _int(tokens)) or (
+            size is not None and not _int(size)
         ):
             raise bad(f"shards[{number}] needs non-negative integer counts and bytes")
+        if max(first, count, tokens, size or 0) > MAX_COUNT:
+            raise bad(f"shards[{number}]'s counts and bytes must be at most {MAX_COUNT}")
         hashes = [entry.get(k) for k in ("sha256", "samples_sha256")]
         if not all(h is None or _is_sha256(h) for h in hashes):
             raise bad(f"shards[{number}]'s sha256 and samples_sha256 must be 64 hex digits")

@@ -306,7 +306,8 @@ class DataSection(Record):
     #: Optional held-out conversations (same formats) for `eval` and `training.eval_steps`.
     eval_data_path: str | None = attrs.field(default=None, validator=path_str)
     #: Where the tokenized data is cached (tokenized once, read in place by every run and
-    #: rank); null: <output_dir>/data_cache.
+    #: rank); null: the per-user cache every run shares, $DFLASH_RECIPES_CACHE/tokenized, else
+    #: $XDG_CACHE_HOME/dflash-recipes/tokenized, else ~/.cache/dflash-recipes/tokenized.
     cache_dir: str | None = attrs.field(default=None, validator=path_str)
     #: Processes that tokenize a new cache; null: the cores this process may use. Under
     #: torchrun the node's ranks share them, each tokenizing a slice.

@@ -51,6 +51,7 @@ from dflash_recipes.data.conversations import SkippedLine
 from dflash_recipes.data.sources import DataSource, content_sha256
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
+from dflash_recipes.files.data_cache import CACHE_FORMAT_NAME, LOCK_NAME, META_FILE
 from dflash_recipes.files.jsonio import (
     FileReadProblem,
     JsonProblem,
@@ -64,8 +65,7 @@ logger = logging.getLogger(__name__)
 
 #: Bump whenever tokenizing, masking or the block rule changes the tokens a conversation gets.
 CACHE_FORMAT_VERSION = 1
-_FORMAT = "dflash-token-cache"
-META_FILE = "meta.json"
+_FORMAT = CACHE_FORMAT_NAME
 #: (file name, numpy dtype) of the arrays of an entry.
 ARRAYS = (
     ("input_ids.bin", np.int32),
@@ -76,8 +76,6 @@ ARRAYS = (
 #: How long a process waits for another one building the same cache (seconds).
 DEFAULT_WAIT_S = 7200.0
 WAIT_ENV = "DFLASH_DATA_CACHE_WAIT_S"
-#: The lock file of a cache folder (not the run's: a cache may live in the output directory).
-LOCK_NAME = ".dflash-data-cache-lock"
 _MAX_META_BYTES = 1 << 30
 #: The parts of the key that name an entry's folder.
 _NAMED_BY = ("data_sha256", "answer_only_loss", "training_seq_len", "block_size")
@@ -168,6 +166,11 @@ class CachedExamples(Sequence[TokenizedExample]):
 
     def __len__(self) -> int:
         return self._count
+
+    @property
+    def directory(self) -> Path:
+        """The entry's folder."""
+        return self._directory
 
     def _damaged(self, what: str) -> DataError:
         return DataError(
@@ -326,6 +329,7 @@ __all__ = [
     "ARRAYS",
     "CACHE_FORMAT_VERSION",
     "DEFAULT_WAIT_S",
+    "LOCK_NAME",
     "META_FILE",
     "WAIT_ENV",
     "CachedExamples",
