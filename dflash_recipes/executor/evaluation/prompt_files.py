@@ -57,10 +57,10 @@ def prompt_format(path: Path) -> str:
     """``jsonl``, ``json`` or ``parquet`` from the suffix, ``rows`` for the other training-data
     inputs (a folder, ``.arrow``, ``.jsonl.gz``: read as conversations); DataError otherwise."""
     suffix = path.suffix.lower()
+    if path.is_dir() or suffix in (".arrow", ".gz"):  # a folder named x.json is still a folder
+        return "rows"
     if suffix in (".jsonl", ".json", ".parquet"):
         return suffix[1:]
-    if suffix in (".arrow", ".gz") or path.is_dir():
-        return "rows"
     msg = (
         f"prompt file {path}: cannot tell its format from the suffix {suffix or '(none)'!r}; "
         "use .jsonl (chat conversations), .json (a list of prompt strings or message lists) "
