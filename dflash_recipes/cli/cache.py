@@ -44,9 +44,10 @@ def cache_group() -> None:
     """The tokenized-data cache that every run shares (see `data.cache_dir`).
 
     \b
-    dflash-recipe cache list
-    dflash-recipe cache rm 3f9c0a1b2c3d4e5f60718293
-    dflash-recipe cache rm --all
+    Examples:
+      dflash-recipe cache list
+      dflash-recipe cache rm 3f9c0a1b2c3d4e5f60718293
+      dflash-recipe cache rm --all
     """
 
 
