@@ -130,11 +130,11 @@ def _child_prepare(data: Path, cache: Path, num_proc: int | None) -> dict[str, f
     from testkit.tiny import tiny_plan
     from transformers import AutoTokenizer
 
-    from dflash_recipes.executor.data.conversations import batches, build_dataset
+    from dflash_recipes.executor.data.train_dataset import batches, build_dataset
 
     env = None
     if "RANK" in os.environ:  # a rank of a gloo process group, as torchrun starts it
-        from dflash_recipes.executor.distributed import detect_dist_env, init_distributed
+        from dflash_recipes.executor.dist_env import detect_dist_env, init_distributed
 
         env = detect_dist_env("cpu")
         init_distributed(env)
@@ -158,7 +158,7 @@ def _child_prepare(data: Path, cache: Path, num_proc: int | None) -> dict[str, f
     tokens = sum(len(example.input_ids) for example in dataset.examples)  # one epoch's reads
     epoch_rss = _rss_parts()
     if env is not None:
-        from dflash_recipes.executor.distributed import shutdown_distributed
+        from dflash_recipes.executor.dist_env import shutdown_distributed
 
         shutdown_distributed()
     return {

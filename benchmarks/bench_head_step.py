@@ -62,7 +62,7 @@ def _worker(steps: int, threads: int) -> None:
     import torch
     from testkit.tiny import tiny_plan, tiny_target
 
-    from dflash_recipes.executor.data.conversations import Batch
+    from dflash_recipes.executor.data.train_dataset import Batch
     from dflash_recipes.executor.model.convert import lm_head
     from dflash_recipes.executor.model.draft import DFlashDraftModel
     from dflash_recipes.executor.training.anchors import sample_batch_anchors

@@ -40,12 +40,12 @@ from bench_step_overhead import MASK_TOKEN, RECIPE, SHAPES, _make_target
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.compiler.resources.estimate import estimate_resources
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head, load_base_model
 from dflash_recipes.executor.training.anchors import sample_batch_anchors
-from dflash_recipes.executor.training.optimizer import build_optimizer
+from dflash_recipes.executor.training.setup.optimizer import build_optimizer
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
+from dflash_recipes.plan.resources.estimate import estimate_resources
 
 TOLERANCE = 0.15
 

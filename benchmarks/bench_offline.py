@@ -31,7 +31,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.capture import capture_plan
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.capture_manifest import read_manifest
 from dflash_recipes.plan.run_plan import RunPlan
 

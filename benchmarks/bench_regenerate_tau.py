@@ -60,7 +60,7 @@ def main() -> int:
     from dflash_recipes.compiler.compilation import compile_file
     from dflash_recipes.executor.evaluation.evaluate import run_eval
     from dflash_recipes.executor.regenerate.job import run_regenerate
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
     from dflash_recipes.files.run_dir import EXPORT_DIR
     from dflash_recipes.plan.run_plan import RunPlan
 

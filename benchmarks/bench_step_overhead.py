@@ -16,7 +16,7 @@ rotates every round, so a noisy neighbour slows all three alike); figures are me
   gradient clipping and AdamW (``foreach=False``), the loss's old ``log_softmax`` + ``gather``
   cross-entropy and ``argmax`` accuracy, and the old per-step host syncs (loss, counts,
   gradient norm and tokens read back every step);
-- ``after``: the trainer's own code path: ``Trainer._micro_step`` (``sample_batch_anchors``,
+- ``after``: the trainer's own code path: ``fit.micro_step`` (``sample_batch_anchors``,
   ``step_inputs``, ``DraftStep``, backward), then ``clip_gradients``, the AdamW of
   ``build_optimizer`` and the trainer's metric window;
 - ``plain``: a plain PyTorch step written here: the same target forward, anchors from one
@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,8 @@ from _measure import print_table, verdict
 from torch import Tensor, nn
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
+from dflash_recipes.executor.dist_env import detect_dist_env
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -64,14 +66,14 @@ from dflash_recipes.executor.model.masks import build_dense_block_mask, build_sp
 from dflash_recipes.executor.training import loss as loss_module
 from dflash_recipes.executor.training import metrics as metrics_module
 from dflash_recipes.executor.training import step as step_module
-from dflash_recipes.executor.training import trainer as train_module
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
     block_inputs,
     block_labels,
     sample_anchors,
 )
-from dflash_recipes.executor.training.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.training.fit import micro_step
+from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 
@@ -195,7 +197,7 @@ class Shape:
             v: DraftStep(self.drafters[v], self.head, self.objective) for v in ("before", "after")
         }
         self.window = metrics_module.MetricWindow(block)
-        self.trainer = train_module.Trainer(self.plan, progress=False)
+        self.env = detect_dist_env("cpu", {})
         self.step_count = 0
 
     def describe(self) -> str:
@@ -255,13 +257,16 @@ class Shape:
 
         torch.Tensor.backward = timed_backward  # type: ignore[method-assign,assignment]
         try:
-            out, tokens = self.trainer._micro_step(
-                timed_step,  # type: ignore[arg-type]
-                self.model,
-                self.batch,
-                step=self.step_count,
-                total_steps=1000,
+            # fit.micro_step reads these parts of a Run (the step module timed here)
+            run = SimpleNamespace(
+                plan=self.plan,
+                spec=self.spec,
+                env=self.env,
+                data=SimpleNamespace(captured_states=lambda batch, device: None),
+                models=SimpleNamespace(target=self.model, step=timed_step),
+                optimization=SimpleNamespace(total_steps=1000),
             )
+            out, tokens = micro_step(run, self.batch, step=self.step_count)  # type: ignore[arg-type]
         finally:
             torch.Tensor.backward = plain_backward  # type: ignore[method-assign]
         self.window.add(out, tokens)

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_recipes.executor.signals import SignalWatch, StepVote
+from dflash_recipes.executor.coordination import StepVote
+from dflash_recipes.executor.signals import SignalWatch
 
 STEPS = 300
 ROUNDS = 3

@@ -35,8 +35,8 @@ import torch
 from _measure import REPO  # noqa: F401 (puts tests/ on sys.path for testkit)
 from testkit.compiling import tiny_scratch_plan
 
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.executor.training.trackers.fanout import TrackerSet
-from dflash_recipes.executor.training.trainer import run_plan
 
 CONFIGS = {
     "report_to: []": "training.report_to=[]",

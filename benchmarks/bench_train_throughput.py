@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
+from dflash_recipes.executor.kinds.dflash import dflash_loss
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -46,7 +47,6 @@ from dflash_recipes.executor.model.convert import (
 )
 from dflash_recipes.executor.model.draft import taps_from_hidden_states
 from dflash_recipes.executor.training.anchors import block_labels, sample_anchors
-from dflash_recipes.executor.training.loss import dflash_loss
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   config, random weights, no download), 4096 tokens, 512 anchors, bf16 target, float32 master
   weights under bf16 autocast, AdamW. Prints tokens/s, peak memory and model FLOPs
   utilisation (formula printed; the peak is ``--peak-tflops``, default H200 bf16 dense).
-  Then the compile-time resource plan (``dflash_recipes.compiler.resources``) of the same shape
+  Then the compile-time resource plan (``dflash_recipes.plan.resources``) of the same shape
   against the step: its exact parts (target and drafter weights, AdamW states) against the
   built modules' bytes, and its memory per rank (less the stated allowance) against
   ``torch.cuda.max_memory_allocated`` of a step, within 15% (exact parts only in a dry run).
@@ -60,15 +60,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.compiler.resources.estimate import estimate_resources, target_dims
-from dflash_recipes.executor.data.conversations import Batch as TokenBatch
-from dflash_recipes.executor.distributed import (
-    DistEnv,
-    init_distributed,
-    shard_target_fsdp2,
-    shutdown_distributed,
-    wrap_ddp,
-)
+from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
+from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -81,9 +74,11 @@ from dflash_recipes.executor.model.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.model.masks import build_dense_block_mask, build_flex_block_mask
+from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
+from dflash_recipes.plan.resources.estimate import estimate_resources, target_dims
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]

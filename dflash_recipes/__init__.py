@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from dflash_recipes.recipe.json_schema import recipe_json_schema
     from dflash_recipes.recipe.loader import LoadResult, load_recipe, load_recipe_with_diagnostics
     from dflash_recipes.recipe.sections import (
+        CardSection,
         DataSection,
         DFlashArchitectureConfig,
         DFlashSection,
@@ -76,6 +77,7 @@ _HOMES = {
     "load_recipe_with_diagnostics": "recipe.loader",
     "ResolvedDraft": "plan.draft_spec",
     "RunPlan": "plan.run_plan",
+    "CardSection": "recipe.sections",
     "DataSection": "recipe.sections",
     "DFlashArchitectureConfig": "recipe.sections",
     "DFlashSection": "recipe.sections",
@@ -91,6 +93,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 __all__ = [
+    "CardSection",
     "CheckpointError",
     "CompileError",
     "CompileResult",

@@ -208,7 +208,7 @@ def test_pipes_in_a_meaning_cannot_break_the_table() -> None:
 
 
 def test_the_gamma_table_matches_the_compiler_default() -> None:
-    from dflash_recipes.compiler.compilation import default_loss_decay_factor
+    from dflash_recipes.recipe.sections import default_loss_decay_factor
 
     lines = docs_text().splitlines()
     sizes_row = next(line for line in lines if line.startswith("| block size `B` |"))

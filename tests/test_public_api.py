@@ -134,4 +134,11 @@ def test_file_entry_points_from_the_top_level_import(
 def test_recipe_json_schema_from_the_top_level_import_is_valid() -> None:
     schema = recipe_json_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
-    assert set(schema["properties"]) == {"model", "data", "training", "dflash", "regenerate"}
+    assert set(schema["properties"]) == {
+        "model",
+        "data",
+        "training",
+        "dflash",
+        "regenerate",
+        "card",
+    }

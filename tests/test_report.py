@@ -57,7 +57,7 @@ def test_report_of_a_real_tiny_run(tmp_path: Path) -> None:
     import torch
 
     from dflash_recipes.compiler.compilation import compile_file
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
 
     torch.set_num_threads(1)
     result = compile_file(

@@ -19,8 +19,10 @@ The regions generated are, each between its markers:
   start reads and its renames onto the z-lab names, from
   `dflash_recipes.checkpoint.known_layouts.KNOWN_LAYOUTS`.
 
-- `<!-- architecture:start -->` .. `<!-- architecture:end -->`: the package tree, one table per
-  folder, each module with the first paragraph of its docstring (read with `ast`).
+- `<!-- architecture:start -->` .. `<!-- architecture:end -->`: the layers, top to bottom, from
+  `dflash_recipes.layers.LAYERS` (the table `tests/test_architecture.py` enforces), then the
+  package tree, one table per folder, each module with the first paragraph of its docstring
+  (read with `ast`).
 
 Text outside the markers is never touched.
 """
@@ -245,9 +247,36 @@ def _first_paragraph(path: Path) -> str:
     return " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
 
 
+def render_layers() -> str:
+    """The layers table: each layer's rooms (folders or modules) and what they hold, top first."""
+    from dflash_recipes.layers import LAYERS
+
+    lines = ["| layer | rooms | what they hold |", "| --- | --- | --- |"]
+    for number, layer in enumerate(LAYERS, start=1):
+        rooms = ", ".join(f"`{_room_path(room)}`" for room in layer.rooms)
+        lines.append(f"| {number} | {rooms} | {_cell(layer.holds)} |")
+    return "\n".join(lines)
+
+
+def _room_path(room: str) -> str:
+    """A room as a path below the package: `cli/`, `lazy.py`, `recipe/choices.py`, `__init__.py`."""
+    if not room:
+        return "__init__.py"
+    path = room.replace(".", "/")
+    return f"{path}.py" if (PACKAGE_DIR / f"{path}.py").is_file() else f"{path}/"
+
+
 def render_architecture() -> str:
-    """One table per folder of the package: each module and the first paragraph of its docstring."""
-    out: list[str] = []
+    """The layers table, then one table per folder of the package: each module and the first
+    paragraph of its docstring."""
+    out: list[str] = [
+        "A module imports its own room and the layers below it, never a layer above nor another "
+        "room of its own layer (`dflash_recipes/layers.py`; `tests/test_architecture.py` checks "
+        "every import):",
+        "",
+        render_layers(),
+        "",
+    ]
     folders = sorted(
         {p.parent for p in PACKAGE_DIR.rglob("*.py") if "remote_code" not in p.parts},
         key=lambda d: d.relative_to(ROOT).parts,

@@ -58,20 +58,22 @@ _PKG = "dflash_recipes/"
 #: The compile checks are exercised through whole compiles, by the tests of every check family
 #: (a taps warning is asserted where the checkpoint is tested); the capture tests are left out
 #: (they capture with the tiny target first, which each mutant would have to repeat).
-_COMPILE_TESTS = tuple(
-    f"tests/compiler/test_{name}.py"
-    for name in (
-        "checkpoint_checks",
-        "id_checks",
-        "input_checks",
-        "recipe_checks",
-        "regenerate_checks",
-        "field_checks",
-        "compilation",
-        "model_paths",
-        "codes",
-        "findings_pinned",
-    )
+_COMPILE_TESTS = (
+    *(
+        f"tests/compiler/test_{name}.py"
+        for name in (
+            "checkpoint_checks",
+            "id_checks",
+            "input_checks",
+            "recipe_checks",
+            "regenerate_checks",
+            "field_checks",
+            "compilation",
+            "codes",
+            "findings_pinned",
+        )
+    ),
+    "tests/checkpoint/test_model_paths.py",
 )
 
 GROUPS: tuple[Group, ...] = (
@@ -99,6 +101,12 @@ GROUPS: tuple[Group, ...] = (
         "plan",
         (_PKG + "plan/value_checks.py",),
         ("tests/plan/test_value_checks.py", "tests/plan/test_run_plan.py"),
+    ),
+    # the URL and output rules `compile` and `regenerate` share
+    Group(
+        "regenerate-settings",
+        (_PKG + "plan/regenerate_settings.py",),
+        ("tests/plan/test_regenerate_settings.py", "tests/compiler/test_regenerate_checks.py"),
     ),
     Group(
         "crashsafe",

@@ -29,11 +29,11 @@ from dflash_recipes.checkpoint.config_bounds import (
 )
 from dflash_recipes.checkpoint.config_json import read_json_config
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
+from dflash_recipes.checkpoint.target_facts import RopePlan, RopeValue, TargetFacts
 from dflash_recipes.checkpoint.tensor_layout import ARCHITECTURE_FIELDS, SHAPE_FIELDS
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.files.jsonio import shorten
-from dflash_recipes.plan.run_plan import RopePlan, RopeValue, TargetFacts
 from dflash_recipes.recipe.choices import PROJECTOR_TYPES
 from dflash_recipes.records import Record
 

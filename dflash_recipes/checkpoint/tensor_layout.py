@@ -1,7 +1,8 @@
 """The tensor layout of a DFlash drafter: its fields, names and shapes, and how to compare them.
 
 The one home of the layout facts: which recipe fields decide a drafter's tensors
-(:data:`ARCHITECTURE_FIELDS`, :data:`HEAD_FIELDS`, :data:`DRAFT_SPEC_FIELDS`), building the
+(:data:`ARCHITECTURE_FIELDS`, :data:`DRAFT_SPEC_FIELDS`; each kind's head sizes are its own,
+:mod:`dflash_recipes.checkpoint.kinds`), building the
 :class:`LayoutSpec` from a drafter's settings (:func:`layout_spec_for`), and turning a layout
 difference into recipe fixes (:func:`layout_fixes`). One definition serves the compiler
 (checking a checkpoint's header before a GPU is touched) and the warm-start loader (checking
@@ -10,6 +11,8 @@ the tensors it is about to copy), so both report a mismatch with the same words
 
 The layout is the z-lab one that serving engines load: unprefixed keys, no embedding table,
 no output head, no rotary buffer (docs/dflash.md, "What a run writes, and the export layout").
+The backbone is here (:func:`backbone_layout`); the tensors a kind adds are its kind module's
+(``KindFacts.layout``), which :func:`head_layout` asks for.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from typing import Any
 
 import attrs
 
+from dflash_recipes.checkpoint.kinds.protocol import Shape, dim
+from dflash_recipes.checkpoint.kinds.registry import (
+    HEAD_FIELD_OWNERS,
+    KINDS,
+    kind_facts,
+)
 from dflash_recipes.recipe.choices import PROJECTOR_TYPES, ProjectorType
 from dflash_recipes.records import Record
-
-Shape = tuple[int, ...]
 
 _PROJECTORS: tuple[str, ...] = PROJECTOR_TYPES
 
@@ -36,25 +43,6 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "head_dim",
     "intermediate_size",
 )
-
-#: The head sizes each projector type needs (recipe names under dflash_architecture_config).
-HEAD_FIELDS: Mapping[str, tuple[str, ...]] = {
-    "dflash": (),
-    "domino": ("emb_dim", "gru_hidden_dim"),
-    "dspark": ("markov_rank",),
-}
-
-#: Head size -> the projector type that uses it.
-HEAD_FIELD_OWNERS: Mapping[str, str] = {
-    name: projector for projector, names in HEAD_FIELDS.items() for name in names
-}
-
-#: What each head size means, for messages.
-HEAD_FIELD_MEANING: Mapping[str, str] = {
-    "emb_dim": "the width of Domino's correction embedding",
-    "gru_hidden_dim": "the hidden width of Domino's prefix GRU",
-    "markov_rank": "the rank of DSpark's low-rank Markov transition bias",
-}
 
 #: Every dimension a checkpoint's tensor shapes can settle (dims, then head sizes).
 SHAPE_FIELDS: tuple[str, ...] = (*ARCHITECTURE_FIELDS, *HEAD_FIELD_OWNERS)
@@ -107,9 +95,9 @@ def _projector(instance: object, attribute: attrs.Attribute[Any], value: Any) ->
 class LayoutSpec(Record):
     """Everything that decides a drafter's tensor names and shapes.
 
-    Construction checks that the fields a head variant needs are set (ValueError otherwise):
-    domino needs vocab_size, emb_dim and gru_hidden_dim; dspark needs vocab_size and
-    markov_rank. The compiler reports missing fields as diagnostics before building one.
+    Construction checks that the fields the kind needs are set (``KindFacts.layout_needs``;
+    ValueError otherwise): domino needs vocab_size, emb_dim and gru_hidden_dim; dspark needs
+    vocab_size and markov_rank. The compiler reports missing fields as diagnostics first.
     """
 
     hidden_size: int = attrs.field(validator=_positive)
@@ -132,11 +120,7 @@ class LayoutSpec(Record):
     attention_sink: bool = False
 
     def __attrs_post_init__(self) -> None:
-        needed: tuple[str, ...] = ()
-        if self.projector_type == "domino":
-            needed = ("vocab_size", "emb_dim", "gru_hidden_dim")
-        elif self.projector_type == "dspark":
-            needed = ("vocab_size", "markov_rank")
+        needed = kind_facts(self.projector_type).layout_needs
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             msg = f"projector_type {self.projector_type} needs {', '.join(missing)} to be set"
@@ -176,41 +160,11 @@ def backbone_layout(spec: LayoutSpec) -> dict[str, Shape]:
 
 
 def head_layout(spec: LayoutSpec) -> dict[str, Shape]:
-    """The head variant's own tensors; empty for plain DFlash.
+    """The tensors the kind adds to the backbone (its ``KindFacts.layout``); empty for DFlash.
 
     See docs/dflash.md, "Domino and DSpark from a plain DFlash checkpoint".
     """
-    hidden = spec.hidden_size
-    if spec.projector_type == "domino":
-        assert spec.gru_hidden_dim is not None
-        assert spec.emb_dim is not None
-        assert spec.vocab_size is not None
-        gru = spec.gru_hidden_dim
-        return {
-            "prefix_gru.weight_ih_l0": (3 * gru, hidden),
-            "prefix_gru.weight_hh_l0": (3 * gru, gru),
-            "embed_proj.0.weight": (spec.emb_dim, hidden + gru),
-            "embed_proj.2.weight": (spec.vocab_size, spec.emb_dim),
-        }
-    if spec.projector_type == "dspark":
-        assert spec.markov_rank is not None
-        assert spec.vocab_size is not None
-        rank = spec.markov_rank
-        layout: dict[str, Shape] = {
-            "markov_w1.weight": (spec.vocab_size, rank),
-            "markov_w2.weight": (spec.vocab_size, rank),
-        }
-        if spec.markov_head_type == "gated":  # sigmoid(gate_proj([h ; W1[x]])) gates W1[x]
-            layout["gate_proj.weight"] = (rank, hidden + rank)
-            layout["gate_proj.bias"] = (rank,)
-        elif spec.markov_head_type == "rnn":  # [gate ; candidate ; output] of [s ; W1[x] ; h]
-            layout["joint_proj.weight"] = (3 * rank, 2 * rank + hidden)
-            layout["joint_proj.bias"] = (3 * rank,)
-        if spec.use_confidence_head:
-            layout["confidence_proj.weight"] = (1, hidden + rank)
-            layout["confidence_proj.bias"] = (1,)
-        return layout
-    return {}
+    return kind_facts(spec.projector_type).layout(spec)
 
 
 def expected_layout(spec: LayoutSpec) -> dict[str, Shape]:
@@ -222,12 +176,7 @@ def expected_layout(spec: LayoutSpec) -> dict[str, Shape]:
 
 def head_submodules(spec: LayoutSpec) -> dict[str, tuple[str, ...]]:
     """Head submodule name -> its tensor names (a submodule loads whole or not at all)."""
-    names = tuple(head_layout(spec))
-    groups: dict[str, tuple[str, ...]] = {}
-    for name in names:
-        module = name.split(".", 1)[0]
-        groups[module] = (*groups.get(module, ()), name)
-    return groups
+    return kind_facts(spec.projector_type).tensor_groups(spec)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -478,61 +427,46 @@ def format_layout_diff(diff: LayoutDiff, *, fixes: Sequence[str] = ()) -> str:
 _LAYER_RE = r"^layers\.([0-9]{1,9})\."
 
 
-def _dim(found: Mapping[str, Shape], name: str, rank: int, axis: int) -> int | None:
-    shape = found.get(name)
-    if shape is None or len(shape) != rank or shape[axis] <= 0:
-        return None
-    return int(shape[axis])
-
-
 def infer_architecture(found: Mapping[str, Shape]) -> dict[str, int]:
     """Drafter dimensions implied by tensor shapes; fields it cannot tell are left out.
 
     Keys (when derivable): num_hidden_layers, hidden_size, n_taps, head_dim,
-    num_attention_heads, num_key_value_heads, intermediate_size, and for head variants
-    vocab_size, emb_dim, gru_hidden_dim, markov_rank. Never raises on odd shapes.
+    num_attention_heads, num_key_value_heads, intermediate_size, and what each kind's
+    ``infer_dims`` shows (vocab_size, emb_dim, gru_hidden_dim, markov_rank). Never raises on
+    odd shapes.
     """
     dims: dict[str, int] = {}
     layers = sorted({int(m.group(1)) for n in found if (m := re.match(_LAYER_RE, n))})
     if layers:
         dims["num_hidden_layers"] = layers[-1] + 1
     hidden = (
-        _dim(found, "norm.weight", 1, 0)
-        or _dim(found, "hidden_norm.weight", 1, 0)
-        or _dim(found, "fc.weight", 2, 0)
+        dim(found, "norm.weight", 1, 0)
+        or dim(found, "hidden_norm.weight", 1, 0)
+        or dim(found, "fc.weight", 2, 0)
     )
     if hidden:
         dims["hidden_size"] = hidden
-        fc_in = _dim(found, "fc.weight", 2, 1)
+        fc_in = dim(found, "fc.weight", 2, 1)
         if fc_in and fc_in % hidden == 0:
             dims["n_taps"] = fc_in // hidden
     if layers:
         first = f"layers.{layers[0]}."
-        head_dim = _dim(found, first + "self_attn.q_norm.weight", 1, 0)
+        head_dim = dim(found, first + "self_attn.q_norm.weight", 1, 0)
         if head_dim:
             dims["head_dim"] = head_dim
             for key, tensor in (
                 ("num_attention_heads", "self_attn.q_proj.weight"),
                 ("num_key_value_heads", "self_attn.k_proj.weight"),
             ):
-                rows = _dim(found, first + tensor, 2, 0)
+                rows = dim(found, first + tensor, 2, 0)
                 if rows and rows % head_dim == 0:
                     dims[key] = rows // head_dim
-        inter = _dim(found, first + "mlp.gate_proj.weight", 2, 0)
+        inter = dim(found, first + "mlp.gate_proj.weight", 2, 0)
         if inter:
             dims["intermediate_size"] = inter
-    vocab = _dim(found, "markov_w1.weight", 2, 0) or _dim(found, "embed_proj.2.weight", 2, 0)
-    if vocab:
-        dims["vocab_size"] = vocab
-    emb = _dim(found, "embed_proj.0.weight", 2, 0)
-    if emb:
-        dims["emb_dim"] = emb
-    gru = _dim(found, "prefix_gru.weight_hh_l0", 2, 1)
-    if gru:
-        dims["gru_hidden_dim"] = gru
-    rank = _dim(found, "markov_w1.weight", 2, 1)
-    if rank:
-        dims["markov_rank"] = rank
+    # Each kind reads its own sizes; a later kind's vocab_size wins (DSpark's over Domino's).
+    for kind in KINDS.values():
+        dims.update(kind.infer_dims(found))
     return dims
 
 
@@ -605,7 +539,7 @@ def layout_fixes(
     `stated_taps` / `stated_projector` what its config.json says, when it has one.
     """
     fixes: list[str] = []
-    for name in (*ARCHITECTURE_FIELDS, *HEAD_FIELDS[spec.projector_type]):
+    for name in (*ARCHITECTURE_FIELDS, *kind_facts(spec.projector_type).head_fields):
         value = dims.values.get(name)
         if value is not None and value != getattr(spec, name):
             fixes.append(dims.fix(name))
@@ -669,9 +603,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 __all__ = [
     "ARCHITECTURE_FIELDS",
     "DRAFT_SPEC_FIELDS",
-    "HEAD_FIELDS",
-    "HEAD_FIELD_MEANING",
-    "HEAD_FIELD_OWNERS",
     "LAYER_TENSORS",
     "SHAPE_FIELDS",
     "CheckpointDims",

@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 
 from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from dflash_recipes.checkpoint.model_paths import describe_directory
 from dflash_recipes.checkpoint.safetensors_header import (
     SafetensorsHeader,
     TensorInfo,
@@ -22,7 +23,6 @@ from dflash_recipes.checkpoint.safetensors_header import (
     read_safetensors_header,
     show_value,
 )
-from dflash_recipes.compiler.model_paths import describe_directory
 from dflash_recipes.errors import CheckpointError, SafetensorsHeaderError
 from dflash_recipes.files.jsonio import read_json_object_file
 from dflash_recipes.records import Record

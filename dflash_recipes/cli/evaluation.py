@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,13 +14,16 @@ from dflash_recipes.cli.group import (
     _DIRECTORY,
     _FILE,
     _FILE_OR_FOLDER,
+    EXIT_FINDINGS,
+    EXIT_USAGE,
+    _fail,
     _setup_logging,
     load_plan_or_recipe,
     main,
 )
 
 if TYPE_CHECKING:
-    pass
+    from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport
 
 
 @main.command("eval")
@@ -27,9 +31,8 @@ if TYPE_CHECKING:
 @click.argument("overrides", nargs=-1)
 @click.option(
     "--checkpoint",
-    required=True,
     type=_DIRECTORY,
-    help="An export directory or a training checkpoint directory.",
+    help="An export directory or a training checkpoint directory (default: --write-card's).",
 )
 @click.option(
     "--prompts",
@@ -59,10 +62,23 @@ if TYPE_CHECKING:
     help="Pass enable_thinking to the chat template (Qwen3-style); default: not passed.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--min-tau",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Acceptance gate: exit 1, with one line saying measured against required, when the "
+    "pooled tau is below this.",
+)
+@click.option(
+    "--write-card",
+    type=_DIRECTORY,
+    metavar="EXPORT_DIR",
+    help="Write the measured figures into this export's model card (README.md), regenerating "
+    "it; the export must be the drafter measured (--checkpoint, if given, names it too).",
+)
 def eval_command(
     plan_or_recipe: str,
     overrides: tuple[str, ...],
-    checkpoint: Path,
+    checkpoint: Path | None,
     prompts: Path | None,
     prompt_column: str | None,
     max_new_tokens: int,
@@ -70,6 +86,8 @@ def eval_command(
     batch_size: int,
     enable_thinking: bool | None,
     as_json: bool,
+    min_tau: float | None,
+    write_card: Path | None,
 ) -> None:
     """Measure real acceptance: block drafting + greedy verification by the target.
 
@@ -81,10 +99,17 @@ def eval_command(
     is not supported. --json also records what makes tau comparable (block size,
     max_new_tokens, chat template and prompt file sha256, thinking mode, number of prompts).
 
+    --min-tau X makes it a gate: exit 1 with one line (measured against required) when the
+    pooled tau is below X, 0 otherwise. --write-card EXPORT_DIR regenerates that export's
+    README.md with the measured figures (before the gate decides, so a failing measurement is
+    on the card too).
+
     \b
-    Example:
+    Examples:
       dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --prompts heldout.jsonl
+      dflash-recipe eval recipe.yaml --write-card outputs/run/export --min-tau 3.0
     """
+    checkpoint = _measured_directory(checkpoint, write_card)
     plan = load_plan_or_recipe(plan_or_recipe, overrides)
     _setup_logging(False)
     from dflash_recipes.executor.evaluation.evaluate import run_eval
@@ -101,7 +126,55 @@ def eval_command(
     )
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-        return
+    else:
+        _print_report(report, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if write_card is not None:
+        from dflash_recipes.card.acceptance import measurement_from_report
+        from dflash_recipes.card.writer import write_card_measurement
+
+        measured = measurement_from_report(report.to_dict(), source="eval")
+        if measured is not None:
+            click.echo(
+                f"wrote the measurement into {write_card_measurement(write_card, measured)}",
+                err=True,
+            )
+    if min_tau is not None:
+        from dflash_recipes.card.acceptance import acceptance_shortfall
+
+        line = acceptance_shortfall(report.tau, min_tau, setting="--min-tau")
+        if line is not None:
+            click.echo(line, err=True)
+            sys.exit(EXIT_FINDINGS)
+
+
+def _measured_directory(checkpoint: Path | None, write_card: Path | None) -> Path:
+    """The directory `eval` measures: --checkpoint, else --write-card's export (exit 2 when
+    neither is given, when they differ, or when the export has no card to write)."""
+    if write_card is None:
+        if checkpoint is None:
+            _fail(
+                "pass --checkpoint DIR (the drafter to measure) or --write-card EXPORT_DIR",
+                EXIT_USAGE,
+            )
+        return checkpoint
+    if checkpoint is not None and checkpoint.resolve() != write_card.resolve():
+        _fail(
+            f"--write-card {write_card} is not the --checkpoint measured ({checkpoint}); a card "
+            "records the measurement of its own export: pass the same directory, or "
+            "--write-card alone",
+            EXIT_USAGE,
+        )
+    from dflash_recipes.card.writer import read_card
+    from dflash_recipes.errors import CheckpointError
+
+    try:  # before the models load: a card that cannot be written costs nothing
+        read_card(write_card)
+    except CheckpointError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    return write_card
+
+
+def _print_report(report: AcceptanceReport, *, max_new_tokens: int, batch_size: int) -> None:
     rates = " ".join(f"{r:.2f}" for r in report.per_position_acceptance)
     click.echo(
         f"acceptance length tau, pooled over all verification steps: {report.tau_pooled:.3f} "

@@ -109,11 +109,11 @@ def compile_command(
     plan = result.plan
     compiled, resources, problem = plan, None, None
     if plan is not None:
-        from dflash_recipes.compiler.resources.text import compile_resources
+        from dflash_recipes.compiler.resource_report import compile_resources
 
         resources, target, problem = compile_resources(plan, world_size=world_size)
         if resources is not None and device_memory is not None:
-            from dflash_recipes.compiler.resources.fit import device_diagnostic
+            from dflash_recipes.compiler.resource_report import device_diagnostic
 
             finding = device_diagnostic(
                 plan, resources, device_memory, recipe_file=recipe, target=target
@@ -141,7 +141,7 @@ def compile_command(
     else:
         _print_diagnostics(diagnostics)
         if compiled is not None:
-            from dflash_recipes.compiler.resources.text import render_for_compile
+            from dflash_recipes.compiler.resource_report import render_for_compile
 
             text = render_for_compile(
                 compiled, resources, problem, mfu=mfu, peak_tflops=peak_tflops

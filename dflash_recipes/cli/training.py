@@ -14,6 +14,7 @@ from dflash_recipes.cli.group import (
     _ANY_PATH_STR,
     _DIRECTORY,
     _FILE_STR,
+    EXIT_FINDINGS,
     EXIT_USAGE,
     _fail,
     _setup_logging,
@@ -66,16 +67,26 @@ def run_command(
       dflash-recipe run plan.json --nproc-per-node 8
       dflash-recipe run plan.json --nproc-per-node 8 --nnodes 2 --rdzv-endpoint node0:29500
     """
-    from dflash_recipes.executor.distributed import is_launched_process
+    from dflash_recipes.executor.dist_env import is_launched_process
 
+    launching = nproc_per_node is not None or nnodes > 1
+    if not launching and (rdzv_endpoint is not None or rdzv_id is not None):
+        given = "--rdzv-endpoint" if rdzv_endpoint is not None else "--rdzv-id"
+        _fail(
+            f"{given} applies only to a torchrun launch, and this command starts none: add "
+            "--nproc-per-node N (the processes on each node) and, for several nodes, --nnodes N, "
+            "or drop the rendezvous options for a single-process run",
+            EXIT_USAGE,
+        )
     plan = load_plan_or_recipe(recipe_or_plan, overrides)
-    if (nproc_per_node is not None or nnodes > 1) and not is_launched_process():
-        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+    if launching and not is_launched_process():
+        from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
             [recipe_or_plan, *overrides]
             + (["--no-progress"] if no_progress else [])
-            + (["--verify-capture"] if verify_capture else []),
+            + (["--verify-capture"] if verify_capture else [])
+            + (["-v"] if verbose else []),
             nproc_per_node=nproc_per_node or 1,
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
@@ -83,14 +94,21 @@ def run_command(
         )
         sys.exit(launch_torchrun(argv))
     _setup_logging(verbose)
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
 
     # errors: the group's one handler
     summary = run_plan(plan, progress=not no_progress, verify_capture=verify_capture)
     if os.environ.get("RANK", "0") == "0":
-        from dflash_recipes.executor.training.resume import summary_line as run_summary_line
+        from dflash_recipes.card.acceptance import run_gate_line
+        from dflash_recipes.executor.training.summary import summary_line as run_summary_line
 
         click.echo(run_summary_line(summary), err=True)
+        # training.eval_min_tau: judged once the run is finished and exported (docs/dflash.md,
+        # "The model card and the acceptance gate").
+        gate = run_gate_line(plan) if summary.steps >= summary.planned_steps else None
+        if gate is not None:
+            click.echo(gate, err=True)
+            sys.exit(EXIT_FINDINGS)
 
 
 @main.command("capture")
@@ -132,7 +150,7 @@ def capture_command(
       dflash-recipe capture recipe.yaml --output /data/capture --nproc-per-node 8
       dflash-recipe run recipe.yaml data.hidden_states_path=/data/capture
     """
-    from dflash_recipes.executor.distributed import is_launched_process
+    from dflash_recipes.executor.dist_env import is_launched_process
 
     # The capture is what data.hidden_states_path will name: compile without it (a capture
     # that does not exist yet must not fail the compile), but take it as the default output.
@@ -152,11 +170,12 @@ def capture_command(
             EXIT_USAGE,
         )
     if nproc_per_node is not None and not is_launched_process():
-        from dflash_recipes.executor.distributed import build_torchrun_argv, launch_torchrun
+        from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
         argv = build_torchrun_argv(
             [recipe_or_plan, *overrides, "--output", str(target), "--shard-mib", str(shard_mib)]
-            + (["--no-progress"] if no_progress else []),
+            + (["--no-progress"] if no_progress else [])
+            + (["-v"] if verbose else []),
             nproc_per_node=nproc_per_node,
             command="capture",
         )
@@ -178,7 +197,7 @@ def capture_command(
 
 def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:
     """The recipe's data.hidden_states_path (absolute, against the recipe's folder), or None."""
-    from dflash_recipes.compiler.model_paths import resolve_local_path
+    from dflash_recipes.checkpoint.model_paths import resolve_local_path
     from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
 
     loaded = load_recipe_with_diagnostics(Path(recipe), overrides=tuple(overrides))

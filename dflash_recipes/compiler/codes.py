@@ -33,6 +33,11 @@ TAPS_DUPLICATE = _code("taps-duplicate", _E, "target_layer_ids lists a target la
 EVAL_DATA_UNSET = _code(
     "eval-data-unset", _W, "training.eval_steps is set but data.eval_data_path is not"
 )
+EVAL_GATE_UNMEASURED = _code(
+    "eval-gate-unmeasured",
+    _E,
+    "training.eval_min_tau is set but the run measures no held-out tau to compare with it",
+)
 
 _DIR_KINDS: dict[str, str] = {
     "hub-id": "is a Hugging Face Hub id, which is not fetched; stage it with `hf download`",

@@ -7,6 +7,12 @@ Two levels, one code path:
   model's config.json read, a resume detected in `training.output_dir`, and the init
   checkpoint's config.json and safetensors header(s) cross-checked against the recipe.
 
+:func:`compile_recipe` is the sequence of phases, top to bottom: read what the recipe points at,
+check the recipe on its own, resolve the drafter's ids, cross-check what was read against them,
+build the plan. The checks are functions of the values they are given
+(:mod:`~dflash_recipes.compiler.state`), so a phase cannot run before the one whose result it
+takes.
+
 Every finding is a :class:`~dflash_recipes.diagnostics.Diagnostic` with a registered code, the
 dotted recipe path it concerns, what is wrong and the fix. Nothing here raises for bad input
 and nothing reads tensor data: a 2 GB drafter costs a few kilobytes of header.
@@ -17,23 +23,42 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.compiler.checkpoint_checks import CheckpointChecks
+from dflash_recipes.checkpoint.model_paths import resolve_local_path
+from dflash_recipes.compiler.checkpoint_checks import (
+    check_against_target,
+    check_checkpoint_config,
+    check_checkpoint_fields,
+    check_layout,
+    read_init_checkpoint,
+)
 from dflash_recipes.compiler.codes import (
     CHECKPOINT_LAYER_TYPES_DIFFER,
     CHECKPOINT_MASK_DIFFERS,
     CHECKPOINT_TAPS_DIFFER,
     HEADS_FROM_SCRATCH,
 )
-from dflash_recipes.compiler.id_checks import DEFAULT_RMS_NORM_EPS, DraftIdChecks
-from dflash_recipes.compiler.input_checks import InputChecks, check_tracker_libraries
-from dflash_recipes.compiler.model_paths import resolve_local_path
-from dflash_recipes.compiler.recipe_checks import SchemaChecks
+from dflash_recipes.compiler.id_checks import DraftIds, resolve_draft_ids, schema_draft_ids
+from dflash_recipes.compiler.input_checks import (
+    check_capture,
+    check_data,
+    check_tracker_libraries,
+    resolve_base_model,
+    resolve_output,
+)
+from dflash_recipes.compiler.recipe_checks import check_dims_set, check_schema
+from dflash_recipes.compiler.state import (
+    NOTHING_READ,
+    CompileInputs,
+    Report,
+    WhatWasRead,
+)
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, has_errors, sort_diagnostics
 from dflash_recipes.files.data_cache import default_data_cache_dir
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
     BaseModelPlan,
+    CardPlan,
     DataPlan,
     DraftPlan,
     InitCheckpointPlan,
@@ -43,7 +68,12 @@ from dflash_recipes.plan.run_plan import (
     TrainingPlan,
 )
 from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
-from dflash_recipes.recipe.sections import Recipe, RegenerateSection
+from dflash_recipes.recipe.sections import (
+    CardSection,
+    Recipe,
+    RegenerateSection,
+    default_loss_decay_factor,
+)
 from dflash_recipes.records import Record
 
 #: The warnings about a warm start that the plan carries for `run` to log again when it loads
@@ -56,20 +86,6 @@ _WARM_START_WARNINGS = frozenset(
         HEADS_FROM_SCRATCH,
     }
 )
-
-# Paper guidance for the decay gamma, block size -> gamma (docs/dflash.md, "Block size and the
-# decay gamma").
-_DECAY_POINTS: tuple[tuple[int, float], ...] = ((8, 4.0), (10, 5.0), (16, 7.0))
-
-
-def default_loss_decay_factor(block_size: int) -> float:
-    """gamma for `exp(-(k-1)/gamma)`: 4 for B=8, 5 for B=10, 7 for B=16.
-
-    Other block sizes interpolate linearly through those points, extrapolating from the
-    nearest pair outside them, and never go below 1.0.
-    """
-    (b0, g0), (b1, g1) = _DECAY_POINTS[:2] if block_size <= 10 else _DECAY_POINTS[1:]
-    return max(1.0, g0 + (block_size - b0) * (g1 - g0) / (b1 - b0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,189 +116,6 @@ class CompileResult(Record):
 # ---------------------------------------------------------------------------------------------
 
 
-class _Compilation(SchemaChecks, InputChecks, DraftIdChecks, CheckpointChecks):
-    """One compile: every check mixin over one shared compile state (the plan is built here)."""
-
-    # -- the plan ---------------------------------------------------------------------------------
-
-    def build_plan(
-        self,
-        *,
-        taps: tuple[int, ...] | None,
-        mask: int | None,
-        layer_types: tuple[tuple[str, ...] | None, int | None] = (None, None),
-        rms_norm_eps: float = DEFAULT_RMS_NORM_EPS,
-        recipe_file: str | None,
-        overrides: Sequence[str],
-        resolved: bool,
-    ) -> RunPlan:
-        recipe, arch = self.recipe, self.arch
-        dflash, data, training = recipe.dflash, recipe.data, recipe.training
-
-        def optional(value: str | None) -> str | None:
-            return str(self.absolute(value)) if value is not None else None
-
-        init: InitCheckpointPlan | None = None
-        if dflash.dflash_init_checkpoint is not None and self.resume is None:
-            init = InitCheckpointPlan(path=str(self.absolute(dflash.dflash_init_checkpoint)))
-            if self.weights is not None:
-                init = attrs.evolve(
-                    init,
-                    weight_files=self.weights.weight_files,
-                    tensor_count=len(self.weights.tensors),
-                    dtypes=self.weights.dtypes,
-                    heads_from_scratch=self.heads_from_scratch,
-                )
-            if self.config is not None and self.config.readable:
-                init = attrs.evolve(
-                    init,
-                    config_present=True,
-                    trained_block_size=self.config.block_size,
-                    target_layer_ids=self.config.target_layer_ids,
-                    mask_token_id=self.config.mask_token_id,
-                )
-        if init is not None:
-            said = tuple(d.message for d in self.diagnostics if d.code in _WARM_START_WARNINGS)
-            init = attrs.evolve(init, warnings=said)
-        decay = dflash.dflash_loss_decay_factor
-        return RunPlan(
-            base_model=BaseModelPlan(
-                path=str(self.absolute(recipe.model.model_name_or_path)),
-                dtype=recipe.model.dtype,
-                trust_remote_code=recipe.model.trust_remote_code,
-                facts=self.facts,
-            ),
-            data=DataPlan(
-                data_path=optional(data.data_path),
-                chat_template=optional(data.chat_template),
-                answer_only_loss=data.answer_only_loss,
-                eval_data_path=optional(data.eval_data_path),
-                hidden_states_path=optional(data.hidden_states_path),
-                cache_dir=str(
-                    self.absolute(data.cache_dir)
-                    if data.cache_dir is not None
-                    else default_data_cache_dir()
-                    or self.absolute(training.output_dir) / DATA_CACHE_DIR  # no home folder
-                ),
-                num_proc=data.num_proc,
-            ),
-            training=TrainingPlan(
-                output_dir=str(self.absolute(training.output_dir)),
-                learning_rate=training.learning_rate,
-                num_train_epochs=training.num_train_epochs,
-                max_steps=training.max_steps,
-                per_device_train_batch_size=training.per_device_train_batch_size,
-                gradient_accumulation_steps=training.gradient_accumulation_steps,
-                training_seq_len=training.training_seq_len,
-                warmup_ratio=training.warmup_ratio,
-                lr_scheduler_type=training.lr_scheduler_type,
-                max_grad_norm=training.max_grad_norm,
-                weight_decay=training.weight_decay,
-                seed=training.seed,
-                save_steps=training.save_steps,
-                save_total_limit=training.save_total_limit,
-                logging_steps=training.logging_steps,
-                eval_steps=training.eval_steps,
-                device=training.device,
-                fsdp=training.fsdp,
-                report_to=training.report_to,
-                run_name=training.run_name or self.absolute(training.output_dir).name,
-                logging_dir=str(
-                    self.absolute(training.logging_dir)
-                    if training.logging_dir is not None
-                    else self.absolute(training.output_dir) / "tensorboard"
-                ),
-            ),
-            draft=DraftPlan(
-                block_size=dflash.dflash_block_size,
-                mask_token_id=mask,
-                target_layer_ids=taps,
-                architecture=ArchitecturePlan(
-                    num_hidden_layers=arch.num_hidden_layers,
-                    num_attention_heads=arch.num_attention_heads,
-                    num_key_value_heads=arch.num_key_value_heads,
-                    head_dim=arch.head_dim,
-                    intermediate_size=arch.intermediate_size,
-                    rms_norm_eps=rms_norm_eps,
-                    projector_type=arch.projector_type,
-                    emb_dim=arch.emb_dim,
-                    gru_hidden_dim=arch.gru_hidden_dim,
-                    markov_rank=arch.markov_rank,
-                    use_confidence_head=arch.use_confidence_head,
-                    attention_sink=arch.attention_sink,
-                    layer_types=layer_types[0],
-                    sliding_window=layer_types[1],
-                    shift_label=arch.shift_label,
-                    pure_draft_prefix_len=arch.pure_draft_prefix_len,
-                    markov_head_type=arch.markov_head_type,
-                ),
-                objective=ObjectivePlan(
-                    num_anchors=dflash.dflash_num_anchors,
-                    loss_objective=dflash.dflash_loss_objective,
-                    loss_decay_factor=(
-                        float(decay)
-                        if decay is not None
-                        else default_loss_decay_factor(dflash.dflash_block_size)
-                    ),
-                    dpace_alpha=float(dflash.dflash_dpace_alpha),
-                    self_logit_distillation=dflash.dflash_self_logit_distillation,
-                    domino_backbone_loss_weight=float(dflash.dflash_domino_backbone_loss_weight),
-                    dspark_tv_weight=float(dflash.dflash_dspark_tv_weight),
-                    dspark_confidence_weight=float(dflash.dflash_dspark_confidence_weight),
-                ),
-            ),
-            init_checkpoint=init,
-            resume=self.resume,
-            recipe_file=str(resolve_local_path(recipe_file, base_dir=None))
-            if recipe_file
-            else None,
-            overrides=tuple(overrides),
-            resolved=resolved,
-            regenerate=(
-                _regenerate_plan(
-                    recipe.regenerate,
-                    self.absolute(recipe.regenerate.output_path)
-                    if recipe.regenerate.output_path
-                    else None,
-                    training_seq_len=training.training_seq_len,
-                )
-                if recipe.regenerate != RegenerateSection()
-                else None
-            ),
-        )
-
-    def check_regenerate(self, *, resolve: bool) -> None:
-        """The `regenerate:` section, checked without a network (see regenerate_settings)."""
-        section, data = self.recipe.regenerate, self.recipe.data
-        if section == RegenerateSection():
-            return  # the defaults: nothing to check (and the checks' module stays unloaded)
-        from dflash_recipes.compiler.regenerate_checks import check_regenerate
-
-        output = self.absolute(section.output_path) if section.output_path else None
-        source = self.absolute(data.data_path) if data.data_path else None
-        for item in check_regenerate(
-            section,
-            training_seq_len=self.recipe.training.training_seq_len,
-            output=output,
-            source=source,
-            resolve=resolve,
-        ):
-            self.emit_as(item.severity, item.code, item.path, item.message, item.hint)
-
-
-def _regenerate_plan(
-    section: RegenerateSection, output: Path | None, *, training_seq_len: int
-) -> RegeneratePlan:
-    from dflash_recipes.compiler.regenerate_checks import regenerate_plan
-
-    return regenerate_plan(section, output, training_seq_len=training_seq_len)
-
-
-# ---------------------------------------------------------------------------------------------
-# public entry points
-# ---------------------------------------------------------------------------------------------
-
-
 def compile_recipe(
     recipe: Recipe,
     *,
@@ -299,51 +132,264 @@ def compile_recipe(
     paths are absolute. `resolve=False` is the schema-level compile of `lint`: cross-field
     checks only, no file is touched, and taps/mask stay as the recipe gives them.
     """
-    if base_dir is None and recipe_file is not None:
-        base_dir = resolve_local_path(recipe_file, base_dir=None).parent
-    elif base_dir is not None:
-        base_dir = resolve_local_path(str(base_dir), base_dir=None)
-    work = _Compilation(recipe, source or SourceMap(file=recipe_file), base_dir)
-    taps, mask = recipe.dflash.dflash_architecture_config.target_layer_ids, None
-    arch = recipe.dflash.dflash_architecture_config
-    layer_types = (arch.layer_types, arch.sliding_window)
-    eps = float(arch.rms_norm_eps) if arch.rms_norm_eps is not None else DEFAULT_RMS_NORM_EPS
+    inputs = CompileInputs(recipe=recipe, base_dir=_base_dir(base_dir, recipe_file))
+    report = Report(source or SourceMap(file=recipe_file))
+    # 1. read what the recipe points at (a schema-level compile reads nothing)
+    read = NOTHING_READ
     if resolve:
-        work.resolve_base_model()
-        work.resolve_data()
-        work.resolve_output()
-        work.resolve_init_checkpoint()
-    work.check_schema()
-    work.check_regenerate(resolve=resolve)
-    work.check_dims_set()
+        facts = resolve_base_model(inputs, report)
+        check_data(inputs, report)
+        output = resolve_output(inputs, report)
+        checkpoint = read_init_checkpoint(inputs, output.resume, report)
+        read = WhatWasRead(facts=facts, output=output, checkpoint=checkpoint)
+    # 2. the recipe on its own (hints name the checkpoint's dims when it was read)
+    check_schema(inputs, read.checkpoint.dims, report)
+    _check_regenerate(inputs, report, resolve=resolve)
+    check_dims_set(inputs, read, report)
+    # 3. the drafter's ids, then what was read checked against them and each other
+    heads_from_scratch: tuple[str, ...] = ()
     if resolve:
-        taps = work.resolve_taps()
-        mask = work.resolve_mask()
-        layer_types = work.resolve_layer_types()
-        eps = work.resolve_rms_norm_eps()
-        work.check_against_target(taps, mask)
-        work.check_checkpoint_config()
-        if work.check_checkpoint_fields():  # a DFlash 2 checkpoint gets one error, no layout diff
-            work.check_layout(taps)
-        work.check_capture(taps)
-        check_tracker_libraries(work)
+        ids = resolve_draft_ids(inputs, read, report)
+        check_against_target(inputs, read.facts, ids, report)
+        check_checkpoint_config(inputs, read, report)
+        if check_checkpoint_fields(inputs, read.checkpoint, report):  # DFlash 2: no layout diff
+            heads_from_scratch = check_layout(inputs, read, ids.taps, report)
+        check_capture(inputs, read.facts, ids.taps, report)
+        check_tracker_libraries(inputs, report)
     else:
-        mask = recipe.dflash.dflash_mask_token_id
-        if mask is None and recipe.dflash.dflash_init_checkpoint is None:
-            mask = work.resolve_mask()
-    diagnostics = tuple(sort_diagnostics(work.diagnostics))
+        ids = schema_draft_ids(inputs, report)
+    # 4. a plan only when nothing is an error
+    diagnostics = tuple(sort_diagnostics(report.diagnostics))
     if has_errors(diagnostics):
         return CompileResult(plan=None, diagnostics=diagnostics)
-    plan = work.build_plan(
-        taps=taps,
-        mask=mask,
-        layer_types=layer_types,
-        rms_norm_eps=eps,
+    plan = build_plan(
+        inputs,
+        read,
+        ids,
+        heads_from_scratch=heads_from_scratch,
+        warm_start_warnings=report.messages_of(_WARM_START_WARNINGS),
         recipe_file=recipe_file,
         overrides=overrides,
         resolved=resolve,
     )
     return CompileResult(plan=plan, diagnostics=diagnostics)
+
+
+def _base_dir(base_dir: Path | None, recipe_file: str | None) -> Path | None:
+    """The absolute folder relative recipe paths resolve against (see compile_recipe)."""
+    if base_dir is None and recipe_file is not None:
+        return resolve_local_path(recipe_file, base_dir=None).parent
+    if base_dir is not None:
+        return resolve_local_path(str(base_dir), base_dir=None)
+    return None
+
+
+def _check_regenerate(inputs: CompileInputs, report: Report, *, resolve: bool) -> None:
+    """The `regenerate:` section, checked without a network (see regenerate_checks)."""
+    section, data = inputs.recipe.regenerate, inputs.recipe.data
+    if section == RegenerateSection():
+        return  # the defaults: nothing to check (and the checks' module stays unloaded)
+    from dflash_recipes.compiler.regenerate_checks import check_regenerate
+
+    output = inputs.absolute(section.output_path) if section.output_path else None
+    source = inputs.absolute(data.data_path) if data.data_path else None
+    for item in check_regenerate(
+        section,
+        training_seq_len=inputs.recipe.training.training_seq_len,
+        output=output,
+        source=source,
+        resolve=resolve,
+    ):
+        report.emit_as(item.severity, item.code, item.path, item.message, item.hint)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------
+
+
+def build_plan(
+    inputs: CompileInputs,
+    read: WhatWasRead,
+    ids: DraftIds,
+    *,
+    heads_from_scratch: tuple[str, ...],
+    warm_start_warnings: tuple[str, ...],
+    recipe_file: str | None,
+    overrides: Sequence[str],
+    resolved: bool,
+) -> RunPlan:
+    """The run plan of a compile without errors: the recipe's values with every path absolute
+    and every default resolved, plus what was read and what the checks decided."""
+    recipe, arch, absolute = inputs.recipe, inputs.arch, inputs.absolute
+    dflash, data, training = recipe.dflash, recipe.data, recipe.training
+
+    def optional(value: str | None) -> str | None:
+        return str(absolute(value)) if value is not None else None
+
+    decay = dflash.dflash_loss_decay_factor
+    return RunPlan(
+        base_model=BaseModelPlan(
+            path=str(absolute(recipe.model.model_name_or_path)),
+            dtype=recipe.model.dtype,
+            trust_remote_code=recipe.model.trust_remote_code,
+            facts=read.facts,
+        ),
+        data=DataPlan(
+            data_path=optional(data.data_path),
+            chat_template=optional(data.chat_template),
+            answer_only_loss=data.answer_only_loss,
+            eval_data_path=optional(data.eval_data_path),
+            hidden_states_path=optional(data.hidden_states_path),
+            cache_dir=str(
+                absolute(data.cache_dir)
+                if data.cache_dir is not None
+                else default_data_cache_dir()
+                or absolute(training.output_dir) / DATA_CACHE_DIR  # no home folder
+            ),
+            num_proc=data.num_proc,
+        ),
+        training=TrainingPlan(
+            output_dir=str(absolute(training.output_dir)),
+            learning_rate=training.learning_rate,
+            num_train_epochs=training.num_train_epochs,
+            max_steps=training.max_steps,
+            per_device_train_batch_size=training.per_device_train_batch_size,
+            gradient_accumulation_steps=training.gradient_accumulation_steps,
+            training_seq_len=training.training_seq_len,
+            warmup_ratio=training.warmup_ratio,
+            lr_scheduler_type=training.lr_scheduler_type,
+            max_grad_norm=training.max_grad_norm,
+            weight_decay=training.weight_decay,
+            seed=training.seed,
+            save_steps=training.save_steps,
+            save_total_limit=training.save_total_limit,
+            logging_steps=training.logging_steps,
+            eval_steps=training.eval_steps,
+            device=training.device,
+            fsdp=training.fsdp,
+            report_to=training.report_to,
+            run_name=training.run_name or absolute(training.output_dir).name,
+            logging_dir=str(
+                absolute(training.logging_dir)
+                if training.logging_dir is not None
+                else absolute(training.output_dir) / "tensorboard"
+            ),
+            eval_min_tau=training.eval_min_tau,
+        ),
+        draft=DraftPlan(
+            block_size=dflash.dflash_block_size,
+            mask_token_id=ids.mask,
+            target_layer_ids=ids.taps,
+            architecture=ArchitecturePlan(
+                num_hidden_layers=arch.num_hidden_layers,
+                num_attention_heads=arch.num_attention_heads,
+                num_key_value_heads=arch.num_key_value_heads,
+                head_dim=arch.head_dim,
+                intermediate_size=arch.intermediate_size,
+                rms_norm_eps=ids.rms_norm_eps,
+                projector_type=arch.projector_type,
+                emb_dim=arch.emb_dim,
+                gru_hidden_dim=arch.gru_hidden_dim,
+                markov_rank=arch.markov_rank,
+                use_confidence_head=arch.use_confidence_head,
+                attention_sink=arch.attention_sink,
+                layer_types=ids.layer_types,
+                sliding_window=ids.sliding_window,
+                shift_label=arch.shift_label,
+                pure_draft_prefix_len=arch.pure_draft_prefix_len,
+                markov_head_type=arch.markov_head_type,
+            ),
+            objective=ObjectivePlan(
+                num_anchors=dflash.dflash_num_anchors,
+                loss_objective=dflash.dflash_loss_objective,
+                loss_decay_factor=(
+                    float(decay)
+                    if decay is not None
+                    else default_loss_decay_factor(dflash.dflash_block_size)
+                ),
+                dpace_alpha=float(dflash.dflash_dpace_alpha),
+                self_logit_distillation=dflash.dflash_self_logit_distillation,
+                domino_backbone_loss_weight=float(dflash.dflash_domino_backbone_loss_weight),
+                dspark_tv_weight=float(dflash.dflash_dspark_tv_weight),
+                dspark_confidence_weight=float(dflash.dflash_dspark_confidence_weight),
+            ),
+        ),
+        init_checkpoint=_init_checkpoint_plan(
+            inputs, read, heads_from_scratch, warm_start_warnings
+        ),
+        resume=read.resume,
+        recipe_file=str(resolve_local_path(recipe_file, base_dir=None)) if recipe_file else None,
+        overrides=tuple(overrides),
+        resolved=resolved,
+        regenerate=(
+            _regenerate_plan(
+                recipe.regenerate,
+                absolute(recipe.regenerate.output_path) if recipe.regenerate.output_path else None,
+                training_seq_len=training.training_seq_len,
+            )
+            if recipe.regenerate != RegenerateSection()
+            else None
+        ),
+        card=_card_plan(recipe.card),
+    )
+
+
+def _init_checkpoint_plan(
+    inputs: CompileInputs,
+    read: WhatWasRead,
+    heads_from_scratch: tuple[str, ...],
+    warnings: tuple[str, ...],
+) -> InitCheckpointPlan | None:
+    """The warm start and what its header and config.json said (None without one, or when the
+    run resumes and the checkpoint is not read)."""
+    value = inputs.recipe.dflash.dflash_init_checkpoint
+    if value is None or read.resume is not None:
+        return None
+    init = InitCheckpointPlan(path=str(inputs.absolute(value)))
+    weights, config = read.checkpoint.weights, read.checkpoint.readable_config
+    if weights is not None:
+        init = attrs.evolve(
+            init,
+            weight_files=weights.weight_files,
+            tensor_count=len(weights.tensors),
+            dtypes=weights.dtypes,
+            heads_from_scratch=heads_from_scratch,
+        )
+    if config is not None:
+        init = attrs.evolve(
+            init,
+            config_present=True,
+            trained_block_size=config.block_size,
+            target_layer_ids=config.target_layer_ids,
+            mask_token_id=config.mask_token_id,
+        )
+    return attrs.evolve(init, warnings=warnings)
+
+
+def _regenerate_plan(
+    section: RegenerateSection, output: Path | None, *, training_seq_len: int
+) -> RegeneratePlan:
+    from dflash_recipes.plan.regenerate_settings import regenerate_plan
+
+    return regenerate_plan(section, output, training_seq_len=training_seq_len)
+
+
+def _card_plan(section: CardSection) -> CardPlan | None:
+    """The recipe's `card:` section as the plan carries it (None: left at its defaults)."""
+    if section == CardSection():
+        return None
+    return CardPlan(
+        description=section.description,
+        license=section.license,
+        base_model=section.base_model,
+        datasets=section.datasets,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points
+# ---------------------------------------------------------------------------------------------
 
 
 def compile_file(
@@ -374,5 +420,4 @@ __all__ = [
     "CompileResult",
     "compile_file",
     "compile_recipe",
-    "default_loss_decay_factor",
 ]

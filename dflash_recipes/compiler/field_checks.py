@@ -19,8 +19,9 @@ from dflash_recipes.checkpoint.config_fields import (
     _DFLASH2_TENSOR_MARKERS,
     unknown_fields,
 )
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.tensor_layout import infer_architecture
-from dflash_recipes.diagnostics import Severity, register_code
+from dflash_recipes.diagnostics import Severity, code_severity, register_code
 from dflash_recipes.recipe.choices import MARKOV_HEAD_TYPES
 from dflash_recipes.records import Record
 
@@ -265,74 +266,13 @@ class _Checker:
                 "second",
                 "correct config.json so both state the window the drafter was trained with",
             )
-        if projector_type == "dflash":
-            return
-        self.head_alignment(projector_type, alignment)
-
-    def head_alignment(self, projector_type: str, alignment: HeadAlignment) -> None:
-        """The checkpoint's label shift, Domino prefix and DSpark head kind against the recipe's;
-        a checkpoint an earlier dflash-recipes exported gets a note of what it was trained for."""
-        nested = _nested(self.config)
-        shift = _at(nested, "shift_label")
-        prefix = _at(nested, "pure_draft_prefix_len") if projector_type == "domino" else None
-        said_shift = shift[0] if shift is not None and type(shift[0]) is bool else None
-        said_prefix = prefix[0] if prefix is not None and type(prefix[0]) is int else None
-        if said_shift is False:
-            trained = "position k predicts the token at anchor + k, position 0 unscored"
-            if said_prefix == 0:
-                trained += ", every proposal corrected (pure_draft_prefix_len 0)"
+        # The head's alignment fields (shift_label, Domino's prefix, DSpark's head kind) are
+        # its kind's rules.
+        kind = kind_facts(projector_type)
+        for finding in kind.checkpoint_findings(_nested(config), alignment):
+            severity = code_severity(finding.code)
             self.add(
-                CHECKPOINT_TRAINED_FOR,
-                Severity.INFO,
-                f"{ARCH}.shift_label",
-                f"the checkpoint's {projector_type} head was trained with shift_label false "
-                f"({trained}), as earlier dflash-recipes exports were",
-                "set dflash_architecture_config.shift_label: false"
-                + (", pure_draft_prefix_len: 0" if said_prefix == 0 else "")
-                + " to keep training it as it was trained; true (the default) retrains it "
-                "with next-token labels as ModelOpt and SGLang use them",
-            )
-        if said_shift is not None and said_shift != alignment.shift_label:
-            theirs = "anchor + k + 1" if said_shift else "anchor + k"
-            mine = "anchor + k + 1" if alignment.shift_label else "anchor + k"
-            self.add(
-                CHECKPOINT_FIELD_DIFFERS,
-                Severity.WARNING,
-                f"{ARCH}.shift_label",
-                f"`{shift[1] if shift else ''}: {_json(said_shift)}`: the checkpoint's head "
-                f"predicts {theirs} at block position k; the recipe's shift_label "
-                f"{_json(alignment.shift_label)} trains {mine}, so the warm-started head starts "
-                "misaligned",
-                f"set dflash_architecture_config.shift_label: {_json(said_shift)} to train the "
-                "checkpoint's alignment, unless retraining it is intended",
-            )
-        if said_prefix is not None and said_prefix != alignment.pure_draft_prefix_len:
-            self.add(
-                CHECKPOINT_FIELD_DIFFERS,
-                Severity.WARNING,
-                f"{ARCH}.pure_draft_prefix_len",
-                f"`{prefix[1] if prefix else ''}: {said_prefix}`: the checkpoint's Domino head "
-                f"leaves {said_prefix} proposal(s) uncorrected; the recipe's "
-                f"pure_draft_prefix_len {alignment.pure_draft_prefix_len} corrects other "
-                "positions, so the warm-started head starts on positions it never learned",
-                f"set dflash_architecture_config.pure_draft_prefix_len: {said_prefix} to keep "
-                "the checkpoint's, unless the change is intended",
-            )
-        head = _at(nested, "markov_head_type")
-        if (
-            projector_type == "dspark"
-            and head is not None
-            and head[0] in MARKOV_HEAD_TYPES
-            and head[0] != alignment.markov_head_type
-        ):
-            self.add(
-                CHECKPOINT_FIELD_DIFFERS,
-                Severity.WARNING,
-                f"{ARCH}.markov_head_type",
-                f"`{head[1]}: {head[0]}`: the checkpoint's DSpark head is {head[0]}, the "
-                f"recipe's markov_head_type is {alignment.markov_head_type}",
-                f"set dflash_architecture_config.markov_head_type: {head[0]} to load the "
-                "checkpoint's head",
+                finding.code, severity, f"{ARCH}.{finding.field}", finding.message, finding.hint
             )
 
     def positions(self, training_seq_len: int) -> None:

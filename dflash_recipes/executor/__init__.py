@@ -6,15 +6,24 @@ re-exports the model core; import submodules directly for the rest (``data``, ``
 
 The names below are loaded on first use (PEP 562): importing a submodule that needs no torch
 (``regenerate`` against a server) does not pay for the model code through this file.
+
+Importing it refuses a torch or transformers older than the executor runs on, in one line
+naming both versions (:mod:`dflash_recipes.executor.versions`; it reads their metadata and
+imports neither).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dflash_recipes.executor.versions import check_versions
 from dflash_recipes.lazy import lazy_exports
 
+check_versions()
+
 if TYPE_CHECKING:
+    from dflash_recipes.executor.kinds.domino import DominoHead
+    from dflash_recipes.executor.kinds.dspark import DSparkHead
     from dflash_recipes.executor.model.convert import (
         ConvertedModel,
         convert,
@@ -25,7 +34,6 @@ if TYPE_CHECKING:
     )
     from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
     from dflash_recipes.executor.model.export import export_drafter
-    from dflash_recipes.executor.model.heads import DominoHead, DSparkHead
     from dflash_recipes.executor.model.masks import (
         DraftMask,
         build_dense_block_mask,
@@ -53,8 +61,8 @@ _HOMES = {
     "DFlashDraftModel": "model.draft",
     "taps_from_hidden_states": "model.draft",
     "export_drafter": "model.export",
-    "DSparkHead": "model.heads",
-    "DominoHead": "model.heads",
+    "DSparkHead": "kinds.dspark",
+    "DominoHead": "kinds.domino",
     "DraftMask": "model.masks",
     "build_dense_block_mask": "model.masks",
     "build_flex_block_mask": "model.masks",

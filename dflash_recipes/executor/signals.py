@@ -14,11 +14,10 @@ this module:
   raises :class:`Abandoned` in the main thread: a save in progress is given up (the crash-safe
   writers remove their staging files), and the newest complete checkpoint stays the one a
   rerun resumes from.
-- :class:`StepVote` makes the ranks of a data-parallel run agree: every step boundary starts
-  one asynchronous all-reduce (MAX) of two integers on a CPU (gloo) group and reads the one
-  started at the previous boundary, long finished. No device sync, no blocking collective on
-  a step without a signal; the price is that the ranks stop one step after the step in which
-  the signal arrived.
+- The ranks of a data-parallel run agree on what a signal decides through
+  :class:`~dflash_recipes.executor.coordination.StepVote` (with every other decision the ranks
+  share): one asynchronous all-reduce per step, so they stop one step after the step in
+  which the signal arrived.
 - :func:`run_forwarding_signals` is the launcher's side (``--nproc-per-node``): it passes the
   signals a scheduler sends to the launcher on to torchrun (stop) or to the workers (SIGUSR1,
   which torchrun would treat as a death signal).
@@ -40,14 +39,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING
 
 from dflash_recipes.errors import Interrupted
 from dflash_recipes.files.run_dir import checkpoint_dir_name, complete_checkpoints
-
-if TYPE_CHECKING:  # torch is imported only by the ranks of a distributed run
-    from torch import Tensor
-    from torch.distributed import ProcessGroup, Work
 
 #: The signals that stop a run at its next boundary.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
@@ -160,60 +154,6 @@ class SignalWatch(_InstalledHandlers):
         """Record `signum` as if it had arrived (the agreed decision of the other ranks)."""
         if self.stop_signal is None:
             self.stop_signal, self._stop_time = signum, time.monotonic()
-
-
-class StepVote:
-    """The ranks' agreement at step boundaries: one asynchronous tiny all-reduce per step.
-
-    :meth:`decide` returns ``(stop_signal or 0, checkpoint_now)``, the same on every rank:
-    the MAX over ranks of what each rank had recorded at the previous boundary. One process
-    decides on its own flags at once, with no collective at all.
-    """
-
-    def __init__(self, watch: SignalWatch, *, distributed: bool) -> None:
-        self._watch = watch
-        self._pending: tuple[Work, Tensor] | None = None
-        self._group: ProcessGroup | None = None
-        self._distributed = distributed
-        if distributed:
-            import torch.distributed as dist
-
-            # A CPU group: the flag never touches the accelerator, so waiting costs no sync.
-            self._group = dist.new_group(backend="gloo")
-
-    def decide(self) -> tuple[int, bool]:
-        watch = self._watch
-        if not self._distributed:
-            return watch.stop_signal or 0, watch.take_checkpoint_request()
-        import torch
-        import torch.distributed as dist
-
-        agreed = (0, 0)
-        if self._pending is not None:
-            agreed = self._collect()
-            if agreed[1]:  # the same SIGUSR1 reaching this rank a step later: one checkpoint
-                watch.take_checkpoint_request()
-        local = (watch.stop_signal or 0, int(watch.take_checkpoint_request()))
-        flags = torch.tensor(local, dtype=torch.int64)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        assert work is not None  # async_op=True always returns the handle
-        self._pending = (work, flags)
-        if agreed[0] and not watch.stopping:
-            watch.request_stop(agreed[0])
-        return agreed[0], bool(agreed[1])
-
-    def _collect(self) -> tuple[int, int]:
-        assert self._pending is not None
-        work, flags = self._pending
-        self._pending = None
-        work.wait()
-        values = flags.tolist()
-        return int(values[0]), int(values[1])
-
-    def close(self) -> None:
-        """Finish the collective still in flight (every rank started it)."""
-        if self._pending is not None:
-            self._collect()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +304,6 @@ __all__ = [
     "Abandoned",
     "RaiseOnStopSignals",
     "SignalWatch",
-    "StepVote",
     "StopRequested",
     "abandoned_run",
     "child_pids",

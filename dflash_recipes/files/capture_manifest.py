@@ -521,16 +521,6 @@ def _shard_header_problem(
     return None
 
 
-def needs_teacher(
-    *, self_logit_distillation: bool, projector_type: str, dspark_tv_weight: float
-) -> bool:
-    """Whether the objective compares the drafter with the target's logits: the one rule.
-
-    The training step, capture, offline reading and the compiler's capture checks all ask here.
-    """
-    return self_logit_distillation or (projector_type == "dspark" and dspark_tv_weight > 0)
-
-
 __all__ = [
     "CAPTURE_FORMAT",
     "CAPTURE_FORMAT_VERSION",
@@ -545,7 +535,6 @@ __all__ = [
     "chat_template_sha256",
     "estimate_bytes",
     "file_sha256",
-    "needs_teacher",
     "parse_manifest",
     "plan_shards",
     "read_manifest",

@@ -1,2 +1,3 @@
-"""The contract with the executor: the run plan, its value checks and the drafter view resolved from
-it (no torch)."""
+"""The contract between compiler and executor: the run plan and its parts, its value checks, the
+drafter view resolved from it, what it costs and the regenerate settings both sides read (no
+torch)."""

@@ -1,7 +1,7 @@
 """How the CPU split attention cuts a step's blocks into chunks: pure shape arithmetic (no torch).
 
 The executor's split block mask (:mod:`dflash_recipes.executor.model.masks`) and the compile-time
-resource estimate (:mod:`dflash_recipes.compiler.resources.estimate`) both count chunks here, so
+resource estimate (:mod:`dflash_recipes.plan.resources.estimate`) both count chunks here, so
 the memory the estimate predicts is the memory the step allocates.
 """
 

@@ -11,16 +11,14 @@ not import it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
+from dflash_recipes.checkpoint.target_facts import RopePlan, TargetFacts
 from dflash_recipes.errors import PlanError
+from dflash_recipes.plan.parts import ArchitecturePlan, DraftPlan
 from dflash_recipes.recipe.choices import MarkovHeadType, ProjectorType
 from dflash_recipes.records import Record
-
-if TYPE_CHECKING:  # run_plan imports this module to resolve a plan
-    from dflash_recipes.plan.run_plan import ArchitecturePlan, RopePlan, RunPlan
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -62,9 +60,10 @@ class ResolvedDraft(Record):
     def label_shift(self) -> int:
         """1 when block position k predicts anchor + k + 1 (a head with shift_label), else 0.
 
-        Plain DFlash is always 0: position k predicts anchor + k and position 0 is the anchor.
+        Plain DFlash is always 0 (its kind has no label shift): position k predicts anchor + k
+        and position 0 is the anchor.
         """
-        return int(self.projector_type != "dflash" and self.shift_label)
+        return int(kind_facts(self.projector_type).shifts_labels and self.shift_label)
 
     @property
     def drafted_tokens(self) -> int:
@@ -78,15 +77,10 @@ class ResolvedDraft(Record):
 
     @property
     def head_description(self) -> str:
-        """The head as it drafts, in words: ``dflash`` (no head), ``domino (shift_label true,
-        pure_draft_prefix_len 1)``, ``dspark vanilla (shift_label true)``."""
-        if self.projector_type == "dflash":
-            return "dflash (no head)"
-        shift = f"shift_label {'true' if self.shift_label else 'false'}"
-        if self.projector_type == "domino":
-            return f"domino ({shift}, pure_draft_prefix_len {self.pure_draft_prefix_len})"
-        confidence = ", confidence head" if self.use_confidence_head else ""
-        return f"dspark {self.markov_head_type} ({shift}{confidence})"
+        """The head as it drafts, in words (``KindFacts.describe``): ``dflash`` (no head),
+        ``domino (shift_label true, pure_draft_prefix_len 1)``, ``dspark vanilla (shift_label
+        true)``."""
+        return kind_facts(self.projector_type).describe(self)
 
     def layer_type(self, index: int) -> str:
         """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
@@ -97,10 +91,10 @@ class ResolvedDraft(Record):
         return self.sliding_window if self.layer_type(index) == "sliding_attention" else None
 
 
-def resolve_draft(plan: RunPlan) -> ResolvedDraft:
-    """Collect the drafter spec from a plan; PlanError lists every unresolved field."""
-    arch = plan.draft.architecture
-    facts = plan.base_model.facts
+def resolve_draft(draft: DraftPlan, facts: TargetFacts | None) -> ResolvedDraft:
+    """Collect the drafter spec from a plan's draft and base-model facts; PlanError lists every
+    unresolved field (``RunPlan.resolved_draft()`` calls it)."""
+    arch = draft.architecture
     missing: list[str] = []
     for name in (
         "num_hidden_layers",
@@ -111,9 +105,9 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
     ):
         if getattr(arch, name) is None:
             missing.append(f"draft.architecture.{name}")
-    if plan.draft.mask_token_id is None:
+    if draft.mask_token_id is None:
         missing.append("draft.mask_token_id")
-    if plan.draft.target_layer_ids is None:
+    if draft.target_layer_ids is None:
         missing.append("draft.target_layer_ids")
     if facts is None:
         missing.append("base_model.facts")
@@ -129,8 +123,8 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
     assert arch.num_key_value_heads is not None
     assert arch.head_dim is not None
     assert arch.intermediate_size is not None
-    assert plan.draft.mask_token_id is not None
-    assert plan.draft.target_layer_ids is not None
+    assert draft.mask_token_id is not None
+    assert draft.target_layer_ids is not None
     _check_layer_types(arch)
     return ResolvedDraft(
         hidden_size=facts.hidden_size,
@@ -144,9 +138,9 @@ def resolve_draft(plan: RunPlan) -> ResolvedDraft:
         num_target_layers=facts.num_hidden_layers,
         max_position_embeddings=facts.max_position_embeddings,
         rope=facts.rope,
-        block_size=plan.draft.block_size,
-        mask_token_id=plan.draft.mask_token_id,
-        target_layer_ids=plan.draft.target_layer_ids,
+        block_size=draft.block_size,
+        mask_token_id=draft.mask_token_id,
+        target_layer_ids=draft.target_layer_ids,
         projector_type=arch.projector_type,
         emb_dim=arch.emb_dim,
         gru_hidden_dim=arch.gru_hidden_dim,

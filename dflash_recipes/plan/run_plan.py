@@ -4,6 +4,11 @@ The compiler writes it, the executor reads only it. Everything the executor need
 resolved: absolute paths, defaults, taps, the mask id, RoPE settings taken from the target and
 the facts of the init checkpoint. Canonical JSON bytes are identical across processes and hash
 seeds; the fingerprint is the sha256 of the canonical JSON of the plan without its fingerprint.
+
+The parts of a plan are defined in :mod:`~dflash_recipes.plan.parts` (and the target's facts in
+:mod:`~dflash_recipes.checkpoint.target_facts`); this module puts them together, reads and
+writes plan files, and re-exports them, so ``from dflash_recipes.plan.run_plan import
+DraftPlan`` keeps working.
 """
 
 from __future__ import annotations
@@ -12,20 +17,25 @@ import functools
 import importlib
 import json
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any
 
 import attr
 import attrs
 
+from dflash_recipes.checkpoint.target_facts import RopePlan, RopeValue, TargetFacts
 from dflash_recipes.errors import PlanError
 from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
-from dflash_recipes.recipe.choices import (
-    Dtype,
-    LossObjective,
-    MarkovHeadType,
-    ProjectorType,
-    SchedulerType,
-    TrackerName,
+from dflash_recipes.plan.parts import (
+    ArchitecturePlan,
+    BaseModelPlan,
+    CardPlan,
+    DataPlan,
+    DraftPlan,
+    InitCheckpointPlan,
+    ObjectivePlan,
+    RegeneratePlan,
+    ResumePlan,
+    TrainingPlan,
 )
 from dflash_recipes.records import Record
 
@@ -66,207 +76,14 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: hint to recompile, not as an edited file). 3: the training's `report_to`, `run_name` and
 #: `logging_dir` (experiment trackers). 4: the draft's `shift_label`, `pure_draft_prefix_len`
 #: and `markov_head_type` (Domino and DSpark as ModelOpt computes them). 5: the data's
-#: `cache_dir` and `num_proc` (the tokenized-data cache).
-PLAN_FORMAT_VERSION = 5
+#: `cache_dir` and `num_proc` (the tokenized-data cache). 6: the training's `eval_min_tau` and
+#: the `card` section (the export's model card).
+PLAN_FORMAT_VERSION = 6
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
 #: validators (which name its dotted path) instead of failing Python's int conversion.
 _PLAN_INT_DIGITS = 4000
-
-#: Scalars allowed inside free-form RoPE scaling mappings (flat, as in HF configs).
-RopeValue = Union[float, int, str, bool, None]  # noqa: UP007 (cattrs needs a runtime Union)
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class RopePlan(Record):
-    """RoPE settings, always taken from the target model's config.json."""
-
-    rope_theta: float
-    #: `default`, `llama3`, `linear`, `yarn`, ... (HF rope_type).
-    rope_type: str = "default"
-    #: Extra scaling parameters besides rope_type/rope_theta (e.g. llama3 factors), or None.
-    rope_scaling: Mapping[str, RopeValue] | None = None
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class TargetFacts(Record):
-    """Facts read from the base model's config.json."""
-
-    model_type: str
-    architectures: tuple[str, ...]
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope: RopePlan
-    rms_norm_eps: float | None = None
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class BaseModelPlan(Record):
-    """The frozen target: where it is and how to load it."""
-
-    path: str
-    dtype: Dtype
-    trust_remote_code: bool
-    #: None until the compiler has read config.json (schema-level compile leaves it None).
-    facts: TargetFacts | None = None
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class DataPlan(Record):
-    """Training data locations (absolute) and supervision policy."""
-
-    data_path: str | None
-    chat_template: str | None
-    answer_only_loss: bool
-    eval_data_path: str | None = None
-    #: A `dflash-recipe capture` directory to train from offline (None: run the target).
-    hidden_states_path: str | None = None
-    #: Folder of the tokenized-data cache (absolute; compile writes data.cache_dir or the
-    #: per-user default of :func:`~dflash_recipes.files.data_cache.default_data_cache_dir`;
-    #: None, in a plan made by hand: that default).
-    cache_dir: str | None = None
-    #: Processes that tokenize a new cache (None: the cores the run may use).
-    num_proc: int | None = None
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class TrainingPlan(Record):
-    """Optimiser, schedule and bookkeeping, with defaults resolved."""
-
-    output_dir: str
-    learning_rate: float
-    num_train_epochs: int
-    max_steps: int | None
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
-    training_seq_len: int
-    warmup_ratio: float
-    lr_scheduler_type: SchedulerType
-    max_grad_norm: float
-    weight_decay: float
-    seed: int
-    save_steps: int
-    save_total_limit: int | None
-    logging_steps: int
-    eval_steps: int | None
-    device: Literal["auto", "cpu", "cuda"]
-    fsdp: bool
-    #: Experiment trackers that get the metrics rows besides metrics.jsonl.
-    report_to: tuple[TrackerName, ...]
-    #: The run's name in the trackers (resolved: the output directory's name by default).
-    run_name: str
-    #: TensorBoard's event directory, absolute (resolved: <output_dir>/tensorboard by default).
-    logging_dir: str
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class ArchitecturePlan(Record):
-    """The drafter's dimensions. Recipe fields may be None in a schema-level plan."""
-
-    num_hidden_layers: int | None
-    num_attention_heads: int | None
-    num_key_value_heads: int | None
-    head_dim: int | None
-    intermediate_size: int | None
-    rms_norm_eps: float
-    projector_type: ProjectorType
-    emb_dim: int | None
-    gru_hidden_dim: int | None
-    markov_rank: int | None
-    use_confidence_head: bool
-    attention_sink: bool
-    #: One of full_attention | sliding_attention per draft layer; None: full attention in all.
-    layer_types: tuple[str, ...] | None = None
-    #: Keys a sliding_attention query sees (itself included); None without sliding layers.
-    sliding_window: int | None = None
-    #: Domino/DSpark: block position k predicts anchor + k + 1 (true) or anchor + k (false).
-    shift_label: bool = True
-    #: Domino: block positions left uncorrected (backbone logits only).
-    pure_draft_prefix_len: int = 1
-    #: DSpark: vanilla | gated | rnn.
-    markov_head_type: MarkovHeadType = "vanilla"
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class ObjectivePlan(Record):
-    """The training loss, with defaults resolved."""
-
-    num_anchors: int
-    loss_objective: LossObjective
-    #: gamma of exp(-(k-1)/gamma), resolved from the block size when the recipe left it null.
-    loss_decay_factor: float
-    dpace_alpha: float
-    self_logit_distillation: bool
-    domino_backbone_loss_weight: float
-    dspark_tv_weight: float
-    dspark_confidence_weight: float
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class DraftPlan(Record):
-    """What to build and how to train it."""
-
-    block_size: int
-    #: None until resolved (from the recipe, else from the checkpoint's config.json).
-    mask_token_id: int | None
-    #: None until resolved (recipe, else the checkpoint's, else the default formula).
-    target_layer_ids: tuple[int, ...] | None
-    architecture: ArchitecturePlan
-    objective: ObjectivePlan
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class InitCheckpointPlan(Record):
-    """The warm-start checkpoint and what its header and config.json said."""
-
-    path: str
-    #: Weight files relative to `path` (one file, or the shards of an index).
-    weight_files: tuple[str, ...] = ()
-    tensor_count: int | None = None
-    #: Safetensors dtypes present, sorted (e.g. ("BF16",)).
-    dtypes: tuple[str, ...] = ()
-    config_present: bool = False
-    #: The block size the checkpoint was trained with (its config.json), if stated.
-    trained_block_size: int | None = None
-    target_layer_ids: tuple[int, ...] | None = None
-    mask_token_id: int | None = None
-    #: Head submodules absent from the checkpoint that train from fresh initialisation.
-    heads_from_scratch: tuple[str, ...] = ()
-    #: The compiler's warnings about this warm start (a degraded start, heads from scratch),
-    #: which `run` logs again when it loads the checkpoint instead of deciding anew.
-    warnings: tuple[str, ...] = ()
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class ResumePlan(Record):
-    """A complete training checkpoint found in output_dir: the run continues from it."""
-
-    checkpoint_dir: str
-    step: int
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class RegeneratePlan(Record):
-    """`dflash-recipe regenerate` settings (the recipe's `regenerate:` section, resolved)."""
-
-    #: OpenAI-compatible base URL (server backend), or None: local transformers generation.
-    base_url: str | None
-    model: str | None
-    #: Name of the environment variable holding the API key (the key is never in a plan).
-    api_key_env: str | None
-    max_concurrency: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    request_timeout_s: float
-    max_retries: int
-    reasoning: Literal["keep", "drop"]
-    first_turn_only: bool
-    #: Absolute path of the regenerated JSONL, or None (then `--output` is required).
-    output_path: str | None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -285,6 +102,8 @@ class RunPlan(Record):
     overrides: tuple[str, ...] = ()
     #: The recipe's `regenerate:` section; None when the recipe left it at its defaults.
     regenerate: RegeneratePlan | None = None
+    #: The recipe's `card:` section; None when the recipe left it at its defaults.
+    card: CardPlan | None = None
     #: True when the compiler read config.json/headers (not just the schema).
     resolved: bool = False
     format_version: int = PLAN_FORMAT_VERSION
@@ -364,7 +183,16 @@ class RunPlan(Record):
             raise PlanError(msg)
         from dflash_recipes.plan.value_checks import plan_value_problems
 
-        problems = plan_value_problems(plan)
+        problems = plan_value_problems(
+            plan.base_model,
+            plan.data,
+            plan.training,
+            plan.draft,
+            init_checkpoint=plan.init_checkpoint,
+            regenerate=plan.regenerate,
+            resume=plan.resume,
+            card=plan.card,
+        )
         if problems:
             listed = "\n".join(f"  {problem}" for problem in problems)
             msg = f"run plan has values no recipe can produce; {RECOMPILE_HINT}:\n{listed}"
@@ -377,7 +205,7 @@ class RunPlan(Record):
         """Every value needed to build the drafter, or PlanError naming what is unresolved."""
         from dflash_recipes.plan.draft_spec import resolve_draft
 
-        return resolve_draft(self)
+        return resolve_draft(self.draft, self.base_model.facts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +268,7 @@ __all__ = [
     "RECOMPILE_HINT",
     "ArchitecturePlan",
     "BaseModelPlan",
+    "CardPlan",
     "DataPlan",
     "DraftPlan",
     "InitCheckpointPlan",
@@ -447,6 +276,7 @@ __all__ = [
     "RegeneratePlan",
     "ResumePlan",
     "RopePlan",
+    "RopeValue",
     "RunPlan",
     "TargetFacts",
     "TrainingPlan",

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from dflash_recipes.checkpoint.config_bounds import plausible_maximum
+from dflash_recipes.plan.parts import (
+    BaseModelPlan,
+    CardPlan,
+    DataPlan,
+    DraftPlan,
+    InitCheckpointPlan,
+    RegeneratePlan,
+    ResumePlan,
+    TrainingPlan,
+)
 from dflash_recipes.recipe import sections as recipe_module
 from dflash_recipes.recipe.sections import (
+    CardSection,
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,
@@ -27,9 +38,6 @@ from dflash_recipes.recipe.sections import (
     RegenerateSection,
     TrainingSection,
 )
-
-if TYPE_CHECKING:
-    from dflash_recipes.plan.run_plan import RunPlan
 
 _Rule = Any  # an attrs validator: (instance, attribute, value) -> None, raising ValueError
 
@@ -72,10 +80,21 @@ def _check_section(path: str, obj: object, rules: dict[str, _Rule]) -> Iterator[
         yield from _run(f"{path}.{name}", rule, getattr(obj, name), name)
 
 
-def plan_value_problems(plan: RunPlan) -> list[str]:
-    """Every value of `plan` that breaks its rule, as `dotted.path: message` (empty: fine)."""
+def plan_value_problems(
+    base_model: BaseModelPlan,
+    data: DataPlan,
+    training: TrainingPlan,
+    draft: DraftPlan,
+    *,
+    init_checkpoint: InitCheckpointPlan | None,
+    regenerate: RegeneratePlan | None,
+    resume: ResumePlan | None,
+    card: CardPlan | None,
+) -> list[str]:
+    """Every value of a plan's parts that breaks its rule, as `dotted.path: message` (empty:
+    fine); ``RunPlan.from_dict`` passes its parts."""
     problems: list[str] = []
-    base = plan.base_model
+    base = base_model
     model_path_rule = _recipe_rule(ModelSection, "model_name_or_path")
     dtype_rule = _recipe_rule(ModelSection, "dtype")
     problems += _run("base_model.path", model_path_rule, base.path, "path")
@@ -95,11 +114,8 @@ def plan_value_problems(plan: RunPlan) -> list[str]:
             "rms_norm_eps",
             optional=True,
         )
-    problems += _check_section("data", plan.data, _section_rules(plan.data, DataSection))
-    problems += _check_section(
-        "training", plan.training, _section_rules(plan.training, TrainingSection)
-    )
-    draft = plan.draft
+    problems += _check_section("data", data, _section_rules(data, DataSection))
+    problems += _check_section("training", training, _section_rules(training, TrainingSection))
     draft_rules = {
         "block_size": attrs.fields_dict(DFlashSection)["dflash_block_size"].validator,
         "mask_token_id": attrs.fields_dict(DFlashSection)["dflash_mask_token_id"].validator,
@@ -118,7 +134,7 @@ def plan_value_problems(plan: RunPlan) -> list[str]:
         draft.objective,
         _section_rules(draft.objective, DFlashSection, prefix="dflash_"),
     )
-    init = plan.init_checkpoint
+    init = init_checkpoint
     if init is not None:
         problems += _run("init_checkpoint.path", model_path_rule, init.path, "path")
         init_rules: dict[str, _Rule] = {
@@ -130,14 +146,16 @@ def plan_value_problems(plan: RunPlan) -> list[str]:
         for name, rule in init_rules.items():
             value = getattr(init, name)
             problems += _run(f"init_checkpoint.{name}", rule, value, name, optional=True)
-    if plan.regenerate is not None:
+    if regenerate is not None:
         problems += _check_section(
-            "regenerate", plan.regenerate, _section_rules(plan.regenerate, RegenerateSection)
+            "regenerate", regenerate, _section_rules(regenerate, RegenerateSection)
         )
-    if plan.resume is not None:
-        problems += _run("resume.step", _STEP, plan.resume.step, "step")
+    if card is not None:
+        problems += _check_section("card", card, _section_rules(card, CardSection))
+    if resume is not None:
+        problems += _run("resume.step", _STEP, resume.step, "step")
         problems += _run(
-            "resume.checkpoint_dir", model_path_rule, plan.resume.checkpoint_dir, "checkpoint_dir"
+            "resume.checkpoint_dir", model_path_rule, resume.checkpoint_dir, "checkpoint_dir"
         )
     return problems
 

@@ -110,6 +110,12 @@ def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
             "items": {"type": "integer", "minimum": 0, "maximum": recipe_module.MAX_LAYER_ID},
         },
         recipe_module.env_var_name: {"pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"},
+        recipe_module.hub_repo_id: {"pattern": recipe_module.HUB_REPO_ID},
+        recipe_module.hub_repo_id_list: {
+            "minItems": 1,
+            "items": {"type": "string", "pattern": recipe_module.HUB_REPO_ID},
+        },
+        recipe_module.hub_license: {"pattern": recipe_module.HUB_LICENSE},
     }
 
 

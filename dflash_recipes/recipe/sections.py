@@ -274,6 +274,49 @@ def env_var_name(instance: object, attribute: "attrs.Attribute[Any]", value: Any
 
 _ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
 
+#: A Hugging Face Hub repository id (OWNER/NAME), as a model card's metadata names one.
+HUB_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
+#: A license identifier as the Hub's model-card metadata writes one (apache-2.0, mit, other).
+HUB_LICENSE = r"^[a-z0-9][a-z0-9.+-]{0,63}$"
+
+
+def _check_hub_id(attribute: "attrs.Attribute[Any]", item: object) -> None:
+    if not isinstance(item, str) or not re.fullmatch(HUB_REPO_ID, item):
+        msg = (
+            f"{_name(attribute)} must name Hugging Face Hub repositories as OWNER/NAME "
+            f"(e.g. Qwen/Qwen3-8B), never a local path; got {shorten(item)}"
+        )
+        raise ValueError(msg)
+
+
+def hub_repo_id(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A Hub repository id, OWNER/NAME (None passes)."""
+    if value is not None:
+        _check_hub_id(attribute, value)
+
+
+def hub_repo_id_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A non-empty tuple of Hub repository ids (None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        msg = f"{_name(attribute)} must be a non-empty list of OWNER/NAME ids, got {shorten(value)}"
+        raise ValueError(msg)
+    for item in value:
+        _check_hub_id(attribute, item)
+
+
+def hub_license(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A Hub license id: lowercase letters, digits, dots, plus and dashes (None passes)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not re.fullmatch(HUB_LICENSE, value):
+        msg = (
+            f"{_name(attribute)} must be a license id as the Hub writes it (lowercase, e.g. "
+            f"apache-2.0, mit, cc-by-4.0, other); got {shorten(value)}"
+        )
+        raise ValueError(msg)
+
 
 # ---------------------------------------------------------------------------------------------
 # sections
@@ -353,6 +396,9 @@ class TrainingSection(Record):
     logging_steps: int = attrs.field(default=10, validator=_STEPS)
     #: Measure real acceptance on held-out conversations every this many steps; null: never.
     eval_steps: int | None = attrs.field(default=None, validator=_STEPS)
+    #: Acceptance gate: when the last held-out tau the run measured (training.eval_steps) is
+    #: below this, `run` says so and exits 1 after saving and exporting; null: no gate.
+    eval_min_tau: float | None = attrs.field(default=None, validator=positive_float)
     #: Compute device: auto (CUDA when available) | cpu | cuda.
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
     #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
@@ -414,6 +460,23 @@ class DFlashArchitectureConfig(Record):
     #: Keys a sliding_attention query sees, itself included (Hugging Face's sliding_window).
     #: null: the init checkpoint's.
     sliding_window: int | None = attrs.field(default=None, validator=positive_int)
+
+
+# Paper guidance for the decay gamma, block size -> gamma (docs/dflash.md, "Block size and the
+# decay gamma").
+_DECAY_POINTS: tuple[tuple[int, float], ...] = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_loss_decay_factor(block_size: int) -> float:
+    """gamma for `exp(-(k-1)/gamma)` when `dflash_loss_decay_factor` is null: 4 for B=8, 5 for
+    B=10, 7 for B=16.
+
+    Other block sizes interpolate linearly through those points, extrapolating from the
+    nearest pair outside them, and never go below 1.0. The compiler writes the value into the
+    plan; `init` writes it into a starter recipe.
+    """
+    (b0, g0), (b1, g1) = _DECAY_POINTS[:2] if block_size <= 10 else _DECAY_POINTS[1:]
+    return max(1.0, g0 + (block_size - b0) * (g1 - g0) / (b1 - b0))
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -487,6 +550,22 @@ class RegenerateSection(Record):
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
+class CardSection(Record):
+    """The model card (README.md) every export carries: what the recipe adds to it."""
+
+    #: Free text that opens the card (Markdown), e.g. what the drafter is for.
+    description: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: The license the card states (the Hub's id, e.g. apache-2.0, mit); null: none stated.
+    license: str | None = attrs.field(default=None, validator=hub_license)
+    #: The target's Hub id for the card's base_model (e.g. Qwen/Qwen3-8B); null: read from a
+    #: Hugging Face cache path of the target (models--OWNER--NAME), else left out.
+    base_model: str | None = attrs.field(default=None, validator=hub_repo_id)
+    #: Hub ids of the training datasets for the card's datasets; null: read from a Hugging
+    #: Face cache path of data.data_path (datasets--OWNER--NAME), else left out.
+    datasets: tuple[str, ...] | None = attrs.field(default=None, validator=hub_repo_id_list)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Recipe(Record):
     """A whole recipe: target model, data, training and DFlash settings."""
 
@@ -500,11 +579,16 @@ class Recipe(Record):
     training: TrainingSection = attrs.field(factory=TrainingSection)
     #: `dflash-recipe regenerate`: the target answers the training prompts itself.
     regenerate: RegenerateSection = attrs.field(factory=RegenerateSection)
+    #: The model card each export carries (README.md beside the weights).
+    card: CardSection = attrs.field(factory=CardSection)
 
 
 __all__ = [
+    "HUB_LICENSE",
+    "HUB_REPO_ID",
     "INT_FIELD_MAX",
     "MAX_LAYER_ID",
+    "CardSection",
     "DFlashArchitectureConfig",
     "DFlashSection",
     "DataSection",
@@ -513,4 +597,5 @@ __all__ = [
     "Recipe",
     "RegenerateSection",
     "TrainingSection",
+    "default_loss_decay_factor",
 ]

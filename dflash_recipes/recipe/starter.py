@@ -24,22 +24,22 @@ from dflash_recipes.checkpoint.hfconfig import (
     read_checkpoint_config,
     read_target_config,
 )
+from dflash_recipes.checkpoint.kinds.registry import kind_facts, kind_from_tensors
 from dflash_recipes.checkpoint.known_layouts import canonical_weights
-from dflash_recipes.checkpoint.tensor_layout import (
-    ARCHITECTURE_FIELDS,
-    HEAD_FIELDS,
-    checkpoint_dims,
-    default_target_layer_ids,
-)
-from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
-from dflash_recipes.compiler.compilation import default_loss_decay_factor
-from dflash_recipes.compiler.model_paths import (
+from dflash_recipes.checkpoint.model_paths import (
     inspect_checkpoint_dir,
     inspect_model_dir,
     resolve_local_path,
 )
+from dflash_recipes.checkpoint.tensor_layout import (
+    ARCHITECTURE_FIELDS,
+    checkpoint_dims,
+    default_target_layer_ids,
+)
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
+from dflash_recipes.recipe.sections import DFlashArchitectureConfig, default_loss_decay_factor
 from dflash_recipes.records import Record
 
 #: Draft layers of a new drafter: the released Qwen3 DFlash drafters use 5.
@@ -50,6 +50,8 @@ DEFAULT_BLOCK_SIZE = 16
 #: "Learning rate").
 FINETUNE_LEARNING_RATE = 1.0e-4
 SCRATCH_LEARNING_RATE = 6.0e-4
+#: The projector type a recipe gets when it names none (written only when it differs).
+_DEFAULT_PROJECTOR: str = DFlashArchitectureConfig().projector_type
 #: Tokenizer files larger than this are not read (Qwen3's tokenizer.json is about 11 MB).
 _TOKENIZER_MAX_BYTES = 64 * 2**20
 
@@ -126,20 +128,19 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     for name in ARCHITECTURE_FIELDS:
         arch[name] = _Choice(dims.values[name], dims.sources[name].removeprefix("as "))
 
-    projector = config.projector_type or _projector_from_tensors(weights.shapes)
-    if projector != "dflash":
+    projector = config.projector_type or kind_from_tensors(weights.shapes)
+    if projector != _DEFAULT_PROJECTOR:
         arch["projector_type"] = _Choice(projector, "the checkpoint's head variant")
-        for name in HEAD_FIELDS[projector]:
-            if name not in dims.values:
-                raise _fail(
-                    f"{directory}: a {projector} checkpoint that states no {name}",
-                    "write the recipe by hand from the drafter's model card",
-                )
-            arch[name] = _Choice(dims.values[name], dims.sources[name].removeprefix("as "))
-        if projector == "dspark" and (
-            config.use_confidence_head or "confidence_proj.weight" in weights.tensors
-        ):
-            arch["use_confidence_head"] = _Choice(True, "the checkpoint has confidence_proj")
+    kind = kind_facts(projector)
+    for name in kind.head_fields:
+        if name not in dims.values:
+            raise _fail(
+                f"{directory}: a {projector} checkpoint that states no {name}",
+                "write the recipe by hand from the drafter's model card",
+            )
+        arch[name] = _Choice(dims.values[name], dims.sources[name].removeprefix("as "))
+    for name, (stated, why) in kind.starter_fields(config, weights.tensors).items():
+        arch[name] = _Choice(stated, why)
     if any(n.endswith(".self_attn.attention_sink_bias") for n in weights.tensors):
         arch["attention_sink"] = _Choice(True, "the checkpoint has attention_sink_bias tensors")
     if config.rms_norm_eps is not None:
@@ -174,14 +175,6 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
         FINETUNE_LEARNING_RATE, "fine-tuning a released drafter (about 6e-4 from scratch)"
     )
     return _Draft(arch, taps, mask, block, learning_rate)
-
-
-def _projector_from_tensors(names: Mapping[str, object]) -> str:
-    if any(n.startswith(("prefix_gru.", "embed_proj.")) for n in names):
-        return "domino"
-    if any(n.startswith(("markov_w1.", "markov_w2.")) for n in names):
-        return "dspark"
-    return "dflash"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,12 +23,12 @@ from testkit.st_fixtures import (
 
 from dflash_recipes.checkpoint import safetensors_header
 from dflash_recipes.checkpoint.config_json import read_json_config
-from dflash_recipes.checkpoint.safetensors_header import TensorInfo, read_safetensors_header
-from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
-from dflash_recipes.compiler.model_paths import (
+from dflash_recipes.checkpoint.model_paths import (
     CheckpointDirProblem,
     inspect_checkpoint_dir,
 )
+from dflash_recipes.checkpoint.safetensors_header import TensorInfo, read_safetensors_header
+from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import SafetensorsHeaderError
 
 ALL_DTYPES = sorted(safetensors_header.DTYPE_BITS)

@@ -95,37 +95,6 @@ def test_attention_sink_adds_one_bias_per_layer_sized_by_heads() -> None:
     assert added == {f"layers.{i}.self_attn.attention_sink_bias": (4,) for i in range(3)}
 
 
-def test_domino_head_tensors() -> None:
-    spec = _spec(projector_type="domino", emb_dim=48, gru_hidden_dim=24)
-    layout = expected_layout(spec)
-    assert len(layout) == 3 + 11 * 3 + 4
-    assert layout["prefix_gru.weight_ih_l0"] == (72, 32)
-    assert layout["prefix_gru.weight_hh_l0"] == (72, 24)
-    assert layout["embed_proj.0.weight"] == (48, 56)
-    assert layout["embed_proj.2.weight"] == (256, 48)
-    assert head_submodules(spec) == {
-        "prefix_gru": ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0"),
-        "embed_proj": ("embed_proj.0.weight", "embed_proj.2.weight"),
-    }
-
-
-def test_dspark_head_tensors_with_and_without_confidence() -> None:
-    spec = _spec(projector_type="dspark", markov_rank=16)
-    layout = expected_layout(spec)
-    assert layout["markov_w1.weight"] == (256, 16)
-    assert layout["markov_w2.weight"] == (256, 16)
-    assert "confidence_proj.weight" not in layout
-    assert head_submodules(spec) == {
-        "markov_w1": ("markov_w1.weight",),
-        "markov_w2": ("markov_w2.weight",),
-    }
-    confident = expected_layout(
-        _spec(projector_type="dspark", markov_rank=16, use_confidence_head=True)
-    )
-    assert confident["confidence_proj.weight"] == (1, 48)
-    assert confident["confidence_proj.bias"] == (1,)
-
-
 def test_plain_dflash_has_no_head_submodules() -> None:
     assert head_submodules(_spec()) == {}
 

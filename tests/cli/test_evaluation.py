@@ -1,11 +1,16 @@
-"""`dflash-recipe report` (and `eval`'s command line): runs in, a PNG out."""
+"""`dflash-recipe report` (runs in, a PNG out) and `eval`'s command line: the acceptance gate
+(--min-tau) and the model card (--write-card)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from testkit.cli_runner import cli
 from testkit.metrics_runs import PNG_SIGNATURE, _write_run
 
 from dflash_recipes.errors import DFlashRecipeError
@@ -33,3 +38,110 @@ def test_missing_matplotlib_says_how_to_install(
     with pytest.raises(DFlashRecipeError, match=r"pip install 'dflash-recipes\[plot\]'"):
         render_report([run], tmp_path / "r.png")
     assert not (tmp_path / "r.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# eval --min-tau (the acceptance gate) and --write-card (issue 38), through the real CLI
+# ---------------------------------------------------------------------------------------------
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a drafter proposes a block and the target verifies it",
+]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(plan.json, export, prompts) of a tiny random target and drafter."""
+    from testkit.tiny import randomize, tiny_plan, tiny_target
+
+    from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+    from dflash_recipes.executor.model.draft import DFlashDraftModel
+    from dflash_recipes.executor.model.export import export_drafter
+
+    root = tmp_path_factory.mktemp("gate")
+    tokenizer = build_tiny_tokenizer(PROMPTS, vocab_size=300)
+    plan = tiny_plan(
+        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
+    )
+    target = tiny_target(plan)
+    randomize(target, seed=4)
+    target.save_pretrained(plan.base_model.path)
+    tokenizer.save_pretrained(plan.base_model.path)
+    drafter = DFlashDraftModel(plan.resolved_draft())
+    randomize(drafter, 2)
+    export_drafter(drafter, plan, root / "export")
+    plan_file = root / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    prompts = root / "bench.json"
+    prompts.write_text(json.dumps(PROMPTS), encoding="utf-8")
+    return plan_file, root / "export", prompts
+
+
+def _eval(exported: tuple[Path, Path, Path], *args: str) -> Result:
+    plan_file, _, prompts = exported
+    base = ("eval", str(plan_file), "--prompts", str(prompts), "--max-new-tokens", "6")
+    return cli(*base, *args)
+
+
+def _tau(exported: tuple[Path, Path, Path]) -> float:
+    result = _eval(exported, "--checkpoint", str(exported[1]), "--json")
+    assert result.exit_code == 0, result.output
+    tau = json.loads(result.stdout)["tau"]
+    assert isinstance(tau, float)
+    return tau
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_min_tau_fails_below_the_measured_tau_and_passes_at_it(
+    exported: tuple[Path, Path, Path],
+) -> None:
+    tau = _tau(exported)
+    export = str(exported[1])
+    above = _eval(exported, "--checkpoint", export, "--min-tau", str(tau + 0.5))
+    assert above.exit_code == 1
+    shown, needed = f"{tau:.3g}", f"{tau + 0.5:.3g}"
+    line = (
+        f"acceptance gate failed: measured tau {shown} is below the required {needed} (--min-tau)"
+    )
+    assert above.stderr.strip().splitlines()[-1] == line
+    assert "acceptance length tau, pooled" in above.stdout  # the report is still printed
+    at = _eval(exported, "--checkpoint", export, "--min-tau", repr(tau))  # greedy: the same tau
+    assert at.exit_code == 0, at.output
+    assert "acceptance gate" not in at.output
+    below = _eval(exported, "--checkpoint", export, "--min-tau", "0.5", "--json")
+    assert below.exit_code == 0 and json.loads(below.stdout)["tau"] == tau
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_write_card_puts_the_measurement_into_the_card(exported: tuple[Path, Path, Path]) -> None:
+    export = exported[1]
+    card = export / "README.md"
+    assert "Not measured." in card.read_text(encoding="utf-8")
+    result = _eval(exported, "--write-card", str(export), "--json")  # --checkpoint: the export
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    text = card.read_text(encoding="utf-8")
+    assert "Not measured." not in text
+    assert f"| acceptance length tau (pooled) | **{report['tau']:.3f}** |" in text
+    digest = hashlib.sha256(exported[2].read_bytes()).hexdigest()
+    assert "| prompts | 2 from `bench.json` |" in text and f"`{digest}`" in text
+    assert "| max new tokens | 6 |" in text and "| thinking mode | template default |" in text
+    assert str(exported[2].parent) not in text
+    assert f"wrote the measurement into {card}" in result.stderr
+
+
+def test_write_card_refuses_another_directory_or_an_export_without_card(
+    exported: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    export = exported[1]
+    other = _eval(exported, "--checkpoint", str(tmp_path), "--write-card", str(export))
+    assert other.exit_code == 2
+    assert "is not the --checkpoint measured" in other.stderr
+    bare = tmp_path / "old"
+    bare.mkdir()
+    refused = _eval(exported, "--write-card", str(bare))
+    assert refused.exit_code == 2
+    assert f"cannot write the card of {bare}: it has no card data" in refused.stderr
+    neither = _eval(exported)
+    assert neither.exit_code == 2 and "pass --checkpoint DIR" in neither.stderr

@@ -94,3 +94,89 @@ def test_overrides_on_a_plan_are_refused(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["run", str(plan), "training.max_steps=3"])
     assert result.exit_code == 2
     assert "overrides apply to recipes" in result.output
+
+
+def test_run_fails_its_acceptance_gate_after_the_export(tmp_path: Path) -> None:
+    # training.eval_min_tau (issue 38): the run trains, saves and exports, then exits 1 with
+    # one line when its last held-out tau is below the gate; its card records that tau.
+    out = tmp_path / "run"
+    args = [
+        "run",
+        str(TINY_SCRATCH),
+        f"training.output_dir={out}",
+        "training.max_steps=2",
+        "training.eval_steps=2",
+        *SMALL_BLOCKS,
+        "--no-progress",
+    ]
+    result = CliRunner().invoke(main, [*args, "training.eval_min_tau=100"])
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("acceptance gate failed: measured tau ")
+    assert last.endswith(
+        " is below the required 100 (training.eval_min_tau, held-out eval at step 2)"
+    )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tau = next(row["tau"] for row in rows if row["kind"] == "eval")
+    assert f"measured tau {tau:.3g} is below" in last
+    card = (out / "export" / "README.md").read_text(encoding="utf-8")
+    assert f"| acceptance length tau (pooled) | **{tau:.3f}** |" in card
+    assert "| measured by | held-out eval during training, at step 2 |" in card
+    # A gate the measurement reaches passes (tau >= 1 always): the finished run, exit 0.
+    again = CliRunner().invoke(main, [*args, "training.eval_min_tau=1"])
+    assert again.exit_code == 0, again.output
+    assert "already finished" in again.output and "acceptance gate" not in again.output
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--rdzv-endpoint", "node001:29500"], "--rdzv-endpoint"),
+        (["--rdzv-id", "4242"], "--rdzv-id"),
+    ],
+)
+def test_rendezvous_options_without_a_launch_are_a_usage_error(
+    options: list[str], named: str, tmp_path: Path
+) -> None:
+    # before: the run trained as one process and ignored them, on every node of a job
+    out = f"training.output_dir={tmp_path / 'out'}"
+    result = CliRunner().invoke(
+        main, ["run", str(TINY_SCRATCH), out, "training.max_steps=1", *options]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"{named} applies only to a torchrun launch, and this command starts none" in (
+        result.output
+    )
+    assert "--nproc-per-node N" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_verbose_reaches_the_processes_torchrun_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash_recipes.executor.launch as launch
+
+    launched: list[list[str]] = []
+
+    def record(argv: list[str]) -> int:
+        launched.append(list(argv))
+        return 0
+
+    monkeypatch.setattr(launch, "launch_torchrun", record)
+    for command in (["run"], ["capture", "--output", str(tmp_path / "capture")]):
+        result = CliRunner().invoke(
+            main,
+            [
+                *command,
+                str(TINY_SCRATCH),
+                f"training.output_dir={tmp_path / 'out'}",
+                "--nproc-per-node",
+                "2",
+                "-v",
+            ],
+        )
+        assert result.exit_code == 0, result.output
+    run_argv, capture_argv = launched
+    for argv in (run_argv, capture_argv):
+        worker = argv[argv.index("dflash_recipes.cli") + 1 :]
+        assert "-v" in worker, worker

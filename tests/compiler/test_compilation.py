@@ -12,7 +12,6 @@ from dflash_recipes.compiler.compilation import (
     CompileResult,
     compile_file,
     compile_recipe,
-    default_loss_decay_factor,
 )
 from dflash_recipes.diagnostics import (
     Diagnostic,
@@ -27,33 +26,6 @@ ARCH = "dflash.dflash_architecture_config"
 
 def lint(recipe: Recipe, **kwargs: object) -> CompileResult:
     return compile_recipe(recipe, resolve=False, **kwargs)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------------------------------
-# loss decay default
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("block_size", "gamma"),
-    [
-        (16, 7.0),
-        (10, 5.0),
-        (8, 4.0),
-        (9, 4.5),
-        (13, 6.0),
-        (12, 5 + 2 / 3),
-        (32, 7 + 16 / 3),
-        (4, 2.0),
-        (2, 1.0),
-    ],
-)
-def test_loss_decay_default_follows_the_paper_points(block_size: int, gamma: float) -> None:
-    assert default_loss_decay_factor(block_size) == pytest.approx(gamma)
-
-
-def test_decay_default_never_drops_below_one() -> None:
-    assert all(default_loss_decay_factor(b) >= 1.0 for b in range(2, 129))
 
 
 def test_plan_resolves_the_decay_from_the_block_size_unless_given(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from testkit.compiling import only
+from testkit.compiling import codes, only
 
 from dflash_recipes.compiler.compilation import (
     CompileResult,
@@ -127,6 +127,28 @@ def test_eval_steps_without_eval_data_warns(make_recipe: RecipeFactory) -> None:
     result = lint(make_recipe(training={"eval_steps": 50}, dflash={"dflash_mask_token_id": 1}))
     assert result.ok
     assert only(result, "eval-data-unset").path == "training.eval_steps"
+
+
+@pytest.mark.parametrize(
+    ("training", "data", "missing"),
+    [
+        ({"eval_min_tau": 3.0}, {}, "training.eval_steps and data.eval_data_path are not set"),
+        ({"eval_min_tau": 3.0, "eval_steps": 10}, {}, "data.eval_data_path is not set"),
+        ({"eval_min_tau": 3.0}, {"eval_data_path": "train.jsonl"}, "training.eval_steps is not"),
+    ],
+)
+def test_an_acceptance_gate_without_a_measurement_is_an_error(
+    make_recipe: RecipeFactory, training: dict[str, object], data: dict[str, object], missing: str
+) -> None:
+    result = lint(make_recipe(training=training, data=data, dflash={"dflash_mask_token_id": 1}))
+    assert not result.ok
+    d = only(result, "eval-gate-unmeasured")
+    assert d.path == "training.eval_min_tau"
+    assert missing in d.message and "would always fail the gate" in d.message
+    assert d.hint is not None and "training.eval_min_tau: null" in d.hint
+    measured = {"eval_min_tau": 3.0, "eval_steps": 10}
+    gated = make_recipe(training=measured, data={"eval_data_path": "train.jsonl"})
+    assert "eval-gate-unmeasured" not in codes(lint(gated))
 
 
 def test_schema_level_mask_is_required_only_without_a_checkpoint(

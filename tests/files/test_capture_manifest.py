@@ -431,19 +431,6 @@ def test_samples_are_cut_into_shards_in_order_at_the_byte_bound(
     assert cm.plan_shards(counts, bytes_per_token=10, max_shard_bytes=bound) == shards
 
 
-def test_teacher_states_are_needed_by_self_distillation_and_by_dspark_with_a_tv_weight() -> None:
-    def needs(sld: bool, projector: str, tv: float) -> bool:
-        return cm.needs_teacher(
-            self_logit_distillation=sld, projector_type=projector, dspark_tv_weight=tv
-        )
-
-    assert needs(True, "dflash", 0.0)
-    assert needs(False, "dspark", 0.5)
-    assert not needs(False, "dspark", 0.0)
-    assert not needs(False, "dflash", 0.5)
-    assert not needs(False, "domino", 0.5)
-
-
 # ---------------------------------------------------------------------------------------------
 # formats that outlive a version: hashes recorded in manifests, the manifest's own fields
 # ---------------------------------------------------------------------------------------------

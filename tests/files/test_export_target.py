@@ -119,7 +119,13 @@ def test_an_earlier_export_is_replaced_and_stale_staging_cleaned(
     first = _export(trained / "checkpoint-00000001", out)
     assert first.exit_code == 0, first.output
     marker = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8"))
-    assert marker["files"] == ["config.json", "dflash.py", "model.safetensors"]
+    assert marker["files"] == [
+        ".dflash-card.json",
+        "README.md",
+        "config.json",
+        "dflash.py",
+        "model.safetensors",
+    ]
     # A killed export's staging (dead pid), an older version's (no pid), and a live one's.
     dead = tmp_path / ".tmp-drafter-999999999-0123abcd"
     legacy = tmp_path / ".tmp-drafter-89abcdef"
@@ -137,13 +143,14 @@ def test_an_earlier_export_is_replaced_and_stale_staging_cleaned(
 def test_an_export_from_before_the_marker_is_recognised(trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "old-export"
     shutil.copytree(trained / "export", out)
-    (out / EXPORT_MARKER).unlink()
+    for name in (EXPORT_MARKER, "README.md", ".dflash-card.json"):  # none before the marker
+        (out / name).unlink()
     assert is_earlier_export(out)
     (out / "dflash.py").write_text("# remote code\n", encoding="utf-8")
     assert is_earlier_export(out)  # exports with remote code but no marker
     result = _export(trained / "checkpoint-00000001", out)
     assert result.exit_code == 0, result.output
-    (out / "README.md").write_text("user notes", encoding="utf-8")
+    (out / "NOTES.md").write_text("user notes", encoding="utf-8")
     assert not is_earlier_export(out)  # the user's file makes it theirs
     assert _export(trained / "checkpoint-00000001", out).exit_code == 2
 

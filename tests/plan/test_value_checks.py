@@ -157,6 +157,20 @@ def test_an_edited_regenerate_section_is_revalidated(plan_dict: dict[str, Any]) 
     assert RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate})).regenerate
 
 
+def test_an_edited_card_section_is_revalidated(plan_dict: dict[str, Any]) -> None:
+    """The card's values are checked like a recipe's: no local path smuggled in as a Hub id."""
+    card = {
+        "description": "ours",
+        "license": "mit",
+        "base_model": "/srv/models/x",
+        "datasets": None,
+    }
+    with pytest.raises(PlanError, match=r"card\.base_model: base_model must name Hugging Face"):
+        RunPlan.from_dict(refingerprint({**plan_dict, "card": card}))
+    card["base_model"] = "Qwen/Qwen3-8B"
+    assert RunPlan.from_dict(refingerprint({**plan_dict, "card": card})).card is not None
+
+
 def test_a_plan_of_the_previous_format_is_told_to_recompile(plan_dict: dict[str, Any]) -> None:
     """A plan written before the schema grew is refused as old, not as edited by hand."""
     old = refingerprint({**plan_dict, "format_version": PLAN_FORMAT_VERSION - 1})
@@ -257,6 +271,20 @@ def _full_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
     return {**plan_dict, "regenerate": regenerate, "resume": resume}
 
 
+def _problems(plan: RunPlan) -> list[str]:
+    """plan_value_problems over the parts of `plan`, as RunPlan.from_dict passes them."""
+    return value_checks.plan_value_problems(
+        plan.base_model,
+        plan.data,
+        plan.training,
+        plan.draft,
+        init_checkpoint=plan.init_checkpoint,
+        regenerate=plan.regenerate,
+        resume=plan.resume,
+        card=plan.card,
+    )
+
+
 def _rule_paths(plan: RunPlan, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every dotted path plan_value_problems runs a rule on (recorded, not listed by hand)."""
     original = value_checks._run
@@ -268,7 +296,7 @@ def _rule_paths(plan: RunPlan, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     with monkeypatch.context() as patch:
         patch.setattr(value_checks, "_run", recording)
-        assert value_checks.plan_value_problems(plan) == []
+        assert _problems(plan) == []
     return paths
 
 
@@ -311,7 +339,7 @@ def test_every_revalidation_rule_refuses_a_forged_value(
         # refused at this path alone, and the message names the field as the recipe does
         named = f"{path}: {parts[-1]} "
         for bad in _BAD_VALUES:
-            problems = value_checks.plan_value_problems(_evolve(plan, parts, bad))
+            problems = _problems(_evolve(plan, parts, bad))
             if problems and all(p.startswith(named) for p in problems):
                 break
         else:
@@ -321,7 +349,7 @@ def test_every_revalidation_rule_refuses_a_forged_value(
 
 def test_a_required_value_may_not_be_null_an_optional_one_may(plan_dict: dict[str, Any]) -> None:
     plan = RunPlan.from_dict(refingerprint(plan_dict))
-    assert value_checks.plan_value_problems(_evolve(plan, ["draft", "block_size"], None)) == [
+    assert _problems(_evolve(plan, ["draft", "block_size"], None)) == [
         "draft.block_size: block_size must be an integer in [2, 128], got None"
     ]
     optional = (
@@ -330,4 +358,4 @@ def test_a_required_value_may_not_be_null_an_optional_one_may(plan_dict: dict[st
         ["init_checkpoint", "trained_block_size"],  # a config.json that states no block size
     )
     for path in optional:
-        assert value_checks.plan_value_problems(_evolve(plan, path, None)) == []
+        assert _problems(_evolve(plan, path, None)) == []

@@ -86,7 +86,7 @@ def test_objects_forbid_additional_properties_at_every_level() -> None:
         return found
 
     every = objects(schema())
-    assert len(every) == 7  # recipe, five sections, dflash_architecture_config
+    assert len(every) == 8  # recipe, six sections, dflash_architecture_config
     assert all(node["additionalProperties"] is False for node in every)
 
 

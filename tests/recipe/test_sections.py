@@ -6,6 +6,7 @@ import attrs
 import pytest
 
 from dflash_recipes import (
+    CardSection,
     DataSection,
     DFlashArchitectureConfig,
     DFlashSection,
@@ -13,6 +14,7 @@ from dflash_recipes import (
     Recipe,
     TrainingSection,
 )
+from dflash_recipes.recipe.sections import default_loss_decay_factor
 
 
 def make() -> Recipe:
@@ -52,6 +54,10 @@ def test_defaults_fill_the_unnamed_sections() -> None:
         ),
         (lambda: ModelSection(model_name_or_path=""), "non-empty string"),
         (lambda: DFlashSection(dflash_dpace_alpha=0.0), r"\(0, 1\]"),
+        (lambda: CardSection(base_model="/models/Qwen3-8B"), "never a local path"),
+        (lambda: CardSection(datasets=("ok/name", "data/")), "OWNER/NAME"),
+        (lambda: CardSection(license="Apache 2.0"), "license id as the Hub writes it"),
+        (lambda: TrainingSection(eval_min_tau=0.0), "eval_min_tau must be a finite number > 0"),
     ],
 )
 def test_python_construction_runs_the_same_validators(build: object, message: str) -> None:
@@ -79,3 +85,25 @@ def test_recipes_are_frozen_and_hashable_by_value() -> None:
 def test_model_is_required() -> None:
     with pytest.raises(TypeError, match="model"):
         Recipe()  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "gamma"),
+    [
+        (16, 7.0),
+        (10, 5.0),
+        (8, 4.0),
+        (9, 4.5),
+        (13, 6.0),
+        (12, 5 + 2 / 3),
+        (32, 7 + 16 / 3),
+        (4, 2.0),
+        (2, 1.0),
+    ],
+)
+def test_loss_decay_default_follows_the_paper_points(block_size: int, gamma: float) -> None:
+    assert default_loss_decay_factor(block_size) == pytest.approx(gamma)
+
+
+def test_decay_default_never_drops_below_one() -> None:
+    assert all(default_loss_decay_factor(b) >= 1.0 for b in range(2, 129))

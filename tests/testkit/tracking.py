@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_recipes.executor.training.trainer import TrainSummary, run_plan
+from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.summary import TrainSummary
 from dflash_recipes.plan.run_plan import RunPlan
 
 

@@ -1,7 +1,7 @@
 """`dflash-recipe capture`: run the frozen target over the training data once, write shards.
 
 The data is read, rendered, masked and truncated exactly as online training does
-(:func:`~dflash_recipes.executor.data.conversations.build_dataset`), and the samples keep the order
+(:func:`~dflash_recipes.executor.data.train_dataset.build_dataset`), and the samples keep the order
 of the
 data file. They are cut into shards of a bounded size by a pure function of the data and the
 plan (:func:`~dflash_recipes.files.capture_manifest.plan_shards`), so a rerun cuts the same shards:
@@ -31,20 +31,26 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from dflash_recipes.checkpoint.kinds.registry import needs_teacher
 from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError, PlanError
-from dflash_recipes.executor.data.conversations import TokenizedExample, TrainDataset, build_dataset
-from dflash_recipes.executor.data.offline import final_norm
+from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.data.token_cache import CachedExamples
-from dflash_recipes.executor.distributed import (
+from dflash_recipes.executor.data.tokenize import TokenizedExample
+from dflash_recipes.executor.data.train_dataset import TrainDataset, build_dataset
+from dflash_recipes.executor.dist_env import (
     DistEnv,
-    barrier,
     detect_dist_env,
     init_distributed,
     is_main,
     shutdown_distributed,
 )
-from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, target_forward
+from dflash_recipes.executor.model.convert import (
+    final_norm,
+    load_base_model,
+    load_tokenizer,
+    target_forward,
+)
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, stopped_capture
 from dflash_recipes.files.capture_manifest import (
     MANIFEST_FILE,
@@ -55,7 +61,6 @@ from dflash_recipes.files.capture_manifest import (
     chat_template_sha256,
     estimate_bytes,
     file_sha256,
-    needs_teacher,
     parse_manifest,
     plan_shards,
     sample_tensor_names,
@@ -103,11 +108,7 @@ def planned_manifest(
     spec = plan.resolved_draft()
     objective = plan.draft.objective
     taps = tuple(spec.target_layer_ids)
-    last = needs_teacher(
-        self_logit_distillation=objective.self_logit_distillation,
-        projector_type=spec.projector_type,
-        dspark_tv_weight=objective.dspark_tv_weight,
-    )
+    last = needs_teacher(spec.projector_type, objective)
     dtype = plan.base_model.dtype
     per_token = bytes_per_token(len(taps), facts.hidden_size, dtype, last_hidden=last)
     examples = dataset.examples

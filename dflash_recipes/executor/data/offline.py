@@ -2,7 +2,7 @@
 
 With ``data.hidden_states_path`` the trainer never runs the target's decoder. The token ids and
 loss masks of every sample (a few bytes a token) are read once into a
-:class:`~dflash_recipes.executor.data.conversations.TrainDataset`, so batching, the seeded epoch
+:class:`~dflash_recipes.executor.data.train_dataset.TrainDataset`, so batching, the seeded epoch
 order, rank
 sharding and resumption are exactly those of online training. The tapped states (kilobytes a
 token) stay on disk: each micro-batch reads only its rows' tensors through ``safe_open``
@@ -30,20 +30,20 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-import attrs
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from dflash_recipes.checkpoint.kinds.registry import needs_teacher
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.data.conversations import DatasetStats, TokenizedExample, TrainDataset
-from dflash_recipes.executor.model.convert import torch_dtype
+from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
+from dflash_recipes.executor.data.train_dataset import TrainDataset
+from dflash_recipes.executor.model.convert import CapturedStates, torch_dtype
 from dflash_recipes.files.capture_manifest import (
     CaptureManifest,
     ShardEntry,
-    needs_teacher,
     read_manifest,
     sample_tensor_names,
     samples_sha256,
@@ -53,35 +53,6 @@ from dflash_recipes.files.capture_manifest import (
 from dflash_recipes.plan.run_plan import RunPlan
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen(eq=False)
-class CapturedStates:
-    """A micro-batch's captured target states, padded like the batch (zeros past each row)."""
-
-    #: ``[B, T, n_taps * H]`` float32: the fused-in-order taps, as ``taps_from_hidden_states``.
-    tapped: Tensor
-    #: ``[B, T, H]`` in the target dtype: the input of the final norm, or None.
-    last_hidden: Tensor | None
-
-
-def final_norm(model: PreTrainedModel) -> nn.Module:
-    """The target's final norm (``model.get_decoder().norm``), applied before ``lm_head``."""
-    decoder = model.get_decoder()  # type: ignore[no-untyped-call]
-    norm = getattr(decoder, "norm", None)
-    if not isinstance(norm, nn.Module):
-        msg = (
-            f"{type(model).__name__} has no final norm at get_decoder().norm; offline "
-            "self-distillation needs it to recompute the teacher logits"
-        )
-        raise CheckpointError(msg)
-    return norm
-
-
-def teacher_logits(model: PreTrainedModel, head: nn.Module, last_hidden: Tensor) -> Tensor:
-    """``lm_head(final_norm(last_hidden))``: the logits the online forward gives, recomputed."""
-    logits: Tensor = head(final_norm(model)(last_hidden))
-    return logits
 
 
 def load_target_without_decoder(plan: RunPlan) -> PreTrainedModel:
@@ -275,11 +246,7 @@ def open_capture(plan: RunPlan) -> tuple[CaptureReader, CaptureManifest]:
         )
     if manifest.dtype != plan.base_model.dtype:
         problems.append(f"it holds {manifest.dtype}, the plan runs {plan.base_model.dtype}")
-    teacher = needs_teacher(
-        self_logit_distillation=objective.self_logit_distillation,
-        projector_type=spec.projector_type,
-        dspark_tv_weight=objective.dspark_tv_weight,
-    )
+    teacher = needs_teacher(spec.projector_type, objective)
     if teacher and not manifest.last_hidden_state:
         problems.append("the objective needs teacher logits and it holds no last hidden state")
     if problems:
@@ -342,11 +309,8 @@ def capture_dataset(
 __all__ = [
     "MAX_OPEN_SHARDS",
     "CaptureReader",
-    "CapturedStates",
     "capture_dataset",
     "check_token_ids",
-    "final_norm",
     "load_target_without_decoder",
     "open_capture",
-    "teacher_logits",
 ]

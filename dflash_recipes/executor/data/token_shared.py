@@ -1,7 +1,7 @@
 """Under torchrun: one build of the tokenized-data cache per job, each rank tokenizing a slice.
 
 Every rank knows the input's hash (rank 0 computed it; see
-:func:`~dflash_recipes.executor.data.conversations.build_dataset`). When any rank finds no valid
+:func:`~dflash_recipes.executor.data.train_dataset.build_dataset`). When any rank finds no valid
 entry, the ranks build it together:
 
 1. Rank 0 takes the cache's lock *without waiting*, checks the entry again, makes the staging
@@ -48,6 +48,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash_recipes.data.conversations import SkippedLine, conversation_of
 from dflash_recipes.data.sources import DataSource, iter_rows
 from dflash_recipes.errors import DataError, DirectoryLockedError
+from dflash_recipes.executor.collectives import broadcast_text, first_rank_where
 from dflash_recipes.executor.data.token_build import (
     CHUNK,
     ChunkResult,
@@ -70,7 +71,7 @@ from dflash_recipes.executor.data.token_cache import (
     read_stats,
 )
 from dflash_recipes.executor.data.tokenize import DatasetStats
-from dflash_recipes.executor.distributed import DistEnv, broadcast_text, first_rank_where
+from dflash_recipes.executor.dist_env import DistEnv
 from dflash_recipes.files.crashsafe import publish_directory, staging_name
 from dflash_recipes.files.locking import hold_directory_lock
 

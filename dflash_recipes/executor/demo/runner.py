@@ -8,7 +8,8 @@
 4. compile and run `recipes/tiny/tiny_scratch.yaml`: the same fine-tune from scratch, same
    steps, same data, same seed;
 5. measure real acceptance of both exports with speculative decoding against the target
-   (lossless greedy verification) and print accuracy and acceptance side by side.
+   (lossless greedy verification), write it into each export's model card (README.md), and
+   print accuracy and acceptance side by side.
 
 Everything goes through the public path a user takes: recipe -> compile -> plan -> run. The
 recipes, the target and the data are package data (``demo_data/``; ``demo_data/recipes`` is the
@@ -25,6 +26,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -37,6 +39,9 @@ from dflash_recipes.files.run_dir import EXPORT_DIR
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.recipe.loader import load_recipe
 from dflash_recipes.records import Record
+
+if TYPE_CHECKING:
+    from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport
 
 Echo = Callable[[str], None]
 
@@ -185,7 +190,7 @@ def _fmt_acc(acc: tuple[float, ...]) -> str:
 def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoResult:
     """Run the demo in `workdir` (runs are resumed/reused on a rerun unless `fresh`)."""
     from dflash_recipes.executor.evaluation.evaluate import run_eval
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
 
     started = time.perf_counter()
     workdir = Path(workdir).resolve()
@@ -234,6 +239,11 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
         eval_prompts,
         num_prompts=24,
     )
+    cards = [
+        _measured_card(Path(plan.training.output_dir) / EXPORT_DIR, report)
+        for plan, report in ((finetune, warm_eval), (scratch_plan, scratch_eval))
+    ]
+    echo("  model cards with these figures: " + ", ".join(_rel(card) for card in cards))
     result = DemoResult(
         steps=warm.steps,
         warm_accuracy=warm.accuracy_by_position,
@@ -251,6 +261,18 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
     _print_summary(result, finetune, echo)
     _maybe_report(runs, echo)
     return result
+
+
+def _measured_card(export: Path, report: AcceptanceReport) -> Path:
+    """Write an `eval` measurement into an export's model card, as `eval --write-card` does."""
+    from dflash_recipes.card.acceptance import measurement_from_report
+    from dflash_recipes.card.facts import CARD_FILE
+    from dflash_recipes.card.writer import write_card_measurement
+
+    measured = measurement_from_report(report.to_dict(), source="eval")
+    if measured is None:  # no finite tau: the card keeps what it had
+        return export / CARD_FILE
+    return write_card_measurement(export, measured)
 
 
 def _print_summary(result: DemoResult, plan: RunPlan, echo: Echo) -> None:

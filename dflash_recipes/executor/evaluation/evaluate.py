@@ -12,7 +12,7 @@ plan and a checkpoint directory, and records what makes its tau comparable
 
 Prompts are conversations in the training data's JSONL formats (OpenAI ``messages`` or
 ShareGPT ``conversations``, read by
-:func:`~dflash_recipes.executor.data.conversations.read_conversations`), a JSON list of prompt
+:func:`~dflash_recipes.data.conversations.read_conversations`), a JSON list of prompt
 strings or message lists, or a Parquet column
 (:mod:`~dflash_recipes.executor.evaluation.prompt_files`); a bare prompt is a conversation with
 one user turn. The prompt is the conversation up to, not including, its first assistant turn,

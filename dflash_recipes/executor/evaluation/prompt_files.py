@@ -4,7 +4,7 @@ The format follows the file's suffix:
 
 - ``.jsonl``: conversations in the training data's formats (OpenAI ``messages`` or ShareGPT
   ``conversations``, one per line;
-  :func:`~dflash_recipes.executor.data.conversations.read_conversations`);
+  :func:`~dflash_recipes.data.conversations.read_conversations`);
 - ``.json``: a list whose items are prompt strings or message lists (``[{"role": "user",
   "content": ...}, ...]``, ShareGPT ``from``/``value`` turns too), the shape of z-lab's
   ``bench_prompts.json``;
@@ -12,7 +12,7 @@ The format follows the file's suffix:
   :data:`DEFAULT_COLUMNS` the file has) of strings or message lists, as Hugging Face
   ``datasets`` writes them (needs ``pyarrow``: ``pip install 'dflash-recipes[parquet]'``).
 
-Every item becomes a :class:`~dflash_recipes.executor.data.conversations.Conversation`
+Every item becomes a :class:`~dflash_recipes.data.conversations.Conversation`
 numbered from 1 (the line, item or row); a string is one user turn. The eval prompt is the
 conversation before its first assistant turn.
 """

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from dflash_recipes.executor.kinds.registry import kind_modules
 from dflash_recipes.executor.model.convert import dflash_module, embed_tokens, lm_head
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.model.heads import DominoHead
 from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.records import Record
@@ -83,10 +83,11 @@ class BlockDrafter(Protocol):
 class DFlashBlockDrafter:
     """A :class:`DFlashDraftModel` with the target's embeddings and lm_head: one pass per block.
 
-    Head variants (domino, dspark) are applied position by position: position ``k`` sees the
-    greedy tokens proposed for positions ``< k`` as its prefix, exactly as in training, where
-    the prefix holds the real tokens. The drafter must be on the target's device; dtypes may
-    differ (a float32 drafter next to a bfloat16 target).
+    The drafter's kind turns the draft states into proposals (``KindModules.propose``): a head
+    (domino, dspark) is applied position by position, position ``k`` seeing the greedy tokens
+    proposed for positions ``< k`` as its prefix, exactly as in training, where the prefix
+    holds the real tokens. The drafter must be on the target's device; dtypes may differ (a
+    float32 drafter next to a bfloat16 target).
     """
 
     def __init__(
@@ -167,40 +168,10 @@ class DFlashBlockDrafter:
         proposals are the backbone's; the head corrects the rest.
         """
         base_logits = self._logits(hidden)
-        head = self.model.head
-        first = self.spec.first_drafting_position
-        if head is None:
-            rows_out = base_logits[:, first:].argmax(dim=-1).tolist()
-            return [[int(t) for t in row] for row in rows_out]
-        # prev index k holds the token just before the one position k proposes (the anchor at
-        # index `first`, then the proposals); entries not known yet hold the mask id, and
-        # position k of either head reads entries <= k only.
-        size = self.spec.block_size
-        rows = len(anchor_tokens)
-        prev = torch.full(
-            (rows, size), self.spec.mask_token_id, dtype=torch.long, device=hidden.device
+        kind = kind_modules(self.spec.projector_type)
+        proposals = kind.propose(
+            self.model.head, hidden, base_logits, anchor_tokens, self.spec, self.embed_tokens
         )
-        anchor = torch.tensor(list(anchor_tokens), dtype=torch.long, device=hidden.device)
-        prev[:, : first + 1] = anchor.unsqueeze(1)
-        columns: list[Tensor] = []
-        for k in range(first, size):
-            if isinstance(head, DominoHead):
-                if k < head.pure_draft_prefix_len:  # proposed uncorrected, as served
-                    token = base_logits[:, k].argmax(dim=-1)
-                else:
-                    prev_embeds = self.embed_tokens(prev[:, : k + 1]).to(hidden.dtype)
-                    logits = head(hidden[:, : k + 1], prev_embeds, base_logits[:, : k + 1])
-                    token = logits[:, k].argmax(dim=-1)
-            else:
-                logits, _confidence = head(
-                    hidden[:, : k + 1], prev[:, : k + 1], base_logits[:, : k + 1]
-                )
-                token = logits[:, k].argmax(dim=-1)
-            columns.append(token)
-            if k + 1 < size:
-                prev = prev.clone()
-                prev[:, k + 1] = token
-        proposals = torch.stack(columns, dim=1)
         return [[int(t) for t in row] for row in proposals.tolist()]
 
     def propose(self, context: DraftContext) -> list[int]:

@@ -1,2 +1,2 @@
-"""The drafter as torch modules: the draft model and its masks, heads, conversion, warm start,
+"""The drafter as torch modules: the draft model and its masks, conversion, warm start,
 weights, export."""

@@ -244,6 +244,39 @@ def target_forward(
     return TargetStates(hidden, out.logits if with_logits else None)
 
 
+@attrs.frozen(eq=False)
+class CapturedStates:
+    """What an offline capture gives the trainer in place of a target forward: a micro-batch's
+    captured states, padded like the batch (zeros past each row)."""
+
+    #: ``[B, T, n_taps * H]`` float32: the fused-in-order taps, as ``taps_from_hidden_states``.
+    tapped: torch.Tensor
+    #: ``[B, T, H]`` in the target dtype: the input of the final norm, or None.
+    last_hidden: torch.Tensor | None
+
+
+def final_norm(model: PreTrainedModel) -> nn.Module:
+    """The target's final norm (``model.get_decoder().norm``), applied before ``lm_head``."""
+    decoder = model.get_decoder()  # type: ignore[no-untyped-call]
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, nn.Module):
+        msg = (
+            f"{type(model).__name__} has no final norm at get_decoder().norm; offline "
+            "self-distillation needs it to recompute the teacher logits"
+        )
+        raise CheckpointError(msg)
+    return norm
+
+
+def teacher_logits(
+    model: PreTrainedModel, head: nn.Module, last_hidden: torch.Tensor
+) -> torch.Tensor:
+    """``lm_head(final_norm(last_hidden))``: the logits the online forward gives, recomputed
+    from a capture's last hidden state."""
+    logits: torch.Tensor = head(final_norm(model)(last_hidden))
+    return logits
+
+
 def embed_tokens(model: PreTrainedModel) -> nn.Module:
     """The base's input embedding table (shared with the drafter, never copied)."""
     embeddings: nn.Module = model.get_input_embeddings()
@@ -261,14 +294,17 @@ def lm_head(model: PreTrainedModel) -> nn.Module:
 
 __all__ = [
     "DRAFT_ATTRIBUTE",
+    "CapturedStates",
     "ConvertedModel",
     "TargetStates",
     "convert",
     "dflash_module",
     "embed_tokens",
+    "final_norm",
     "lm_head",
     "load_base_model",
     "load_tokenizer",
     "target_forward",
+    "teacher_logits",
     "torch_dtype",
 ]

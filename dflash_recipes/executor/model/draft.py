@@ -2,9 +2,9 @@
 
 Parameter names are the z-lab checkpoint keys, so ``state_dict()`` of a
 :class:`DFlashDraftModel` is exactly what an engine loads: no prefix, no embeddings, no
-``lm_head``, no rotary buffers (they are not persistent). Head variants (Domino, DSpark) put
-their submodules at the top level (``prefix_gru.*``, ``markov_w1.*``, ...), as in reference
-section 6.
+``lm_head``, no rotary buffers (they are not persistent). A kind's head (Domino, DSpark;
+:mod:`dflash_recipes.executor.kinds`) puts its submodules at the top level (``prefix_gru.*``,
+``markov_w1.*``, ...), as in reference section 6.
 
 Shapes used below: ``B`` batch, ``N`` blocks per sequence, ``bs`` block size, ``Q = N * bs``
 packed block positions, ``T`` context length (target positions), ``H`` hidden size.
@@ -37,7 +37,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash_recipes.executor.model.heads import DominoHead, DraftHead, DSparkHead, build_head
+from dflash_recipes.executor.kinds.protocol import KindHead
+from dflash_recipes.executor.kinds.registry import kind_modules
 from dflash_recipes.executor.model.masks import (
     DraftMask,
     SplitBlockMask,
@@ -340,7 +341,7 @@ class DFlashDraftModel(nn.Module):
     start at zero so a fresh head leaves the backbone logits unchanged).
     """
 
-    _head: DraftHead | None
+    _head: KindHead | None
 
     def __init__(self, spec: ResolvedDraft, *, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -352,7 +353,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftDecoderLayer(spec) for _ in range(spec.num_hidden_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=spec.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(rope_config(spec))
-        head = build_head(spec)
+        head = kind_modules(spec.projector_type).build_head(spec)
         # The head's submodules are registered here, at the top level, so their keys carry no
         # prefix (as Domino and DSpark exports do); the head object itself is kept outside the
         # module tree.
@@ -363,24 +364,9 @@ class DFlashDraftModel(nn.Module):
         self.reset_parameters(generator)
 
     @property
-    def head(self) -> DraftHead | None:
-        """The Domino or DSpark head (sharing this module's parameters), or None."""
-        return self._head
-
-    @property
-    def domino_head(self) -> DominoHead:
-        """The Domino head; TypeError for other variants."""
-        if not isinstance(self._head, DominoHead):
-            msg = f"this drafter has projector_type {self.spec.projector_type!r}, not 'domino'"
-            raise TypeError(msg)
-        return self._head
-
-    @property
-    def dspark_head(self) -> DSparkHead:
-        """The DSpark head; TypeError for other variants."""
-        if not isinstance(self._head, DSparkHead):
-            msg = f"this drafter has projector_type {self.spec.projector_type!r}, not 'dspark'"
-            raise TypeError(msg)
+    def head(self) -> KindHead | None:
+        """The kind's head (sharing this module's parameters; built by its ``KindModules``),
+        or None for plain DFlash."""
         return self._head
 
     @torch.no_grad()

@@ -30,6 +30,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_recipes.card.writer import write_model_card
+from dflash_recipes.checkpoint.kinds.protocol import JsonValue
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.checkpoint.tensor_layout import (
     compare_layout,
@@ -56,11 +59,10 @@ REMOTE_CODE_CLASS = "dflash.DFlashDraftModel"
 
 logger = logging.getLogger(__name__)
 
-JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
-
 
 def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
-    """The ``config.json`` of an exported drafter (see docs/dflash.md, "Serving the export")."""
+    """The ``config.json`` of an exported drafter (see docs/dflash.md, "Serving the export"):
+    the fields every kind writes, then the kind's own (``KindFacts.export_config``)."""
     rope = spec.rope
     params: dict[str, JsonValue] = dict(rope_parameters(rope))
     scaling: dict[str, JsonValue] | None = None
@@ -74,19 +76,7 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         # The key vLLM and SGLang read (exports before it said `attention_sink`).
         "attention_sink_bias": spec.attention_sink,
     }
-    # The head fields as ModelOpt's exporters write them (what executor/heads.py computes).
-    if spec.projector_type == "domino":
-        dflash["shift_label"] = spec.shift_label
-        dflash["pure_draft_prefix_len"] = spec.pure_draft_prefix_len
-        dflash["gru_hidden_dim"] = spec.gru_hidden_dim
-        dflash["emb_dim"] = spec.emb_dim
-    elif spec.projector_type == "dspark":
-        dflash["shift_label"] = spec.shift_label
-        dflash["markov_rank"] = spec.markov_rank
-        dflash["markov_head_type"] = spec.markov_head_type
-        dflash["use_confidence_head"] = spec.use_confidence_head
-    top: dict[str, JsonValue] = {"emb_dim": spec.emb_dim} if spec.projector_type == "domino" else {}
-    return {
+    common: dict[str, JsonValue] = {
         "architectures": [ARCHITECTURE_NAME],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
@@ -109,37 +99,22 @@ def drafter_config(spec: ResolvedDraft, dtype: str) -> dict[str, JsonValue]:
         "max_position_embeddings": spec.max_position_embeddings,
         "num_target_layers": spec.num_target_layers,
         "block_size": spec.block_size,
-        **top,
         "dflash_config": dflash,
         "dtype": dtype,
         "torch_dtype": dtype,
         "auto_map": {"AutoModel": REMOTE_CODE_CLASS},
     }
+    return kind_facts(spec.projector_type).export_config(spec, common)
 
 
 def serving_warnings(spec: ResolvedDraft) -> list[str]:
-    """Why no serving engine computes what this drafter's head computes (empty for plain DFlash).
+    """Why no serving engine computes what this drafter's head computes (empty for plain DFlash;
+    the kind's ``KindFacts.serving_warnings``).
 
     An export of a head no engine serves must not look servable: `export_drafter` logs these.
     A Domino export with pure_draft_prefix_len 1 is what SGLang's Domino runtime serves.
     """
-    if spec.projector_type == "domino" and spec.pure_draft_prefix_len != 1:
-        return [
-            "warning: this Domino export is not served as trained by any engine: its head "
-            f"leaves {spec.pure_draft_prefix_len} proposals uncorrected "
-            f"(dflash_config.pure_draft_prefix_len {spec.pure_draft_prefix_len}), SGLang's "
-            "Domino runtime accepts only pure_draft_prefix_len 1 and refuses it, and vLLM has "
-            "no Domino head; train with pure_draft_prefix_len: 1 to serve it with SGLang, or "
-            "use `dflash-recipe eval` to measure it (see 'Serving the export' in docs/dflash.md)"
-        ]
-    if spec.projector_type == "dspark":
-        return [
-            "warning: no serving engine has a DSpark head: vLLM and SGLang would serve the "
-            "DFlash backbone of this export without its Markov correction (or "
-            "refuse its extra tensors), so served acceptance differs from `dflash-recipe eval`; "
-            "see 'Serving the export' in docs/dflash.md"
-        ]
-    return []
+    return kind_facts(spec.projector_type).serving_warnings(spec)
 
 
 def _sliding_window_fields(spec: ResolvedDraft) -> dict[str, JsonValue]:
@@ -200,7 +175,9 @@ def export_drafter(
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
         (staging / CONFIG_FILE).write_text(text, encoding="utf-8")
-        (staging / REMOTE_CODE_FILE).write_bytes(remote_code_source())
+        if "auto_map" in config:  # a kind whose engines load it without remote code omits it
+            (staging / REMOTE_CODE_FILE).write_bytes(remote_code_source())
+        write_model_card(staging, plan, sources=sources, serving_notes=serving_warnings(spec))
         files = [child.name for child in staging.iterdir()]
         (staging / EXPORT_MARKER).write_text(export_marker_text(files), encoding="utf-8")
     for warning in serving_warnings(spec):

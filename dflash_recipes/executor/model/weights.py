@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
@@ -26,37 +27,13 @@ logger = logging.getLogger(__name__)
 def trained_for_note(checkpoint_dir: Path, spec: ResolvedDraft) -> tuple[str, bool] | None:
     """(one line, whether the plan differs) for a head checkpoint whose config.json says
     ``shift_label`` false or another head alignment than `spec`; None otherwise (plain
-    DFlash, no config.json, or the alignment the plan drafts with ModelOpt's labels)."""
-    if spec.projector_type == "dflash":
-        return None
+    DFlash, no config.json, or the alignment the plan drafts with ModelOpt's labels). The
+    rule is the kind's (``KindFacts.trained_for``)."""
     config = read_checkpoint_config(checkpoint_dir)
     nested = config.raw.get("dflash_config") if config.readable else None
-    if not isinstance(nested, Mapping) or type(nested.get("shift_label")) is not bool:
+    if not isinstance(nested, Mapping):
         return None
-    shift = bool(nested["shift_label"])
-    prefix = nested.get("pure_draft_prefix_len") if spec.projector_type == "domino" else None
-    prefix = prefix if type(prefix) is int else None
-    differs = shift != spec.shift_label or (
-        prefix is not None and prefix != spec.pure_draft_prefix_len
-    )
-    if shift and not differs:
-        return None
-    target = "anchor + k + 1" if shift else "anchor + k"
-    trained = f"shift_label {str(shift).lower()} (block position k predicts {target}"
-    trained += f", pure_draft_prefix_len {prefix})" if prefix is not None else ")"
-    if not shift:
-        trained += ", as earlier dflash-recipes exports were"
-    if differs:
-        plan = spec.head_description
-        fix = f"set dflash_architecture_config.shift_label: {str(shift).lower()}"
-        if prefix is not None:
-            fix += f" and pure_draft_prefix_len: {prefix}"
-        return (
-            f"note: {checkpoint_dir} was trained for {trained}; the plan drafts it as {plan}, "
-            f"which it was not trained for: {fix} to use it as trained",
-            True,
-        )
-    return f"note: {checkpoint_dir} was trained for {trained}; the plan drafts it so", False
+    return kind_facts(spec.projector_type).trained_for(str(checkpoint_dir), nested, spec)
 
 
 def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int:

@@ -15,7 +15,7 @@ Never losing work: every finished conversation is appended at once, as one whole
 the journal is sealed into an immutable ``part-NNNNN.jsonl`` written atomically. A crash or
 ``kill -9`` loses only the requests in flight (a torn journal line is ignored). A rerun with
 the same output skips every conversation already answered: it is keyed by a content hash of
-its prompt turns (:func:`~dflash_recipes.compiler.regenerate_checks.prompt_key`), so a reordered
+its prompt turns (:func:`~dflash_recipes.files.regenerate_output.prompt_key`), so a reordered
 input
 resumes too. At the end ``OUTPUT`` is assembled atomically from the shards (each conversation
 of this input once, in the order they were answered) and the summary goes to
@@ -34,7 +34,6 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.compiler.regenerate_checks import default_regenerate_plan, output_problem
 from dflash_recipes.data.conversations import read_conversations, summarize
 from dflash_recipes.errors import DataError, RegenerateError
 from dflash_recipes.executor.regenerate.types import (
@@ -49,6 +48,7 @@ from dflash_recipes.executor.regenerate.types import (
 from dflash_recipes.files.crashsafe import atomic_replace, write_text_atomic
 from dflash_recipes.files.locking import hold_directory_lock
 from dflash_recipes.files.regenerate_output import parts_dir, summary_path
+from dflash_recipes.plan.regenerate_settings import default_regenerate_plan, output_problem
 from dflash_recipes.plan.run_plan import RegeneratePlan, RunPlan
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from dflash_recipes.compiler.regenerate_checks import chat_completions_url, models_url
 from dflash_recipes.errors import RegenerateError
 from dflash_recipes.executor.regenerate.types import (
     Answer,
@@ -38,6 +37,7 @@ from dflash_recipes.executor.regenerate.types import (
     apply_reasoning,
     finished_outcome,
 )
+from dflash_recipes.plan.regenerate_settings import chat_completions_url, models_url
 from dflash_recipes.plan.run_plan import RegeneratePlan
 
 #: Longest wait between two attempts of one request.

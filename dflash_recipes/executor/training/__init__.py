@@ -1,2 +1,2 @@
-"""The trainer: the loop, the micro-step, objectives, anchors, optimiser, metrics, resume and
-checkpoints."""
+"""Training: ``fit.py`` (the loop, one screen) over the builders of ``setup/``, the micro-step,
+objectives, anchors, metrics, the eval and save policies, checkpoints and trackers."""

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from dflash_recipes.executor.data.conversations import Batch
-    from dflash_recipes.executor.distributed import DistEnv
+    from dflash_recipes.executor.data.train_dataset import Batch
+    from dflash_recipes.executor.dist_env import DistEnv
 
 #: Label value at positions that get no loss (PyTorch's cross-entropy ignore_index).
 IGNORE_INDEX = -100

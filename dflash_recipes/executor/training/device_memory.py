@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_recipes.compiler.resources.estimate import estimate_resources, gib, read_target_dims
-from dflash_recipes.compiler.resources.fit import exceed_message, fit_advice
 from dflash_recipes.errors import ResourceError
+from dflash_recipes.plan.resources.estimate import estimate_resources, gib, read_target_dims
+from dflash_recipes.plan.resources.fit import exceed_message, fit_advice
 from dflash_recipes.plan.run_plan import RunPlan
 
 logger = logging.getLogger("dflash_recipes.run")

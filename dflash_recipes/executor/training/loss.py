@@ -1,4 +1,9 @@
-"""Training objectives of DFlash drafters and their head variants, and the acceptance metrics.
+"""What every drafter kind's objective is made of: position weights, weighted means, the loss
+output and how chunks combine; and the acceptance metrics.
+
+Each kind's objective is in its kind module (:mod:`dflash_recipes.executor.kinds`: plain
+DFlash's ``dflash_loss``, Domino's and DSpark's head terms); it reads one chunk of blocks as
+:class:`ObjectiveInputs` and returns a :class:`LossOutput`.
 
 Shapes: logits ``[..., K, V]`` with labels and label_mask ``[..., K]``, where ``K`` is the block
 size and the leading dims are anything (``[B, N]`` for the packed blocks of a batch, ``[N*B]``
@@ -27,7 +32,7 @@ float32 whatever the logits' dtype.
   first drafted position's is 1, are non-increasing in k, carry no gradient and, like the
   decay weights, are normalised by their sum.
 
-**Self-distillation** (``objective.self_logit_distillation``): the loss becomes
+**Self-distillation** (``objective.self_logit_distillation``, every kind): the loss becomes
 ``weighted_mean(CE(draft, label)) + weighted_mean(softCE(target, draft))`` with the same
 weights, where ``softCE = -sum_v q_v log p_v``, q the target's softmax at ``anchor + k - 1``
 (see :func:`~dflash_recipes.executor.training.anchors.gather_teacher_logits`). Its gradient equals
@@ -38,7 +43,7 @@ of KL(q || p); the reported value includes the target's entropy.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -64,18 +69,34 @@ class LossOutput:
     #: Detached sum of the position weights over supervised positions: the denominator of
     #: the weighted means (a data-parallel trainer normalises by its global sum).
     weight_sum: Tensor
-    #: Detached soft cross-entropy against the target, when self-distillation is on.
-    distill: Tensor | None = None
-    #: Domino: detached cross-entropy of the backbone logits (before its weight).
-    backbone_ce: Tensor | None = None
-    #: DSpark: detached total-variation distance to the target (before its weight).
-    tv: Tensor | None = None
-    #: DSpark: detached confidence BCE (before its weight).
-    confidence_bce: Tensor | None = None
+    #: The objective's other terms, detached, each a weighted mean like `ce` (before its
+    #: weight): ``distill`` (soft cross-entropy against the target, with self-distillation),
+    #: and the kind's own (Domino's ``backbone_ce``, DSpark's ``tv``).
+    parts: Mapping[str, Tensor] = attrs.field(factory=dict)
+    #: Detached terms that are plain means over supervised positions (DSpark's
+    #: ``confidence_bce``), before their weight.
+    counted_parts: Mapping[str, Tensor] = attrs.field(factory=dict)
     #: The differentiable part of `loss` that is a mean over supervised positions rather than
     #: a weighted mean (DSpark's weighted confidence BCE); None when there is none. Lets
     #: :func:`combine_losses` rebuild the exact loss of a whole batch from its chunks.
     count_normalized: Tensor | None = None
+
+
+@attrs.frozen(eq=False)
+class ObjectiveInputs:
+    """What a kind's objective compares one chunk of blocks with (``[B, n, K, ...]``)."""
+
+    #: ``[B, n, K]`` labels and supervision mask (``block_labels``).
+    labels: Tensor
+    label_mask: Tensor
+    #: ``[B, n, K, V]`` float32 target logits for each block position (``gather_teacher_logits``)
+    #: when the objective needs a teacher (``needs_teacher``), else None.
+    teacher: Tensor | None
+    #: Optimiser step and the run's total (Domino's decaying backbone weight).
+    step: int
+    total_steps: int
+    #: 1 when block position k predicts anchor + k + 1 (a head with shift_label), else 0.
+    shift: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +132,10 @@ def dpace_weights(
     if not 0 < alpha <= 1:
         msg = f"dpace_alpha must be in (0, 1], got {alpha}"
         raise ValueError(msg)
-    _check_shapes(logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask, shift)
+    check_shapes(logits, labels, label_mask)
+    label_mask = without_anchor(label_mask, shift)
     with torch.no_grad():
-        p_correct = torch.exp(-_token_ce(logits, labels, label_mask))
+        p_correct = torch.exp(-token_ce(logits, labels, label_mask))
         p_correct = torch.where(label_mask, p_correct, torch.ones_like(p_correct))
         reach = torch.cumprod(p_correct, dim=-1)
         # S_k is the product over positions strictly before k (S_0 = 1; without the shift
@@ -143,161 +164,8 @@ def objective_weights(
 
 
 # ---------------------------------------------------------------------------------------------
-# objectives
+# combining chunks
 # ---------------------------------------------------------------------------------------------
-
-
-def dflash_loss(
-    logits: Tensor,
-    labels: Tensor,
-    label_mask: Tensor,
-    *,
-    objective: ObjectivePlan,
-    teacher_logits: Tensor | None = None,
-) -> LossOutput:
-    """Weighted cross-entropy of a plain DFlash drafter, plus optional self-distillation.
-
-    `teacher_logits` (same shape as `logits`) is required exactly when
-    ``objective.self_logit_distillation`` is on.
-    """
-    _check_shapes(logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask)
-    if objective.self_logit_distillation and teacher_logits is None:
-        msg = "self_logit_distillation is on but no teacher_logits were passed"
-        raise ValueError(msg)
-    if not objective.self_logit_distillation and teacher_logits is not None:
-        msg = "teacher_logits were passed but self_logit_distillation is off"
-        raise ValueError(msg)
-    weights = objective_weights(logits, labels, label_mask, objective=objective)
-    ce = _weighted_mean(_token_ce(logits, labels, label_mask), weights, label_mask)
-    loss = ce
-    distill: Tensor | None = None
-    if teacher_logits is not None:
-        distill = _weighted_mean(_soft_ce(logits, teacher_logits), weights, label_mask)
-        loss = loss + distill
-    return _output(loss, ce, logits, labels, label_mask, weights, distill=distill)
-
-
-def domino_backbone_weight(step: int, total_steps: int, initial: float) -> float:
-    """Backbone CE weight of Domino at `step`: `initial` at step 0, linearly to 0 at the end."""
-    if total_steps < 1:
-        msg = f"total_steps must be >= 1, got {total_steps}"
-        raise ValueError(msg)
-    if step < 0:
-        msg = f"step must be >= 0, got {step}"
-        raise ValueError(msg)
-    return initial * max(0.0, 1.0 - step / total_steps)
-
-
-def domino_loss(
-    corrected_logits: Tensor,
-    backbone_logits: Tensor,
-    labels: Tensor,
-    label_mask: Tensor,
-    *,
-    weights: Tensor,
-    backbone_weight: float,
-    teacher_logits: Tensor | None = None,
-    shift: int = 0,
-) -> LossOutput:
-    """Domino: ``CE(corrected) + backbone_weight * CE(backbone)`` [+ softCE(corrected)].
-
-    Both CEs use the same position `weights` (broadcastable to `labels`, e.g. from
-    :func:`objective_weights`). Accuracy counts are of the corrected logits, the ones served.
-    With `teacher_logits` the self-distillation term of the module doc is added on the
-    corrected logits.
-    """
-    _check_shapes(corrected_logits, labels, label_mask)
-    _check_shapes(backbone_logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask, shift)
-    ce = _weighted_mean(_token_ce(corrected_logits, labels, label_mask), weights, label_mask)
-    backbone_ce = _weighted_mean(
-        _token_ce(backbone_logits, labels, label_mask), weights, label_mask
-    )
-    loss = ce + backbone_weight * backbone_ce
-    distill: Tensor | None = None
-    if teacher_logits is not None:
-        distill = _weighted_mean(_soft_ce(corrected_logits, teacher_logits), weights, label_mask)
-        loss = loss + distill
-    return _output(
-        loss,
-        ce,
-        corrected_logits,
-        labels,
-        label_mask,
-        weights,
-        distill=distill,
-        backbone_ce=backbone_ce,
-    )
-
-
-def dspark_loss(
-    logits: Tensor,
-    labels: Tensor,
-    label_mask: Tensor,
-    *,
-    weights: Tensor,
-    teacher_logits: Tensor | None,
-    confidence_logit: Tensor | None,
-    tv_weight: float,
-    confidence_weight: float,
-    shift: int = 0,
-) -> LossOutput:
-    """DSpark: ``CE + tv_weight * TV(p, q) + confidence_weight * BCE(confidence, correct)``.
-
-    - CE and TV (``0.5 * sum_v |p_v - q_v|``, p the draft's softmax, q the target's) are
-      weighted means with the position `weights`; TV is present only with `teacher_logits`.
-    - The confidence head learns whether the draft's top-1 token equals the label; its BCE is a
-      plain mean over supervised positions (a confidence must be calibrated at every position,
-      also those the decay weights play down). `confidence_logit` is ``[..., K]`` or
-      ``[..., K, 1]``; present only when the head has one.
-    """
-    _check_shapes(logits, labels, label_mask)
-    label_mask = _without_anchor(label_mask, shift)
-    ce = _weighted_mean(_token_ce(logits, labels, label_mask), weights, label_mask)
-    loss = ce
-    tv: Tensor | None = None
-    if teacher_logits is not None:
-        if teacher_logits.shape != logits.shape:
-            msg = (
-                f"teacher_logits {tuple(teacher_logits.shape)} must have the shape of the "
-                f"logits {tuple(logits.shape)}"
-            )
-            raise ValueError(msg)
-        p = torch.softmax(logits.float(), dim=-1)
-        q = torch.softmax(teacher_logits.detach().float(), dim=-1)
-        per_token_tv = 0.5 * (p - q).abs().sum(dim=-1)
-        tv = _weighted_mean(per_token_tv, weights, label_mask)
-        loss = loss + tv_weight * tv
-    confidence_bce: Tensor | None = None
-    if confidence_logit is not None:
-        conf = confidence_logit
-        if conf.shape == (*labels.shape, 1):
-            conf = conf.squeeze(-1)
-        if conf.shape != labels.shape:
-            msg = (
-                f"confidence_logit {tuple(confidence_logit.shape)} must have the shape of the "
-                f"labels {tuple(labels.shape)} (optionally with a trailing 1)"
-            )
-            raise ValueError(msg)
-        with torch.no_grad():
-            is_correct = (logits.argmax(dim=-1) == labels).float()
-        per_token_bce = F.binary_cross_entropy_with_logits(
-            conf.float(), is_correct, reduction="none"
-        )
-        confidence_bce = _weighted_mean(per_token_bce, torch.ones_like(per_token_bce), label_mask)
-        loss = loss + confidence_weight * confidence_bce
-    return _output(
-        loss,
-        ce,
-        logits,
-        labels,
-        label_mask,
-        weights,
-        count_normalized=(None if confidence_bce is None else confidence_weight * confidence_bce),
-        tv=tv,
-        confidence_bce=confidence_bce,
-    )
 
 
 def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
@@ -335,6 +203,15 @@ def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
             raise ValueError(msg)
         return combine(values)
 
+    def named(field: str, combine: Callable[[Sequence[Tensor]], Tensor]) -> dict[str, Tensor]:
+        terms: list[Mapping[str, Tensor]] = [getattr(part, field) for part in parts]
+        names = list(dict.fromkeys(name for term in terms for name in term))
+        for name in names:
+            if any(name not in term for term in terms):
+                msg = f"combine_losses: chunk outputs disagree on whether {name} is present"
+                raise ValueError(msg)
+        return {name: combine([term[name] for term in terms]) for name in names}
+
     count_loss = optional("count_normalized", counted)
     weighted_loss = weighted(
         [p.loss if p.count_normalized is None else p.loss - p.count_normalized for p in parts]
@@ -345,10 +222,8 @@ def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
         per_position_correct=torch.stack([p.per_position_correct for p in parts]).sum(dim=0),
         per_position_count=torch.stack([p.per_position_count for p in parts]).sum(dim=0),
         weight_sum=w_total,
-        distill=optional("distill", weighted),
-        backbone_ce=optional("backbone_ce", weighted),
-        tv=optional("tv", weighted),
-        confidence_bce=optional("confidence_bce", counted),
+        parts=named("parts", weighted),
+        counted_parts=named("counted_parts", counted),
         count_normalized=count_loss,
     )
 
@@ -392,11 +267,11 @@ def estimated_acceptance_length(acc: Sequence[float], *, shift: int = 0) -> floa
 
 
 # ---------------------------------------------------------------------------------------------
-# internals
+# the pieces every kind's objective is built from
 # ---------------------------------------------------------------------------------------------
 
 
-def _output(
+def loss_output(
     loss: Tensor,
     ce: Tensor,
     served_logits: Tensor,
@@ -404,23 +279,30 @@ def _output(
     label_mask: Tensor,
     weights: Tensor,
     *,
+    parts: Mapping[str, Tensor | None] | None = None,
+    counted_parts: Mapping[str, Tensor | None] | None = None,
     count_normalized: Tensor | None = None,
-    **parts: Tensor | None,
 ) -> LossOutput:
-    """A :class:`LossOutput`: accuracy counts of `served_logits`, every reported part detached."""
+    """A :class:`LossOutput`: accuracy counts of `served_logits` (the logits a server drafts
+    from), every reported part detached; parts that are None are left out."""
     correct, count = _position_counts(served_logits, labels, label_mask)
+
+    def detached(terms: Mapping[str, Tensor | None] | None) -> dict[str, Tensor]:
+        return {name: t.detach() for name, t in (terms or {}).items() if t is not None}
+
     return LossOutput(
         loss=loss,
         ce=ce.detach(),
         per_position_correct=correct,
         per_position_count=count,
         weight_sum=_weight_sum(weights, label_mask),
+        parts=detached(parts),
+        counted_parts=detached(counted_parts),
         count_normalized=count_normalized,
-        **{name: None if part is None else part.detach() for name, part in parts.items()},
     )
 
 
-def _check_shapes(logits: Tensor, labels: Tensor, label_mask: Tensor) -> None:
+def check_shapes(logits: Tensor, labels: Tensor, label_mask: Tensor) -> None:
     if logits.dim() < 2 or logits.shape[:-1] != labels.shape or labels.shape != label_mask.shape:
         msg = (
             f"logits {tuple(logits.shape)} must be [..., K, V] with labels and label_mask "
@@ -432,7 +314,7 @@ def _check_shapes(logits: Tensor, labels: Tensor, label_mask: Tensor) -> None:
         raise ValueError(msg)
 
 
-def _without_anchor(label_mask: Tensor, shift: int = 0) -> Tensor:
+def without_anchor(label_mask: Tensor, shift: int = 0) -> Tensor:
     """Without the shift, block position 0 (the given anchor) is never supervised, whatever
     the caller's mask; with it, the mask is the caller's."""
     if shift:
@@ -442,7 +324,7 @@ def _without_anchor(label_mask: Tensor, shift: int = 0) -> Tensor:
     return label_mask & keep
 
 
-def _token_ce(logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
+def token_ce(logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
     """[..., K] float32 cross-entropy per position; 0 where label_mask is false."""
     # cross_entropy is log_softmax + the label's negative log-probability in one call; ignored
     # positions come out as exactly 0.
@@ -452,7 +334,7 @@ def _token_ce(logits: Tensor, labels: Tensor, label_mask: Tensor) -> Tensor:
     return nll.view(labels.shape)
 
 
-def _soft_ce(logits: Tensor, teacher_logits: Tensor) -> Tensor:
+def soft_ce(logits: Tensor, teacher_logits: Tensor) -> Tensor:
     """[..., K] float32 ``-sum_v q_v log p_v``, q the (detached) teacher softmax."""
     if teacher_logits.shape != logits.shape:
         msg = (
@@ -471,7 +353,7 @@ def _weight_sum(weights: Tensor, label_mask: Tensor) -> Tensor:
     return w.sum()
 
 
-def _weighted_mean(values: Tensor, weights: Tensor, label_mask: Tensor) -> Tensor:
+def weighted_mean(values: Tensor, weights: Tensor, label_mask: Tensor) -> Tensor:
     """``sum(w * v) / sum(w)`` over supervised positions; 0 (with zero gradient) if none."""
     w = torch.broadcast_to(weights.to(values.dtype), values.shape) * label_mask
     total = (torch.where(label_mask, values, torch.zeros_like(values)) * w).sum()
@@ -491,14 +373,17 @@ def _position_counts(logits: Tensor, labels: Tensor, label_mask: Tensor) -> tupl
 
 __all__ = [
     "LossOutput",
+    "ObjectiveInputs",
+    "check_shapes",
     "combine_losses",
     "decay_weights",
-    "dflash_loss",
-    "domino_backbone_weight",
-    "domino_loss",
     "dpace_weights",
-    "dspark_loss",
     "estimated_acceptance_length",
+    "loss_output",
     "objective_weights",
     "per_position_accuracy",
+    "soft_ce",
+    "token_ce",
+    "weighted_mean",
+    "without_anchor",
 ]

@@ -1,34 +1,31 @@
-"""Training metrics: the window of steps between two logging steps and the rows of metrics.jsonl.
+"""Training metrics: the window of steps between two logging steps, and its ``train`` row.
 
 :class:`MetricWindow` accumulates a window's loss, per-position accuracy counts and tokens on
-the step's device; :func:`log_train_window` reduces it over the ranks and sends one ``train``
-row (``report.train_row``) to the run's trackers (metrics.jsonl first); :func:`append_jsonl`
-writes a row as one strict-JSON line.
+the step's device; :func:`log_train_window` reduces it over the ranks, assembles the window's
+one ``train`` row (:func:`~dflash_recipes.files.metrics_rows.train_row`) and sends it to the
+run's trackers (metrics.jsonl first, :mod:`.trackers`). :func:`row_number` reads a figure back
+from a row (null as NaN).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from dflash_recipes.executor.distributed import DistEnv, all_reduce_sum, is_main
+from dflash_recipes.executor.collectives import all_reduce_sum
+from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.loss import (
     LossOutput,
     estimated_acceptance_length,
     per_position_accuracy,
 )
-from dflash_recipes.files.metrics_rows import train_row
-
-if TYPE_CHECKING:
-    from dflash_recipes.executor.training.trackers.fanout import TrackerSet
+from dflash_recipes.executor.training.trackers.fanout import TrackerSet
+from dflash_recipes.files.metrics_rows import MetricsRow, train_row
 
 logger = logging.getLogger("dflash_recipes.train")
 
@@ -89,10 +86,10 @@ def _accumulate(total: Tensor | None, value: Tensor) -> Tensor:
 
 def log_train_window(
     window: MetricWindow, *, step: int, lr: float, trackers: TrackerSet, env: DistEnv
-) -> dict[str, object]:
-    """Reduce a settled window over the ranks; rank 0 sends its ``train`` row to `trackers`
-    (metrics.jsonl first) and logs one line. Returns the row (every rank gets the same
-    numbers)."""
+) -> MetricsRow:
+    """Reduce a settled window over the ranks into its ``train`` row; rank 0 sends the row to
+    `trackers` (metrics.jsonl first) and logs one line. Returns the row (every rank gets the
+    same numbers)."""
     correct = all_reduce_sum(window.correct.to(env.device).float(), env).cpu()
     count = all_reduce_sum(window.count.to(env.device).float(), env).cpu()
     tokens = float(all_reduce_sum(torch.tensor(float(window.tokens), device=env.device), env))
@@ -107,42 +104,41 @@ def log_train_window(
     acc = per_position_accuracy(correct.long(), count.long())
     first = 1 - window.shift  # the first drafting position (0 with the label shift)
     tau = estimated_acceptance_length(acc, shift=window.shift)
-    elapsed = max(1e-9, time.perf_counter() - window.started)
-    row: dict[str, object] = {
-        "kind": "train",
-        "step": step,
-        "loss": loss_mean,
-        "lr": lr,
-        "accuracy_by_position": acc,
-        "acceptance_length_estimate": tau,
-        "tokens_per_second": tokens / elapsed,
-    }
+    tokens_per_second = tokens / max(1e-9, time.perf_counter() - window.started)
+    row = train_row(
+        step=step,
+        loss=loss_mean,
+        lr=lr,
+        # Without the label shift position 0 (the anchor) carries no loss: null, not a 0.0
+        # accuracy.
+        accuracy_by_position=[None if k < first else a for k, a in enumerate(acc)],
+        acceptance_length_estimate=tau,
+        tokens_per_second=tokens_per_second,
+        grad_norm=window.grad_norm,
+    )
     if is_main(env):
-        trackers.log_row(
-            train_row(
-                step=step,
-                loss=loss_mean,
-                lr=lr,
-                # Without the label shift position 0 (the anchor) carries no loss: null, not a
-                # 0.0 accuracy.
-                accuracy_by_position=[None if k < first else a for k, a in enumerate(acc)],
-                acceptance_length_estimate=tau,
-                tokens_per_second=tokens / elapsed,
-                grad_norm=window.grad_norm,
-            )
-        )
+        trackers.log_row(row)
         accs = " ".join(f"{a:.2f}" for a in acc[first:])
         logger.info(
             "step %d loss %.4f lr %.3g acc[%d..] %s tau~%.2f tok/s %.0f",
             step,
             first,
-            row["loss"],
+            loss_mean,
             lr,
             accs,
-            row["acceptance_length_estimate"],
-            row["tokens_per_second"],
+            tau,
+            tokens_per_second,
         )
     return row
+
+
+def row_number(row: Mapping[str, object], key: str, default: float = math.nan) -> float:
+    """A figure of a metrics row: NaN for null (a non-finite value written), `default` when
+    the row lacks `key`."""
+    if key not in row:
+        return default
+    value = row[key]
+    return float(value) if isinstance(value, (int, float)) else math.nan
 
 
 def accuracies(value: object) -> list[float]:
@@ -152,33 +148,9 @@ def accuracies(value: object) -> list[float]:
     return [float(a) if isinstance(a, (int, float)) else 0.0 for a in value]
 
 
-def _strict(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    return value
-
-
-def metrics_line(row: Mapping[str, object]) -> str:
-    """`row` as one strict-JSON line without its newline (non-finite numbers as null)."""
-    return json.dumps(_strict(dict(row)), allow_nan=False, sort_keys=True)
-
-
-def append_jsonl(path: Path, row: Mapping[str, object]) -> str:
-    """Append `row` as one strict-JSON line, like the report's rows; returns the line."""
-    line = metrics_line(row)
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(line + "\n")
-    return line
-
-
 __all__ = [
     "MetricWindow",
     "accuracies",
-    "append_jsonl",
     "log_train_window",
-    "metrics_line",
+    "row_number",
 ]

@@ -1,10 +1,12 @@
 """The training micro-step: what one batch feeds the drafter, and the drafter's loss on it.
 
-:func:`step_inputs` runs the frozen target on a batch (or reads the captured states of offline
-training) and packs the sampled blocks: their embeddings, positions, block mask and labels, as
-one frozen :class:`StepInputs`. :class:`DraftStep` (the module DDP wraps) takes that object,
-fuses the taps, runs the drafter over all blocks at once, then the target's ``lm_head``, the
-head and the plan's objective, per chunk of blocks when the logits are large.
+:func:`step_inputs` runs the frozen target on a batch (or takes the captured states of offline
+training) and packs the sampled blocks: their embeddings, positions, block mask, labels and
+what the kind's head reads, as one frozen :class:`StepInputs`. :class:`DraftStep` (the module
+DDP wraps) takes that object, fuses the taps, runs the drafter over all blocks at once, then
+the target's ``lm_head`` and the kind's objective (head and loss,
+:mod:`dflash_recipes.executor.kinds`), per chunk of blocks when the logits are large. Nothing
+here names a drafter kind.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash_recipes.checkpoint.kinds.registry import needs_teacher
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import Batch
-from dflash_recipes.executor.data.offline import CapturedStates, teacher_logits
+from dflash_recipes.executor.data.train_dataset import Batch
+from dflash_recipes.executor.kinds.registry import kind_modules
 from dflash_recipes.executor.model.convert import (
+    CapturedStates,
     ConvertedModel,
     embed_tokens,
     lm_head,
     target_forward,
+    teacher_logits,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
 from dflash_recipes.executor.model.masks import build_flex_block_mask, build_split_block_mask
@@ -30,18 +35,8 @@ from dflash_recipes.executor.training.anchors import (
     block_inputs,
     block_labels,
     gather_teacher_logits,
-    previous_tokens,
 )
-from dflash_recipes.executor.training.loss import (
-    LossOutput,
-    combine_losses,
-    dflash_loss,
-    domino_backbone_weight,
-    domino_loss,
-    dspark_loss,
-    objective_weights,
-)
-from dflash_recipes.files.capture_manifest import needs_teacher
+from dflash_recipes.executor.training.loss import LossOutput, ObjectiveInputs, combine_losses
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import ObjectivePlan
 
@@ -70,7 +65,7 @@ class LossTargets:
 
 
 class DraftStep(nn.Module):
-    """Fuse taps, run the drafter over packed blocks, then lm_head, head and loss.
+    """Fuse taps, run the drafter over packed blocks, then lm_head and the kind's objective.
 
     Returns the objective's :class:`LossOutput`. The target's ``lm_head`` is held outside the
     module tree (frozen, shared, never part of the drafter's parameters), so wrapping this
@@ -97,6 +92,9 @@ class DraftStep(nn.Module):
         self.drafter = drafter
         self.objective = objective
         self.max_chunk_logits = max_chunk_logits
+        # The kind's head and objective (kept outside the module tree, like the lm_head: the
+        # head's parameters are the drafter's).
+        self.kind = kind_modules(drafter.spec.projector_type)
         object.__setattr__(self, "_lm_head", output_head)
 
     def blocks_per_chunk(self, batch: int, n_blocks: int) -> int:
@@ -108,11 +106,7 @@ class DraftStep(nn.Module):
 
     def forward(self, inputs: StepInputs) -> LossOutput:
         """The objective's loss over the blocks of `inputs` (built by :func:`step_inputs`)."""
-        prefix_embeds, prefix_tokens, targets = (
-            inputs.prefix_embeds,
-            inputs.prefix_tokens,
-            inputs.targets,
-        )
+        head_inputs, targets = inputs.head_inputs, inputs.targets
         drafter = self.drafter
         context = drafter.fuse_context(inputs.tapped)
         hidden = drafter(
@@ -122,11 +116,9 @@ class DraftStep(nn.Module):
         block = drafter.spec.block_size
         n_blocks = q_len // block
         hidden = hidden.view(batch, n_blocks, block, width)
-        if prefix_embeds is not None:
-            prefix_embeds = prefix_embeds.view(batch, n_blocks, block, -1)
         per_chunk = self.blocks_per_chunk(batch, n_blocks)
         if per_chunk >= n_blocks:
-            return self._objective(hidden, prefix_embeds, prefix_tokens, targets, 0)
+            return self._objective(hidden, targets, 0, *head_inputs)
         # split, not slicing, for the states that carry gradients: its backward is one
         # concatenation, not a zero-filled full-size gradient per chunk. The other inputs carry
         # none and are sliced.
@@ -136,10 +128,9 @@ class DraftStep(nn.Module):
             part = checkpoint(
                 self._objective,
                 hidden_c,
-                None if prefix_embeds is None else prefix_embeds[:, chunk],
-                None if prefix_tokens is None else prefix_tokens[:, chunk],
                 targets,
                 chunk.start,
+                *(extra[:, chunk] for extra in head_inputs),
                 use_reentrant=False,
             )
             assert isinstance(part, LossOutput)
@@ -147,71 +138,30 @@ class DraftStep(nn.Module):
         return combine_losses(parts)
 
     def _objective(
-        self,
-        hidden: Tensor,
-        prefix_embeds: Tensor | None,
-        prefix_tokens: Tensor | None,
-        targets: LossTargets,
-        first: int,
+        self, hidden: Tensor, targets: LossTargets, first: int, *head_inputs: Tensor
     ) -> LossOutput:
-        """lm_head, head and loss of blocks ``first .. first + n - 1``: ``hidden [B, n, K, H]``."""
-        batch, n, block, width = hidden.shape
+        """lm_head and the kind's objective of blocks ``first .. first + n - 1``: ``hidden [B,
+        n, K, H]`` and the chunk's head inputs."""
+        n, block = hidden.shape[1], hidden.shape[2]
         objective = self.objective
         head: nn.Module = self._lm_head  # type: ignore[assignment]
-        labels = targets.labels[:, first : first + n]
-        label_mask = targets.label_mask[:, first : first + n]
         teacher: Tensor | None = None
         if targets.target_logits is not None:
             anchors = targets.anchors[:, first : first + n]
             teacher = gather_teacher_logits(
                 targets.target_logits, anchors, block_size=block, shift=targets.shift
             ).float()
-        distill_teacher = teacher if objective.self_logit_distillation else None
-        logits = _lm_head_logits(head, hidden)
-        kind = self.drafter.spec.projector_type
-        if kind == "dflash":
-            return dflash_loss(
-                logits, labels, label_mask, objective=objective, teacher_logits=distill_teacher
-            )
-        shift = targets.shift
-        flat_hidden = hidden.reshape(batch * n, block, width)
-        flat_logits = logits.reshape(batch * n, block, -1)
-        if kind == "domino":
-            assert prefix_embeds is not None
-            corrected = self.drafter.domino_head(
-                flat_hidden, prefix_embeds.reshape(batch * n, block, -1), flat_logits
-            ).view_as(logits)
-            return domino_loss(
-                corrected,
-                logits,
-                labels,
-                label_mask,
-                weights=objective_weights(
-                    corrected.detach(), labels, label_mask, objective=objective, shift=shift
-                ),
-                backbone_weight=domino_backbone_weight(
-                    targets.step, targets.total_steps, objective.domino_backbone_loss_weight
-                ),
-                teacher_logits=distill_teacher,
-                shift=shift,
-            )
-        assert prefix_tokens is not None
-        out, confidence = self.drafter.dspark_head(
-            flat_hidden, prefix_tokens.reshape(batch * n, block), flat_logits
+        chunk_targets = ObjectiveInputs(
+            labels=targets.labels[:, first : first + n],
+            label_mask=targets.label_mask[:, first : first + n],
+            teacher=teacher,
+            step=targets.step,
+            total_steps=targets.total_steps,
+            shift=targets.shift,
         )
-        out = out.view_as(logits)
-        return dspark_loss(
-            out,
-            labels,
-            label_mask,
-            weights=objective_weights(
-                out.detach(), labels, label_mask, objective=objective, shift=shift
-            ),
-            teacher_logits=teacher,
-            confidence_logit=None if confidence is None else confidence.view(batch, n, block),
-            tv_weight=objective.dspark_tv_weight,
-            confidence_weight=objective.dspark_confidence_weight,
-            shift=shift,
+        logits = _lm_head_logits(head, hidden)
+        return self.kind.objective(
+            self.drafter.head, hidden, logits, head_inputs, chunk_targets, objective
         )
 
 
@@ -224,9 +174,9 @@ class StepInputs:
     q_positions: Tensor
     ctx_positions: Tensor
     mask: object
-    prefix_embeds: Tensor | None
-    #: The tokens before each block position (Domino and DSpark heads only, else None).
-    prefix_tokens: Tensor | None
+    #: What the kind's head reads per block (``KindModules.head_inputs``), each ``[B, N, K,
+    #: ...]``; empty for plain DFlash.
+    head_inputs: tuple[Tensor, ...]
     targets: LossTargets
 
 
@@ -256,11 +206,7 @@ def step_inputs(
     anchors, valid = drawn.anchors, drawn.valid
     embeddings = embed_tokens(target)
     device = ids.device
-    teacher = needs_teacher(
-        self_logit_distillation=objective.self_logit_distillation,
-        projector_type=spec.projector_type,
-        dspark_tv_weight=objective.dspark_tv_weight,
-    )
+    teacher = needs_teacher(spec.projector_type, objective)
     with torch.no_grad():
         if captured is None:
             out = target_forward(target, ids, attention, with_logits=teacher)
@@ -279,16 +225,7 @@ def step_inputs(
             ids, anchors, valid, block_size=spec.block_size, mask_token_id=spec.mask_token_id
         )
         block_embeds = embeddings(block_ids).float()
-        prefix_tokens = (
-            previous_tokens(ids, anchors, spec.block_size, shift=spec.label_shift)
-            if spec.projector_type != "dflash"
-            else None
-        )
-        prefix_embeds = (
-            embeddings(prefix_tokens.flatten(1)).float()
-            if prefix_tokens is not None and spec.projector_type == "domino"
-            else None
-        )
+        head_inputs = kind_modules(spec.projector_type).head_inputs(spec, ids, anchors, embeddings)
     ctx_len = int(ids.shape[1])
     ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
     mask: object
@@ -308,8 +245,7 @@ def step_inputs(
         q_positions=q_positions,
         ctx_positions=ctx_positions,
         mask=mask,
-        prefix_embeds=prefix_embeds,
-        prefix_tokens=prefix_tokens,
+        head_inputs=head_inputs,
         targets=LossTargets(
             labels=labels,
             label_mask=label_mask,

@@ -19,7 +19,7 @@ from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data import capture as capture_module
 from dflash_recipes.executor.data.capture import capture_plan
 from dflash_recipes.executor.training import step as step_module
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.capture_manifest import MANIFEST_FILE, read_manifest
 from dflash_recipes.files.locking import LOCK_FILE
 from dflash_recipes.plan.run_plan import RunPlan
@@ -95,8 +95,8 @@ def test_offline_training_equals_online(
 def test_offline_loads_no_decoder_layers_and_recomputes_the_teacher(
     tmp_path: Path, model_type: str
 ) -> None:
-    from dflash_recipes.executor.data.offline import load_target_without_decoder, teacher_logits
-    from dflash_recipes.executor.model.convert import lm_head
+    from dflash_recipes.executor.data.offline import load_target_without_decoder
+    from dflash_recipes.executor.model.convert import lm_head, teacher_logits
 
     plan = tiny_plan(tmp_path, target_model_type=model_type)
     full = tiny_target(plan, save=True)

@@ -12,13 +12,9 @@ import pytest
 import torch
 from testkit.tiny import tiny_plan
 
+from dflash_recipes.data.conversations import Message, read_conversations
 from dflash_recipes.errors import CheckpointError, DataError, DFlashRecipeError
-from dflash_recipes.executor.data.conversations import (
-    MAX_CHARS_PER_TOKEN,
-    Message,
-    read_conversations,
-    tokenize_conversation,
-)
+from dflash_recipes.executor.data.tokenize import MAX_CHARS_PER_TOKEN, tokenize_conversation
 from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer
 from dflash_recipes.executor.evaluation.evaluate import load_prompts
 from dflash_recipes.executor.model.draft import DFlashDraftModel

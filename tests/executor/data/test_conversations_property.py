@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from testkit.fuzzing import FUZZ, json_values
 from testkit.tiny import tiny_plan
 
+from dflash_recipes.data.conversations import read_conversations
 from dflash_recipes.errors import DataError, DFlashRecipeError
-from dflash_recipes.executor.data.conversations import read_conversations
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.training.checkpoints import (
     restore_training_checkpoint,

@@ -22,7 +22,7 @@ from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data import offline
 from dflash_recipes.executor.data.capture import capture_plan
 from dflash_recipes.executor.data.offline import CaptureReader
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.capture_manifest import (
     MANIFEST_FILE,
     RECAPTURE_SHARD,

@@ -16,9 +16,9 @@ from testkit.cache_data import cache_tokenizer, write_cache_data
 from testkit.compiling import tiny_scratch_plan
 from testkit.tiny import tiny_plan
 
+from dflash_recipes.data.conversations import read_conversations
 from dflash_recipes.data.sources import resolve_source
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.data.conversations import build_dataset, read_conversations
 from dflash_recipes.executor.data.token_build import prepared_examples
 from dflash_recipes.executor.data.token_cache import (
     LOCK_NAME,
@@ -26,6 +26,7 @@ from dflash_recipes.executor.data.token_cache import (
     TokenizeSettings,
 )
 from dflash_recipes.executor.data.tokenize import tokenize_conversation
+from dflash_recipes.executor.data.train_dataset import build_dataset
 from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.files.data_cache import default_data_cache_dir, folder_bytes, format_bytes

@@ -37,7 +37,7 @@ from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data import token_build, token_shared
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
 from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
-from dflash_recipes.executor.distributed import (
+from dflash_recipes.executor.dist_env import (
     detect_dist_env, init_distributed, shutdown_distributed,
 )
 env = detect_dist_env("cpu")
@@ -266,7 +266,7 @@ def test_each_rank_uses_its_share_of_the_node_processes(
     monkeypatch: pytest.MonkeyPatch, local_world_size: str
 ) -> None:
     from dflash_recipes.executor.data.token_shared import ranks_on_this_node
-    from dflash_recipes.executor.distributed import detect_dist_env
+    from dflash_recipes.executor.dist_env import detect_dist_env
 
     env = detect_dist_env(
         "cpu", {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "h",

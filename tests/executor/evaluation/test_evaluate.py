@@ -18,6 +18,8 @@ from dflash_recipes.executor.evaluation.speculative import (
     as_block_drafter,
     greedy_generate,
 )
+from dflash_recipes.executor.kinds.domino import domino_head
+from dflash_recipes.executor.kinds.dspark import dspark_head
 from dflash_recipes.executor.model.convert import embed_tokens, lm_head
 from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
 
@@ -129,7 +131,7 @@ def _served_domino(
     0 .. prefix-1 are the backbone's argmax; then a GRU over [anchor, those proposals] gives the
     state for position `prefix`, each later proposal argmax(base + embed_proj([h ; state])) and
     advances the GRU by one token."""
-    head = drafter.domino_head
+    head = domino_head(drafter.head)
     prefix = head.pure_draft_prefix_len
     tokens = [int(t) for t in base[0, :prefix].argmax(-1)]
     _, state = head.prefix_gru(embed(torch.tensor([[anchor, *tokens]])).to(hidden.dtype))
@@ -146,7 +148,7 @@ def _served_dspark(
 ) -> list[int]:
     """ModelOpt's DSpark rollout (pseudo_speculative_generate): position k's bias comes from the
     token decoded at k - 1 (the anchor for k = 0), one Markov step at a time."""
-    head = drafter.dspark_head
+    head = dspark_head(drafter.head)
     prev, state, tokens = anchor, torch.zeros(1, head.markov_rank), []
     for k in range(hidden.shape[1]):
         emb = head.markov_w1(torch.tensor([prev]))

@@ -14,8 +14,8 @@ import torch
 from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
+from dflash_recipes.data.conversations import Conversation, Message, read_conversations
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.data.conversations import Conversation, Message, read_conversations
 from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
 from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate
 from dflash_recipes.executor.evaluation.evaluate import (
@@ -31,6 +31,8 @@ from dflash_recipes.executor.evaluation.speculative import (
     greedy_generate,
     is_greedy_decoding,
 )
+from dflash_recipes.executor.kinds.domino import domino_head
+from dflash_recipes.executor.kinds.dspark import dspark_head
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -362,12 +364,12 @@ def test_head_proposals_use_their_own_greedy_prefix(
         # Let the prefix decide: the head's correction outweighs the backbone logits and, for
         # domino, depends on the GRU state of the prefix only.
         if spec.projector_type == "domino":
-            first, _, last = drafter.domino_head.embed_proj
+            first, _, last = domino_head(drafter.head).embed_proj
             assert isinstance(first, torch.nn.Linear) and isinstance(last, torch.nn.Linear)
             first.weight[:, : spec.hidden_size] = 0.0
             last.weight.mul_(20.0)
         else:
-            drafter.dspark_head.markov_w2.weight.mul_(20.0)
+            dspark_head(drafter.head).markov_w2.weight.mul_(20.0)
     embed = embed_tokens(target)
     block = DFlashBlockDrafter(drafter, embed, lm_head(target), spec)
     ids = list(PROMPTS[0]) + greedy_generate(target, PROMPTS[0], 6, None)
@@ -382,9 +384,9 @@ def test_head_proposals_use_their_own_greedy_prefix(
         # then the proposals; teacher-forced with them, one pass gives every position's logits.
         prev = torch.tensor([[ids[-1], *proposals[:-1]]])
         if spec.projector_type == "domino":
-            logits = drafter.domino_head(hidden, embed(prev), base)
+            logits = domino_head(drafter.head)(hidden, embed(prev), base)
         else:
-            logits, _ = drafter.dspark_head(hidden, prev, base)
+            logits, _ = dspark_head(drafter.head)(hidden, prev, base)
     assert len(proposals) == 6
     assert proposals == logits[0].argmax(-1).tolist()
     # The head matters: without it the backbone alone proposes something else here.

@@ -175,3 +175,25 @@ def test_export_files_are_readable_by_other_users(tmp_path: Path) -> None:
     for name in ("model.safetensors", "config.json"):
         mode = stat.S_IMODE((out / name).stat().st_mode)
         assert mode == 0o644, (name, oct(mode))
+
+
+def test_the_remote_code_is_written_only_when_the_kinds_config_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a kind whose engines load it without remote code (DFlash 2) drops auto_map from its
+    # config.json; the export then ships no dflash.py for it to name
+    plan = tiny_plan(tmp_path)
+    module = DFlashDraftModel(plan.resolved_draft())
+    with_code = export_drafter(module, plan, tmp_path / "with")
+    assert (with_code / export_module.REMOTE_CODE_FILE).is_file()
+    kind = export_module.kind_facts("dflash")
+
+    def without_auto_map(draft: object, config: dict[str, object]) -> dict[str, object]:
+        return {k: v for k, v in config.items() if k != "auto_map"}
+
+    monkeypatch.setattr(type(kind), "export_config", lambda _self, d, c: without_auto_map(d, c))
+    out = export_drafter(module, plan, tmp_path / "without")
+    names = {p.name for p in out.iterdir()}
+    assert export_module.REMOTE_CODE_FILE not in names
+    assert {"config.json", "model.safetensors"} <= names
+    assert "auto_map" not in json.loads((out / "config.json").read_text())

@@ -128,7 +128,9 @@ def test_automodel_with_remote_code_loads_the_drafter_and_computes_the_same(
                 mask,
             )
         theirs = outputs[str(path)]
-        assert (theirs - ours).abs().max().item() < 1e-6, name
+        # float32 rounding, relative to the outputs' size (transformers 5.17's kernels differ
+        # from newer ones by about 1e-6 on outputs near 2)
+        torch.testing.assert_close(theirs, ours, msg=name)
 
 
 def test_remote_code_refuses_a_head_it_does_not_implement() -> None:

@@ -90,7 +90,7 @@ def test_server_and_local_backends_answer_turn_by_turn_with_the_targets_own_answ
     for row in got:
         assert by_prompt[json.dumps(row["messages"][:2])] == row
     # the output is ordinary training data: the reader takes every line
-    from dflash_recipes.executor.data.conversations import read_conversations
+    from dflash_recipes.data.conversations import read_conversations
 
     assert len(read_conversations(tmp_path / "remote.jsonl").conversations) == 5
     sidecar = json.loads((tmp_path / "remote.jsonl.summary.json").read_text())
@@ -213,7 +213,7 @@ def test_a_killed_run_resumes_with_nothing_lost_and_nothing_duplicated(
 
 
 def test_regenerated_data_trains_with_run(tmp_path: Path) -> None:
-    from dflash_recipes.executor.training.trainer import run_plan
+    from dflash_recipes.executor.training.fit import run_plan
 
     data = _write_jsonl(tmp_path / "in.jsonl", _conversations(4))
     recipe = _recipe(tmp_path, data, output_path=str(tmp_path / "regen.jsonl"))

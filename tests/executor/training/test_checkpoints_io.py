@@ -14,8 +14,8 @@ from testkit.compiling import SMALL_BLOCKS, TINY_SCRATCH
 from dflash_recipes.cli import main
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.training import checkpoints as training_checkpoints
-from dflash_recipes.executor.training.resume import summary_line
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.summary import summary_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

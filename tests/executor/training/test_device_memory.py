@@ -9,11 +9,11 @@ import pytest
 import torch
 from testkit.compiling import tiny_scratch_plan
 
-from dflash_recipes.compiler.resources.estimate import GIB, estimate_resources
 from dflash_recipes.errors import ResourceError
 from dflash_recipes.executor.training.device_memory import check_device_memory
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.run_dir import EXPORT_DIR
+from dflash_recipes.plan.resources.estimate import GIB, estimate_resources
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,7 +78,7 @@ def test_a_real_checkpoint_and_export_are_within_10_percent_of_the_estimate(
 def test_run_checks_memory_on_every_rank_before_it_loads_the_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dflash_recipes.executor.training import trainer as train
+    from dflash_recipes.executor.training.setup import models as train
 
     plan = tiny_scratch_plan(tmp_path / "run", "training.max_steps=1")
     asked: list[tuple[str, int, bool]] = []

@@ -8,13 +8,12 @@ import attrs
 import pytest
 import torch
 
+from dflash_recipes.executor.kinds.dflash import dflash_loss
+from dflash_recipes.executor.kinds.domino import domino_loss
+from dflash_recipes.executor.kinds.dspark import dspark_loss
 from dflash_recipes.executor.training.loss import (
     decay_weights,
-    dflash_loss,
-    domino_backbone_weight,
-    domino_loss,
     dpace_weights,
-    dspark_loss,
     estimated_acceptance_length,
     objective_weights,
     per_position_accuracy,
@@ -79,7 +78,7 @@ def test_dflash_loss_equals_the_hand_computed_weighted_cross_entropy() -> None:
     expected = (w1 * -math.log(0.75) + w2 * -math.log(0.5)) / (w1 + w2)
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
     assert out.ce.item() == pytest.approx(expected, rel=1e-5)
-    assert out.distill is None
+    assert not out.parts  # no self-distillation term
     # The denominator, for a data-parallel trainer's global normalisation.
     assert out.weight_sum.item() == pytest.approx(w1 + w2, rel=1e-6)
     assert not out.weight_sum.requires_grad
@@ -246,8 +245,7 @@ def test_self_distillation_adds_the_soft_cross_entropy_with_the_same_weights() -
     soft2 = -(0.5 * math.log(0.5) + 0.5 * math.log(0.5))
     ce = (w1 * -math.log(0.75) + w2 * -math.log(0.5)) / (w1 + w2)
     distill = (w1 * soft1 + w2 * soft2) / (w1 + w2)
-    assert out.distill is not None
-    assert out.distill.item() == pytest.approx(distill, rel=1e-5)
+    assert out.parts["distill"].item() == pytest.approx(distill, rel=1e-5)
     assert out.loss.item() == pytest.approx(ce + distill, rel=1e-5)
 
 
@@ -272,112 +270,6 @@ def test_mismatched_shapes_are_reported() -> None:
             torch.zeros(1, 2, 3, dtype=torch.bool),
             objective=OBJECTIVE,
         )
-
-
-# -- Domino ------------------------------------------------------------------------------------
-
-
-def test_domino_loss_mixes_corrected_and_backbone_cross_entropy() -> None:
-    logits, labels, label_mask = _hand_case()
-    corrected = logits.view(1, 3, 2)
-    backbone = _probs_to_logits([0.5, 0.5], [0.5, 0.5], [0.2, 0.8]).view(1, 3, 2)
-    weights = decay_weights(3, 1.0)
-    out = domino_loss(
-        corrected,
-        backbone,
-        labels.view(1, 3),
-        label_mask.view(1, 3),
-        weights=weights,
-        backbone_weight=0.5,
-    )
-    w1, w2 = 1.0, math.exp(-1.0)
-    ce = (w1 * -math.log(0.75) + w2 * -math.log(0.5)) / (w1 + w2)
-    backbone_ce = (w1 * -math.log(0.5) + w2 * -math.log(0.2)) / (w1 + w2)
-    assert out.ce.item() == pytest.approx(ce, rel=1e-5)
-    assert out.backbone_ce is not None
-    assert out.backbone_ce.item() == pytest.approx(backbone_ce, rel=1e-5)
-    assert out.loss.item() == pytest.approx(ce + 0.5 * backbone_ce, rel=1e-5)
-    # accuracy is the corrected logits': both right (the backbone gets position 2 wrong)
-    assert out.per_position_correct.tolist() == [0, 1, 1]
-
-
-def test_domino_backbone_weight_decays_linearly_to_zero() -> None:
-    assert domino_backbone_weight(0, 100, 2.0) == 2.0
-    assert domino_backbone_weight(25, 100, 2.0) == pytest.approx(1.5)
-    assert domino_backbone_weight(100, 100, 2.0) == 0.0
-    assert domino_backbone_weight(150, 100, 2.0) == 0.0
-    with pytest.raises(ValueError, match="total_steps"):
-        domino_backbone_weight(0, 0, 1.0)
-
-
-# -- DSpark ------------------------------------------------------------------------------------
-
-
-def test_dspark_loss_adds_total_variation_and_confidence_bce() -> None:
-    logits, labels, label_mask = _hand_case()
-    logits, labels, label_mask = logits.view(1, 3, 2), labels.view(1, 3), label_mask.view(1, 3)
-    # target distributions: position 1 equal to the draft (TV 0), position 2 (0.8, 0.2): TV 0.3
-    teacher = _probs_to_logits([0.5, 0.5], [0.25, 0.75], [0.8, 0.2]).view(1, 3, 2)
-    confidence = torch.tensor([[[0.0], [2.0], [-1.0]]]).view(1, 3, 1)
-    weights = decay_weights(3, 1.0)
-    out = dspark_loss(
-        logits,
-        labels,
-        label_mask,
-        weights=weights,
-        teacher_logits=teacher,
-        confidence_logit=confidence,
-        tv_weight=2.0,
-        confidence_weight=0.5,
-    )
-    w1, w2 = 1.0, math.exp(-1.0)
-    ce = (w1 * -math.log(0.75) + w2 * -math.log(0.5)) / (w1 + w2)
-    tv = (w1 * 0.0 + w2 * 0.3) / (w1 + w2)
-    # both drafts are right -> BCE targets 1: -log sigmoid(x), plain mean over positions 1, 2
-    bce = (math.log1p(math.exp(-2.0)) + math.log1p(math.exp(1.0))) / 2
-    assert out.tv is not None and out.confidence_bce is not None
-    assert out.tv.item() == pytest.approx(tv, rel=1e-5)
-    assert out.confidence_bce.item() == pytest.approx(bce, rel=1e-5)
-    assert out.loss.item() == pytest.approx(ce + 2.0 * tv + 0.5 * bce, rel=1e-5)
-
-
-def test_dspark_without_target_or_confidence_head_is_plain_cross_entropy() -> None:
-    logits, labels, label_mask = _hand_case()
-    weights = decay_weights(3, 1.0)
-    out = dspark_loss(
-        logits,
-        labels,
-        label_mask,
-        weights=weights,
-        teacher_logits=None,
-        confidence_logit=None,
-        tv_weight=1.0,
-        confidence_weight=1.0,
-    )
-    assert out.tv is None and out.confidence_bce is None
-    assert torch.equal(out.loss, dflash_loss(logits, labels, label_mask, objective=OBJECTIVE).loss)
-
-
-def test_dspark_confidence_learns_whether_the_draft_is_wrong() -> None:
-    # position 1 is drafted wrong (argmax 1, label 0): target 0, BCE = -log(1 - sigmoid(x))
-    logits = _probs_to_logits([0.5, 0.5], [0.3, 0.7]).view(1, 2, 2)
-    labels = torch.tensor([[-100, 0]])
-    mask = torch.tensor([[False, True]])
-    confidence = torch.tensor([[0.0, 1.5]], requires_grad=True)
-    out = dspark_loss(
-        logits,
-        labels,
-        mask,
-        weights=decay_weights(2, 1.0),
-        teacher_logits=None,
-        confidence_logit=confidence,
-        tv_weight=0.0,
-        confidence_weight=1.0,
-    )
-    assert out.confidence_bce is not None
-    assert out.confidence_bce.item() == pytest.approx(math.log1p(math.exp(1.5)), rel=1e-5)
-    torch.autograd.backward(out.loss)
-    assert confidence.grad is not None and confidence.grad[0, 1] > 0  # pushes confidence down
 
 
 # -- metrics -----------------------------------------------------------------------------------

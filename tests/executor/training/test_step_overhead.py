@@ -11,10 +11,10 @@ from testkit.compiling import TINY_SCRATCH
 from torch import nn
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.conversations import Batch
+from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.training.anchors import anchor_key, sample_batch_anchors
-from dflash_recipes.executor.training.optimizer import build_optimizer, clip_gradients
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
 
 
 def _params(seed: int) -> list[nn.Parameter]:

@@ -7,13 +7,37 @@ truth that reports, resumes and the trackers' de-duplication rely on.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash_recipes.executor.training.metrics import append_jsonl
 from dflash_recipes.executor.training.trackers.protocol import ConfigValue, Outcome
 
 NAME = "metrics.jsonl"
+
+
+def _strict(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
+
+
+def metrics_line(row: Mapping[str, object]) -> str:
+    """`row` as one strict-JSON line without its newline (non-finite numbers as null)."""
+    return json.dumps(_strict(dict(row)), allow_nan=False, sort_keys=True)
+
+
+def append_jsonl(path: Path, row: Mapping[str, object]) -> str:
+    """Append `row` as one strict-JSON line, like the report's rows; returns the line."""
+    line = metrics_line(row)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+    return line
 
 
 class MetricsJsonl:
@@ -45,4 +69,4 @@ class MetricsJsonl:
         """Nothing to flush: every row is written when it is logged."""
 
 
-__all__ = ["NAME", "MetricsJsonl"]
+__all__ = ["NAME", "MetricsJsonl", "append_jsonl", "metrics_line"]

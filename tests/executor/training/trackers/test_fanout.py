@@ -23,9 +23,9 @@ from testkit.compiling import SMALL_RUN, TINY_SCRATCH, tiny_scratch_plan
 from testkit.tracking import child_env, metrics_rows, run_acting_at_step
 from testkit.wandb_records import offline_run_files, read_wandb_run
 
-from dflash_recipes.executor.training.resume import summary_line
+from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.summary import summary_line
 from dflash_recipes.executor.training.trackers.fanout import TRACKERS_FILE
-from dflash_recipes.executor.training.trainer import run_plan
 from dflash_recipes.plan.run_plan import RunPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,7 +122,7 @@ def test_every_tracker_gets_what_metrics_jsonl_has(
 KILLED_CHILD = """
 import logging, os, signal, sys
 from pathlib import Path
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.plan.run_plan import RunPlan
 
 class KillAtStep3(logging.Handler):

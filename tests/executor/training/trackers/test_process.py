@@ -22,7 +22,7 @@ from testkit.compiling import tiny_scratch_plan
 from testkit.tracking import child_env, metrics_rows, run_acting_at_step
 from testkit.wandb_records import offline_run_files, read_wandb_run
 
-from dflash_recipes.executor.training.resume import summary_line
+from dflash_recipes.executor.training.summary import summary_line
 from dflash_recipes.executor.training.trackers import process as process_module
 from dflash_recipes.executor.training.trackers.process import WORKER_MODULE, TrackerProcess, gather
 from dflash_recipes.executor.training.trackers.worker import NICE_INCREMENT
@@ -93,7 +93,7 @@ INTERRUPTED_CHILD = """
 import logging, os, signal, sys
 from pathlib import Path
 from dflash_recipes.errors import DFlashRecipeError
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.plan.run_plan import RunPlan
 
 class CtrlCAtStep2(logging.Handler):

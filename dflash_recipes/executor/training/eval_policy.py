@@ -1,0 +1,65 @@
+"""When the loop measures acceptance on held-out prompts, and who measures it.
+
+Every ``training.eval_steps`` optimiser steps, unless the ranks agreed to stop at this step,
+rank 0 runs speculative decoding on ``data.eval_data_path``
+(:func:`~dflash_recipes.executor.evaluation.evaluate.evaluate_on_plan_data`) and sends an
+``eval`` row to the trackers; every rank receives the measured tau
+(:func:`~dflash_recipes.executor.coordination.rank0_measurement`), so no rank acts on a value
+the others lack. Without eval data nothing is measured and the tau is None. The step decision
+needs no collective: every rank holds the same step and the same agreed stop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+from transformers import PreTrainedTokenizerBase
+
+from dflash_recipes.executor.coordination import rank0_measurement
+from dflash_recipes.executor.dist_env import DistEnv, is_main
+from dflash_recipes.executor.training.setup.models import Models
+from dflash_recipes.executor.training.trackers.fanout import TrackerSet
+from dflash_recipes.files.metrics_rows import eval_row
+from dflash_recipes.plan.run_plan import RunPlan
+
+logger = logging.getLogger("dflash_recipes.train")
+
+
+@attrs.define(eq=False)
+class EvalPolicy:
+    """``training.eval_steps`` and the measurement it triggers."""
+
+    plan: RunPlan
+    env: DistEnv
+    models: Models
+    tokenizer: PreTrainedTokenizerBase
+    trackers: TrackerSet
+
+    def due(self, step: int, *, stopping: bool) -> bool:
+        """Whether to evaluate after optimiser step `step` (never when the ranks stop now)."""
+        every = self.plan.training.eval_steps
+        return every is not None and step % every == 0 and not stopping
+
+    def measure(self, step: int) -> float | None:
+        """Rank 0 measures tau after `step` and logs it; every rank returns rank 0's tau."""
+        tau = None
+        if is_main(self.env) and self.plan.data.eval_data_path is not None:
+            tau = self._measure_on_rank0(step)
+        self.models.training_modes()
+        return rank0_measurement(tau, self.env)
+
+    def _measure_on_rank0(self, step: int) -> float:
+        from dflash_recipes.executor.evaluation.evaluate import evaluate_on_plan_data
+
+        drafter = self.models.drafter
+        was_training = drafter.training
+        drafter.eval()
+        report = evaluate_on_plan_data(self.plan, self.models.target, drafter, self.tokenizer)
+        drafter.train(was_training)
+        self.trackers.log_row({**report.to_dict(), **eval_row(step=step, tau=report.tau)})
+        logger.info("eval at step %d: tau %.3f (measured)", step, report.tau)
+        return report.tau
+
+
+__all__ = ["EvalPolicy"]

@@ -1,0 +1,351 @@
+"""Training one run plan: :func:`run_plan` sets up, :func:`fit` runs the optimiser steps.
+
+Read top to bottom: :func:`run_plan` is the shell (the run directory's lock, the signals, the
+process group, the ranks' plan check, the errors a user sees); :func:`setup` calls one named
+builder per part (``setup/``: resume, data, models, optimizer; the trackers) and returns the
+:class:`Run` the loop needs; :func:`fit` is the loop; :func:`finish` exports and summarises.
+One optimiser step is ``gradient_accumulation_steps`` micro-batches (:func:`micro_step`): each
+draws its anchors (:func:`~dflash_recipes.executor.training.anchors.sample_batch_anchors`),
+builds the step's inputs and runs the
+:class:`~dflash_recipes.executor.training.step.DraftStep` (the fused taps, the drafter over all
+blocks, lm_head and the plan's objective; docs/dflash.md, "The training objective").
+
+Randomness is counter-based: the anchors of a sequence are a pure function of ``(seed, epoch,
+position of the sequence in the epoch's order)`` (splitmix64 counters, the whole batch in one
+vectorised pass), the data order of ``(seed, epoch)``. There is no hidden RNG stream, so a
+resumed run draws exactly what an uninterrupted run would have drawn, and a data-parallel run
+draws the same anchors per sequence as a single-process run over the same global batch.
+
+Under DDP the loss of each rank is normalised by the *global* weight sum of the micro-batch
+(:func:`~dflash_recipes.executor.collectives.global_batch_loss`), so the averaged gradient
+equals the single-process gradient over the whole global batch. Every decision the ranks must
+share (the checkpoint to resume, the plan, the stop) is made in
+:mod:`dflash_recipes.executor.coordination`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import attrs
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from dflash_recipes.errors import Interrupted, RunIOError
+from dflash_recipes.executor.collectives import barrier, global_batch_loss
+from dflash_recipes.executor.coordination import StepVote, require_same_plan
+from dflash_recipes.executor.data.train_dataset import Batch
+from dflash_recipes.executor.dist_env import (
+    DistEnv,
+    detect_dist_env,
+    init_distributed,
+    is_main,
+    shutdown_distributed,
+)
+from dflash_recipes.executor.model.convert import load_tokenizer
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
+from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
+from dflash_recipes.executor.training.eval_policy import EvalPolicy
+from dflash_recipes.executor.training.loss import LossOutput
+from dflash_recipes.executor.training.metrics import (
+    MetricWindow,
+    accuracies,
+    log_train_window,
+    row_number,
+)
+from dflash_recipes.executor.training.progress_bar import ProgressBar
+from dflash_recipes.executor.training.save_policy import SavePolicy
+from dflash_recipes.executor.training.setup.models import Models, build_models
+from dflash_recipes.executor.training.setup.optimizer import (
+    Optimization,
+    build_optimization,
+    clip_gradients,
+)
+from dflash_recipes.executor.training.setup.resume import (
+    ResumePoint,
+    locked_run_directory,
+    restore,
+    resume_checkpoint,
+)
+from dflash_recipes.executor.training.setup.train_data import TrainData, build_train_data
+from dflash_recipes.executor.training.step import step_inputs
+from dflash_recipes.executor.training.summary import TrainSummary
+from dflash_recipes.executor.training.trackers.fanout import TrackerSet, open_trackers
+from dflash_recipes.executor.training.trackers.protocol import Outcome
+from dflash_recipes.executor.training.trackers.registry import check_tracker_libraries
+from dflash_recipes.files.crashsafe import write_text_atomic
+from dflash_recipes.files.export_target import check_export_target
+from dflash_recipes.files.metrics_rows import last_train_row
+from dflash_recipes.files.run_dir import EXPORT_DIR, METRICS_FILE, PLAN_FILE
+from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.plan.run_plan import RunPlan
+
+logger = logging.getLogger("dflash_recipes.train")
+
+
+def run_plan(
+    plan: RunPlan,
+    *,
+    progress: bool = True,
+    stop_after: int | None = None,
+    max_chunk_logits: int | None = None,
+    verify_capture: bool = False,
+) -> TrainSummary:
+    """Train as the plan says and return the summary (rank 0's view under torchrun).
+
+    `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
+    would; rerunning the recipe then resumes. `max_chunk_logits` bounds the logits one chunk
+    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`);
+    the loss is the same, only the memory and the time change. `verify_capture` hashes every
+    shard of the plan's capture before the first step (otherwise each is checked on first use).
+    """
+    env = detect_dist_env(plan.training.device)
+    output_dir = Path(plan.training.output_dir)
+    # A tracker that cannot start stops the run before anything is loaded or written.
+    check_tracker_libraries(plan.training.report_to)
+    #: SIGTERM / SIGINT / SIGUSR1 while the run trains (docs/dflash.md, "Signals").
+    signals = SignalWatch()
+    try:
+        with signals, locked_run_directory(output_dir, main=is_main(env)):
+            init_distributed(env)
+            try:
+                require_same_plan(plan.fingerprint, env)  # before any work
+                run = setup(plan, env, max_chunk_logits, verify_capture=verify_capture)
+                outcome: Outcome = "failed"
+                try:
+                    summary = finish(run, fit(run, signals, stop_after, show_progress=progress))
+                    outcome = "finished" if summary.steps >= summary.planned_steps else "stopped"
+                    return summary
+                except Interrupted:  # a stop signal: checkpoint saved, to be resumed
+                    outcome = "stopped"
+                    raise
+                finally:
+                    run.trackers.close(outcome)
+            finally:
+                shutdown_distributed()
+    except Abandoned as exc:
+        raise abandoned_run(exc, output_dir) from None
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else f" in {output_dir}"
+        msg = (
+            f"run stopped: cannot read or write{where}: {exc.strerror or exc}; the "
+            "checkpoints already saved are intact: fix the cause (free space, "
+            "permissions) and rerun to resume"
+        )
+        raise RunIOError(msg) from exc
+
+
+@attrs.define(eq=False)
+class Run:
+    """What :func:`setup` builds for :func:`fit` and :func:`finish`."""
+
+    plan: RunPlan
+    #: The drafter the plan resolves to (block size, label shift, taps).
+    spec: ResolvedDraft
+    env: DistEnv
+    output_dir: Path
+    tokenizer: PreTrainedTokenizerBase
+    data: TrainData
+    models: Models
+    optimization: Optimization
+    #: Where training starts (step 0 of epoch 0 for a fresh run).
+    start: ResumePoint
+    #: Where the metrics rows go: metrics.jsonl and training.report_to (rank 0; else nowhere).
+    trackers: TrackerSet
+    evaluation: EvalPolicy
+    saving: SavePolicy
+
+
+def setup(
+    plan: RunPlan, env: DistEnv, max_chunk_logits: int | None, *, verify_capture: bool
+) -> Run:
+    """Every part of the run from its builder, then plan.json and the trackers. Data problems
+    stop the run here, before anything is written to output_dir."""
+    output_dir = Path(plan.training.output_dir)
+    chosen = resume_checkpoint(plan, env)  # rank 0 decides, every rank receives
+    if is_main(env):  # refuse now, not after hours of training
+        check_export_target(output_dir / EXPORT_DIR)
+    tokenizer = load_tokenizer(plan)
+    data = build_train_data(plan, tokenizer, env, verify_capture=verify_capture)
+    models = build_models(
+        plan, env, offline=data.offline, warm=chosen is None, max_chunk_logits=max_chunk_logits
+    )
+    optimization = build_optimization(
+        plan, models.trainable, batches_per_epoch=data.batches_per_epoch
+    )
+    start = restore(
+        chosen, output_dir, models.drafter, optimization.optimizer, optimization.scheduler, env
+    )
+    models.wrap_for_ranks(env)
+    trackers = TrackerSet.silent()
+    if is_main(env):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
+        write_text_atomic(output_dir / PLAN_FILE, plan.to_json())
+        trackers = open_trackers(plan, output_dir / METRICS_FILE, resumed_from=start.resumed_from)
+    barrier(env)
+    return Run(
+        plan=plan,
+        spec=plan.resolved_draft(),
+        env=env,
+        output_dir=output_dir,
+        tokenizer=tokenizer,
+        data=data,
+        models=models,
+        optimization=optimization,
+        start=start,
+        trackers=trackers,
+        evaluation=EvalPolicy(plan, env, models, tokenizer, trackers),
+        saving=SavePolicy(plan, env, models, optimization),
+    )
+
+
+@attrs.define
+class Progress:
+    """Where the loop stopped and what it measured."""
+
+    done: int
+    last_row: dict[str, object] = attrs.Factory(dict)
+    tokens: int = 0
+    seconds: float = 0.0
+    last_eval_tau: float | None = None
+
+
+def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress: bool) -> Progress:
+    """The optimiser steps from ``run.start`` to the plan's last one (or `stop_after`): log,
+    evaluate and save as planned; a stop signal saves and raises Interrupted."""
+    training, env, models, opt = run.plan.training, run.env, run.models, run.optimization
+    progress = Progress(done=run.start.step)
+    window = MetricWindow(run.spec.block_size, shift=run.spec.label_shift)
+    bar = ProgressBar(
+        total=opt.total_steps, start=run.start.step, show=show_progress and is_main(env)
+    )
+    vote = StepVote(signals, distributed=env.is_distributed)
+    stream = run.data.stream(run.start.epoch, run.start.next_index)
+    position = (run.start.epoch, run.start.next_index)
+    models.training_modes()
+    for step in range(run.start.step, opt.total_steps):
+        opt.optimizer.zero_grad(set_to_none=True)
+        for micro in range(training.gradient_accumulation_steps):
+            batch = next(stream)
+            position = (batch.epoch, batch.next_index)
+            last = micro == training.gradient_accumulation_steps - 1
+            with models.gradient_sync(last_micro_batch=last):
+                window.add(*micro_step(run, batch, step=step))
+        window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
+        opt.optimizer.step()
+        opt.scheduler.step()
+        done = progress.done = step + 1
+        bar.advance()
+        if done % training.logging_steps == 0 or done == opt.total_steps:
+            _log_window(run, window, progress, bar)
+        stop_signal, checkpoint_now = vote.decide()  # the same on every rank
+        if run.evaluation.due(done, stopping=bool(stop_signal)):
+            progress.last_eval_tau = run.evaluation.measure(done)
+        stopping = stop_after is not None and done >= stop_after
+        if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
+            run.saving.save(done, position)
+        if stop_signal:
+            vote.close()
+            bar.close()
+            raise stopped_run(stop_signal, done, opt.total_steps, run.output_dir)
+        if stopping:
+            break
+    vote.close()
+    bar.close()
+    return progress
+
+
+def micro_step(run: Run, batch: Batch, *, step: int) -> tuple[LossOutput, Tensor]:
+    """One micro-batch: anchors, the step's inputs, forward and backward. Returns the step's
+    loss output and the batch's token count (a tensor: no host sync)."""
+    plan, env, device = run.plan, run.env, run.env.device
+    spec, objective = run.spec, plan.draft.objective
+    drawn = sample_batch_anchors(
+        batch,
+        positions=batch_positions(batch, env),
+        seed=plan.training.seed,
+        block_size=spec.block_size,
+        num_anchors=objective.num_anchors,
+    )
+    captured = run.data.captured_states(batch, device)  # offline: the target's stored states
+    on_device = batch.to(device)
+    inputs = step_inputs(
+        run.models.target,
+        spec,
+        objective,
+        on_device,
+        drawn.to(device),
+        step=step,
+        total_steps=run.optimization.total_steps,
+        captured=captured,
+    )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda" and plan.base_model.dtype == "bfloat16"
+        else nullcontext()
+    )
+    with autocast:
+        result: LossOutput = run.models.step(inputs)
+    # Normalised by the global weight sum (DDP), then averaged over micro-batches.
+    loss = global_batch_loss(result.loss, result.weight_sum, env)
+    loss = loss / plan.training.gradient_accumulation_steps
+    loss.backward()  # type: ignore[no-untyped-call]
+    return result, on_device.attention_mask.sum()
+
+
+def _log_window(run: Run, window: MetricWindow, progress: Progress, bar: ProgressBar) -> None:
+    """A logging step: the window's train row to the trackers, the bar's figures, a new window."""
+    window.settle()
+    lr = float(run.optimization.scheduler.get_last_lr()[0])
+    row = log_train_window(window, step=progress.done, lr=lr, trackers=run.trackers, env=run.env)
+    progress.last_row = dict(row)
+    progress.tokens += window.tokens
+    progress.seconds += time.perf_counter() - window.started
+    bar.show_figures(
+        loss=row_number(row, "loss"), tau=row_number(row, "acceptance_length_estimate")
+    )
+    window.reset()
+
+
+def finish(run: Run, progress: Progress) -> TrainSummary:
+    """Export (rank 0, a finished run only), then the summary (also metrics.jsonl's last row)."""
+    env, done, total = run.env, progress.done, run.optimization.total_steps
+    export_dir: Path | None = None
+    if done < total:
+        logger.info("stopped after step %d of %d as asked (no export)", done, total)
+    elif is_main(env):
+        export_dir = export_drafter(run.models.drafter, run.plan, run.output_dir / EXPORT_DIR)
+        logger.info("exported the drafter to %s", export_dir)
+    barrier(env)
+    last_row = progress.last_row
+    if not last_row:  # nothing logged in this run (a finished run resumed): the last row
+        last_row = last_train_row(run.output_dir / METRICS_FILE, done) or {}
+    tokens, seconds = progress.tokens, progress.seconds
+    run.trackers.flush()  # what the trackers hold back, before counting what they missed
+    summary = TrainSummary(
+        steps=done,
+        resumed_from_step=run.start.resumed_from,
+        final_loss=row_number(last_row, "loss"),
+        accuracy_by_position=tuple(accuracies(last_row.get("accuracy_by_position"))),
+        acceptance_length_estimate=row_number(last_row, "acceptance_length_estimate", 1.0),
+        tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+        export_dir=str(export_dir) if export_dir is not None else None,
+        warm_start=run.models.warm.describe() if run.models.warm is not None else None,
+        data_summary=run.data.dataset.summary,
+        last_eval_tau=progress.last_eval_tau,
+        planned_steps=total,
+        steps_this_run=done - run.start.step,
+        tracker_problems=run.trackers.problems(),
+    )
+    if is_main(env):
+        run.trackers.log_row({"kind": "summary", **attrs.asdict(summary)})
+    return summary
+
+
+__all__ = ["Progress", "Run", "finish", "fit", "micro_step", "run_plan", "setup"]

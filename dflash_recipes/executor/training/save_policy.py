@@ -1,0 +1,67 @@
+"""When the loop saves a training checkpoint, and what the checkpoint records.
+
+A checkpoint is saved every ``training.save_steps`` optimiser steps, at the last step, and
+whenever the loop is told to (the ranks agreed to stop on a signal, SIGUSR1 asked for one,
+``stop_after`` was reached). Rank 0 writes it
+(:func:`~dflash_recipes.executor.training.checkpoints.save_training_checkpoint`, which keeps at
+most ``training.save_total_limit``) with the trainer state a resume needs (the data position,
+the seed, the plan fingerprint, the world size); every rank waits for the save to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import attrs
+
+from dflash_recipes.executor.collectives import barrier
+from dflash_recipes.executor.dist_env import DistEnv, is_main
+from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
+from dflash_recipes.executor.training.setup.models import Models
+from dflash_recipes.executor.training.setup.optimizer import Optimization
+from dflash_recipes.plan.run_plan import RunPlan
+
+logger = logging.getLogger("dflash_recipes.train")
+
+
+@attrs.define(eq=False)
+class SavePolicy:
+    """``training.save_steps`` / ``save_total_limit`` and the save itself."""
+
+    plan: RunPlan
+    env: DistEnv
+    models: Models
+    optimization: Optimization
+
+    def due(self, step: int, *, asked: bool) -> bool:
+        """Whether to save after optimiser step `step`; `asked` forces a save."""
+        total = self.optimization.total_steps
+        return asked or step % self.plan.training.save_steps == 0 or step == total
+
+    def save(self, step: int, position: tuple[int, int]) -> None:
+        """Rank 0 saves the checkpoint of `step` (`position`: the epoch and next index of the
+        data); every rank returns once it is written."""
+        plan, env = self.plan, self.env
+        if is_main(env):
+            state = {
+                "epoch": position[0],
+                "next_index": position[1],
+                "seed": plan.training.seed,
+                "plan_fingerprint": plan.fingerprint,
+                "world_size": env.world_size,
+            }
+            path = save_training_checkpoint(
+                Path(plan.training.output_dir),
+                step,
+                self.models.drafter,
+                self.optimization.optimizer,
+                self.optimization.scheduler,
+                state,
+                save_total_limit=plan.training.save_total_limit,
+            )
+            logger.info("saved %s", path)
+        barrier(env)
+
+
+__all__ = ["SavePolicy"]

@@ -1,0 +1,113 @@
+"""The models builder: the frozen target, the drafter on it, its warm start, and the step module.
+
+:func:`build_models` checks that the plan fits the device, loads the target (without its
+decoder when training offline and nothing needs it), attaches the drafter, warm-starts it from
+``dflash_init_checkpoint`` on a fresh run (a resume restores it later), shards the target over
+the ranks (``training.fsdp``) or moves it to the device, and builds the
+:class:`~dflash_recipes.executor.training.step.DraftStep` the loop calls. The step is wrapped in
+DDP after the resume (:meth:`Models.wrap_for_ranks`), so a restored drafter is the one wrapped.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import attrs
+from torch import nn
+
+from dflash_recipes.executor.data.offline import load_target_without_decoder
+from dflash_recipes.executor.dist_env import DistEnv, is_main
+from dflash_recipes.executor.model.convert import (
+    ConvertedModel,
+    convert,
+    dflash_module,
+    lm_head,
+    load_base_model,
+)
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
+from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
+from dflash_recipes.executor.training.device_memory import check_device_memory
+from dflash_recipes.executor.training.step import DraftStep
+from dflash_recipes.plan.run_plan import RunPlan
+
+
+@attrs.define(eq=False)
+class Models:
+    """The target with its drafter, and the step module the loop calls."""
+
+    #: The frozen target with the drafter attached (``target.dflash_module``).
+    target: ConvertedModel
+    drafter: DFlashDraftModel
+    #: The step module: DDP-wrapped on several ranks once :meth:`wrap_for_ranks` has run.
+    step: nn.Module
+    #: The drafter's parameters that train (the optimiser's).
+    trainable: list[nn.Parameter]
+    #: What the warm start loaded (None: a resume, or no init checkpoint).
+    warm: WarmStartReport | None
+    distributed: bool
+
+    def wrap_for_ranks(self, env: DistEnv) -> None:
+        """Wrap the step module in DDP (no-op for a single process); after the resume."""
+        self.step = wrap_ddp(self.step, env)
+
+    def gradient_sync(self, *, last_micro_batch: bool) -> AbstractContextManager[object]:
+        """DDP's ``no_sync`` for every micro-batch but the last of an optimiser step."""
+        if last_micro_batch or not self.distributed:
+            return nullcontext()
+        return self.step.no_sync()  # type: ignore[operator, no-any-return]
+
+    def training_modes(self) -> None:
+        """Frozen target in eval mode, drafter in train mode (set once, again after an eval)."""
+        self.target.train(False)
+        self.drafter.train(True)
+
+
+def build_models(
+    plan: RunPlan,
+    env: DistEnv,
+    *,
+    offline: bool,
+    warm: bool,
+    max_chunk_logits: int | None,
+) -> Models:
+    """Load and place the target and the drafter as the plan says.
+
+    `offline`: the target's states come from a capture, so its decoder is loaded only when a
+    measured evaluation needs it. `warm`: a fresh run (warm-start the drafter); a resume
+    restores the drafter's weights afterwards instead. `max_chunk_logits` bounds the logits one
+    chunk of blocks holds (None: the step's default).
+    """
+    training = plan.training
+    # Offline, the decoder runs only for measured evaluation (speculative decoding needs it).
+    needs_decoder = not offline or (
+        training.eval_steps is not None and plan.data.eval_data_path is not None
+    )
+    # Every rank, before minutes of loading the target: refuse what cannot fit.
+    check_device_memory(plan, device=env.device, world_size=env.world_size, log=is_main(env))
+    base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
+    target = convert(base, plan, init=False)
+    drafter = dflash_module(target)
+    # Before anything moves the drafter, so the loaded values are the checkpoint's.
+    report = warm_start(drafter, plan) if warm else None
+    if training.fsdp and env.is_distributed:
+        # Shard before moving: each decoder layer reaches the device already sharded.
+        shard_target_fsdp2(target, env)
+    else:
+        nn.Module.to(target, env.device)
+    # Master weights of the drafter stay float32; the frozen target keeps the plan dtype.
+    drafter.float()
+    step = DraftStep(
+        drafter, lm_head(target), plan.draft.objective, max_chunk_logits=max_chunk_logits
+    )
+    return Models(
+        target=target,
+        drafter=drafter,
+        step=step,
+        trainable=[p for p in drafter.parameters() if p.requires_grad],
+        warm=report,
+        distributed=env.is_distributed,
+    )
+
+
+__all__ = ["Models", "build_models"]

@@ -1,0 +1,111 @@
+"""The optimiser builder: AdamW, the learning-rate schedule, the number of steps, clipping.
+
+:func:`build_optimization` returns what the loop steps: AdamW over the drafter's trainable
+parameters (fused where torch has it), a ``LambdaLR`` applying the warmup-then-decay multiplier
+of the peak learning rate (:func:`lr_factor`) once per optimiser step, and the run's number of
+optimiser steps (:func:`total_optimizer_steps`). :func:`clip_gradients` is the global-norm
+clipping of each step, with the multi-tensor kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from dflash_recipes.plan.run_plan import RunPlan
+
+
+@attrs.define(eq=False)
+class Optimization:
+    """What the loop steps: the optimiser, its schedule, and how many steps the run takes."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    total_steps: int
+
+
+def build_optimization(
+    plan: RunPlan, params: list[nn.Parameter], *, batches_per_epoch: int
+) -> Optimization:
+    """AdamW over `params` with the plan's schedule over the run's optimiser steps.
+
+    `batches_per_epoch` is what one rank draws per epoch (from the data builder); with
+    ``training.max_steps`` unset it sets the number of steps.
+    """
+    training = plan.training
+    optimizer = build_optimizer(
+        params, lr=training.learning_rate, weight_decay=training.weight_decay
+    )
+    total_steps = total_optimizer_steps(plan, batches_per_epoch)
+
+    def schedule(step: int) -> float:
+        return lr_factor(
+            step,
+            total_steps=total_steps,
+            warmup_ratio=training.warmup_ratio,
+            kind=training.lr_scheduler_type,
+        )
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return Optimization(optimizer, scheduler, total_steps)
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_ratio: float, kind: str) -> float:
+    """Multiplier of the peak learning rate at optimiser step `step` (0-based).
+
+    Linear warmup over ``ceil(warmup_ratio * total_steps)`` steps (step 0 already gets
+    ``1 / warmup``), then cosine to 0, linear to 0, or constant.
+    """
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_optimizer_steps(plan: RunPlan, batches_per_epoch: int) -> int:
+    """max_steps, else epochs x optimiser steps per epoch (at least 1); `batches_per_epoch` is
+    the number of batches one rank draws per epoch."""
+    training = plan.training
+    if training.max_steps is not None:
+        return training.max_steps
+    steps = training.num_train_epochs * (batches_per_epoch // training.gradient_accumulation_steps)
+    return max(1, steps)
+
+
+def build_optimizer(
+    params: list[nn.Parameter], *, lr: float, weight_decay: float
+) -> torch.optim.AdamW:
+    """The trainer's AdamW: fused (one kernel over every tensor) where torch has it for these
+    parameters (floating point, on CPU or CUDA), else the multi-tensor foreach form; both
+    compute the per-tensor loop's update up to float rounding."""
+    fused = bool(params) and all(
+        p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params
+    )
+    if fused:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """Clip the gradients' global norm to `max_norm` with the multi-tensor kernels; returns
+    the norm before clipping as a tensor (no host sync)."""
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
+__all__ = [
+    "Optimization",
+    "build_optimization",
+    "build_optimizer",
+    "clip_gradients",
+    "lr_factor",
+    "total_optimizer_steps",
+]

@@ -1,0 +1,132 @@
+"""The data builder: the plan's training data, the endless stream of batches, the captured rows.
+
+:func:`build_train_data` returns a :class:`TrainData`: the tokenized dataset (online, from
+``data.data_path``) or the samples of a capture (offline, ``data.hidden_states_path``), this
+rank's stream of batches from any resume position (:meth:`TrainData.stream`, epoch after
+epoch), and, offline, the captured target states of a batch's rows
+(:meth:`TrainData.captured_states`: which samples this rank's rows are, in the epoch's seeded
+order). Data problems stop the run here, before anything is written to ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import attrs
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.offline import CaptureReader, capture_dataset, open_capture
+from dflash_recipes.executor.data.train_dataset import (
+    Batch,
+    TrainDataset,
+    batches,
+    batches_per_epoch,
+    build_dataset,
+    epoch_order,
+)
+from dflash_recipes.executor.dist_env import DistEnv, is_main
+from dflash_recipes.executor.model.convert import CapturedStates
+from dflash_recipes.executor.training.anchors import batch_positions
+from dflash_recipes.plan.run_plan import RunPlan
+
+logger = logging.getLogger("dflash_recipes.train")
+
+
+@attrs.define(eq=False)
+class TrainData:
+    """This rank's training data: the dataset, its batches, and (offline) the captured states."""
+
+    dataset: TrainDataset
+    #: The capture offline training reads (data.hidden_states_path), else None.
+    capture: CaptureReader | None
+    batch_size: int
+    seed: int
+    env: DistEnv
+    #: The epoch whose order :meth:`captured_states` last looked up, and that order.
+    _order_key: tuple[int, int] | None = None
+    _order: list[int] = attrs.Factory(list)
+
+    @property
+    def offline(self) -> bool:
+        """True when the target's states come from a capture (no decoder forward)."""
+        return self.capture is not None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """How many batches this rank draws per epoch."""
+        return batches_per_epoch(
+            len(self.dataset), batch_size=self.batch_size, world_size=self.env.world_size
+        )
+
+    def stream(self, epoch: int, start: int) -> Iterator[Batch]:
+        """This rank's batches from index `start` of `epoch`'s order on, epoch after epoch.
+
+        DataError when the data holds fewer conversations than one global batch.
+        """
+        env = self.env
+        while True:
+            produced = False
+            for batch in batches(
+                self.dataset,
+                batch_size=self.batch_size,
+                seed=self.seed,
+                epoch=epoch,
+                start_index=start,
+                rank=env.rank,
+                world_size=env.world_size,
+            ):
+                produced = True
+                yield batch
+            if not produced and start == 0:
+                msg = (
+                    f"the data has {len(self.dataset)} usable conversations, fewer than one "
+                    f"global batch ({self.batch_size} x {env.world_size} processes); add data "
+                    "or lower per_device_train_batch_size"
+                )
+                raise DataError(msg)
+            epoch, start = epoch + 1, 0
+
+    def captured_states(self, batch: Batch, device: torch.device) -> CapturedStates | None:
+        """Offline: the captured target states of this rank's rows of `batch`; online: None."""
+        if self.capture is None:
+            return None
+        key = (batch.epoch, self.capture.manifest.num_samples)
+        if self._order_key != key:
+            self._order = epoch_order(key[1], seed=self.seed, epoch=batch.epoch)
+            self._order_key = key
+        rows = [self._order[p] for p in batch_positions(batch, self.env)]
+        return self.capture.states(rows, int(batch.input_ids.shape[1]), device)
+
+
+def build_train_data(
+    plan: RunPlan, tokenizer: PreTrainedTokenizerBase, env: DistEnv, *, verify_capture: bool
+) -> TrainData:
+    """The plan's training data for this rank; `verify_capture` hashes every capture shard now
+    (otherwise each is checked on the first read of its states)."""
+    capture: CaptureReader | None = None
+    if plan.data.hidden_states_path is not None:
+        capture, manifest = open_capture(plan)
+        if verify_capture:
+            capture.verify_all()
+        dataset = capture_dataset(capture, manifest, tokenizer)
+    elif plan.data.data_path is None:
+        msg = "the plan has no data.data_path; set it in the recipe and recompile"
+        raise DataError(msg)
+    else:
+        dataset = build_dataset(plan, tokenizer, env=env)
+    if is_main(env):
+        logger.info("data: %s", dataset.summary)
+    training = plan.training
+    return TrainData(
+        dataset=dataset,
+        capture=capture,
+        batch_size=training.per_device_train_batch_size,
+        seed=training.seed,
+        env=env,
+    )
+
+
+__all__ = ["TrainData", "build_train_data"]

@@ -1,0 +1,652 @@
+"""The resource plan of a compiled run: memory per rank by part, tokens and FLOPs per step, disk.
+
+Computed from the plan and headers only (the base model's config.json and, when present, its
+safetensors headers; never tensor data, never torch), so `compile` can say what a rank will
+hold before a GPU is touched (docs/dflash.md, "Will it fit?").
+
+Memory per rank, in bytes:
+
+- ``target_weights``: every target tensor in the plan's dtype. With ``training.fsdp`` over
+  more than one rank, as :func:`~dflash_recipes.executor.parallel_wrappers.shard_target_fsdp2`
+  shards: the tensors of the decoder layers (``...layers.<i>.``) split on their first dim over
+  the world size (padded up, as FSDP2 pads), everything else (embeddings, final norm,
+  ``lm_head``) whole on every rank. Offline training without evaluation loads no decoder.
+- ``drafter_weights``, ``gradients``, ``optimizer_states``: the drafter's float32 master
+  weights, their float32 gradients (twice under DDP: its gradient buckets are a second copy)
+  and AdamW's two float32 moments (plus its per-tensor step counters), exact from the layout.
+- ``activations``: the larger of the two phases of a micro-step: the target's forward (all
+  hidden states it returns, one decoder layer's transient tensors, FSDP's gathered layers, the
+  tapped states in float32, teacher logits) and the drafter's forward and backward (what it
+  saves for backward for ``num_anchors x block_size`` positions through every layer, the
+  attention's keys and values, autocast's bfloat16 weight copies, plus the larger of the
+  chunked logits/loss peak and one layer's backward transients).
+- ``allowance``: a stated margin for what no tensor count sees: :data:`CUDA_CONTEXT_BYTES` of
+  CUDA context and library workspaces plus :data:`FRAGMENTATION` of the activations for the
+  caching allocator's fragmentation (none on CPU).
+
+What would fit a smaller device is :mod:`~dflash_recipes.plan.resources.fit`'s (loaded
+only when a plan does not fit). The activation model is validated against real training steps by
+``benchmarks/bench_memory.py`` (CPU) and ``benchmarks/gpu_check.py`` (CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from dflash_recipes.checkpoint.config_bounds import plausible_maximum
+from dflash_recipes.checkpoint.kinds import registry as kinds
+from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
+from dflash_recipes.errors import CheckpointError, ResourceError
+from dflash_recipes.files.jsonio import read_json_object_file, shorten
+from dflash_recipes.plan.attention_chunks import split_chunk_count
+from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.records import Record
+
+GIB = 2**30
+#: CUDA context, cuBLAS/NCCL workspaces and the compiled kernels' buffers, per rank.
+CUDA_CONTEXT_BYTES = 3 * GIB // 2
+#: Share of the activations added for the caching allocator's fragmentation (CUDA only).
+FRAGMENTATION = 0.10
+#: Peak dense bfloat16 throughput assumed for `--mfu` when no other is given (H100/H200 SXM).
+DEFAULT_PEAK_TFLOPS = 989.0
+#: Most logits one chunk of blocks holds (the executor's ``training.step.MAX_CHUNK_LOGITS``; a test
+#: checks the two agree).
+MAX_CHUNK_LOGITS = 2**26
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ST_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+_LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.\d+\.")
+#: safetensors header bytes per tensor (name, dtype, shape, offsets as JSON), about.
+_HEADER_BYTES_PER_TENSOR = 120
+#: torch.save bytes per optimizer tensor besides its data (pickle records, the step counter).
+_PICKLE_BYTES_PER_TENSOR = 420
+_PICKLE_BYTES = 4096
+
+Device = Literal["cuda", "cpu"]
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class MemoryPerRank(Record):
+    """Bytes one rank holds at the peak of a step, by part."""
+
+    target_weights: int
+    drafter_weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    allowance: int
+
+    @property
+    def total(self) -> int:
+        """Every part together."""
+        return (
+            self.target_weights
+            + self.drafter_weights
+            + self.gradients
+            + self.optimizer_states
+            + self.activations
+            + self.allowance
+        )
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ActivationParts(Record):
+    """The activation estimate's pieces (bytes); ``activations`` is the larger phase."""
+
+    #: Target forward: hidden states + one layer's transients (+ FSDP's gathered layers).
+    target_forward_peak: int
+    #: Tapped states (float32), teacher logits, block inputs, RoPE tables: alive all step.
+    step_inputs: int
+    #: What the drafter saves for backward, attention's keys and values included.
+    drafter_saved: int
+    #: Of which the attention (queries, keys, values, outputs, and the CPU split chunks).
+    attention: int
+    #: The largest chunk of logits with its loss, log-probabilities and their gradients.
+    loss_peak: int
+    #: One draft layer's gradients of activations during backward.
+    backward_transient: int
+
+    @property
+    def drafter_phase(self) -> int:
+        """Peak of the drafter's forward and backward."""
+        return self.step_inputs + self.drafter_saved + max(self.loss_peak, self.backward_transient)
+
+    @property
+    def peak(self) -> int:
+        """The activation part of the memory per rank: the larger phase."""
+        return max(self.target_forward_peak, self.drafter_phase)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class StepFigures(Record):
+    """One optimiser step over the whole job (all ranks, all accumulation micro-steps)."""
+
+    #: Token positions the target reads (sequences at training_seq_len: an upper bound).
+    tokens: int
+    #: Supervised block positions (anchors x (block_size - 1)): an upper bound.
+    supervised_positions: int
+    target_flops: int
+    drafter_flops: int
+    #: Of the two above, the attention's share.
+    attention_flops: int
+
+    @property
+    def flops(self) -> int:
+        """Target forward plus drafter forward and backward."""
+        return self.target_flops + self.drafter_flops
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DiskFigures(Record):
+    """Bytes written under training.output_dir and by a capture."""
+
+    checkpoint_bytes: int
+    #: Checkpoints on disk at most: save_total_limit, plus the new one before the oldest goes.
+    checkpoints_kept: int | None
+    export_bytes: int
+    #: One captured sequence at training_seq_len (taps, plus the last state for a teacher).
+    capture_bytes_per_sequence: int
+
+    @property
+    def checkpoints_peak_bytes(self) -> int | None:
+        """checkpoint_bytes x checkpoints_kept (None without a save_total_limit)."""
+        if self.checkpoints_kept is None:
+            return None
+        return self.checkpoint_bytes * self.checkpoints_kept
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ResourcePlan(Record):
+    """Memory per rank, step figures and disk of one plan on `world_size` ranks of `device`."""
+
+    world_size: int
+    device: Device
+    fsdp_sharded: bool
+    memory: MemoryPerRank
+    activation_parts: ActivationParts
+    step: StepFigures
+    disk: DiskFigures
+    #: Parameters of the drafter and the target (the target as loaded).
+    drafter_parameters: int
+    target_parameters: int
+    #: Where the target's sizes came from: its safetensors headers or its config.json.
+    target_source: Literal["safetensors", "config.json"]
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form: fixed keys (scripts rely on them), bytes and counts as integers."""
+        memory, parts, disk = self.memory, self.activation_parts, self.disk
+        return {
+            "world_size": self.world_size,
+            "device": self.device,
+            "fsdp_sharded": self.fsdp_sharded,
+            "target_source": self.target_source,
+            "parameters": {"drafter": self.drafter_parameters, "target": self.target_parameters},
+            "memory_per_rank": {
+                "target_weights": memory.target_weights,
+                "drafter_weights": memory.drafter_weights,
+                "gradients": memory.gradients,
+                "optimizer_states": memory.optimizer_states,
+                "activations": memory.activations,
+                "allowance": memory.allowance,
+                "total": memory.total,
+            },
+            "activations": {
+                "target_forward_peak": parts.target_forward_peak,
+                "step_inputs": parts.step_inputs,
+                "drafter_saved": parts.drafter_saved,
+                "attention": parts.attention,
+                "loss_peak": parts.loss_peak,
+                "backward_transient": parts.backward_transient,
+            },
+            "step": {
+                "tokens": self.step.tokens,
+                "supervised_positions": self.step.supervised_positions,
+                "flops": self.step.flops,
+                "target_flops": self.step.target_flops,
+                "drafter_flops": self.step.drafter_flops,
+                "attention_flops": self.step.attention_flops,
+            },
+            "disk": {
+                "checkpoint_bytes": disk.checkpoint_bytes,
+                "checkpoints_kept": disk.checkpoints_kept,
+                "checkpoints_peak_bytes": disk.checkpoints_peak_bytes,
+                "export_bytes": disk.export_bytes,
+                "capture_bytes_per_sequence": disk.capture_bytes_per_sequence,
+            },
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# the target's tensors
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class TargetDims(Record):
+    """The target's dims that the estimate needs (config.json), and its tensor shapes."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    #: Tensor name -> shape (from the safetensors headers, else derived from the dims).
+    shapes: Mapping[str, tuple[int, ...]]
+    source: Literal["safetensors", "config.json"]
+
+
+def _int_field(config: Mapping[str, object], name: str, where: str) -> int:
+    value = config.get(name)
+    maximum = plausible_maximum(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
+        # the bound first: the tensor table below has one entry per layer
+        msg = (
+            f"{where}: {name} must be an integer in [1, {maximum}] to estimate resources, "
+            f"got {shorten(value)}"
+        )
+        raise ResourceError(msg)
+    return value
+
+
+def read_target_dims(model_dir: Path) -> TargetDims:
+    """The target's dims from config.json and its tensor table from the safetensors headers
+    (header bytes only); without weight files, the Qwen3/Llama tensor set of the dims."""
+    where = model_dir / CONFIG_FILE
+    config = read_json_object_file(where, max_bytes=4 * 2**20, what="config", error=ResourceError)
+    shapes: dict[str, tuple[int, ...]] | None = None
+    if (model_dir / WEIGHTS_FILE).exists() or (model_dir / WEIGHTS_INDEX_FILE).exists():
+        from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+
+        try:
+            weights = read_checkpoint_weights(model_dir)
+        except CheckpointError as exc:
+            msg = f"cannot size the target from its safetensors headers: {exc}"
+            raise ResourceError(msg) from exc
+        shapes = {name: info.shape for name, info in weights.tensors.items()}
+    return target_dims(config, shapes=shapes, where=str(where))
+
+
+def target_dims(
+    config: Mapping[str, object],
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    where: str = CONFIG_FILE,
+) -> TargetDims:
+    """:class:`TargetDims` of a config.json mapping; `shapes` (the tensor table of the weight
+    files) when known, else the Qwen3/Llama tensor set of the config's dims."""
+    text = config.get("text_config")
+    if isinstance(text, dict):  # multimodal wrappers nest the language model's config
+        config = {**config, **text}
+    hidden = _int_field(config, "hidden_size", where)
+    layers = _int_field(config, "num_hidden_layers", where)
+    heads = _int_field(config, "num_attention_heads", where)
+    # absent or null: what transformers assumes (one kv head per head, hidden // heads)
+    stated = {key: config.get(key) is not None for key in ("num_key_value_heads", "head_dim")}
+    kv_heads = (
+        _int_field(config, "num_key_value_heads", where) if stated["num_key_value_heads"] else heads
+    )
+    head_dim = _int_field(config, "head_dim", where) if stated["head_dim"] else hidden // heads
+    inter = _int_field(config, "intermediate_size", where)
+    vocab = _int_field(config, "vocab_size", where)
+    if shapes is None:
+        tied = config.get("tie_word_embeddings") is True
+        shapes = _qwen3_shapes(hidden, layers, heads, kv_heads, head_dim, inter, vocab, tied=tied)
+        source: Literal["safetensors", "config.json"] = "config.json"
+    else:
+        source = "safetensors"
+    return TargetDims(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        shapes=shapes,
+        source=source,
+    )
+
+
+def _qwen3_shapes(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    inter: int,
+    vocab: int,
+    *,
+    tied: bool,
+) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Qwen3-style decoder (Llama's, plus q/k norms) of these dims."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+    shapes["model.norm.weight"] = (hidden,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def is_decoder_layer_tensor(name: str) -> bool:
+    """True for a tensor of the target's decoder layers (what FSDP shards)."""
+    return _LAYER_TENSOR.search(name) is not None
+
+
+def sharded_numel(shape: Sequence[int], world_size: int) -> int:
+    """Elements one rank holds of a tensor FSDP2 shards on dim 0 (padded up to the world)."""
+    if not shape:
+        return 1
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // world_size) * rest
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimate
+# ---------------------------------------------------------------------------------------------
+
+
+def estimate_resources(
+    plan: RunPlan,
+    *,
+    world_size: int = 1,
+    device: Device | None = None,
+    target: TargetDims | None = None,
+    autocast: bool | None = None,
+) -> ResourcePlan:
+    """The resource plan of a resolved `plan` on `world_size` ranks.
+
+    `device` defaults to the plan's (``auto`` counts as cuda, the device it is sized for);
+    `target` to what :func:`read_target_dims` reads from the plan's base model. `autocast`
+    (bf16 matmuls over float32 master weights) defaults to what the trainer does: on CUDA
+    with a bfloat16 target. Raises ResourceError when the plan is unresolved or the target's
+    files cannot be read.
+    """
+    facts, arch, taps = plan.base_model.facts, plan.draft.architecture, plan.draft.target_layer_ids
+    dims = (
+        arch.num_hidden_layers,
+        arch.num_attention_heads,
+        arch.num_key_value_heads,
+        arch.head_dim,
+        arch.intermediate_size,
+    )
+    if not plan.resolved or facts is None or taps is None or None in dims:
+        msg = "resources need a resolved plan (compile, not lint); recompile the recipe"
+        raise ResourceError(msg)
+    layers, nh, nkv, d, inter = (int(value or 0) for value in dims)
+    h, v, n_taps = facts.hidden_size, facts.vocab_size, len(taps)
+    try:
+        spec = layout_spec_for(arch, hidden_size=h, n_taps=n_taps, vocab_size=v)
+    except ValueError as exc:
+        raise ResourceError(str(exc)) from exc
+    if world_size < 1:
+        msg = f"world size must be at least 1, got {world_size}"
+        raise ResourceError(msg)
+    if device is None:
+        device = "cpu" if plan.training.device == "cpu" else "cuda"
+    if target is None:
+        target = read_target_dims(Path(plan.base_model.path))
+    training, objective = plan.training, plan.draft.objective
+    pd = _DTYPE_BYTES[plan.base_model.dtype]
+    fsdp = training.fsdp and world_size > 1
+    offline = plan.data.hidden_states_path is not None
+    decoder_loaded = not offline or (
+        training.eval_steps is not None and plan.data.eval_data_path is not None
+    )
+
+    # -- weights ----------------------------------------------------------------------------
+    target_numel = 0
+    layer_numel = 0  # one decoder layer, unsharded (what FSDP gathers)
+    for name, shape in target.shapes.items():
+        in_layer = is_decoder_layer_tensor(name)
+        if in_layer and not decoder_loaded:
+            continue
+        target_numel += sharded_numel(shape, world_size) if in_layer and fsdp else math.prod(shape)
+        if in_layer:
+            layer_numel += math.prod(shape)
+    layer_numel //= max(1, target.num_hidden_layers)
+    layout = expected_layout(spec)
+    drafter_numel = sum(math.prod(shape) for shape in layout.values())
+    n_tensors = len(layout)
+
+    # -- activations ----------------------------------------------------------------------
+    cuda = device == "cuda"
+    if autocast is None:
+        autocast = cuda and plan.base_model.dtype == "bfloat16"
+    mm = 2 if autocast else 4  # matmul inputs/outputs (autocast's bf16 copies)
+    f32 = 4
+    b, t = training.per_device_train_batch_size, training.training_seq_len
+    n, k = objective.num_anchors, plan.draft.block_size
+    q = n * k  # packed block positions per row
+    needs_teacher = kinds.needs_teacher(arch.projector_type, objective)
+
+    # Step inputs, alive for the whole drafter phase: tapped states (float32, plus autocast's
+    # bf16 copy fc saves), block embeddings, RoPE tables, labels, teacher logits.
+    tapped = b * t * n_taps * h * f32
+    inputs = tapped + (b * t * n_taps * h * 2 if autocast else 0)
+    inputs += b * q * h * f32 + 2 * b * (t + q) * d * f32 + 3 * b * q * 8
+    if needs_teacher:
+        inputs += b * t * v * pd
+    # Per draft layer, what autograd keeps (see the module docstring of draft.py for the ops):
+    # input norm (x, normed, normed*w cast for q_proj), [context ; x] for k/v (one copy per
+    # projection under autocast), q and k norms (the float32 input, the normed states in the
+    # matmul dtype), o_proj's input,
+    # the post-attention norm (x, normed, the cast for gate and up) and the SwiGLU's four
+    # [Q, I] tensors.
+    kv_rows = t + q
+    per_layer = b * (
+        q * h * (f32 + f32 + mm)
+        + kv_rows * h * mm * (2 if autocast else 1)
+        + q * nh * d * (f32 + mm)
+        + kv_rows * nkv * d * (f32 + mm)
+        + q * nh * d * mm
+        + q * h * (f32 + f32 + mm * (2 if autocast else 1))
+        + 4 * q * inter * mm
+    )
+    if cuda:
+        # flex attention: roped q and k (float32: the norm weights promote them), v, the
+        # output and its log-sum-exp.
+        attention = b * (
+            q * nh * d * f32 + kv_rows * nkv * d * (f32 + mm) + q * nh * d * f32 + q * nh * f32
+        )
+    else:
+        # The CPU split form copies each chunk's visible context (about half of it on average
+        # for sorted anchors) and its own blocks into fresh keys and values; SDPA saves them,
+        # the queries, its output and log-sum-exp, and the boolean mask made a float one
+        # (all in the matmul dtype: CPU autocast casts SDPA's inputs).
+        chunks = split_chunk_count(b, n, k, t, heads=nh)
+        keys = kv_rows if chunks == 1 else t * (chunks + 1) // 2 + q
+        attention = b * (
+            2 * q * nh * d * mm
+            + 2 * keys * nkv * d * mm
+            + q * nh * f32
+            + -(-q // chunks) * keys * mm
+        )
+    drafter_saved = layers * (per_layer + attention)
+    # Once per step: hidden_norm's float32 input and its normed states (cast back to the
+    # matmul dtype), and the final norm's input and normed states.
+    drafter_saved += b * t * h * (f32 + mm) + b * q * h * 2 * f32
+    if autocast:
+        drafter_saved += drafter_numel * 2  # autocast's cached bf16 weight copies
+    # Logits and loss: per chunk of blocks when they exceed MAX_CHUNK_LOGITS (recomputed in
+    # backward): log-softmax (saved) with the gradients of it and of the logits, plus the
+    # bfloat16 logits themselves under autocast.
+    per_block = max(1, b * k * v)
+    blocks_per_chunk = max(1, min(n, MAX_CHUNK_LOGITS // per_block))
+    chunk_logits = blocks_per_chunk * per_block
+    loss_peak = chunk_logits * (3 * f32 + (mm if autocast else 0))
+    if needs_teacher:
+        loss_peak += chunk_logits * 2 * f32  # the teacher's softmax and gathered logits
+    # What the kind's head keeps beyond the plain loss (Domino, DSpark: the corrected logits and
+    # their log-softmax, a rough count).
+    loss_peak += chunk_logits * kinds.kind_facts(arch.projector_type).loss_logit_copies * f32
+    # Backward frees what each op saved as it goes: the transient is about the gradients of
+    # the widest op's inputs and output (the SwiGLU's [Q, I] tensors).
+    backward_transient = 3 * b * q * max(inter, h) * f32
+    # Target forward (no grad): the hidden states it returns, one layer's transient tensors,
+    # the tapped states being concatenated, the teacher logits, FSDP's gathered layers.
+    if decoder_loaded and not offline:
+        states = (target.num_hidden_layers + 1) * b * t * target.hidden_size * pd
+        layer_tmp = (
+            b
+            * t
+            * pd
+            * (
+                3 * target.intermediate_size
+                + 3 * target.hidden_size
+                + 2 * target.num_attention_heads * target.head_dim
+                + 2 * target.num_key_value_heads * target.head_dim
+            )
+        )
+        target_peak = states + layer_tmp + tapped
+        if needs_teacher:
+            target_peak += b * t * target.vocab_size * pd
+        if fsdp:
+            target_peak += 2 * layer_numel * pd  # the layer running and the one prefetched
+    else:
+        target_peak = inputs
+    parts = ActivationParts(
+        target_forward_peak=target_peak,
+        step_inputs=inputs,
+        drafter_saved=drafter_saved,
+        attention=layers * attention,
+        loss_peak=loss_peak,
+        backward_transient=backward_transient,
+    )
+    activations = parts.peak
+    allowance = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * activations) if cuda else 0
+    memory = MemoryPerRank(
+        target_weights=target_numel * pd,
+        drafter_weights=drafter_numel * 4,
+        gradients=drafter_numel * 4 * (2 if world_size > 1 else 1),
+        optimizer_states=drafter_numel * 8 + n_tensors * 4,
+        activations=activations,
+        allowance=allowance,
+    )
+
+    # -- step -----------------------------------------------------------------------------
+    rows = b * world_size * training.gradient_accumulation_steps
+    tokens = rows * t
+    supervised = rows * n * (k - 1)
+    dense_target = 0
+    for name, shape in target.shapes.items():
+        if len(shape) == 2 and "embed_tokens" not in name:
+            if not decoder_loaded and is_decoder_layer_tensor(name):
+                continue
+            dense_target += math.prod(shape)
+    if not needs_teacher:
+        dense_target -= target.vocab_size * target.hidden_size  # lm_head is not run
+    target_attention = (
+        2 * rows * t * t * target.num_attention_heads * target.head_dim * target.num_hidden_layers
+    )
+    if offline:
+        target_flops = 2 * max(0, dense_target) * tokens if needs_teacher else 0
+        target_attention = 0
+    else:
+        target_flops = 2 * max(0, dense_target) * tokens + target_attention
+    ctx_seen = t // 2 + k  # sorted uniform anchors: half the context on average, plus the block
+    per_row = (
+        t * n_taps * h * h  # fc
+        + layers
+        * (
+            q * (2 * nh * d * h + 3 * h * inter)
+            + kv_rows * 2 * nkv * d * h
+            + 2 * q * ctx_seen * nh * d
+        )
+        + q * h * v  # lm_head
+    )
+    draft_attention = rows * layers * 2 * q * ctx_seen * nh * d * 2 * 3
+    # forward 2 x MACs; backward 2x forward, but the frozen lm_head computes no weight
+    # gradient, and the chunked loss recomputes the lm_head forward once more.
+    lm = q * h * v
+    drafter_flops = rows * 2 * (3 * per_row - lm + (lm if blocks_per_chunk < n else 0))
+    step = StepFigures(
+        tokens=tokens,
+        supervised_positions=supervised,
+        target_flops=target_flops,
+        drafter_flops=drafter_flops,
+        attention_flops=target_attention + draft_attention,
+    )
+
+    # -- disk -----------------------------------------------------------------------------
+    checkpoint = (
+        drafter_numel * 12
+        + n_tensors * (_HEADER_BYTES_PER_TENSOR + _PICKLE_BYTES_PER_TENSOR)
+        + _PICKLE_BYTES
+    )
+    export = drafter_numel * pd + n_tensors * _HEADER_BYTES_PER_TENSOR + 8192
+    capture = t * n_taps * h * pd + (t * h * pd if needs_teacher else 0) + t * 16
+    limit = training.save_total_limit
+    disk = DiskFigures(
+        checkpoint_bytes=checkpoint,
+        checkpoints_kept=None if limit is None else limit + 1,
+        export_bytes=export,
+        capture_bytes_per_sequence=capture,
+    )
+    return ResourcePlan(
+        world_size=world_size,
+        device=device,
+        fsdp_sharded=fsdp,
+        memory=memory,
+        activation_parts=parts,
+        step=step,
+        disk=disk,
+        drafter_parameters=drafter_numel,
+        target_parameters=sum(math.prod(s) for s in target.shapes.values()),
+        target_source=target.source,
+    )
+
+
+def gib(value: int) -> str:
+    """Bytes as GiB with two decimals."""
+    return f"{value / GIB:.2f}"
+
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "DEFAULT_PEAK_TFLOPS",
+    "FRAGMENTATION",
+    "GIB",
+    "ActivationParts",
+    "Device",
+    "DiskFigures",
+    "MemoryPerRank",
+    "ResourcePlan",
+    "StepFigures",
+    "TargetDims",
+    "estimate_resources",
+    "gib",
+    "is_decoder_layer_tensor",
+    "read_target_dims",
+    "sharded_numel",
+    "target_dims",
+]

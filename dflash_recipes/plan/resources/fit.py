@@ -1,0 +1,148 @@
+"""What would fit a device: the search `compile --device-memory` and `run` report when a
+plan's estimated memory per rank (:mod:`~dflash_recipes.plan.resources.estimate`) exceeds it.
+
+Imported only on that path, so a compile that fits pays nothing for it. The compiler turns the
+advice into the `resources-exceed-device` diagnostic
+(:func:`~dflash_recipes.compiler.resource_report.device_diagnostic`); `run` refuses with the same
+message and hint (:mod:`~dflash_recipes.executor.training.device_memory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from dflash_recipes.plan.resources.estimate import (
+    Device,
+    ResourcePlan,
+    TargetDims,
+    estimate_resources,
+    gib,
+    read_target_dims,
+)
+from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.records import Record
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class FitAdvice(Record):
+    """The largest values that fit one knob at a time (None: not even the smallest does)."""
+
+    num_anchors: int | None
+    per_device_train_batch_size: int | None
+    training_seq_len: int | None
+    #: Whether the plan with training.fsdp over the world size fits (None: one rank only).
+    fsdp_fits: bool | None
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """Largest value in [low, high] for which `fits` holds (monotone), or None."""
+    if high < low or not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def fit_advice(
+    plan: RunPlan,
+    device_bytes: int,
+    *,
+    world_size: int,
+    device: Device | None = None,
+    target: TargetDims | None = None,
+) -> FitAdvice:
+    """What would fit `device_bytes` per rank: each knob searched with the others as planned."""
+    if target is None:
+        target = read_target_dims(Path(plan.base_model.path))
+    training, draft = plan.training, plan.draft
+
+    def total(candidate: RunPlan, ranks: int = world_size) -> int:
+        found = estimate_resources(candidate, world_size=ranks, device=device, target=target)
+        return found.memory.total
+
+    def with_training(**changes: int | bool) -> RunPlan:
+        return attrs.evolve(plan, training=attrs.evolve(training, **changes))  # type: ignore[arg-type]
+
+    def with_anchors(count: int) -> RunPlan:
+        objective = attrs.evolve(draft.objective, num_anchors=count)
+        return attrs.evolve(plan, draft=attrs.evolve(draft, objective=objective))
+
+    seq = training.training_seq_len
+    anchors = _largest(lambda a: total(with_anchors(a)) <= device_bytes, 1, max(1, seq))
+    batch = _largest(
+        lambda x: total(with_training(per_device_train_batch_size=x)) <= device_bytes, 1, 4096
+    )
+    block = draft.block_size
+    longest = max(
+        seq, plan.base_model.facts.max_position_embeddings if plan.base_model.facts else seq
+    )
+    seq_len = _largest(
+        lambda s: total(with_training(training_seq_len=s)) <= device_bytes, block + 1, longest
+    )
+    fsdp_fits: bool | None = None
+    if world_size > 1 and not training.fsdp:
+        fsdp_fits = total(with_training(fsdp=True)) <= device_bytes
+    elif world_size > 1:
+        fsdp_fits = total(plan) <= device_bytes
+    return FitAdvice(
+        num_anchors=anchors,
+        per_device_train_batch_size=batch,
+        training_seq_len=seq_len,
+        fsdp_fits=fsdp_fits,
+    )
+
+
+def exceed_message(
+    plan: RunPlan, resources: ResourcePlan, device_bytes: int, advice: FitAdvice, *, where: str
+) -> tuple[str, str]:
+    """The message and hint of a plan that does not fit `device_bytes` per rank."""
+    memory = resources.memory
+    parts = ", ".join(
+        f"{name} {gib(value)}"
+        for name, value in (
+            ("target weights", memory.target_weights),
+            ("drafter weights", memory.drafter_weights),
+            ("gradients", memory.gradients),
+            ("optimizer states", memory.optimizer_states),
+            ("activations", memory.activations),
+            ("allowance", memory.allowance),
+        )
+    )
+    message = (
+        f"the plan needs about {gib(memory.total)} GiB per rank on {resources.world_size} "
+        f"rank(s) ({parts} GiB), more than {where} ({gib(device_bytes)} GiB)"
+    )
+    fixes = []
+    objective, training = plan.draft.objective, plan.training
+    if advice.num_anchors is not None and advice.num_anchors < objective.num_anchors:
+        fixes.append(f"dflash.dflash_num_anchors: {advice.num_anchors}")
+    if (
+        advice.per_device_train_batch_size is not None
+        and advice.per_device_train_batch_size < training.per_device_train_batch_size
+    ):
+        fixes.append(f"training.per_device_train_batch_size: {advice.per_device_train_batch_size}")
+    if advice.training_seq_len is not None and advice.training_seq_len < training.training_seq_len:
+        fixes.append(f"training.training_seq_len: {advice.training_seq_len}")
+    hint = (
+        "any one of these fits (the others as planned): " + "; ".join(fixes)
+        if fixes
+        else "no single change of dflash_num_anchors, per_device_train_batch_size or "
+        "training_seq_len fits: the weights, gradients and optimizer states alone need "
+        f"{gib(memory.total - memory.activations)} GiB with the allowance"
+    )
+    if advice.fsdp_fits is not None and not training.fsdp:
+        verdict = "would fit" if advice.fsdp_fits else "would not fit either"
+        hint += f"; training.fsdp: true over {resources.world_size} ranks {verdict}"
+    elif resources.world_size == 1:
+        hint += "; or shard the target with training.fsdp: true over several ranks (--world-size N)"
+    return message, hint
+
+
+__all__ = ["FitAdvice", "exceed_message", "fit_advice"]

@@ -1,0 +1,270 @@
+"""The torchrun command `run --nproc-per-node` builds, and its launch.
+
+The stop grace is tested twice over: with the installed torchrun (``--shutdown-timeout``) and
+with an argument parser shaped like torch 2.11's, which has no such option; both launches
+really start torchrun with stand-in workers and stop them with a SIGTERM to the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_recipes.errors import LaunchError
+from dflash_recipes.executor.launch import (
+    DEFAULT_RDZV_ID,
+    WORKER_SHUTDOWN_TIMEOUT_S,
+    build_torchrun_argv,
+    launch_torchrun,
+    torchrun_parser,
+)
+from dflash_recipes.executor.torchrun import kept_stop_signals
+
+
+def _parse_as_torchrun(argv: list[str]) -> dict[str, object]:
+    """Parse our command with torchrun's own parser, so the flags are ones torchrun accepts."""
+    from torch.distributed.run import get_args_parser
+
+    assert argv[:3] == [sys.executable, "-m", "dflash_recipes.executor.torchrun"]
+    return vars(get_args_parser().parse_args(argv[3:]))
+
+
+def test_single_node_command_is_standalone() -> None:
+    argv = build_torchrun_argv(["plan.json"], nproc_per_node=2)
+    assert argv == [
+        sys.executable,
+        "-m",
+        "dflash_recipes.executor.torchrun",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        str(WORKER_SHUTDOWN_TIMEOUT_S),
+        "--standalone",
+        "-m",
+        "dflash_recipes.cli",
+        "run",
+        "plan.json",
+    ]
+    args = _parse_as_torchrun(argv)
+    assert args["standalone"] is True
+    assert args["shutdown_timeout"] == WORKER_SHUTDOWN_TIMEOUT_S
+    assert args["nproc_per_node"] == "2"
+    assert args["module"] is True
+    assert args["training_script"] == "dflash_recipes.cli"
+    assert args["training_script_args"] == ["run", "plan.json"]
+
+
+def test_multi_node_command_uses_c10d_rendezvous() -> None:
+    argv = build_torchrun_argv(
+        ["recipe.yaml", "training.max_steps=10"],
+        nproc_per_node=8,
+        nnodes=4,
+        rdzv_endpoint="node001:29500",
+        rdzv_id="123456",
+    )
+    args = _parse_as_torchrun(argv)
+    assert args["standalone"] is False
+    assert (args["nnodes"], args["nproc_per_node"]) == ("4", "8")
+    assert (args["rdzv_backend"], args["rdzv_endpoint"], args["rdzv_id"]) == (
+        "c10d",
+        "node001:29500",
+        "123456",
+    )
+    assert args["training_script_args"] == ["run", "recipe.yaml", "training.max_steps=10"]
+    default_id = build_torchrun_argv(["p.json"], nproc_per_node=1, rdzv_endpoint="[fd00::1]:29400")
+    assert _parse_as_torchrun(default_id)["rdzv_id"] == DEFAULT_RDZV_ID
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"nproc_per_node": 0}, "--nproc-per-node must be a positive integer"),
+        ({"nproc_per_node": 2, "nnodes": 0}, "--nnodes must be a positive integer"),
+        ({"nproc_per_node": 2, "nnodes": 2}, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        ({"nproc_per_node": 2, "nnodes": 2, "rdzv_endpoint": "node001"}, "is not HOST:PORT"),
+        ({"nproc_per_node": 2, "rdzv_endpoint": "node001:99999"}, "is not HOST:PORT"),
+        ({"nproc_per_node": 2, "rdzv_endpoint": "bad host:1"}, "is not HOST:PORT"),
+        ({"nproc_per_node": 2, "rdzv_id": "42"}, "--rdzv-id only applies with --rdzv-endpoint"),
+        (
+            {"nproc_per_node": 2, "rdzv_endpoint": "h:1", "rdzv_id": "a b"},
+            "--rdzv-id 'a b' must be",
+        ),
+    ],
+)
+def test_invalid_launch_options_are_explained(kwargs: dict[str, object], expected: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        build_torchrun_argv(["plan.json"], **kwargs)  # type: ignore[arg-type]
+    assert expected in str(info.value)
+
+
+def test_launch_options_are_not_forwarded_to_the_workers() -> None:
+    with pytest.raises(LaunchError, match="would launch again"):
+        build_torchrun_argv(["plan.json", "--nproc-per-node=2"], nproc_per_node=2)
+
+
+def test_launch_returns_the_exit_code() -> None:
+    assert launch_torchrun([sys.executable, "-c", "raise SystemExit(3)"]) == 0 + 3
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert launch_torchrun([sys.executable, "-c", killed]) == 128 + signal.SIGTERM
+    with pytest.raises(LaunchError, match="could not start"):
+        launch_torchrun(["/nonexistent/torchrun-binary"])
+
+
+# ---------------------------------------------------------------------------------------------
+# a torchrun without --shutdown-timeout (torch 2.9 to 2.11)
+# ---------------------------------------------------------------------------------------------
+
+
+def _torchrun_2_11_parser(*, signals_to_handle: bool = True) -> argparse.ArgumentParser:
+    """torchrun's parser as torch 2.11 has it, for the options the launcher uses: no
+    --shutdown-timeout (torch 2.12 added it), --signals-to-handle with its default."""
+    parser = argparse.ArgumentParser(prog="torchrun")
+    parser.add_argument("--nnodes", "--nnodes", type=str, default="1:1")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=str, default="1")
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", type=str, default="static")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", type=str, default="")
+    parser.add_argument("--rdzv-id", "--rdzv_id", type=str, default="none")
+    parser.add_argument("--standalone", action="store_true")
+    if signals_to_handle:
+        parser.add_argument(
+            "--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        )
+    parser.add_argument("-m", "--module", action="store_true")
+    parser.add_argument("training_script", type=str)
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def test_without_shutdown_timeout_torchrun_leaves_the_stop_signals_to_the_wrapper() -> None:
+    old = _torchrun_2_11_parser()
+    argv = build_torchrun_argv(["plan.json"], nproc_per_node=2, parser=old)
+    assert "--shutdown-timeout" not in argv
+    # every option is one the old torchrun takes, and it handles the signals less TERM/INT
+    args = vars(old.parse_args(argv[3:]))
+    assert args["signals_to_handle"] == "SIGHUP,SIGQUIT"
+    assert (args["standalone"], args["training_script_args"]) == (True, ["run", "plan.json"])
+    # the wrapper reads the same command and takes SIGTERM and SIGINT
+    assert kept_stop_signals(argv[3:]) == (signal.SIGTERM, signal.SIGINT)
+    new = build_torchrun_argv(["plan.json"], nproc_per_node=2)
+    assert kept_stop_signals(new[3:]) == ()
+
+
+def test_a_torchrun_that_can_keep_no_grace_is_refused() -> None:
+    with pytest.raises(LaunchError) as info:
+        build_torchrun_argv(
+            ["plan.json"], nproc_per_node=2, parser=_torchrun_2_11_parser(signals_to_handle=False)
+        )
+    assert str(info.value).startswith(
+        "this torchrun accepts neither --shutdown-timeout nor --signals-to-handle"
+    )
+    assert "pip install 'torch>=" in str(info.value)
+
+
+_STAND_IN_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+
+out, rank = Path(sys.argv[1]), os.environ["RANK"]
+terms = []
+signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+(out / f"ready{rank}").write_text("")
+while not terms:
+    time.sleep(0.02)
+if rank == "0":
+    time.sleep(3.0)  # rank 0 saves for longer than torchrun's own deadline (1 s here)
+(out / f"saved{rank}").write_text(str(len(terms)))
+sys.exit(128 + signal.SIGTERM)
+"""
+
+
+def _wait_for(paths: list[Path], process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while not all(p.exists() for p in paths):
+        assert process.poll() is None, "the launch ended before its workers were ready"
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torchrun", ["installed", "2.11-shaped"])
+def test_a_sigterm_to_the_launcher_lets_every_worker_finish_its_save(
+    torchrun: str, tmp_path: Path
+) -> None:
+    parser = torchrun_parser() if torchrun == "installed" else _torchrun_2_11_parser()
+    argv = build_torchrun_argv(["unused"], nproc_per_node=2, parser=parser)
+    worker = tmp_path / "worker.py"
+    worker.write_text(_STAND_IN_WORKER, encoding="utf-8")
+    # torchrun as built, the stand-in worker in place of `-m dflash_recipes.cli run ...`
+    argv = [*argv[: argv.index("-m", 3)], str(worker), str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    # torchrun's default deadline after a stop signal, where no option sets it (torch >= 2.12)
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    driver = "import sys\nfrom dflash_recipes.executor.launch import launch_torchrun\n"
+    driver += f"sys.exit(launch_torchrun({argv!r}))\n"
+    launcher = subprocess.Popen([sys.executable, "-c", driver], env=env)
+    try:
+        _wait_for([tmp_path / "ready0", tmp_path / "ready1"], launcher)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    # each worker got the SIGTERM once and finished: rank 1's early exit did not make torchrun
+    # signal rank 0 again, and nothing SIGKILLed rank 0 during its longer "save"
+    saved = {p.name: p.read_text() for p in tmp_path.glob("saved*")}
+    assert saved == {"saved0": "1", "saved1": "1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# dflash-recipe run --nproc-per-node N: torchrun for real (gloo)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "extra"),
+    [(1, ()), (2, ("training.fsdp=true",))],
+    ids=["1-rank", "2-ranks-fsdp2"],
+)
+def test_run_with_nproc_per_node_trains_through_torchrun(
+    nproc: int, extra: tuple[str, ...], tmp_path: Path
+) -> None:
+    from testkit.compiling import SMALL_RUN, TINY_SCRATCH
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_recipes",
+            "run",
+            str(TINY_SCRATCH),
+            f"training.output_dir={out}",
+            *SMALL_RUN,
+            "training.max_steps=2",
+            "training.per_device_train_batch_size=1",
+            *extra,
+            "--nproc-per-node",
+            str(nproc),
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("done: 2 steps, "), done.stderr[-3000:]
+    assert (out / "export" / "model.safetensors").is_file()
+    assert "unrecognized arguments" not in done.stderr
