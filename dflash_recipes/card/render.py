@@ -27,12 +27,13 @@ from dflash_recipes.card.facts import (
     Measurement,
     TrainingFacts,
 )
+from dflash_recipes.checkpoint.kinds.registry import FAMILY, kind_facts
 
 #: As released DFlash drafters' cards say (the drafter loads with AutoModel and remote code).
 LIBRARY_NAME = "transformers"
 PIPELINE_TAG = "text-generation"
 #: Tags every card carries; the drafter kind is added when it is not plain DFlash.
-BASE_TAGS = ("dflash", "speculative-decoding", "draft-model", "dflash-recipes")
+BASE_TAGS = (FAMILY, "speculative-decoding", "draft-model", "dflash-recipes")
 #: Placeholder for the drafter in the serving commands: a Hub id or a local directory.
 DRAFTER = "DRAFTER"
 
@@ -200,7 +201,7 @@ def _serving(facts: CardFacts) -> list[str]:
     target = facts.training.base_model or "TARGET"
     config = json.dumps(
         {
-            "method": "dflash",
+            "method": FAMILY,
             "model": DRAFTER,
             "num_speculative_tokens": vllm_speculative_tokens(block),
         }
@@ -224,7 +225,8 @@ def _serving(facts: CardFacts) -> list[str]:
         "SGLang:",
         "",
         "```bash",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"python -m sglang.launch_server --model-path {target} "
+        f"--speculative-algorithm {FAMILY.upper()} "
         f"--speculative-draft-model-path {DRAFTER} "
         f"--speculative-num-draft-tokens {sglang_draft_tokens(block)}",
         "```",
@@ -232,10 +234,11 @@ def _serving(facts: CardFacts) -> list[str]:
         "Transformers: `AutoModel.from_pretrained(DRAFTER, trust_remote_code=True)` builds the "
         "drafter from `dflash.py` (it drafts for the target; it is not a language model alone).",
     ]
-    if facts.drafter.kind != "dflash":
+    head = kind_facts(facts.drafter.kind).head_name
+    if head is not None:
         lines += [
             "",
-            f"> vLLM's `dflash` method has no {facts.drafter.kind} head: it would serve the "
+            f"> vLLM's `{FAMILY}` method has no {head} head: it would serve the "
             "DFlash backbone without it, or refuse the head's tensors.",
         ]
     for note in facts.serving_notes:
@@ -248,7 +251,8 @@ def render_card(facts: CardFacts) -> str:
     meta = yaml.safe_dump(front_matter(facts), sort_keys=False, allow_unicode=True)
     d, t = facts.drafter, facts.training
     short = t.target.rsplit("/", 1)[-1]
-    kind = "" if d.kind == "dflash" else f" with a {d.kind} head"
+    head = kind_facts(d.kind).head_name
+    kind = "" if head is None else f" with a {head} head"
     lines = [
         "---",
         meta.rstrip("\n"),

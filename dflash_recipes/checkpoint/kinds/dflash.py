@@ -33,6 +33,7 @@ class DFlashFacts:
     shifts_labels = False
     marker_prefixes: tuple[str, ...] = ()
     loss_logit_copies = 0
+    head_name: str | None = None
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """No tensors beyond the backbone."""

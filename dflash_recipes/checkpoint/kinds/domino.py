@@ -58,6 +58,7 @@ class DominoFacts:
     marker_prefixes: tuple[str, ...] = ("prefix_gru.", "embed_proj.")
     # The corrected logits and their log-softmax: a rough count, not measured.
     loss_logit_copies = 2
+    head_name: str | None = "domino"
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """``prefix_gru.weight_{ih,hh}_l0`` and ``embed_proj.{0,2}.weight`` (module doc)."""

@@ -51,6 +51,7 @@ class DSparkFacts:
     marker_prefixes: tuple[str, ...] = ("markov_w1.", "markov_w2.")
     # The biased logits and their log-softmax: a rough count, not measured.
     loss_logit_copies = 2
+    head_name: str | None = "dspark"
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """``markov_w{1,2}``, the gated/rnn projection and the confidence head (module doc)."""

@@ -145,6 +145,9 @@ class KindFacts(Protocol):
     #: float32 copies of a chunk's ``[blocks, K, vocab]`` logits the head's objective keeps
     #: beyond the plain loss's (the resource estimate's rough count).
     loss_logit_copies: int
+    #: The name of the head the kind adds to the DFlash backbone (a model card's tag and title),
+    #: or None for a drafter without one.
+    head_name: str | None
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """The kind's tensors beyond the DFlash backbone: name -> shape (empty for DFlash)."""

@@ -23,6 +23,10 @@ KINDS: Mapping[str, KindFacts] = {
     )
 }
 
+#: The family's name as serving engines and the Hub know it: vLLM's speculative ``method``,
+#: SGLang's algorithm (upper case) and the tag every card carries, whatever the kind.
+FAMILY = "dflash"
+
 #: The head sizes each projector type needs (recipe names under dflash_architecture_config).
 HEAD_FIELDS: Mapping[str, tuple[str, ...]] = {
     name: kind.head_fields for name, kind in KINDS.items()
@@ -74,6 +78,7 @@ def kind_from_tensors(names: Collection[str]) -> str:
 
 
 __all__ = [
+    "FAMILY",
     "HEAD_FIELDS",
     "HEAD_FIELD_MEANING",
     "HEAD_FIELD_OWNERS",
