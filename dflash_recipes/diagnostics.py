@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
+from dflash_recipes.echo import bound_message
 from dflash_recipes.records import Record
 
 
@@ -84,13 +85,17 @@ def code_severity(code: str) -> Severity:
 
 @attrs.frozen(repr=False, eq=False, slots=False)
 class Diagnostic(Record):
-    """One finding: severity, code, where (dotted path and source mark), what, and the fix."""
+    """One finding: severity, code, where (dotted path and source mark), what, and the fix.
+
+    `message` and `hint` pass through :func:`~dflash_recipes.echo.bound_message` when made:
+    printable, and bounded however large a value a check echoed into them.
+    """
 
     severity: Severity
     code: str
     path: str
-    message: str
-    hint: str | None = None
+    message: str = attrs.field(converter=bound_message)
+    hint: str | None = attrs.field(default=None, converter=attrs.converters.optional(bound_message))
     file: str | None = None
     line: int | None = None
     column: int | None = None

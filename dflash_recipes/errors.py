@@ -17,7 +17,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── RunIOError               reading or writing a run's files failed (disk full, permissions)
      ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
      ├── TrackerError             a tracker in training.report_to cannot start (library missing)
- ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
+     ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
      └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
 """
 
@@ -26,12 +26,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from dflash_recipes.echo import bound_message
+
 if TYPE_CHECKING:
     from dflash_recipes.diagnostics import Diagnostic
 
 
 class DFlashRecipeError(Exception):
-    """Base class of every error a user of dflash_recipes can cause."""
+    """Base class of every error a user of dflash_recipes can cause.
+
+    Its text is printable and bounded (:func:`~dflash_recipes.echo.bound_message`), whatever a
+    message echoes: a huge or unencodable value cannot flood or crash what prints it.
+    """
+
+    def __str__(self) -> str:
+        return bound_message(super().__str__())
 
 
 class _DiagnosticsError(DFlashRecipeError):
@@ -47,7 +56,7 @@ class _DiagnosticsError(DFlashRecipeError):
             return base
         from dflash_recipes.diagnostics import render_text
 
-        return base + "\n" + render_text(self.diagnostics)
+        return bound_message(base + "\n" + render_text(self.diagnostics))
 
 
 class RecipeError(_DiagnosticsError):

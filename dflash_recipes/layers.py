@@ -51,6 +51,11 @@ LAYERS: tuple[Layer, ...] = (
         "this table, every enumeration (`recipe/choices.py`), bounded file and JSON reads "
         "(`files/jsonio.py`)",
     ),
+    Layer(
+        ("echo",),
+        "the bound on what is echoed to a user (every diagnostic and error message goes through "
+        "it): imports nothing",
+    ),
 )
 
 

@@ -7,6 +7,9 @@ Everything is generated into `tmp_path` (no downloads, no torch). The default si
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from testkit.compiling import RecipeFactory
 from testkit.st_fixtures import write_base_model, write_drafter_checkpoint
 
 from dflash_recipes.compiler.compilation import compile_recipe
+from dflash_recipes.files.data_cache import CACHE_ENV
 from dflash_recipes.recipe.sections import (
     DataSection,
     DFlashArchitectureConfig,
@@ -25,6 +29,34 @@ from dflash_recipes.recipe.sections import (
     Recipe,
     TrainingSection,
 )
+
+_SESSION_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests never write to the real per-user cache: the tokenized-data cache of anything
+    that runs outside a test function (module fixtures) goes to a folder of this session, and
+    each test gets its own (:func:`_own_data_cache`); subprocesses inherit the variable."""
+    folder = tempfile.mkdtemp(prefix="dflash-recipes-cache-")
+    config.stash[_SESSION_CACHE] = folder
+    os.environ[CACHE_ENV] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_SESSION_CACHE, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _own_data_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Each test's own tokenized-data cache (a fresh one, as its own output_dir gave before)."""
+    folder = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv(CACHE_ENV, str(folder))
+    return folder
+
 
 #: The architecture of the default tiny drafter (testkit.st_fixtures.write_drafter_checkpoint).
 TINY_ARCH: Mapping[str, int] = {

@@ -22,6 +22,11 @@ from pathlib import Path
 
 import attrs
 
+from dflash_recipes.checkpoint.config_bounds import (
+    MAX_LAYER_INDEX,
+    MAX_LIST_ENTRIES,
+    plausible_maximum,
+)
 from dflash_recipes.checkpoint.config_json import read_json_config
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.checkpoint.target_facts import RopePlan, RopeValue, TargetFacts
@@ -191,7 +196,7 @@ class _Fields:
         return None
 
     def bad(self, code: str, severity: Severity, where: str, want: str, value: object) -> None:
-        message = f"`{where}` must be {want}, got {value!r}"
+        message = f"`{where}` must be {want}, got {shorten(value)}"
         if severity is Severity.ERROR:
             hint = f"restore `{where}` from the model's original config.json"
         else:
@@ -206,6 +211,11 @@ class _Fields:
         value, where = found
         if type(value) is not int or value < minimum:
             self.bad(code, severity, where, f"an integer >= {minimum}", value)
+            return None
+        maximum = plausible_maximum(key)
+        if value > maximum:
+            # larger is no model's size: refused before anything is sized by it
+            self.bad(code, severity, where, f"an integer in [{minimum}, {maximum}]", value)
             return None
         return value
 
@@ -319,7 +329,7 @@ def _read_rope(
             continue
         number = _positive_number(value)
         if number is None:
-            message = f"`{key}` must be a finite number > 0, got {value!r}"
+            message = f"`{key}` must be a finite number > 0, got {shorten(value)}"
             hint = f"correct `{key}` in config.json"
             problems.append(ConfigProblem(field_code, field_severity, key, message, hint))
             continue
@@ -327,8 +337,9 @@ def _read_rope(
             theta = number
         elif conflict_code is not None and number != theta:
             message = (
-                f"config.json states `{where}rope_theta: {nested!r}` and `{key}: {value!r}`; "
-                f"transformers uses the nested value, so the plan takes {theta!r}"
+                f"config.json states `{where}rope_theta: {shorten(nested)}` and `{key}: "
+                f"{shorten(value)}`; transformers uses the nested value, so the plan takes "
+                f"{theta!r}"
             )
             hint = f"delete the stale `{key}` from config.json so both readers agree"
             problems.append(ConfigProblem(conflict_code, Severity.WARNING, key, message, hint))
@@ -341,7 +352,7 @@ def _read_rope(
             rope_type = stated_type
         elif stated_type is not None:
             key = f"{where}rope_type"
-            message = f"`{key}` must be a string, got {stated_type!r}; `default` is assumed"
+            message = f"`{key}` must be a string, got {shorten(stated_type)}; `default` is assumed"
             hint = f"correct `{key}` in config.json"
             problems.append(ConfigProblem(field_code, field_severity, key, message, hint))
         for key in sorted(params):
@@ -352,7 +363,7 @@ def _read_rope(
                 extras[key] = value
             elif conflict_code is not None:
                 message = (
-                    f"RoPE parameter `{where}{key}` is {type(value).__name__} {value!r}; "
+                    f"RoPE parameter `{where}{key}` is {type(value).__name__} {shorten(value)}; "
                     "the run plan carries scalar RoPE parameters only, so it is left out"
                 )
                 hint = "check that the drafter's positions do not depend on it (text-only RoPE)"
@@ -510,8 +521,8 @@ def _stated_twice(
     if flat is None or inner is None or flat == inner:
         return None
     message = (
-        f"config.json states `{key}: {flat!r}` and `dflash_config.{key}: {inner!r}`; "
-        f"the nested value {inner!r} is used"
+        f"config.json states `{key}: {shorten(flat)}` and `dflash_config.{key}: "
+        f"{shorten(inner)}`; the nested value {shorten(inner)} is used"
     )
     hint = "re-export the checkpoint so both places agree"
     return ConfigProblem(CHECKPOINT_CONFIG_CONFLICT, Severity.WARNING, key, message, hint)
@@ -540,12 +551,18 @@ def checkpoint_config_from_mapping(
         value, where = raw_taps
         if (
             isinstance(value, list)
-            and value
-            and all(type(item) is int and item >= 0 for item in value)
+            and 0 < len(value) <= MAX_LIST_ENTRIES
+            and all(type(item) is int and 0 <= item <= MAX_LAYER_INDEX for item in value)
         ):
             taps = tuple(value)
         else:
-            dflash.bad(code, severity, where, "a non-empty list of integers >= 0", value)
+            want = "a non-empty list of integers >= 0"
+            if isinstance(value, list) and (
+                len(value) > MAX_LIST_ENTRIES
+                or any(type(item) is int and item > MAX_LAYER_INDEX for item in value)
+            ):
+                want = f"a list of at most {MAX_LIST_ENTRIES} integers in [0, {MAX_LAYER_INDEX}]"
+            dflash.bad(code, severity, where, want, value)
 
     projector: str | None = None
     raw_projector = dflash.raw("projector_type")
@@ -621,10 +638,17 @@ def _read_layer_types(
     if raw is not None:
         value, where = raw
         kinds = ("full_attention", "sliding_attention")
-        if isinstance(value, list) and value and all(item in kinds for item in value):
+        if (
+            isinstance(value, list)
+            and 0 < len(value) <= MAX_LIST_ENTRIES
+            and all(item in kinds for item in value)
+        ):
             layer_types = tuple(str(item) for item in value)
         else:
-            dims.bad(code, severity, where, "a non-empty list of " + " | ".join(kinds), value)
+            want = "a non-empty list of " + " | ".join(kinds)
+            if isinstance(value, list) and len(value) > MAX_LIST_ENTRIES:
+                want = f"a list of at most {MAX_LIST_ENTRIES} entries"
+            dims.bad(code, severity, where, want, value)
     return layer_types, dims.integer("sliding_window", code, severity)
 
 

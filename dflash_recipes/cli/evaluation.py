@@ -13,6 +13,7 @@ from dflash_recipes.cli.group import (
     _ANY_PATH_STR,
     _DIRECTORY,
     _FILE,
+    _FILE_OR_FOLDER,
     EXIT_FINDINGS,
     EXIT_USAGE,
     _fail,
@@ -35,10 +36,11 @@ if TYPE_CHECKING:
 )
 @click.option(
     "--prompts",
-    type=_FILE,
+    type=_FILE_OR_FOLDER,
     help="Prompts: .jsonl conversations (the turns before the first assistant turn), "
-    ".json (a list of prompt strings or message lists) or .parquet (--prompt-column) "
-    "(default: data.eval_data_path).",
+    ".json (a list of prompt strings or message lists), .parquet (--prompt-column), or "
+    "conversations in any training-data format (.jsonl.gz, .arrow, a folder of such files, "
+    "a `datasets` save_to_disk folder) (default: data.eval_data_path).",
 )
 @click.option(
     "--prompt-column",

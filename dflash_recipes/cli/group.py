@@ -25,6 +25,7 @@ from dflash_recipes.diagnostics import (
     sort_diagnostics,
     summary_line,
 )
+from dflash_recipes.echo import bound_message
 from dflash_recipes.errors import DFlashRecipeError, Interrupted
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 _FILE_STR = click.Path(dir_okay=False, path_type=str)
 _WRITABLE_FILE = click.Path(dir_okay=False, writable=True, path_type=Path)
 _DIRECTORY = click.Path(file_okay=False, path_type=Path)
+#: An input that may be a file or a folder (training-data inputs): the library says what is
+#: wrong with it, naming the formats it reads.
+_FILE_OR_FOLDER = click.Path(path_type=Path)
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -65,7 +69,7 @@ EXIT_USAGE = 2
 
 
 def _fail(message: str, code: int = EXIT_FINDINGS) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {bound_message(message)}", err=True)
     sys.exit(code)
 
 

@@ -10,6 +10,7 @@ import click
 from dflash_recipes.cli.group import (
     _ANY_PATH_STR,
     _FILE,
+    _FILE_OR_FOLDER,
     _setup_logging,
     load_plan_or_recipe,
     main,
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 @click.option(
     "--input",
     "input_path",
-    type=_FILE,
-    help="JSONL conversations to answer (default: data.data_path).",
+    type=_FILE_OR_FOLDER,
+    help="Conversations to answer, in any training-data format: a JSONL (or .jsonl.gz), "
+    "Parquet or Arrow file, a folder of them, or a `datasets` save_to_disk folder "
+    "(default: data.data_path).",
 )
 @click.option(
     "--output",

@@ -88,6 +88,11 @@ DATA_COLUMNS_MISSING = _code(
 OUTPUT_DIR_UNUSABLE = _code(
     "output-dir-unusable", _E, "training.output_dir is a file or cannot be listed"
 )
+TRACKER_LIBRARY_MISSING = _code(
+    "tracker-library-missing",
+    _E,
+    "training.report_to names a tracker whose library is not installed (nothing would be tracked)",
+)
 RESUME_FROM_CHECKPOINT = _code(
     "resume-from-checkpoint",
     _I,

@@ -41,6 +41,7 @@ from dflash_recipes.compiler.id_checks import DraftIds, resolve_draft_ids, schem
 from dflash_recipes.compiler.input_checks import (
     check_capture,
     check_data,
+    check_tracker_libraries,
     resolve_base_model,
     resolve_output,
 )
@@ -52,6 +53,7 @@ from dflash_recipes.compiler.state import (
     WhatWasRead,
 )
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, has_errors, sort_diagnostics
+from dflash_recipes.files.data_cache import default_data_cache_dir
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import (
     ArchitecturePlan,
@@ -153,6 +155,7 @@ def compile_recipe(
         if check_checkpoint_fields(inputs, read.checkpoint, report):  # DFlash 2: no layout diff
             heads_from_scratch = check_layout(inputs, read, ids.taps, report)
         check_capture(inputs, read.facts, ids.taps, report)
+        check_tracker_libraries(inputs, report)
     else:
         ids = schema_draft_ids(inputs, report)
     # 4. a plan only when nothing is an error
@@ -241,7 +244,8 @@ def build_plan(
             cache_dir=str(
                 absolute(data.cache_dir)
                 if data.cache_dir is not None
-                else absolute(training.output_dir) / DATA_CACHE_DIR
+                else default_data_cache_dir()
+                or absolute(training.output_dir) / DATA_CACHE_DIR  # no home folder
             ),
             num_proc=data.num_proc,
         ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from dflash_recipes.compiler.codes import (
     INIT_CHECKPOINT_IGNORED,
     OUTPUT_DIR_UNUSABLE,
     RESUME_FROM_CHECKPOINT,
+    TRACKER_LIBRARY_MISSING,
 )
 from dflash_recipes.compiler.state import (
     INIT_PATH,
@@ -39,6 +41,7 @@ from dflash_recipes.files.jsonio import FileReadProblem, clip, file_kind, read_r
 from dflash_recipes.files.run_dir import PLAN_FILE, latest_complete_checkpoint
 from dflash_recipes.plan.parts import ResumePlan
 from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.choices import TRACKER_LIBRARIES
 
 
 def resolve_base_model(inputs: CompileInputs, report: Report) -> TargetFacts | None:
@@ -265,6 +268,28 @@ def output_dir_problem(path: Path) -> str | None:
         return f"lies below {probe}, which is {file_kind(info.st_mode)}, not a directory"
 
 
+def check_tracker_libraries(inputs: CompileInputs, report: Report) -> None:
+    """training.report_to: each tracker's package must be installed where this compiles (looked
+    for, never imported: compile stays fast). `run` checks again at start, importing it."""
+    import importlib.util
+
+    for name in inputs.recipe.training.report_to:
+        library = TRACKER_LIBRARIES[name]
+        try:
+            found = importlib.util.find_spec(library) is not None
+        except (ImportError, ValueError):  # ValueError: blocked as sys.modules[name] = None
+            found = False
+        if found:
+            continue
+        report.emit(
+            TRACKER_LIBRARY_MISSING,
+            "training.report_to",
+            f"training.report_to names {name}, but the {library} package is not installed in "
+            f"this Python ({clip(sys.executable)}): the run would train without tracking",
+            f"pip install 'dflash-recipes[{name}]', or remove {name} from training.report_to",
+        )
+
+
 def _data_sha256(path: Path) -> str | None:
     from dflash_recipes.data.sources import input_sha256
 
@@ -282,6 +307,7 @@ def _read_previous_plan(path: Path) -> RunPlan | None:
 __all__ = [
     "check_capture",
     "check_data",
+    "check_tracker_libraries",
     "output_dir_problem",
     "resolve_base_model",
     "resolve_output",

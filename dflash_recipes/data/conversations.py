@@ -17,7 +17,13 @@ from typing import Literal
 
 import attrs
 
-from dflash_recipes.data.sources import DataSource, RawLine, iter_rows, resolve_source
+from dflash_recipes.data.sources import (
+    DATA_INT_DIGITS,
+    DataSource,
+    RawLine,
+    iter_rows,
+    resolve_source,
+)
 from dflash_recipes.errors import DataError
 from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
 from dflash_recipes.records import Record
@@ -36,8 +42,6 @@ _SHAREGPT_ROLES: dict[str, Role] = {
 _REASONS_SHOWN = 5
 #: How many line numbers a summary lists per kind before "...".
 _LINES_SHOWN = 10
-#: Integers in a data line are not used; any Python can convert (4300 digits) is accepted.
-_DATA_INT_DIGITS = 4000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +167,7 @@ def conversation_of(
     try:
         if isinstance(row, RawLine):
             if row.text is None:
-                return SkippedLine(number, "not UTF-8", row.error or "not valid UTF-8")
+                return SkippedLine(number, row.kind, row.error or "not valid UTF-8")
             if not row.text.strip():
                 return None
             messages = _parse_line(row.text, answer_only_loss=answer_only_loss)
@@ -186,7 +190,7 @@ class _LineProblem(Exception):
 def _parse_line(line: str, *, answer_only_loss: bool) -> tuple[Message, ...]:
     """The messages of one line; _LineProblem says why it is unusable."""
     try:
-        record = parse_json(line, max_int_digits=_DATA_INT_DIGITS, allow_duplicate_keys=True)
+        record = parse_json(line, max_int_digits=DATA_INT_DIGITS, allow_duplicate_keys=True)
     except JsonProblem as exc:
         raise _LineProblem("invalid JSON", exc.reason) from None
     if not isinstance(record, dict):

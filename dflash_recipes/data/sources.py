@@ -21,8 +21,8 @@ footer, Arrow schema, ``dataset_info.json``, the first JSONL lines), never the r
 from __future__ import annotations
 
 import gzip
-import json
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal, cast
@@ -30,7 +30,13 @@ from typing import IO, TYPE_CHECKING, Literal, cast
 import attrs
 
 from dflash_recipes.errors import DataError
-from dflash_recipes.files.jsonio import regular_file_problem
+from dflash_recipes.files.jsonio import (
+    FileReadProblem,
+    JsonProblem,
+    parse_json,
+    read_regular_file,
+    regular_file_problem,
+)
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
@@ -40,8 +46,13 @@ FileFormat = Literal["jsonl", "jsonl.gz", "parquet", "arrow"]
 
 #: Columns that hold a conversation, in the order they are looked for.
 CONVERSATION_COLUMNS = ("messages", "conversations")
-#: How many JSONL lines the compile reads to learn the columns.
+#: How many JSONL lines the compile reads to learn the columns, and how many bytes at most.
 SCHEMA_LINES = 20
+SCHEMA_BYTES = 16 << 20
+#: A JSONL line longer than this is skipped by number, unread (a conversation is far shorter).
+MAX_LINE_BYTES = 256 << 20
+#: Integers in a data line are not used; any Python can convert (4300 digits) is accepted.
+DATA_INT_DIGITS = 4000
 #: A `datasets` save_to_disk folder is recognised by this file.
 DATASET_STATE = "state.json"
 _DATASET_DICT = "dataset_dict.json"
@@ -50,6 +61,7 @@ _DATASET_INFO = "dataset_info.json"
 ROWS_PER_BATCH = 1024
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MAX_JSON_BYTES = 64 << 20
+_BOM = b"\xef\xbb\xbf"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -137,12 +149,9 @@ def resolve_source(path: Path, *, setting: str) -> DataSource:
 
 def _read_small_json(path: Path) -> object:
     try:
-        if path.stat().st_size > _MAX_JSON_BYTES:
-            msg = f"{path} is larger than {_MAX_JSON_BYTES} bytes"
-            raise DataError(msg)
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        msg = f"{path} cannot be read as JSON: {exc}; is the `datasets` folder complete?"
+        return parse_json(read_regular_file(path, max_bytes=_MAX_JSON_BYTES))
+    except (FileReadProblem, JsonProblem) as exc:
+        msg = f"{path} cannot be read as JSON: {exc.reason}; is the `datasets` folder complete?"
         raise DataError(msg) from None
 
 
@@ -197,18 +206,23 @@ def source_columns(source: DataSource) -> tuple[str, ...] | None:
 
 def _jsonl_columns(path: Path, fmt: FileFormat) -> tuple[str, ...] | None:
     columns: dict[str, None] = {}
+    budget = SCHEMA_BYTES
     try:
         with _open_binary(path, fmt) as handle:
-            for count, line in enumerate(handle):
-                if count >= SCHEMA_LINES:
+            for _ in range(SCHEMA_LINES):
+                line = handle.readline(budget + 1)
+                budget -= len(line)
+                if not line or budget < 0:
                     break
                 try:
-                    record = json.loads(line)
-                except ValueError:
+                    # the run's own line rules: a line too deep, too large or not JSON says
+                    # nothing about the columns (the run skips it by number)
+                    record = parse_json(line, max_int_digits=DATA_INT_DIGITS)
+                except JsonProblem:
                     continue
                 if isinstance(record, dict):
                     columns.update(dict.fromkeys(str(k) for k in record))
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         msg = f"data file {path} cannot be read: {exc}"
         raise DataError(msg) from None
     # Objects without keys (`{}`) say nothing about the columns: the rows tell at run time.
@@ -290,13 +304,15 @@ def input_sha256(path: Path) -> str | None:
 
 class RawLine:
     """A JSONL line that is still text (parsed by the conversation reader, which owns the
-    per-line rules), or bytes that are not UTF-8."""
+    per-line rules), or a line that cannot be: `text` None, `kind` and `error` say why (bytes
+    that are not UTF-8, a line over :data:`MAX_LINE_BYTES`)."""
 
-    __slots__ = ("error", "text")
+    __slots__ = ("error", "kind", "text")
 
-    def __init__(self, text: str | None, error: str | None = None) -> None:
+    def __init__(self, text: str | None, error: str | None = None, kind: str = "not UTF-8") -> None:
         self.text = text
         self.error = error
+        self.kind = kind
 
 
 def iter_rows(source: DataSource) -> Iterator[tuple[int, RawLine | dict[str, object]]]:
@@ -321,14 +337,32 @@ def _jsonl_rows(path: Path, fmt: FileFormat) -> Iterator[tuple[int, RawLine | di
     number = 0
     try:
         with _open_binary(path, fmt) as handle:
-            for number, raw in enumerate(handle, start=1):
+            while raw := handle.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    size = len(raw) + _skip_line(handle)
+                    why = f"the line holds {size} bytes, more than {MAX_LINE_BYTES}"
+                    yield number, RawLine(None, why, kind="line too long")
+                    continue
                 try:
-                    yield number, RawLine(raw.decode("utf-8"))
+                    # a byte-order mark (Windows editors write one first) is not content, as
+                    # in every JSON the project reads
+                    yield number, RawLine(raw.removeprefix(_BOM).decode("utf-8"))
                 except UnicodeDecodeError as exc:
                     yield number, RawLine(None, f"not valid UTF-8 ({exc.reason})")
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         msg = f"data file {path} cannot be read after line {number}: {exc}"
         raise DataError(msg) from None
+
+
+def _skip_line(handle: IO[bytes]) -> int:
+    """Read past the rest of the current line, a MiB at a time; the bytes skipped."""
+    skipped = 0
+    while chunk := handle.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
 
 
 def _table_rows(path: Path, fmt: FileFormat) -> Iterator[tuple[int, dict[str, object]]]:
@@ -351,11 +385,14 @@ def _table_rows(path: Path, fmt: FileFormat) -> Iterator[tuple[int, dict[str, ob
             else:
                 chunks = iter(reader)
             for batch in chunks:
+                # An Arrow file's offsets are not checked when it is mapped: a damaged one would
+                # read out of bounds. Full validation (offsets, UTF-8) first, then the rows.
+                batch.validate(full=True)
                 for start in range(0, batch.num_rows, ROWS_PER_BATCH):
                     for row in batch.slice(start, ROWS_PER_BATCH).to_pylist():
                         number += 1
                         yield number, row
-    except (OSError, pa.ArrowException) as exc:
+    except (OSError, ValueError, pa.ArrowException) as exc:
         raise _unreadable(path, fmt, exc) from None
 
 

@@ -28,9 +28,22 @@ from typing import TypeGuard
 
 import attrs
 
+from dflash_recipes.checkpoint.config_bounds import (
+    MAX_LAYER_INDEX,
+    MAX_LIST_ENTRIES,
+    plausible_maximum,
+)
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.checkpoint.safetensors_header import TensorInfo, read_safetensors_header
+from dflash_recipes.echo import printable
 from dflash_recipes.errors import DataError, SafetensorsHeaderError
+from dflash_recipes.files.jsonio import (
+    FileReadProblem,
+    JsonProblem,
+    parse_json,
+    read_regular_file,
+    shorten,
+)
 from dflash_recipes.records import Record
 
 MANIFEST_FILE = "manifest.json"
@@ -200,11 +213,14 @@ def chat_template_sha256(chat_template: str | None, base_path: Path) -> str | No
         if jinja.is_file():
             return file_sha256(jinja)
         config = base_path / "tokenizer_config.json"
-        if config.is_file() and config.stat().st_size <= MAX_MANIFEST_BYTES:
-            value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if config.is_file():
+            # model_max_length is often 1e30 written as a 31-digit integer
+            raw = read_regular_file(config, max_bytes=MAX_MANIFEST_BYTES)
+            data = parse_json(raw, max_int_digits=4000)
+            value = data.get("chat_template") if isinstance(data, dict) else None
             if isinstance(value, str):
-                return hashlib.sha256(value.encode("utf-8")).hexdigest()
-    except (OSError, ValueError, AttributeError):
+                return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    except (OSError, FileReadProblem, JsonProblem):
         return None
     return None
 
@@ -299,6 +315,17 @@ _OPTIONAL_STR_FIELDS = (
 )
 
 
+#: Bounds of the manifest's sizes (its counts: :data:`MAX_COUNT`, an int64).
+_INT_MAXIMA = {
+    "hidden_size": plausible_maximum("hidden_size"),
+    "training_seq_len": 2**24,
+    "block_size": plausible_maximum("block_size"),
+}
+MAX_COUNT = 2**63 - 1
+#: Longest shard file name (a file system's limit).
+_MAX_NAME = 255
+
+
 def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -316,22 +343,26 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
         return DataError(f"{where}: {what}; {RECAPTURE}")
 
     try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise bad(f"not valid JSON ({exc})") from None
+        raw = parse_json(text)
+    except JsonProblem as exc:
+        raise bad(f"not valid JSON ({exc.reason})") from None
     if not isinstance(raw, dict) or raw.get("format") != CAPTURE_FORMAT:
         raise bad(f'not a capture manifest (no "format": "{CAPTURE_FORMAT}")')
     version = raw.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS:
+    if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:  # not true, 2.0
         readable = " and ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
         msg = (
-            f"{where}: capture format version {version!r}, this dflash-recipes reads versions "
-            f"{readable}; {RECAPTURE}"
+            f"{where}: capture format version {shorten(version)}, this dflash-recipes reads "
+            f"versions {readable}; {RECAPTURE}"
         )
         raise DataError(msg)
     for name in _INT_FIELDS:
-        if not _int(raw.get(name)):
-            raise bad(f"{name} must be a non-negative integer, got {raw.get(name)!r}")
+        value, maximum = raw.get(name), _INT_MAXIMA.get(name, MAX_COUNT)
+        if not _int(value):
+            raise bad(f"{name} must be a non-negative integer, got {shorten(value)}")
+        if value > maximum:
+            # sizes are bounded before anything is sized by them (as config.json's are)
+            raise bad(f"{name} must be at most {maximum}, got {shorten(value)}")
     for name in _OPTIONAL_STR_FIELDS:
         if raw.get(name) is not None and not isinstance(raw.get(name), str):
             raise bad(f"{name} must be a string or null")
@@ -341,7 +372,13 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
     taps = raw.get("target_layer_ids")
     if not isinstance(taps, list) or not taps or not all(_int(t) for t in taps):
         raise bad("target_layer_ids must be a non-empty list of layer ids")
-    if raw.get("dtype") not in DTYPE_BYTES or not isinstance(raw.get("base_model_path"), str):
+    if len(taps) > MAX_LIST_ENTRIES or max(taps) > MAX_LAYER_INDEX:
+        want = f"at most {MAX_LIST_ENTRIES} layer ids in [0, {MAX_LAYER_INDEX}]"
+        raise bad(f"target_layer_ids must be {want}")
+    dtype = raw.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is not hashable
+        dtype = None
+    if dtype is None or not isinstance(raw.get("base_model_path"), str):
         raise bad(f"dtype must be one of {', '.join(DTYPE_BYTES)} and base_model_path a string")
     shards_raw = raw.get("shards")
     if not isinstance(shards_raw, list):
@@ -351,14 +388,23 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             raise bad(f"shards[{number}] must be an object with a file name")
         name = entry["file"]
-        if Path(name).name != name or not name.endswith(".safetensors"):
-            raise bad(f"shards[{number}].file {name!r} must be a plain .safetensors file name")
+        if (
+            Path(name).name != name
+            or not name.endswith(".safetensors")
+            or len(name) > _MAX_NAME
+            or printable(name) != name
+        ):
+            raise bad(
+                f"shards[{number}].file {shorten(name)} must be a plain .safetensors file name"
+            )
         first, count, tokens = (entry.get(k) for k in ("first_sample", "num_samples", "num_tokens"))
         size = entry.get("bytes")
         if not (_int(first) and _int(count) and _int(tokens)) or (
             size is not None and not _int(size)
         ):
             raise bad(f"shards[{number}] needs non-negative integer counts and bytes")
+        if max(first, count, tokens, size or 0) > MAX_COUNT:
+            raise bad(f"shards[{number}]'s counts and bytes must be at most {MAX_COUNT}")
         hashes = [entry.get(k) for k in ("sha256", "samples_sha256")]
         if not all(h is None or _is_sha256(h) for h in hashes):
             raise bad(f"shards[{number}]'s sha256 and samples_sha256 must be 64 hex digits")
@@ -405,17 +451,19 @@ def read_manifest(directory: Path) -> CaptureManifest:
         msg = f"capture directory {directory} {what}; {RECAPTURE}"
         raise DataError(msg)
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            msg = f"{path} is {size} bytes, more than a manifest can be ({MAX_MANIFEST_BYTES})"
-            raise DataError(msg)
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        msg = f"{directory} has no {MANIFEST_FILE}: it is not a capture directory; {RECAPTURE}"
+        # stat first: a FIFO in its place is refused, never waited on
+        raw = read_regular_file(path, max_bytes=MAX_MANIFEST_BYTES)
+    except FileReadProblem as exc:
+        if exc.missing:
+            msg = f"{directory} has no {MANIFEST_FILE}: it is not a capture directory; {RECAPTURE}"
+        else:
+            msg = f"cannot read {path}: {exc.reason}; {RECAPTURE}"
         raise DataError(msg) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        msg = f"cannot read {path}: {exc}"
-        raise DataError(msg) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        msg = f"cannot read {path}: not valid utf-8 (byte {exc.start}); {RECAPTURE}"
+        raise DataError(msg) from None
     return parse_manifest(text, str(path))
 
 

@@ -11,7 +11,8 @@ Files are opened with :func:`read_regular_file`: the path is stat'ed first and m
 file (a FIFO, socket or device is refused before ``open()``, so a reader never blocks), it is
 opened non-blocking in case it was swapped in between, and at most ``max_bytes`` are read.
 
-:func:`shorten` bounds a value echoed into a message, however long it is.
+:func:`shorten` and :func:`clip` (from :mod:`dflash_recipes.echo`, re-exported here) bound a
+value echoed into a message, however long it is.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash_recipes.echo import ECHO_LIMIT, clip, shorten
+
 #: Integers in machine-written files (plans, trainer state) fit in a u64: 20 digits.
 MAX_INT_DIGITS = 20
-#: Characters of a value echoed into a message before it is cut.
-ECHO_LIMIT = 120
 
 
 class JsonProblem(ValueError):
@@ -34,27 +35,6 @@ class JsonProblem(ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def shorten(value: object, limit: int = ECHO_LIMIT) -> str:
-    """repr(value), cut to about `limit` characters with the number of characters left out."""
-    if isinstance(value, str) and len(value) > limit:
-        return repr(value[:limit]) + f"... ({len(value) - limit} more characters)"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
-    if isinstance(value, (bytes, bytearray)) and len(value) > limit:
-        return repr(bytes(value[:limit])) + f"... ({len(value) - limit} more bytes)"
-    text = repr(value)
-    if len(text) > limit:
-        return text[:limit] + f"... ({len(text) - limit} more characters)"
-    return text
-
-
-def clip(text: str, limit: int = 300) -> str:
-    """`text` itself when short (paths read best unquoted), else cut with the count left out."""
-    if len(text) <= limit:
-        return text
-    return text[:limit] + f"... ({len(text) - limit} more characters)"
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:

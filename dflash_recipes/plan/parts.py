@@ -46,7 +46,9 @@ class DataPlan(Record):
     eval_data_path: str | None = None
     #: A `dflash-recipe capture` directory to train from offline (None: run the target).
     hidden_states_path: str | None = None
-    #: Folder of the tokenized-data cache (absolute; None: <output_dir>/data_cache).
+    #: Folder of the tokenized-data cache (absolute; compile writes data.cache_dir or the
+    #: per-user default of :func:`~dflash_recipes.files.data_cache.default_data_cache_dir`;
+    #: None, in a plan made by hand: that default).
     cache_dir: str | None = None
     #: Processes that tokenize a new cache (None: the cores the run may use).
     num_proc: int | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from dflash_recipes.checkpoint.config_bounds import plausible_maximum
 from dflash_recipes.plan.parts import (
     BaseModelPlan,
     CardPlan,
@@ -40,8 +41,6 @@ from dflash_recipes.recipe.sections import (
 
 _Rule = Any  # an attrs validator: (instance, attribute, value) -> None, raising ValueError
 
-#: Sizes read from a config.json or header (vocab, widths, positions): positive int32.
-_FACT = IntRange(1, 2**31 - 1)
 #: Counts that may be zero.
 _COUNT0 = IntRange(0, 2**31 - 1)
 #: A resume step (checkpoint directories hold up to 12 digits).
@@ -103,7 +102,8 @@ def plan_value_problems(
     if base.facts is not None:
         facts = base.facts
         for name in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
-            problems += _run(f"base_model.facts.{name}", _FACT, getattr(facts, name), name)
+            rule = IntRange(1, plausible_maximum(name))  # the bound compile read it with
+            problems += _run(f"base_model.facts.{name}", rule, getattr(facts, name), name)
         positive = recipe_module.positive_float
         rope_theta = facts.rope.rope_theta
         problems += _run("base_model.facts.rope.rope_theta", positive, rope_theta, "rope_theta")

@@ -34,6 +34,13 @@ DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
 TRACKERS: tuple[str, ...] = get_args(TrackerName)
+#: The package each tracker imports. It comes with ``pip install 'dflash-recipes[NAME]'``: the
+#: extras of pyproject.toml are named after the trackers.
+TRACKER_LIBRARIES: dict[str, str] = {
+    "tensorboard": "tensorboard",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+}
 
 __all__ = [
     "DEVICES",
@@ -45,6 +52,7 @@ __all__ = [
     "REASONING_POLICIES",
     "SCHEDULERS",
     "TRACKERS",
+    "TRACKER_LIBRARIES",
     "DeviceChoice",
     "Dtype",
     "LayerType",

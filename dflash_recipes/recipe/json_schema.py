@@ -104,6 +104,7 @@ def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
         recipe_module.even_positive_int: {"minimum": 2, "multipleOf": 2},
         recipe_module.block_size_range: {"minimum": 2, "maximum": 128},
         recipe_module.non_empty_str: {"minLength": 1, "pattern": r"\S"},
+        recipe_module.path_str: {"minLength": 1, "pattern": r"\S"},
         recipe_module.layer_id_list: {
             "minItems": 1,
             "items": {"type": "integer", "minimum": 0, "maximum": recipe_module.MAX_LAYER_ID},

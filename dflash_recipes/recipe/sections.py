@@ -12,6 +12,7 @@ every process, part of keeping `dflash-recipe compile` start-up low (issue 15).
 """
 
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +190,25 @@ def non_empty_str(instance: object, attribute: "attrs.Attribute[Any]", value: An
         raise ValueError(msg)
 
 
+def path_str(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    """A non-empty string that can name a file (None passes): encodable for the file system, so
+    a lone surrogate ("\\ud800" in YAML) is refused here, with its place, rather than by the
+    first os.stat() as a UnicodeEncodeError. (A NUL byte is the path checks' to refuse.)"""
+    non_empty_str(instance, attribute, value)
+    if value is None:
+        return
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        # os.fsencode passes the surrogates that stand for undecodable bytes (U+DC80 to U+DCFF,
+        # how Python spells a non-UTF-8 file name); any other one has no bytes to be
+        msg = (
+            f"{_name(attribute)} cannot name a file: it holds a lone surrogate, which no file "
+            f"name can hold; got {shorten(value)}"
+        )
+        raise ValueError(msg) from None
+
+
 def distinct_items(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
     """A tuple that names nothing twice."""
     seen: set[object] = set()
@@ -308,7 +328,7 @@ class ModelSection(Record):
     """The frozen target (base) model the drafter is trained against."""
 
     #: Local Hugging Face model directory (needs config.json; weights are needed only to run).
-    model_name_or_path: str = attrs.field(validator=non_empty_str)
+    model_name_or_path: str = attrs.field(validator=path_str)
     #: Training/compute dtype of the target: bfloat16 | float16 | float32.
     dtype: Dtype = attrs.field(default="bfloat16", validator=one_of(DTYPES))
     #: Allow custom modelling code from the model directory. Never on by default.
@@ -321,22 +341,23 @@ class DataSection(Record):
 
     #: Conversations: a JSONL (or .jsonl.gz) file, a Parquet or Arrow file, a folder of them, or
     #: a `datasets` save_to_disk folder. Required to run; compile warns when unset.
-    data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    data_path: str | None = attrs.field(default=None, validator=path_str)
     #: Optional .jinja chat template file; default: the tokenizer's own template.
-    chat_template: str | None = attrs.field(default=None, validator=non_empty_str)
+    chat_template: str | None = attrs.field(default=None, validator=path_str)
     #: Supervise only assistant tokens (prompt tokens get no loss and open no blocks).
     answer_only_loss: bool = True
     #: Optional held-out conversations (same formats) for `eval` and `training.eval_steps`.
-    eval_data_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    eval_data_path: str | None = attrs.field(default=None, validator=path_str)
     #: Where the tokenized data is cached (tokenized once, read in place by every run and
-    #: rank); null: <output_dir>/data_cache.
-    cache_dir: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: rank); null: the per-user cache every run shares, $DFLASH_RECIPES_CACHE/tokenized, else
+    #: $XDG_CACHE_HOME/dflash-recipes/tokenized, else ~/.cache/dflash-recipes/tokenized.
+    cache_dir: str | None = attrs.field(default=None, validator=path_str)
     #: Processes that tokenize a new cache; null: the cores this process may use. Under
     #: torchrun the node's ranks share them, each tokenizing a slice.
     num_proc: int | None = attrs.field(default=None, validator=IntRange(1, 1024))
     #: Directory written by `dflash-recipe capture`: train offline from its safetensors shards
     #: (the target's decoder is not run); compile checks it against the plan.
-    hidden_states_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    hidden_states_path: str | None = attrs.field(default=None, validator=path_str)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -344,7 +365,7 @@ class TrainingSection(Record):
     """Optimiser, schedule, checkpointing and logging."""
 
     #: Where checkpoints, metrics.jsonl and the final export go. A rerun resumes from here.
-    output_dir: str = attrs.field(default="outputs/dflash", validator=non_empty_str)
+    output_dir: str = attrs.field(default="outputs/dflash", validator=path_str)
     #: Peak AdamW learning rate (about 6e-4 from scratch, 1e-4 to fine-tune a released drafter).
     learning_rate: float = attrs.field(default=1.0e-4, validator=positive_float)
     #: Passes over the data (ignored when max_steps is set).
@@ -389,7 +410,7 @@ class TrainingSection(Record):
     #: The run's name in the trackers; null: the output directory's name.
     run_name: str | None = attrs.field(default=None, validator=non_empty_str)
     #: Where TensorBoard event files go; null: <output_dir>/tensorboard.
-    logging_dir: str | None = attrs.field(default=None, validator=non_empty_str)
+    logging_dir: str | None = attrs.field(default=None, validator=path_str)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -525,7 +546,7 @@ class RegenerateSection(Record):
     #: Regenerate only up to the first assistant turn (later turns are dropped).
     first_turn_only: bool = False
     #: Where the regenerated JSONL goes (shards in OUTPUT.parts/); `--output` overrides it.
-    output_path: str | None = attrs.field(default=None, validator=non_empty_str)
+    output_path: str | None = attrs.field(default=None, validator=path_str)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

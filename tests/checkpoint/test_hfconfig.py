@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 from testkit.st_fixtures import base_model_config, drafter_config, write_json
 
+from dflash_recipes.checkpoint.config_bounds import (
+    MAX_LAYER_INDEX,
+    MAX_LIST_ENTRIES,
+    PLAUSIBLE_MAXIMA,
+)
 from dflash_recipes.checkpoint.hfconfig import (
     checkpoint_config_from_mapping,
     read_checkpoint_config,
@@ -252,3 +257,67 @@ def test_read_checkpoint_config_from_a_directory(tmp_path: Path) -> None:
     write_json(tmp_path / "config.json", drafter_config(mask_token_id=3))
     facts = read_checkpoint_config(tmp_path)
     assert facts.readable and facts.mask_token_id == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# implausible sizes: refused before anything is sized by them (issue 36)
+# ---------------------------------------------------------------------------------------------
+
+TARGET_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("key", TARGET_SIZES)
+def test_a_target_size_at_its_bound_is_read_and_one_beyond_is_an_error(key: str) -> None:
+    bound = PLAUSIBLE_MAXIMA[key]
+    at = target_config_from_mapping({**base_model_config(), key: bound}, "config.json")
+    assert at.facts is not None and getattr(at.facts, key) == bound
+    for beyond in (bound + 1, 10**19):
+        read = target_config_from_mapping({**base_model_config(), key: beyond}, "config.json")
+        assert read.facts is None
+        (problem,) = read.problems
+        assert (problem.code, problem.severity, problem.key) == (
+            "target-config-field",
+            Severity.ERROR,
+            key,
+        )
+        assert problem.message == f"`{key}` must be an integer in [1, {bound}], got {beyond}"
+
+
+@pytest.mark.parametrize("key", sorted(set(PLAUSIBLE_MAXIMA) - {"block_size", "mask_token_id"}))
+def test_a_checkpoint_size_beyond_its_bound_is_ignored_with_a_warning(key: str) -> None:
+    bound = PLAUSIBLE_MAXIMA[key]
+    config = drafter_config()
+    config[key] = bound + 1
+    config.setdefault("dflash_config", {})
+    config["dflash_config"][key] = bound + 1  # type: ignore[index]
+    facts = checkpoint_config_from_mapping(config, "config.json")
+    if hasattr(facts, key):
+        assert getattr(facts, key) is None
+    flagged = [p for p in facts.problems if p.key.endswith(key)]
+    assert flagged and all(p.severity is Severity.WARNING for p in flagged)
+    assert f"must be an integer in [1, {bound}], got {bound + 1}" in flagged[0].message
+
+
+def test_taps_and_layer_types_beyond_their_bounds_are_ignored_with_a_warning() -> None:
+    config = drafter_config()
+    config["dflash_config"] = {"target_layer_ids": [1, MAX_LAYER_INDEX + 1]}
+    config["layer_types"] = ["full_attention"] * (MAX_LIST_ENTRIES + 1)
+    facts = checkpoint_config_from_mapping(config, "config.json")
+    assert facts.target_layer_ids is None and facts.layer_types is None
+    messages = sorted(p.message for p in facts.problems)
+    assert messages[0].startswith(
+        f"`dflash_config.target_layer_ids` must be a list of at most {MAX_LIST_ENTRIES} integers "
+        f"in [0, {MAX_LAYER_INDEX}], got [1, {MAX_LAYER_INDEX + 1}]"
+    )
+    assert messages[1].startswith(
+        f"`layer_types` must be a list of at most {MAX_LIST_ENTRIES} entries, got ['full_attention'"
+    )
+    assert "more characters)" in messages[1]  # the list is echoed clipped
+
+
+def test_a_megabyte_value_is_echoed_clipped() -> None:
+    read = target_config_from_mapping({**base_model_config(), "hidden_size": "x" * 3_000_000}, "c")
+    (problem,) = read.problems
+    assert problem.message == (
+        f"`hidden_size` must be an integer >= 1, got {'x' * 120!r}... (2999880 more characters)"
+    )

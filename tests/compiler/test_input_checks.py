@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -338,3 +339,24 @@ def test_a_capture_with_a_missing_base_model_or_without_taps_is_not_cross_checke
     result = compile_in(tmp_path, make_recipe(data=data))
     assert "taps-unknown" in codes(result)
     assert not [d for d in result.diagnostics if d.path == "data.hidden_states_path"]
+
+
+def test_a_tracker_library_that_is_not_installed_is_a_compile_error(
+    make_recipe: RecipeFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sys.modules[name] = None is how Python marks a package as unimportable: find_spec sees it
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    result = compile_in(tmp_path, make_recipe(training={"report_to": ("tensorboard", "wandb")}))
+    finding = only(result, "tracker-library-missing")
+    assert result.plan is None and finding.severity is Severity.ERROR
+    assert finding.path == "training.report_to"
+    assert finding.message == (
+        f"training.report_to names wandb, but the wandb package is not installed in this "
+        f"Python ({sys.executable}): the run would train without tracking"
+    )
+    assert (
+        finding.hint
+        == "pip install 'dflash-recipes[wandb]', or remove wandb from training.report_to"
+    )
+    lint = compile_recipe(make_recipe(training={"report_to": ("wandb",)}), resolve=False)
+    assert "tracker-library-missing" not in codes(lint)  # lint checks the recipe, not the Python

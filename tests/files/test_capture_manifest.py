@@ -216,7 +216,8 @@ def test_a_manifest_over_the_bound_is_not_read(
         read_manifest(tmp_path)
     path = tmp_path / "manifest.json"
     assert str(caught.value) == (
-        f"{path} is {size} bytes, more than a manifest can be ({size - 1})"
+        f"cannot read {path}: it is larger than the limit of {size - 1} bytes; rerun "
+        "`dflash-recipe capture RECIPE --output DIR` with this recipe"
     )
 
 

@@ -26,8 +26,8 @@ loaded (:func:`load_target_without_decoder`).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -98,22 +98,53 @@ def load_target_without_decoder(plan: RunPlan) -> PreTrainedModel:
     return model
 
 
+#: Most shards a reader keeps open (memory-mapped) at once; the least recently read is closed.
+MAX_OPEN_SHARDS = 32
+
+
 class CaptureReader:
-    """Lazy access to a capture's samples (one ``safe_open`` handle per shard, opened on use)."""
+    """Lazy access to a capture's samples: one ``safe_open`` handle (a memory map) per shard,
+    opened on use, at most :data:`MAX_OPEN_SHARDS` at once (the least recently read is closed).
+
+    :meth:`close` (or leaving a ``with`` block) closes every handle; reading again reopens.
+    """
 
     def __init__(self, directory: Path, manifest: CaptureManifest) -> None:
         self.directory = directory
         self.manifest = manifest
         self._starts = [entry.first_sample for entry in manifest.shards]
-        self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
+        #: Open handles by shard file, least recently read first.
+        self._handles: OrderedDict[str, safe_open] = OrderedDict()
         #: Shards whose file was hashed and matched the manifest.
         self._verified: set[str] = set()
 
     def close(self) -> None:
-        """Close the shard handles."""
-        self._stack.close()
-        self._handles.clear()
+        """Close the shard handles (reading again opens them again)."""
+        _close_handles(self._handles)
+
+    def __enter__(self) -> CaptureReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def open_shards(self) -> tuple[str, ...]:
+        """The shard files open now, least recently read first."""
+        return tuple(self._handles)
+
+    def _handle(self, entry: ShardEntry) -> safe_open:
+        handle = self._handles.get(entry.file)
+        if handle is not None:
+            self._handles.move_to_end(entry.file)
+            return handle
+        while len(self._handles) >= MAX_OPEN_SHARDS:
+            _, oldest = self._handles.popitem(last=False)
+            oldest.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        handle = safe_open(str(self.directory / entry.file), framework="pt")
+        handle.__enter__()  # type: ignore[no-untyped-call]
+        self._handles[entry.file] = handle
+        return handle
 
     def _shard(self, index: int) -> ShardEntry:
         if not 0 <= index < self.manifest.num_samples:
@@ -150,14 +181,11 @@ class CaptureReader:
         entry = self._shard(index)
         if part >= 2:  # the states: never used from a shard that does not hash right
             self.verify(entry)
-        handle = self._handles.get(entry.file)
         path = self.directory / entry.file
         try:
-            if handle is None:
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-                self._handles[entry.file] = handle
+            handle = self._handle(entry)
             name = sample_tensor_names(index, last_hidden=self.manifest.last_hidden_state)[part]
-            tensor: Tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+            tensor: Tensor = handle.get_tensor(name)  # type: ignore[no-untyped-call]
         except (OSError, RuntimeError, KeyError, SafetensorError) as exc:
             msg = (
                 f"cannot read sample {index} from capture shard {path}: {exc}; the shard changed "
@@ -189,6 +217,12 @@ class CaptureReader:
         return CapturedStates(
             tapped.to(device), None if last is None else last.to(device, non_blocking=True)
         )
+
+
+def _close_handles(handles: OrderedDict[str, safe_open]) -> None:
+    while handles:
+        _, handle = handles.popitem(last=False)
+        handle.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 def open_capture(plan: RunPlan) -> tuple[CaptureReader, CaptureManifest]:
@@ -273,6 +307,7 @@ def capture_dataset(
 
 
 __all__ = [
+    "MAX_OPEN_SHARDS",
     "CaptureReader",
     "capture_dataset",
     "check_token_ids",

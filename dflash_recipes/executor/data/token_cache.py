@@ -51,14 +51,21 @@ from dflash_recipes.data.conversations import SkippedLine
 from dflash_recipes.data.sources import DataSource, content_sha256
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
+from dflash_recipes.files.data_cache import CACHE_FORMAT_NAME, LOCK_NAME, META_FILE
+from dflash_recipes.files.jsonio import (
+    FileReadProblem,
+    JsonProblem,
+    parse_json,
+    read_regular_file,
+    shorten,
+)
 from dflash_recipes.records import Record
 
 logger = logging.getLogger(__name__)
 
 #: Bump whenever tokenizing, masking or the block rule changes the tokens a conversation gets.
 CACHE_FORMAT_VERSION = 1
-_FORMAT = "dflash-token-cache"
-META_FILE = "meta.json"
+_FORMAT = CACHE_FORMAT_NAME
 #: (file name, numpy dtype) of the arrays of an entry.
 ARRAYS = (
     ("input_ids.bin", np.int32),
@@ -69,8 +76,6 @@ ARRAYS = (
 #: How long a process waits for another one building the same cache (seconds).
 DEFAULT_WAIT_S = 7200.0
 WAIT_ENV = "DFLASH_DATA_CACHE_WAIT_S"
-#: The lock file of a cache folder (not the run's: a cache may live in the output directory).
-LOCK_NAME = ".dflash-data-cache-lock"
 _MAX_META_BYTES = 1 << 30
 #: The parts of the key that name an entry's folder.
 _NAMED_BY = ("data_sha256", "answer_only_loss", "training_seq_len", "block_size")
@@ -152,9 +157,26 @@ class CachedExamples(Sequence[TokenizedExample]):
         for name, _ in ARRAYS:
             self._fds[name] = os.open(directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._count = os.fstat(self._fds["truncated.bin"]).st_size
+        #: Tokens the arrays hold: every example's offsets must lie within them.
+        self._tokens = os.fstat(self._fds["input_ids.bin"]).st_size // 4
+        sizes = {name: os.fstat(fd).st_size for name, fd in self._fds.items()}
+        if sizes["offsets.bin"] != 8 * (self._count + 1) or sizes["loss_mask.bin"] != self._tokens:
+            self.close()
+            raise self._damaged("its arrays do not agree in length")
 
     def __len__(self) -> int:
         return self._count
+
+    @property
+    def directory(self) -> Path:
+        """The entry's folder."""
+        return self._directory
+
+    def _damaged(self, what: str) -> DataError:
+        return DataError(
+            f"the tokenized data cache {self._directory} is damaged ({what}); delete that folder "
+            "(`dflash-recipe cache rm`) and rerun to tokenize again"
+        )
 
     def _read(self, name: str, dtype: type[np.generic], first: int, count: int) -> np.ndarray:
         size = np.dtype(dtype).itemsize
@@ -182,6 +204,9 @@ class CachedExamples(Sequence[TokenizedExample]):
             msg = f"example {index} out of range ({len(self)} examples)"
             raise IndexError(msg)
         start, end = (int(v) for v in self._read("offsets.bin", np.int64, index, 2))
+        if not 0 <= start <= end <= self._tokens:
+            # the index is read, not trusted: a bad offset must not size a read
+            raise self._damaged(f"example {index} has offsets {start}:{end}, outside its tokens")
         return TokenizedExample(
             self._read("input_ids.bin", np.int32, start, end - start).tolist(),
             self._read("loss_mask.bin", np.uint8, start, end - start).tolist(),
@@ -225,11 +250,9 @@ def entry_problem(directory: Path, key: dict[str, object]) -> tuple[str | None, 
     if not directory.is_dir():
         return "absent", {}
     try:
-        if meta_path.stat().st_size > _MAX_META_BYTES:
-            return f"its {META_FILE} is larger than {_MAX_META_BYTES} bytes", {}
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return f"its {META_FILE} cannot be read ({exc.__class__.__name__}: {exc})", {}
+        meta = parse_json(read_regular_file(meta_path, max_bytes=_MAX_META_BYTES))
+    except (FileReadProblem, JsonProblem) as exc:
+        return f"its {META_FILE} cannot be read ({exc.reason})", {}
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         return f"its {META_FILE} is not a {_FORMAT} file", {}
     found = meta.get("key")
@@ -238,7 +261,7 @@ def entry_problem(directory: Path, key: dict[str, object]) -> tuple[str | None, 
     if found.get("version") != key["version"]:
         return (
             f"it was written by another version of dflash-recipes (cache format "
-            f"{found.get('version')!r}, this one writes {key['version']})",
+            f"{shorten(found.get('version'))}, this one writes {key['version']})",
             meta,
         )
     changed = sorted(name for name in key if found.get(name) != key[name])
@@ -306,6 +329,7 @@ __all__ = [
     "ARRAYS",
     "CACHE_FORMAT_VERSION",
     "DEFAULT_WAIT_S",
+    "LOCK_NAME",
     "META_FILE",
     "WAIT_ENV",
     "CachedExamples",

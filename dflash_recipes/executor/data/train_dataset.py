@@ -10,6 +10,7 @@ the ranks, keyed by a fingerprint of everything that changes tokens) in
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,9 +35,12 @@ from dflash_recipes.executor.data.tokenize import (
     resolve_template,
 )
 from dflash_recipes.executor.dist_env import DistEnv
+from dflash_recipes.files.data_cache import default_data_cache_dir, describe_entry
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -72,7 +76,8 @@ def build_dataset(
 ) -> TrainDataset:
     """The plan's data (`data.data_path`, or `data.eval_data_path`), tokenized and masked.
 
-    Tokenized once into the cache (`data.cache_dir`, default ``output_dir/data_cache``) with
+    Tokenized once into the cache (`data.cache_dir`, by default the per-user cache folder of
+    :func:`~dflash_recipes.files.data_cache.default_data_cache_dir`, shared by every run) with
     `data.num_proc` processes, then read in place; see
     :mod:`~dflash_recipes.executor.data.token_cache`. Conversations that cannot open a single
     block (``draft.block_size`` tokens starting on two consecutive supervised tokens within
@@ -97,17 +102,21 @@ def build_dataset(
         max_len=plan.training.training_seq_len,
         block_size=plan.draft.block_size,
     )
-    cache_dir = data.cache_dir or str(Path(plan.training.output_dir) / DATA_CACHE_DIR)
+    # compile decided it; a plan without one (made by hand) takes the same default
+    cache_dir = data.cache_dir or str(
+        default_data_cache_dir() or Path(plan.training.output_dir) / DATA_CACHE_DIR
+    )
     num_proc = data.num_proc or default_num_proc()
     if env is not None and env.is_distributed:
-        examples, stats, _ = shared_prepared_examples(
+        examples, stats, built = shared_prepared_examples(
             source, tokenizer, settings, cache_dir=Path(cache_dir), num_proc=num_proc, env=env,
             data_sha256=_shared_input_sha256(source, env),
         )  # fmt: skip
     else:
-        examples, stats, _ = prepared_examples(
+        examples, stats, built = prepared_examples(
             source, tokenizer, settings, cache_dir=Path(cache_dir), num_proc=num_proc
         )
+    logger.info("%s", describe_entry(examples.directory, built=built))
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

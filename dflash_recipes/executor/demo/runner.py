@@ -11,7 +11,9 @@
    (lossless greedy verification), write it into each export's model card (README.md), and
    print accuracy and acceptance side by side.
 
-Everything goes through the public path a user takes: recipe -> compile -> plan -> run.
+Everything goes through the public path a user takes: recipe -> compile -> plan -> run. The
+recipes, the target and the data are package data (``demo_data/``; ``demo_data/recipes`` is the
+repository's ``recipes/tiny``), so the demo runs from an installed wheel as from a checkout.
 
 The demo marks each run directory it creates (:data:`DEMO_MARKER`); ``--fresh`` deletes only
 marked directories, and a directory of the same name that the demo did not create is refused,
@@ -35,6 +37,7 @@ from dflash_recipes.diagnostics import render_text, sort_diagnostics, summary_li
 from dflash_recipes.errors import DFlashRecipeError, ReplaceRefusedError
 from dflash_recipes.files.run_dir import EXPORT_DIR
 from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.loader import load_recipe
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
@@ -42,9 +45,14 @@ if TYPE_CHECKING:
 
 Echo = Callable[[str], None]
 
-#: The repository's tiny demo recipes (the demo runs from a checkout of the repository).
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes" / "tiny"
 DEMO_DATA = Path(__file__).resolve().parents[2] / "demo_data"
+#: The tiny demo recipes, as package data (``demo_data/recipes`` is the repository's
+#: ``recipes/tiny``, shipped in the wheel): the demo runs from an installed package too.
+RECIPES_DIR = DEMO_DATA / "recipes"
+#: The recipe keys that name the demo's assets; the recipes write them relative to
+#: ``recipes/tiny`` in a checkout, so the demo points them at this package's ``demo_data``.
+_ASSET_KEYS = ("model.model_name_or_path", "data.data_path", "data.eval_data_path")
+_ASSETS_MARK = "demo_data/"
 
 #: The run directories the demo creates under ``WORKDIR/runs``.
 DEMO_RUNS = ("released", "finetune", "scratch")
@@ -110,14 +118,31 @@ class DemoResult(Record):
     seconds: float
 
 
+def _asset_overrides(recipe: Path) -> list[str]:
+    """Overrides pointing the recipe's model and data paths at this package's demo data
+    (wherever it is installed), keeping the files each recipe names."""
+    loaded = load_recipe(recipe)
+    values = {
+        "model.model_name_or_path": loaded.model.model_name_or_path,
+        "data.data_path": loaded.data.data_path,
+        "data.eval_data_path": loaded.data.eval_data_path,
+    }
+    return [
+        f"{key}={DEMO_DATA / value.split(_ASSETS_MARK, 1)[1]}"
+        for key in _ASSET_KEYS
+        if (value := values[key]) is not None and _ASSETS_MARK in value
+    ]
+
+
 def _compile(name: str, overrides: list[str], echo: Echo) -> RunPlan:
     recipe = RECIPES_DIR / name
     if not recipe.is_file():
         msg = (
-            f"the demo recipes are not at {RECIPES_DIR}; run the demo from a checkout of the "
-            "dflash-recipes repository (pip install -e .)"
+            f"the demo recipe {recipe} is missing: this installation of dflash-recipes is "
+            "incomplete; reinstall it (pip install --force-reinstall dflash-recipes)"
         )
         raise DFlashRecipeError(msg)
+    overrides = [*_asset_overrides(recipe), *overrides]
     echo(f"$ dflash-recipe compile {_rel(recipe)} " + " ".join(overrides))
     result = compile_file(recipe, overrides=tuple(overrides))
     if result.diagnostics:

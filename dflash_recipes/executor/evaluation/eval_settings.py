@@ -50,10 +50,11 @@ class EvalSettings(Record):
     num_prompts: int
     #: Prompts per batch of the verification loop (does not change tau or the tokens).
     batch_size: int
-    #: The prompt file (None: prompts given in memory) and the sha256 of its bytes.
+    #: The prompt file (None: prompts given in memory) and the sha256 of its bytes (of a
+    #: folder: of its files, names and bytes, as data.sources.content_sha256 hashes them).
     prompt_file: str | None
     prompt_file_sha256: str | None
-    #: jsonl, json or parquet (None: prompts given in memory).
+    #: jsonl, json, parquet, or rows (any other training-data input; None: prompts in memory).
     prompt_format: str | None
     #: The Parquet column read (None for other formats).
     prompt_column: str | None

@@ -32,13 +32,14 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.data.conversations import Conversation, read_conversations
+from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.tokenize import read_chat_template
 from dflash_recipes.executor.evaluation.cached_decoding import (
     check_positions,
     speculative_generate_batch,
 )
-from dflash_recipes.executor.evaluation.eval_settings import EvalSettings, sha256_file, sha256_text
+from dflash_recipes.executor.evaluation.eval_settings import EvalSettings, sha256_text
 from dflash_recipes.executor.evaluation.prompt_files import (
     UNITS,
     prompt_format,
@@ -381,7 +382,8 @@ def eval_settings(
         num_prompts=num_prompts,
         batch_size=batch_size,
         prompt_file=str(prompt_file) if prompt_file is not None else None,
-        prompt_file_sha256=sha256_file(prompt_file) if prompt_file is not None else None,
+        # a file's bytes, or a folder's files (as a capture records its input)
+        prompt_file_sha256=input_sha256(prompt_file) if prompt_file is not None else None,
         prompt_format=kind,
         prompt_column=prompt_column if kind == "parquet" else None,
         chat_template_source=(

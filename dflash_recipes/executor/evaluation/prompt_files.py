@@ -19,13 +19,21 @@ conversation before its first assistant turn.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_recipes.data.conversations import Conversation, Message, Role
+from dflash_recipes.data.sources import describe_columns
 from dflash_recipes.errors import DataError
-from dflash_recipes.files.jsonio import regular_file_problem, shorten
+from dflash_recipes.files.jsonio import (
+    FileReadProblem,
+    JsonProblem,
+    clip,
+    parse_json,
+    read_regular_file,
+    regular_file_problem,
+    shorten,
+)
 
 #: Columns a Parquet prompt file is read from when ``--prompt-column`` is not given, in order.
 DEFAULT_COLUMNS = ("prompt", "messages", "conversations", "question", "problem", "turns")
@@ -38,6 +46,9 @@ _ROLES: dict[str, Role] = {
     "gpt": "assistant",
 }
 
+#: The largest JSON prompt file read (z-lab's bench_prompts.json is a few hundred kB).
+MAX_JSON_BYTES = 256 * 2**20
+
 #: The unit a prompt's number counts, per format (for messages: "item 3", "row 7").
 UNITS = {"jsonl": "line", "json": "item", "parquet": "row", "rows": "row"}
 
@@ -46,10 +57,10 @@ def prompt_format(path: Path) -> str:
     """``jsonl``, ``json`` or ``parquet`` from the suffix, ``rows`` for the other training-data
     inputs (a folder, ``.arrow``, ``.jsonl.gz``: read as conversations); DataError otherwise."""
     suffix = path.suffix.lower()
+    if path.is_dir() or suffix in (".arrow", ".gz"):  # a folder named x.json is still a folder
+        return "rows"
     if suffix in (".jsonl", ".json", ".parquet"):
         return suffix[1:]
-    if suffix in (".arrow", ".gz") or path.is_dir():
-        return "rows"
     msg = (
         f"prompt file {path}: cannot tell its format from the suffix {suffix or '(none)'!r}; "
         "use .jsonl (chat conversations), .json (a list of prompt strings or message lists) "
@@ -99,12 +110,13 @@ def conversation_from_value(value: object, number: int, where: str) -> Conversat
 
 
 def read_json_prompts(path: Path) -> list[Conversation]:
-    """The items of a JSON list of prompt strings or message lists."""
+    """The items of a JSON list of prompt strings or message lists (at most
+    :data:`MAX_JSON_BYTES`; JSON too deep, NaN or not UTF-8 is a DataError)."""
     _check_readable(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        msg = f"prompt file {path} is not readable JSON: {exc}"
+        data = parse_json(read_regular_file(path, max_bytes=MAX_JSON_BYTES))
+    except (FileReadProblem, JsonProblem) as exc:
+        msg = f"prompt file {path} is not readable JSON: {exc.reason}"
         raise DataError(msg) from None
     if not isinstance(data, list) or not data:
         msg = (
@@ -133,21 +145,27 @@ def read_parquet_prompts(path: Path, column: str | None = None) -> list[Conversa
         parquet = pq.ParquetFile(path)
         names: Sequence[str] = parquet.schema_arrow.names
     except Exception as exc:  # pyarrow raises several kinds for a damaged file
-        msg = f"prompt file {path} is not a readable Parquet file: {exc}"
+        msg = f"prompt file {path} is not a readable Parquet file: {clip(str(exc))}"
         raise DataError(msg) from None
     chosen = (
         column if column is not None else next((c for c in DEFAULT_COLUMNS if c in names), None)
     )
     if chosen is None or chosen not in names:
         wanted = (
-            f"column {column!r}" if column is not None else "any of " + ", ".join(DEFAULT_COLUMNS)
+            f"column {shorten(column)}"
+            if column is not None
+            else "any of " + ", ".join(DEFAULT_COLUMNS)
         )
         msg = (
-            f"prompt file {path} has no {wanted}; its columns are {', '.join(names) or 'none'}: "
-            "pass --prompt-column NAME"
+            f"prompt file {path} has no {wanted}; its columns are "
+            f"{describe_columns(tuple(names))}: pass --prompt-column NAME"
         )
         raise DataError(msg)
-    values = parquet.read(columns=[chosen]).column(chosen).to_pylist()
+    try:
+        values = parquet.read(columns=[chosen]).column(chosen).to_pylist()
+    except Exception as exc:  # a damaged row group is found only when it is read
+        msg = f"prompt file {path} is not a readable Parquet file: {clip(str(exc))}"
+        raise DataError(msg) from None
     if not values:
         msg = f"prompt file {path} has no rows"
         raise DataError(msg)

@@ -39,11 +39,12 @@ from typing import Literal
 
 import attrs
 
+from dflash_recipes.checkpoint.config_bounds import plausible_maximum
 from dflash_recipes.checkpoint.kinds import registry as kinds
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
 from dflash_recipes.errors import CheckpointError, ResourceError
-from dflash_recipes.files.jsonio import read_json_object_file
+from dflash_recipes.files.jsonio import read_json_object_file, shorten
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
@@ -250,8 +251,13 @@ class TargetDims(Record):
 
 def _int_field(config: Mapping[str, object], name: str, where: str) -> int:
     value = config.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        msg = f"{where}: {name} must be a positive integer to estimate resources, got {value!r}"
+    maximum = plausible_maximum(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
+        # the bound first: the tensor table below has one entry per layer
+        msg = (
+            f"{where}: {name} must be an integer in [1, {maximum}] to estimate resources, "
+            f"got {shorten(value)}"
+        )
         raise ResourceError(msg)
     return value
 
@@ -288,10 +294,12 @@ def target_dims(
     hidden = _int_field(config, "hidden_size", where)
     layers = _int_field(config, "num_hidden_layers", where)
     heads = _int_field(config, "num_attention_heads", where)
-    kv_value = config.get("num_key_value_heads", heads)
-    kv_heads = kv_value if isinstance(kv_value, int) and kv_value > 0 else heads
-    head_value = config.get("head_dim")
-    head_dim = head_value if isinstance(head_value, int) and head_value > 0 else hidden // heads
+    # absent or null: what transformers assumes (one kv head per head, hidden // heads)
+    stated = {key: config.get(key) is not None for key in ("num_key_value_heads", "head_dim")}
+    kv_heads = (
+        _int_field(config, "num_key_value_heads", where) if stated["num_key_value_heads"] else heads
+    )
+    head_dim = _int_field(config, "head_dim", where) if stated["head_dim"] else hidden // heads
     inter = _int_field(config, "intermediate_size", where)
     vocab = _int_field(config, "vocab_size", where)
     if shapes is None:

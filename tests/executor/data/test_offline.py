@@ -19,6 +19,7 @@ import torch
 from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data import offline
 from dflash_recipes.executor.data.capture import capture_plan
 from dflash_recipes.executor.data.offline import CaptureReader
 from dflash_recipes.executor.training.fit import run_plan
@@ -181,3 +182,28 @@ def test_a_flipped_loss_mask_byte_is_refused_at_setup(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"its samples \(token ids and loss masks\) sha256 is"):
         run_plan(_offline(tmp_path, capture), progress=False)
     assert _train_rows(tmp_path / "offline") == 0
+
+
+def _mapped(capture: Path) -> list[str]:
+    """The capture's shard files this process has memory-mapped now (/proc/self/maps)."""
+    text = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    return sorted({line.rsplit(" ", 1)[-1] for line in text.splitlines() if str(capture) in line})
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_shard_handles_are_bounded_and_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 36: the offline reader kept every shard it had read mapped, never closing one
+    capture = _captured(tmp_path, "capture")
+    manifest = read_manifest(capture)
+    monkeypatch.setattr(offline, "MAX_OPEN_SHARDS", 1)
+    first, second = manifest.shards[0], manifest.shards[1]
+    with CaptureReader(capture, manifest) as reader:
+        reader.states([first.first_sample], 64, torch.device("cpu"))
+        assert _mapped(capture) == [str(capture / first.file)]
+        taps = reader.states([second.first_sample], 64, torch.device("cpu")).tapped
+        assert reader.open_shards == (second.file,)
+        assert _mapped(capture) == [str(capture / second.file)]  # the first one was closed
+    assert _mapped(capture) == []
+    assert torch.isfinite(taps).all()  # what was read stays valid after the close

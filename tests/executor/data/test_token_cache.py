@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from testkit.cache_data import cache_tokenizer, write_cache_data
+from testkit.compiling import tiny_scratch_plan
 from testkit.tiny import tiny_plan
 
 from dflash_recipes.data.conversations import read_conversations
@@ -27,6 +28,8 @@ from dflash_recipes.executor.data.token_cache import (
 from dflash_recipes.executor.data.tokenize import tokenize_conversation
 from dflash_recipes.executor.data.train_dataset import build_dataset
 from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
+from dflash_recipes.executor.model.convert import load_tokenizer
+from dflash_recipes.files.data_cache import default_data_cache_dir, folder_bytes, format_bytes
 from dflash_recipes.files.locking import hold_directory_lock
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -35,9 +38,15 @@ def _plan(tmp_path: Path, data: Path, **overrides: object) -> RunPlan:
     return tiny_plan(tmp_path, data_path=str(data), training_seq_len=64, **overrides)
 
 
+def _cache_root() -> Path:
+    """This test's tokenized-data cache (conftest gives each test its own)."""
+    root = default_data_cache_dir()
+    assert root is not None
+    return root
+
+
 def _cache_entries(plan: RunPlan) -> list[Path]:
-    root = Path(plan.training.output_dir) / "data_cache"
-    return sorted(p for p in root.iterdir() if p.is_dir())
+    return sorted(p for p in _cache_root().iterdir() if p.is_dir())
 
 
 def test_cached_examples_equal_freshly_tokenized_ones_and_a_rerun_reads_the_cache(
@@ -62,7 +71,7 @@ def test_cached_examples_equal_freshly_tokenized_ones_and_a_rerun_reads_the_cach
     assert "used 40 conversations, skipped 1: 1 invalid JSON (line 2)" in first.summary
     source = resolve_source(data, setting="data.data_path")
     settings = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, plan.draft.block_size)
-    root = Path(plan.training.output_dir) / "data_cache"
+    root = _cache_root()
     again, stats, built = prepared_examples(
         source, cache_tokenizer(), settings, cache_dir=root, num_proc=1
     )
@@ -222,3 +231,29 @@ def test_waiting_for_a_stuck_builder_ends_with_a_clear_error(tmp_path: Path) -> 
             source, cache_tokenizer(), settings, cache_dir=cache_dir, num_proc=1, wait_s=0.3
         )
     assert "data tokenization (pid" in str(info.value)
+
+
+def test_a_second_experiment_in_another_output_dir_reads_the_first_ones_tokens(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 36: the cache is per user (decided at compile, recorded in the plan), not per run
+    plans = [tiny_scratch_plan(tmp_path / name) for name in ("first", "second")]
+    assert {p.data.cache_dir for p in plans} == {str(_cache_root())}
+    tokenizer = load_tokenizer(plans[0])
+    with caplog.at_level(logging.INFO):
+        first = build_dataset(plans[0], tokenizer)
+        second = build_dataset(plans[1], tokenizer)
+    entry = first.examples.directory  # type: ignore[attr-defined]
+    assert second.examples.directory == entry  # type: ignore[attr-defined]
+    assert entry.parent == _cache_root()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenized")]
+    size = format_bytes(folder_bytes(entry))
+    tail = "`dflash-recipe cache list` shows every entry, `dflash-recipe cache rm` removes them"
+    assert said[0].startswith(f"tokenized {plans[0].data.data_path} into {entry}: ")
+    assert said[1:] == [
+        f"tokenized data: {entry} ({size}, new); {tail}",
+        f"tokenized data: {entry} ({size}, reused); {tail}",
+    ]
+    assert not any(
+        p.exists() and any(p.iterdir()) for p in (tmp_path / "first", tmp_path / "second")
+    )

@@ -210,6 +210,39 @@ def test_eval_command_json_carries_the_settings(
     assert "Traceback" not in refused.output
 
 
+@pytest.mark.parametrize("kind", ["folder", "save_to_disk"])
+def test_eval_command_takes_a_folder_or_a_save_to_disk_of_prompts(
+    eval_setup: tuple[RunPlan, Path], tmp_path: Path, kind: str
+) -> None:
+    # issue 36: --prompts reads every training-data input, as the library and CHANGELOG promise
+    import datasets
+
+    from dflash_recipes.data.sources import content_sha256, resolve_source
+
+    plan, export = eval_setup
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    rows = [{"messages": [{"role": "user", "content": text}]} for text in TEXTS]
+    prompts = tmp_path / "prompts"
+    if kind == "folder":
+        prompts.mkdir()
+        (prompts / "a.jsonl").write_text(json.dumps(rows[0]) + "\n", encoding="utf-8")
+        pq.write_table(pa.Table.from_pylist(rows[1:]), prompts / "b.parquet")
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(prompts))
+    result = cli(
+        "eval", str(plan_file), "--checkpoint", str(export), "--prompts", str(prompts),
+        "--max-new-tokens", "4", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert row["num_prompts"] == 3 and row["lossless"] is True
+    settings = row["settings"]
+    assert settings["prompt_format"] == "rows"
+    expected = content_sha256(resolve_source(prompts, setting="--prompts"))
+    assert settings["prompt_file_sha256"] == expected
+
+
 def test_a_save_to_disk_folder_and_a_gzipped_jsonl_are_read_as_training_conversations(
     tmp_path: Path,
 ) -> None:

@@ -245,6 +245,33 @@ def test_the_cli_command_reads_input_and_output_from_options(tmp_path: Path) -> 
     assert len(_read(out)) == 1
 
 
+@pytest.mark.parametrize("kind", ["folder", "save_to_disk"])
+def test_the_cli_command_takes_a_folder_or_a_save_to_disk_input(tmp_path: Path, kind: str) -> None:
+    # issue 36: --input reads every training-data format, as the library and CHANGELOG promise
+    import datasets
+    from click.testing import CliRunner
+
+    from dflash_recipes.cli import main
+
+    rows = _conversations(3)
+    folder = tmp_path / "prompts"
+    if kind == "folder":
+        folder.mkdir()
+        _write_jsonl(folder / "part-0.jsonl", rows[:2])
+        _write_jsonl(folder / "part-1.jsonl", rows[2:])
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    recipe = _recipe(tmp_path, _write_jsonl(tmp_path / "in.jsonl", _conversations(1)))
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", str(recipe), "--input", str(folder), "--output", str(out)]
+    done = CliRunner().invoke(main, [*args, "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert f"wrote 3 conversation(s) to {out}" in done.output
+    users = [[m["content"] for m in row["messages"] if m["role"] == "user"] for row in _read(out)]
+    expected = [[m["content"] for m in row["messages"] if m["role"] == "user"] for row in rows]
+    assert users == expected
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_seals_the_journal_and_keeps_every_answer(
     tmp_path: Path, server: Server, signum: signal.Signals

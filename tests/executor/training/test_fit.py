@@ -361,7 +361,13 @@ def test_a_recipe_with_num_proc_2_tokenizes_and_trains_exactly_like_num_proc_1(
     for num_proc in (1, 2):
         name = f"np{num_proc}"
         run_plan(
-            _plan(tmp_path, name, "training.max_steps=2", f"data.num_proc={num_proc}"),
+            _plan(
+                tmp_path,
+                name,
+                "training.max_steps=2",
+                f"data.num_proc={num_proc}",
+                f"data.cache_dir={tmp_path / name / 'data_cache'}",  # a build each, not shared
+            ),
             progress=False,
         )
         (entry,) = (p for p in (tmp_path / name / "data_cache").iterdir() if p.is_dir())

@@ -27,14 +27,15 @@ from dflash_recipes.executor.training.trackers.protocol import (
     row_scalars,
     row_step,
 )
+from dflash_recipes.recipe.choices import TRACKER_LIBRARIES
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
 NAME = "mlflow"
-LIBRARY = "mlflow"
-PIP_EXTRA = "mlflow"
+LIBRARY = TRACKER_LIBRARIES[NAME]
+PIP_EXTRA = NAME
 DEFAULT_EXPERIMENT = "dflash-recipes"
 #: MLflow's limits: characters per param value, params per batch call, metrics per batch call.
 _PARAM_VALUE_MAX = 6000

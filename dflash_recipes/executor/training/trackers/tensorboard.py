@@ -25,6 +25,7 @@ from dflash_recipes.executor.training.trackers.protocol import (
     row_scalars,
     row_step,
 )
+from dflash_recipes.recipe.choices import TRACKER_LIBRARIES
 
 if TYPE_CHECKING:
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
 
 NAME = "tensorboard"
 #: The import that must succeed, and what provides it.
-LIBRARY = "tensorboard"
-PIP_EXTRA = "tensorboard"
+LIBRARY = TRACKER_LIBRARIES[NAME]
+PIP_EXTRA = NAME
 #: How often the library's writer thread flushes the event file (TensorBoard reads it live).
 _FLUSH_SECONDS = 10
 

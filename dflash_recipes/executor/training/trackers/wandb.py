@@ -24,10 +24,11 @@ from dflash_recipes.executor.training.trackers.protocol import (
     row_scalars,
     row_step,
 )
+from dflash_recipes.recipe.choices import TRACKER_LIBRARIES
 
 NAME = "wandb"
-LIBRARY = "wandb"
-PIP_EXTRA = "wandb"
+LIBRARY = TRACKER_LIBRARIES[NAME]
+PIP_EXTRA = NAME
 DEFAULT_PROJECT = "dflash-recipes"
 
 
