@@ -38,6 +38,16 @@ TINY_TAPS = (1, 5)
 TINY_MASK = 250
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here, not in pyproject.toml: the tests own their markers.
+    config.addinivalue_line(
+        "markers",
+        "timing: tests whose outcome once depended on the machine being quiet (processes that "
+        "race, locks, signals, deadlines, float sums); `.ci/run` runs them under "
+        "tools/stress.py",
+    )
+
+
 @pytest.fixture
 def base_model(tmp_path: Path) -> Path:
     """`tmp_path/base`: config.json of an 8-layer Qwen3-style target (hidden 32, vocab 256)."""

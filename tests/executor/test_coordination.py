@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from testkit.ranks import run_ranks
 
 from dflash_recipes.executor.distributed import (
@@ -14,6 +15,8 @@ from dflash_recipes.executor.distributed import (
     detect_dist_env,
     first_rank_where,
 )
+
+pytestmark = pytest.mark.timing
 
 _RANK = """
 import json
