@@ -38,6 +38,13 @@ TINY_TAPS = (1, 5)
 TINY_MASK = 250
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` tests first, each group in its collected order (the same in every xdist
+    worker): started early, they run beside the many short ones instead of alone at the end,
+    where one worker would go on for minutes after the other ran out of tests."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Registered here, not in pyproject.toml: the tests own their markers.
     config.addinivalue_line(

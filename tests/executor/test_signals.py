@@ -210,12 +210,42 @@ def _final_loss(run_dir: Path) -> float:
     return float(rows[-1]["final_loss"])
 
 
-def _wait_for(condition: object, process: subprocess.Popen[str], what: str) -> None:
+class _Run:
+    """A started command whose stderr goes into a file, read whole once it ended: never a pipe
+    that fills up (and blocks the command) while the test waits for something else."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as stderr:
+            self.process = subprocess.Popen(command, env=env, stderr=stderr)
+
+    def stderr(self) -> str:
+        return self.log.read_bytes().decode("utf-8", errors="replace")
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def send_signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self) -> tuple[int, str]:
+        """The exit status and stderr; a run still going after the deadline fails the test."""
+        try:
+            code = self.process.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not end: {self.stderr()[-3000:]}")
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        return code, self.stderr()
+
+
+def _wait_for(condition: object, process: _Run, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():  # type: ignore[operator]
         if process.poll() is not None:
-            _, err = process.communicate()
-            pytest.fail(f"the run ended before {what}: {err[-3000:]}")
+            pytest.fail(f"the run ended before {what}: {process.stderr()[-3000:]}")
         assert time.monotonic() < deadline, f"never reached: {what}"
         time.sleep(0.05)
 
@@ -230,7 +260,7 @@ def _held(gate: Path) -> Callable[[], bool]:
     return Path(f"{gate}.held").exists
 
 
-def _step_on(process: subprocess.Popen[str], tmp_path: Path, step: int) -> None:
+def _step_on(process: _Run, tmp_path: Path, step: int) -> None:
     """Let a run held at `step` go on one step at a time until it exits or the last step is
     released. One process stops at the boundary of the step the signal reached; ranks agree on
     a signal at the next boundary, and one sent to the launcher reaches them in its own time."""
@@ -247,24 +277,14 @@ def _step_on(process: subprocess.Popen[str], tmp_path: Path, step: int) -> None:
             return
 
 
-def _stop(
-    process: subprocess.Popen[str], signum: int, go_on: Callable[[], None] | None = None
-) -> tuple[int, str]:
+def _stop(process: _Run, signum: int, go_on: Callable[[], None] | None = None) -> tuple[int, str]:
     """Send `signum`, then let a held run go on (`go_on`): the signal's handler has run by the
     time the run sees its gate. Return the exit status and stderr. A run that does not stop
-    stays held: it fails here, at the deadline, and is killed."""
+    stays held: it fails at the deadline, and is killed."""
     process.send_signal(signum)
     if go_on is not None:
         go_on()
-    try:
-        _, err = process.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the run did not stop on {signal.Signals(signum).name}")
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    return process.returncode, err
+    return process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -298,9 +318,7 @@ def test_a_stop_signal_checkpoints_the_step_reached_and_the_rerun_continues_exac
 ) -> None:
     plan_file = _plan_file(tmp_path, "run")
     run_dir = tmp_path / "run"
-    process = subprocess.Popen(
-        _command(plan_file), env=_env(tmp_path, hold_from=4), stderr=subprocess.PIPE, text=True
-    )
+    process = _Run(_command(plan_file), _env(tmp_path, hold_from=4), tmp_path / "stderr")
     _wait_for(_held(_gate(tmp_path, 4)), process, "step 4")
     code, err = _stop(process, signum, lambda: _step_on(process, tmp_path, 4))
 
@@ -325,9 +343,7 @@ def test_sigusr1_writes_a_checkpoint_and_training_goes_on(
 ) -> None:
     plan_file = _plan_file(tmp_path, "run")
     run_dir = tmp_path / "run"
-    process = subprocess.Popen(
-        _command(plan_file), env=_env(tmp_path, hold_from=4), stderr=subprocess.PIPE, text=True
-    )
+    process = _Run(_command(plan_file), _env(tmp_path, hold_from=4), tmp_path / "stderr")
     _wait_for(_held(_gate(tmp_path, 4)), process, "step 4")
     process.send_signal(signal.SIGUSR1)
     _gate(tmp_path, 4).touch()
@@ -335,8 +351,8 @@ def test_sigusr1_writes_a_checkpoint_and_training_goes_on(
     assert [s for s, _ in complete_checkpoints(run_dir)] == [4]  # saved before step 5 began
     requested = 4
     _gate(tmp_path, "all").touch()
-    _, err = process.communicate(timeout=DEADLINE_S)
-    assert process.returncode == 0, err[-3000:]
+    code, err = process.wait()
+    assert code == 0, err[-3000:]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [requested, STEPS]
     assert 3 <= requested < STEPS
     assert _final_loss(run_dir) == uninterrupted
@@ -350,12 +366,8 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_the_newe
     plan_file = _plan_file(tmp_path, "run", "training.save_steps=2")
     run_dir = tmp_path / "run"
     marker = tmp_path / "saving"
-    process = subprocess.Popen(
-        _command(plan_file),
-        env=_env(tmp_path, hold_from=4, save_marker=marker, slow_saves_after=2),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = _env(tmp_path, hold_from=4, save_marker=marker, slow_saves_after=2)
+    process = _Run(_command(plan_file), env, tmp_path / "stderr")
     _wait_for(_held(_gate(tmp_path, 4)), process, "step 4")
     process.send_signal(signal.SIGTERM)
     _gate(tmp_path, 4).touch()
@@ -393,12 +405,8 @@ def test_usr1_then_sigterm_to_the_torchrun_launcher_reach_both_ranks(
 
     plan_file = _plan_file(tmp_path, "run", "training.per_device_train_batch_size=1")
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        _command(plan_file, "--nproc-per-node", "2"),
-        env=_env(tmp_path, hold_from=4),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    command = _command(plan_file, "--nproc-per-node", "2")
+    launcher = _Run(command, _env(tmp_path, hold_from=4), tmp_path / "stderr")
     _wait_for(_held(_gate(tmp_path, 4)), launcher, "step 4")
     launcher.send_signal(signal.SIGUSR1)  # passed on to the workers: a checkpoint, then on
     # One step at a time until the checkpoint is there (the launcher passes the signal on in
@@ -458,9 +466,7 @@ def test_a_stop_signal_finishes_the_shard_and_the_rerun_completes_the_capture(
     env = _env(tmp_path)
     marker = tmp_path / "writing"
     env["DFLASH_TEST_SHARD_MARKER"] = str(marker)
-    process = subprocess.Popen(
-        [*command, "--output", str(parts), *options], env=env, stderr=subprocess.PIPE, text=True
-    )
+    process = _Run([*command, "--output", str(parts), *options], env, tmp_path / "stderr")
     _wait_for(marker.exists, process, "the first shard")
     code, err = _stop(process, signum, Path(f"{marker}.release").touch)
 
@@ -494,12 +500,8 @@ def test_a_second_signal_during_a_shard_drops_it_and_leaves_nothing_half_written
     parts, marker = tmp_path / "parts", tmp_path / "writing"
     env = {**_env(tmp_path), "DFLASH_TEST_SHARD_MARKER": str(marker)}  # a shard held for good
     command = [sys.executable, "-m", "dflash_recipes", "capture", str(plan_file)]
-    process = subprocess.Popen(
-        [*command, "--output", str(parts), "--shard-mib", "1", "--no-progress"],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    options = ["--output", str(parts), "--shard-mib", "1", "--no-progress"]
+    process = _Run([*command, *options], env, tmp_path / "stderr")
     _wait_for(marker.exists, process, "the first shard")
     process.send_signal(signal.SIGTERM)  # finish this shard, then stop...
     time.sleep(DUPLICATE_WINDOW_S + 0.2)  # at least this long: sooner is the same signal twice
