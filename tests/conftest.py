@@ -34,9 +34,10 @@ _SESSION_CACHE = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The tests never write to the real per-user cache: the tokenized-data cache of anything
-    that runs outside a test function (module fixtures) goes to a folder of this session, and
-    each test gets its own (:func:`_own_data_cache`); subprocesses inherit the variable."""
+    """The tests' own markers are registered, and the tests never write to the real per-user
+    cache: the tokenized-data cache of anything that runs outside a test function (module
+    fixtures) goes to a folder of this session, and each test gets its own (:func:`_own_data_cache`); subprocesses inherit the variable."""
+    _register_markers(config)
     folder = tempfile.mkdtemp(prefix="dflash-recipes-cache-")
     config.stash[_SESSION_CACHE] = folder
     os.environ[CACHE_ENV] = folder
@@ -68,6 +69,23 @@ TINY_ARCH: Mapping[str, int] = {
 }
 TINY_TAPS = (1, 5)
 TINY_MASK = 250
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` tests first, each group in its collected order (the same in every xdist
+    worker): started early, they run beside the many short ones instead of alone at the end,
+    where one worker would go on for minutes after the other ran out of tests."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _register_markers(config: pytest.Config) -> None:
+    # Registered here, not in pyproject.toml: the tests own their markers.
+    config.addinivalue_line(
+        "markers",
+        "timing: tests whose outcome once depended on the machine being quiet (processes that "
+        "race, locks, signals, deadlines, float sums); `.ci/run` runs them under "
+        "tools/stress.py",
+    )
 
 
 @pytest.fixture

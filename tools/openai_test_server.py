@@ -15,6 +15,7 @@ transformers) or with a fixed text (``--canned``), and lists its one model at
     not_json     answer every chat request with a 200 whose body is not JSON
     trickle      send the headers of a chat answer, then its body one byte a second
     hang         read every chat request and never answer it
+    hang_after   answer this many more chat requests, then hang every later one (-1: off)
     oversized    answer every chat request with a 200 JSON body of this many bytes (0: off)
 
 ``GET /stats`` returns ``{"requests", "in_flight", "max_in_flight"}``; ``POST /reset`` zeroes
@@ -50,6 +51,7 @@ DEFAULT_KNOBS: dict[str, Any] = {
     "not_json": False,
     "trickle": False,
     "hang": False,
+    "hang_after": -1,
     "oversized": 0,
 }
 
@@ -86,6 +88,14 @@ class State:
                 self.knobs[knob] -= 1
                 return True
             return False
+
+    def past_hang_after(self) -> bool:
+        """True when `hang_after` is on and spent; otherwise counts this request against it."""
+        with self.lock:
+            left = int(self.knobs["hang_after"])
+            if left > 0:
+                self.knobs["hang_after"] = left - 1
+            return left == 0
 
     def generate(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, bool]:
         """(text, tokens, cut at max_tokens)."""
@@ -210,7 +220,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if knobs["not_json"]:
                 self._send(200, b"<html>not an API</html>", "text/html")
                 return
-            if knobs["hang"]:
+            if knobs["hang"] or state.past_hang_after():
                 time.sleep(3600)  # a daemon thread: the server process still ends when killed
                 return
             if knobs["oversized"]:

@@ -68,7 +68,7 @@ import sys
 from pathlib import Path
 import dflash_recipes
 from dflash_recipes.executor.demo import runner
-from dflash_recipes.executor.training.trainer import run_plan
+from dflash_recipes.executor.training.fit import run_plan
 
 print("package:", dflash_recipes.__file__)
 runs = Path(sys.argv[1])

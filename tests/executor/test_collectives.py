@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from testkit.ranks import run_ranks
 
 from dflash_recipes.executor.collectives import (
@@ -17,6 +18,8 @@ from dflash_recipes.executor.collectives import (
     gather_texts,
 )
 from dflash_recipes.executor.dist_env import detect_dist_env
+
+pytestmark = pytest.mark.timing
 
 _RANK = """
 import json

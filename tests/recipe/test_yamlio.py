@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
+from testkit.recipe_samples import count_composed_nodes
 
 from dflash_recipes.diagnostics import Diagnostic, SourceMark, registered_codes
 from dflash_recipes.errors import RecipeError
@@ -170,17 +170,21 @@ def test_merge_key_is_refused() -> None:
     assert found.code == "yaml-alias"
 
 
-def test_alias_bomb_is_refused_quickly_with_one_diagnostic() -> None:
+@pytest.mark.timing
+def test_alias_bomb_is_refused_at_its_first_alias_with_one_diagnostic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Ten levels of nine references: expanding it would build 9**10 (3.5 billion) nodes.
     lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     for level in range(1, 10):
         refs = ", ".join([f"*l{level - 1}"] * 9)
         lines.append(f"l{level}: &l{level} [{refs}]")
-    start = time.perf_counter()
+    composed = count_composed_nodes(monkeypatch, fuse=40)
     found = problems("\n".join(lines) + "\n")
-    elapsed = time.perf_counter() - start
     assert [d.code for d in found] == ["yaml-alias"]
-    assert elapsed < 2.0, f"alias bomb took {elapsed:.1f}s"
+    assert (found[0].line, found[0].column) == (2, lines[1].index("*l0") + 1)
+    # Nothing past the first alias was read: line 1's 12 nodes, then line 2's key and list.
+    assert composed == [14]
 
 
 @pytest.mark.parametrize(

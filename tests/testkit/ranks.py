@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -23,13 +26,19 @@ def run_ranks(
     *,
     world_size: int = 2,
     env: Mapping[str, str] | None = None,
-    timeout: float = 120.0,
+    timeout: float = 300.0,
     what: str = "the ranks",
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run `argv` as ranks 0..world_size-1 of one group (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT set; one OpenMP thread each) and wait for all of them; their results in
-    rank order (stdout and stderr as text). A rank still running after `timeout` seconds fails
-    the test (every rank is killed) with a message naming `what` hung."""
+    rank order (stdout and stderr as text, each read whole once every rank has exited).
+
+    Each rank writes its stdout and stderr into files, not pipes: a rank never blocks on a full
+    pipe while the test waits on another rank, and a report longer than a pipe's buffer
+    (64 KiB) is read whole. A rank still running `timeout` seconds after the start (a generous
+    deadline: it only catches hangs) fails the test, every rank killed, with a message naming
+    `what` and the end of each rank's stderr.
+    """
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update(
         MASTER_ADDR="127.0.0.1",
@@ -38,27 +47,40 @@ def run_ranks(
         OMP_NUM_THREADS="1",
     )
     base.update(env or {})
-    procs = [
-        subprocess.Popen(
-            list(argv),
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{what} hung for {timeout:.0f} s")
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        outputs = [(Path(folder, f"{r}.out"), Path(folder, f"{r}.err")) for r in range(world_size)]
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank, (out, err) in enumerate(outputs):
+                with out.open("wb") as stdout, err.open("wb") as stderr:
+                    procs.append(
+                        subprocess.Popen(
+                            list(argv),
+                            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdout=stdout,
+                            stderr=stderr,
+                        )
+                    )
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    tails = "\n".join(
+                        f"rank {r} stderr: ...{_text(err)[-1500:]}"
+                        for r, (_, err) in enumerate(outputs)
+                    )
+                    pytest.fail(f"{what} hung for {timeout:.0f} s\n{tails}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return [
+            subprocess.CompletedProcess(proc.args, proc.returncode, _text(out), _text(err))
+            for proc, (out, err) in zip(procs, outputs, strict=True)
+        ]
+
+
+def _text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")

@@ -1,8 +1,14 @@
-"""Recipe texts shared by the loading, converter and schema tests."""
+"""Recipe texts shared by the loading, converter and schema tests, and what they need to look
+at how the YAML reader read them."""
 
 # ruff: noqa: E501 (the issue's example is kept verbatim, long comments included)
 
 from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
 
 #: The example of issue 2, verbatim (comments included); its `dflash:` block must load as written.
 EXAMPLE_YAML = """\
@@ -62,3 +68,20 @@ def column_of(text: str, needle: str) -> int:
     """1-based column where `needle` starts on its line."""
     line = text.splitlines()[line_of(text, needle) - 1]
     return line.index(needle) + 1
+
+
+def count_composed_nodes(monkeypatch: pytest.MonkeyPatch, *, fuse: int) -> list[int]:
+    """Count the YAML nodes the reader composes from now on (the one-item list returned holds
+    the count). More than `fuse` fails the test on the spot: a reader that goes on past an
+    alias would expand an alias bomb, so the test stops it before it takes the machine."""
+    composed = [0]
+    plain = yaml.composer.Composer.compose_node
+
+    def counting(self: Any, parent: Any, index: Any) -> Any:
+        composed[0] += 1
+        if composed[0] > fuse:
+            pytest.fail(f"the YAML reader composed more than {fuse} nodes: it read past an alias")
+        return plain(self, parent, index)
+
+    monkeypatch.setattr(yaml.composer.Composer, "compose_node", counting)
+    return composed

@@ -22,6 +22,8 @@ from dflash_recipes.executor.data.capture import capture_plan
 from dflash_recipes.files.capture_manifest import MANIFEST_FILE, read_manifest
 from dflash_recipes.files.locking import LOCK_FILE
 
+pytestmark = pytest.mark.timing
+
 SHARD_BYTES = 2**19
 
 #: The killed capture: every shard's safetensors write pauses before its rename.

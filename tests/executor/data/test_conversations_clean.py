@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,7 @@ def test_a_fifo_as_data_file_is_refused_without_blocking(tmp_path: Path) -> None
         read_conversations(fifo)
 
 
+@pytest.mark.timing
 def test_a_multi_megabyte_turn_is_cut_before_the_template_and_tokenizer_see_it() -> None:
     tok = build_tiny_tokenizer(["hello world, the quick brown fox"])
     seen: list[int] = []
@@ -67,15 +67,12 @@ def test_a_multi_megabyte_turn_is_cut_before_the_template_and_tokenizer_see_it()
     tok.apply_chat_template = spy  # type: ignore[method-assign]
     huge = "hello world " * 400_000  # 4.8 MB in one assistant turn
     messages = (Message("user", "hi"), Message("assistant", huge))
-    start = time.perf_counter()
     example = tokenize_conversation(
         tok, messages, chat_template=None, answer_only_loss=True, max_len=256
     )
-    elapsed = time.perf_counter() - start
     assert example.truncated
     assert len(example.input_ids) == 256  # still filled to training_seq_len
-    assert max(seen) <= 256 * MAX_CHARS_PER_TOKEN
-    assert elapsed < 5
+    assert max(seen) <= 256 * MAX_CHARS_PER_TOKEN  # the template never saw the 4.8 MB
 
 
 def _metrics(tmp_path: Path, line: str) -> Path:

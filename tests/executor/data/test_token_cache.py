@@ -140,12 +140,23 @@ def test_a_cache_cut_short_while_in_use_is_a_clear_error(tmp_path: Path) -> None
 
 
 _BUILD = """
-import json, sys
+import json, os, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from testkit.cache_data import cache_tokenizer
 from dflash_recipes.data.sources import resolve_source
+from dflash_recipes.executor.data import token_build
 from dflash_recipes.executor.data.token_build import prepared_examples
+if os.environ.get("HOLD_AT_CHUNK"):  # "3:/marker": the 3rd chunk waits, held, to be killed
+    at, marker = os.environ["HOLD_AT_CHUNK"].split(":", 1)
+    plain, calls = token_build.tokenize_chunk, []
+    def holding(*args):
+        calls.append(1)
+        if len(calls) == int(at):
+            Path(marker).touch()
+            time.sleep(600)
+        return plain(*args)
+    token_build.tokenize_chunk = holding
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
 from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
 source = resolve_source(Path(sys.argv[1]), setting="data.data_path")
@@ -160,8 +171,10 @@ print(json.dumps({"built": built, "n": len(examples), "first": examples[0].input
 """
 
 
-def _builder(data: Path, cache_dir: Path, wait_s: float = 120.0) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def _builder(
+    data: Path, cache_dir: Path, wait_s: float = 120.0, **extra_env: str
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra_env}
     argv = [sys.executable, "-c", _BUILD, str(data), str(cache_dir), str(wait_s)]
     proc = subprocess.Popen(
         [*argv, str(Path(__file__).parents[2])],
@@ -181,6 +194,7 @@ def _go(proc: subprocess.Popen[str]) -> None:
     proc.stdin.flush()
 
 
+@pytest.mark.timing
 def test_two_ranks_starting_together_tokenize_once(tmp_path: Path) -> None:
     data = write_cache_data(tmp_path / "d.jsonl", 3000)
     ranks = [_builder(data, tmp_path / "cache") for _ in range(2)]
@@ -196,18 +210,19 @@ def test_two_ranks_starting_together_tokenize_once(tmp_path: Path) -> None:
     assert reports[0]["first"] == reports[1]["first"]
 
 
+@pytest.mark.timing
 def test_a_builder_killed_mid_build_leaves_nothing_trusted_and_a_rerun_builds(
     tmp_path: Path,
 ) -> None:
     data = write_cache_data(tmp_path / "d.jsonl", 6000)
-    cache_dir = tmp_path / "cache"
-    proc = _builder(data, cache_dir)
+    cache_dir, held = tmp_path / "cache", tmp_path / "held"
+    proc = _builder(data, cache_dir, HOLD_AT_CHUNK=f"3:{held}")  # two chunks written
     _go(proc)
-    deadline = time.monotonic() + 120
-    while not any(p.name.startswith(".tmp-") for p in cache_dir.glob(".*")):
-        assert time.monotonic() < deadline and proc.poll() is None, "no build started"
+    deadline = time.monotonic() + 300
+    while not held.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the build never got there"
         time.sleep(0.02)
-    time.sleep(0.3)
+    assert any(p.name.startswith(".tmp-") for p in cache_dir.glob(".*"))  # mid-build
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not [p for p in cache_dir.iterdir() if not p.name.startswith(".")]  # nothing published
@@ -219,6 +234,7 @@ def test_a_builder_killed_mid_build_leaves_nothing_trusted_and_a_rerun_builds(
     assert not [p for p in cache_dir.iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.timing
 def test_waiting_for_a_stuck_builder_ends_with_a_clear_error(tmp_path: Path) -> None:
     data = write_cache_data(tmp_path / "d.jsonl", 5)
     source = resolve_source(data, setting="data.data_path")

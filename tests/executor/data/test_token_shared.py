@@ -23,6 +23,8 @@ from dflash_recipes.executor.data.token_cache import LOCK_NAME, TokenizeSettings
 from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
 from dflash_recipes.files.locking import hold_directory_lock
 
+pytestmark = pytest.mark.timing
+
 SETTINGS = TokenizeSettings(TINY_CHAT_TEMPLATE, True, 64, 4)
 #: A conversation whose answer opens no block of 4 tokens on supervised ones.
 SHORT = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "x"}]}
@@ -239,23 +241,24 @@ def test_when_the_other_job_is_done_one_rank_builds_and_the_other_reads(tmp_path
     cache_dir = tmp_path / "cache"
     lock = hold_directory_lock(cache_dir, purpose="data tokenization", lock_name=LOCK_NAME)
     lock.__enter__()
+    waiting = [tmp_path / f"waiting-{rank}" for rank in range(2)]
 
     def release_once_both_wait() -> None:
-        # Well past both ranks' start; a rank 0 that waited for the lock itself would hold
-        # it by then and build in slices.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if all((tmp_path / f"waiting-{rank}").exists() for rank in range(2)):
-                break
+        # The lock goes only when both ranks wait for it, however long they take to start
+        # (a release before that lets rank 0 take the lock itself and build in slices, as it
+        # should). The deadline only keeps a broken run from holding the test forever.
+        deadline = time.monotonic() + 300
+        while not all(path.exists() for path in waiting) and time.monotonic() < deadline:
             time.sleep(0.05)
         lock.__exit__(None, None, None)
 
     releaser = threading.Thread(target=release_once_both_wait)
     releaser.start()
     try:
-        reports = _ranks(data, str(cache_dir), "say-when-waiting", DFLASH_DATA_CACHE_WAIT_S="120")
+        reports = _ranks(data, str(cache_dir), "say-when-waiting", DFLASH_DATA_CACHE_WAIT_S="600")
     finally:
         releaser.join()
+    assert all(path.exists() for path in waiting), reports  # both fell back to waiting
     # Both waited on the lock; the first to take it built everything, the other read it.
     assert sorted((r["built"], r["tokenized"]) for r in reports) == [(False, 0), (True, 304)]
     assert reports[0]["ids"] == reports[1]["ids"]

@@ -3,7 +3,6 @@ retries, failures."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -127,11 +126,9 @@ def test_an_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
 # every request bounded: a deadline for the whole request, a bounded body
 # ---------------------------------------------------------------------------------------------
 
-#: What a run needs besides its requests (reading the data, the lock, the output folder).
-_RUN_OVERHEAD_S = 3.0
-
 
 @pytest.mark.parametrize("knob", ["trickle", "hang"])
+@pytest.mark.timing
 def test_a_trickling_or_silent_server_is_cut_off_at_the_request_deadline(
     tmp_path: Path, server: Server, knob: str
 ) -> None:
@@ -147,13 +144,12 @@ def test_a_trickling_or_silent_server_is_cut_off_at_the_request_deadline(
             max_retries=retries,
         )
     )
+    # A trickled answer takes minutes, a hung one never comes: only the whole request's
+    # deadline ends an attempt, and the run fails instead of waiting for the answer. Nothing
+    # here is timed: a missing deadline shows as a run that answers (trickle) or never ends.
     server.control(**{knob: True})
-    started = time.monotonic()
     with pytest.raises(RegenerateError) as info:
         _run(plan, tmp_path / "out.jsonl", backoff_base_s=backoff)
-    elapsed = time.monotonic() - started
-    # Each attempt ends at its deadline; the backoff between two is at most 1.5 x its base.
-    assert elapsed < timeout * (retries + 1) + 1.5 * backoff + _RUN_OVERHEAD_S
     message = str(info.value)
     assert f"the first request to {server.url}/v1/chat/completions failed (2 attempts)" in message
     assert "no complete answer within request_timeout_s=1 (a deadline for the whole request)" in (
