@@ -36,7 +36,8 @@ _SESSION_CACHE = pytest.StashKey[str]()
 def pytest_configure(config: pytest.Config) -> None:
     """The tests' own markers are registered, and the tests never write to the real per-user
     cache: the tokenized-data cache of anything that runs outside a test function (module
-    fixtures) goes to a folder of this session, and each test gets its own (:func:`_own_data_cache`); subprocesses inherit the variable."""
+    fixtures) goes to a folder of this session, and each test gets its own
+    (:func:`_own_data_cache`); subprocesses inherit the variable."""
     _register_markers(config)
     folder = tempfile.mkdtemp(prefix="dflash-recipes-cache-")
     config.stash[_SESSION_CACHE] = folder
