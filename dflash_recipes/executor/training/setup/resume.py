@@ -38,6 +38,7 @@ from dflash_recipes.files.run_dir import (
     latest_complete_checkpoint,
 )
 from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.records import Record
 
 logger = logging.getLogger("dflash_recipes.train")
 
@@ -166,8 +167,8 @@ def _saved_by(checkpoint: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-@attrs.frozen
-class ResumePoint:
+@attrs.frozen(repr=False, eq=False, slots=False)
+class ResumePoint(Record):
     """Where training starts: the optimiser step and the data position of the next batch."""
 
     #: Optimiser steps already done (0 for a fresh run).
