@@ -26,7 +26,6 @@ share (the checkpoint to resume, the plan, the stop) is made in
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -245,11 +244,12 @@ def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress
         if done % training.logging_steps == 0 or done == opt.total_steps:
             _log_window(run, window, progress, bar)
         stop_signal, checkpoint_now = vote.decide()  # the same on every rank
-        if run.evaluation.due(done, stopping=bool(stop_signal)):
-            progress.last_eval_tau = run.evaluation.measure(done)
         stopping = stop_after is not None and done >= stop_after
-        if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
-            run.saving.save(done, position)
+        with window.paused():  # evaluation and checkpoints are not training throughput
+            if run.evaluation.due(done, stopping=bool(stop_signal)):
+                progress.last_eval_tau = run.evaluation.measure(done)
+            if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
+                run.saving.save(done, position)
         if stop_signal:
             vote.close()
             bar.close()
@@ -302,11 +302,11 @@ def micro_step(run: Run, batch: Batch, *, step: int) -> tuple[LossOutput, Tensor
 def _log_window(run: Run, window: MetricWindow, progress: Progress, bar: ProgressBar) -> None:
     """A logging step: the window's train row to the trackers, the bar's figures, a new window."""
     window.settle()
-    lr = float(run.optimization.scheduler.get_last_lr()[0])
+    lr = run.optimization.lr_at(progress.done - 1)  # the rate the last step used
     row = log_train_window(window, step=progress.done, lr=lr, trackers=run.trackers, env=run.env)
     progress.last_row = dict(row)
     progress.tokens += window.tokens
-    progress.seconds += time.perf_counter() - window.started
+    progress.seconds += window.elapsed()
     bar.show_figures(
         loss=row_number(row, "loss"), tau=row_number(row, "acceptance_length_estimate")
     )
