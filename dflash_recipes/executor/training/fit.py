@@ -199,7 +199,9 @@ def setup(
         optimization=optimization,
         start=start,
         trackers=trackers,
-        evaluation=EvalPolicy(plan, env, models, tokenizer, trackers),
+        evaluation=EvalPolicy(
+            plan, env, models, tokenizer, trackers, final_step=optimization.total_steps
+        ),
         saving=SavePolicy(plan, env, models, optimization),
     )
 
