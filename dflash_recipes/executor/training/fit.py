@@ -18,8 +18,9 @@ draws the same anchors per sequence as a single-process run over the same global
 
 Under DDP the loss of each rank is normalised by the *global* weight sum of the micro-batch
 (:func:`~dflash_recipes.executor.collectives.global_batch_loss`), so the averaged gradient
-equals the single-process gradient over the whole global batch. Every decision the ranks must
-share (the checkpoint to resume, the plan, the stop) is made in
+equals the single-process gradient over the whole global batch; with gradient accumulation by
+the weight sum of the whole step (:mod:`~dflash_recipes.executor.training.accumulation`).
+Every decision the ranks must share (the checkpoint to resume, the plan, the stop) is made in
 :mod:`dflash_recipes.executor.coordination`.
 """
 
@@ -35,7 +36,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.errors import Interrupted, RunIOError
-from dflash_recipes.executor.collectives import barrier, global_batch_loss
+from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.coordination import StepVote, require_same_plan
 from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import (
@@ -48,6 +49,7 @@ from dflash_recipes.executor.dist_env import (
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
+from dflash_recipes.executor.training.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.loss import LossOutput
@@ -158,6 +160,7 @@ class Run:
     trackers: TrackerSet
     evaluation: EvalPolicy
     saving: SavePolicy
+    accumulation: GradientAccumulation
 
 
 def setup(
@@ -203,6 +206,9 @@ def setup(
             plan, env, models, tokenizer, trackers, final_step=optimization.total_steps
         ),
         saving=SavePolicy(plan, env, models, optimization),
+        accumulation=GradientAccumulation(
+            plan.training.gradient_accumulation_steps, models.trainable, env
+        ),
     )
 
 
@@ -294,10 +300,9 @@ def micro_step(run: Run, batch: Batch, *, step: int) -> tuple[LossOutput, Tensor
     )
     with autocast:
         result: LossOutput = run.models.step(inputs)
-    # Normalised by the global weight sum (DDP), then averaged over micro-batches.
-    loss = global_batch_loss(result.loss, result.weight_sum, env)
-    loss = loss / plan.training.gradient_accumulation_steps
-    loss.backward()  # type: ignore[no-untyped-call]
+    # Normalised by the global weight sum of the whole step (DDP, accumulation).
+    run.accumulation.loss(result).backward()  # type: ignore[no-untyped-call]
+    run.accumulation.after_backward(result)
     return result, on_device.attention_mask.sum()
 
 
