@@ -72,6 +72,7 @@ from dflash_recipes.executor.training.setup.resume import (
     locked_run_directory,
     restore,
     resume_checkpoint,
+    world_size_change,
 )
 from dflash_recipes.executor.training.setup.train_data import TrainData, build_train_data
 from dflash_recipes.executor.training.step import step_inputs
@@ -186,6 +187,11 @@ def setup(
     models.wrap_for_ranks(env)
     trackers = TrackerSet.silent()
     if is_main(env):
+        change = world_size_change(
+            plan, start, world_size=env.world_size, num_examples=len(data.dataset)
+        )
+        if change is not None:
+            logger.warning("%s", change)
         output_dir.mkdir(parents=True, exist_ok=True)
         # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
         write_text_atomic(output_dir / PLAN_FILE, plan.to_json())
