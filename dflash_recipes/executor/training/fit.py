@@ -196,26 +196,30 @@ def setup(
         # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
         write_text_atomic(output_dir / PLAN_FILE, plan.to_json())
         trackers = open_trackers(plan, output_dir / METRICS_FILE, resumed_from=start.resumed_from)
-    barrier(env)
-    return Run(
-        plan=plan,
-        spec=plan.resolved_draft(),
-        env=env,
-        output_dir=output_dir,
-        tokenizer=tokenizer,
-        data=data,
-        models=models,
-        optimization=optimization,
-        start=start,
-        trackers=trackers,
-        evaluation=EvalPolicy(
-            plan, env, models, tokenizer, trackers, final_step=optimization.total_steps
-        ),
-        saving=SavePolicy(plan, env, models, optimization),
-        accumulation=GradientAccumulation(
-            plan.training.gradient_accumulation_steps, models.trainable, env
-        ),
-    )
+    try:  # a failure from here on (another rank's setup) ends the tracker process too
+        barrier(env)
+        return Run(
+            plan=plan,
+            spec=plan.resolved_draft(),
+            env=env,
+            output_dir=output_dir,
+            tokenizer=tokenizer,
+            data=data,
+            models=models,
+            optimization=optimization,
+            start=start,
+            trackers=trackers,
+            evaluation=EvalPolicy(
+                plan, env, models, tokenizer, trackers, final_step=optimization.total_steps
+            ),
+            saving=SavePolicy(plan, env, models, optimization),
+            accumulation=GradientAccumulation(
+                plan.training.gradient_accumulation_steps, models.trainable, env
+            ),
+        )
+    except BaseException:
+        trackers.close("failed")
+        raise
 
 
 @attrs.define
