@@ -66,6 +66,7 @@ from dflash_recipes.executor.model.masks import build_dense_block_mask, build_sp
 from dflash_recipes.executor.training import loss as loss_module
 from dflash_recipes.executor.training import metrics as metrics_module
 from dflash_recipes.executor.training import step as step_module
+from dflash_recipes.executor.training.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
     block_inputs,
@@ -265,6 +266,7 @@ class Shape:
                 data=SimpleNamespace(captured_states=lambda batch, device: None),
                 models=SimpleNamespace(target=self.model, step=timed_step),
                 optimization=SimpleNamespace(total_steps=1000),
+                accumulation=GradientAccumulation(1, [], self.env),
             )
             out, tokens = micro_step(run, self.batch, step=self.step_count)  # type: ignore[arg-type]
         finally:

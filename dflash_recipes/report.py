@@ -97,8 +97,9 @@ def render_report(runs: Sequence[Path], out: Path, *, labels: Sequence[str] | No
 def report_figure(runs: Sequence[Path], *, labels: Sequence[str] | None = None) -> Figure:
     """The figure :func:`render_report` saves, unsaved: its three axes hold the plotted lines.
 
-    Axes in order: loss; acceptance length (per run an estimate line, then a measured-tau line
-    when the run evaluated); accuracy by block position 1.. at the last logged step.
+    Axes in order: loss; acceptance length (per run the training-batch estimate, then the
+    held-out measured tau when the run evaluated); accuracy by block position 1.. at the last
+    logged step.
     """
     if not runs:
         msg = "render_report needs at least one run directory"
@@ -124,7 +125,7 @@ def _draw(fig: Figure, metrics: Sequence[RunMetrics], names: Sequence[str]) -> N
             steps,
             _nan(p.acceptance_length_estimate for p in run.train),
             color=color,
-            label=f"{name} (estimate)",
+            label=f"{name} (training-batch estimate)",
         )
         if run.evals:
             ax_tau.plot(
@@ -133,7 +134,7 @@ def _draw(fig: Figure, metrics: Sequence[RunMetrics], names: Sequence[str]) -> N
                 color=color,
                 linestyle="--",
                 marker="o",
-                label=f"{name} (measured tau)",
+                label=f"{name} (held-out tau)",
             )
         last = run.train[-1]
         # position 0 is the anchor (given, never predicted): not plotted

@@ -41,10 +41,16 @@ def test_report_plots_the_metrics_of_each_run(tmp_path: Path) -> None:
 
     tau = _lines(ax_tau)
     # the estimate of each row is 1 + the sum of its accuracies at positions 1..
-    assert tau["warm (estimate)"] == (steps, pytest.approx([1.0 + 1.8 * s / 30 for s in steps]))
-    assert tau["scratch (estimate)"] == (steps, pytest.approx([1.0 + 0.6 * s / 30 for s in steps]))
-    assert tau["warm (measured tau)"] == ([30.0], [2.5])
-    assert "scratch (measured tau)" not in tau  # that run never evaluated
+    assert tau["warm (training-batch estimate)"] == (
+        steps,
+        pytest.approx([1.0 + 1.8 * s / 30 for s in steps]),
+    )
+    assert tau["scratch (training-batch estimate)"] == (
+        steps,
+        pytest.approx([1.0 + 0.6 * s / 30 for s in steps]),
+    )
+    assert tau["warm (held-out tau)"] == ([30.0], [2.5])
+    assert "scratch (held-out tau)" not in tau  # that run never evaluated
 
     acc = _lines(ax_acc)
     # the last logged step's accuracies, position 0 (the anchor) left out

@@ -100,9 +100,13 @@ def run_command(
     summary = run_plan(plan, progress=not no_progress, verify_capture=verify_capture)
     if os.environ.get("RANK", "0") == "0":
         from dflash_recipes.card.acceptance import run_gate_line
+        from dflash_recipes.executor.training.summary import held_out_gap_line
         from dflash_recipes.executor.training.summary import summary_line as run_summary_line
 
         click.echo(run_summary_line(summary), err=True)
+        gap = held_out_gap_line(summary)
+        if gap is not None:
+            click.echo(gap, err=True)
         # training.eval_min_tau: judged once the run is finished and exported (docs/dflash.md,
         # "The model card and the acceptance gate").
         gate = run_gate_line(plan) if summary.steps >= summary.planned_steps else None

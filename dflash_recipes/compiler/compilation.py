@@ -45,7 +45,11 @@ from dflash_recipes.compiler.input_checks import (
     resolve_base_model,
     resolve_output,
 )
-from dflash_recipes.compiler.recipe_checks import check_dims_set, check_schema
+from dflash_recipes.compiler.recipe_checks import (
+    check_dims_set,
+    check_schema,
+    resolved_eval_steps,
+)
 from dflash_recipes.compiler.state import (
     NOTHING_READ,
     CompileInputs,
@@ -265,7 +269,7 @@ def build_plan(
             save_steps=training.save_steps,
             save_total_limit=training.save_total_limit,
             logging_steps=training.logging_steps,
-            eval_steps=training.eval_steps,
+            eval_steps=resolved_eval_steps(training, recipe.data),
             device=training.device,
             fsdp=training.fsdp,
             report_to=training.report_to,
@@ -276,6 +280,8 @@ def build_plan(
                 else absolute(training.output_dir) / "tensorboard"
             ),
             eval_min_tau=training.eval_min_tau,
+            eval_num_prompts=training.eval_num_prompts,
+            eval_max_new_tokens=training.eval_max_new_tokens,
         ),
         draft=DraftPlan(
             block_size=dflash.dflash_block_size,

@@ -17,6 +17,7 @@ from dflash_recipes.compiler.codes import (
     ARCH_DIM_MISSING,
     EVAL_DATA_UNSET,
     EVAL_GATE_UNMEASURED,
+    FSDP_EVAL,
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
@@ -31,7 +32,7 @@ from dflash_recipes.compiler.state import (
     WhatWasRead,
     format_ids,
 )
-from dflash_recipes.recipe.sections import DFlashArchitectureConfig
+from dflash_recipes.recipe.sections import DataSection, DFlashArchitectureConfig, TrainingSection
 
 
 def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) -> None:
@@ -48,7 +49,7 @@ def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) ->
     check_taps_unique(arch, report)
     check_layer_types_length(arch, arch.layer_types, "", report)
     training, data = inputs.recipe.training, inputs.recipe.data
-    if training.eval_steps is not None and data.eval_data_path is None:
+    if training.eval_steps and data.eval_data_path is None:
         report.emit(
             EVAL_DATA_UNSET,
             "training.eval_steps",
@@ -58,6 +59,42 @@ def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) ->
             "training.eval_steps: null",
         )
     check_eval_gate(inputs, report)
+    check_fsdp_eval(inputs, report)
+
+
+def resolved_eval_steps(training: TrainingSection, data: DataSection) -> int | None:
+    """The plan's training.eval_steps: the recipe's (0: never), or by default every save_steps
+    when there is eval data (never under training.fsdp, which cannot evaluate: see
+    :func:`check_fsdp_eval`)."""
+    if training.eval_steps is not None:
+        return training.eval_steps or None
+    if data.eval_data_path is None or training.fsdp:
+        return None
+    return training.save_steps
+
+
+def check_fsdp_eval(inputs: CompileInputs, report: Report) -> None:
+    """training.fsdp shards the target's decoder layers over the ranks, and the training-time
+    evaluation drafts on rank 0 alone: its forward would wait for all-gathers the other ranks
+    never join. Refused, with the two ways out."""
+    training, data = inputs.recipe.training, inputs.recipe.data
+    if not training.fsdp or data.eval_data_path is None:
+        return
+    if training.eval_steps:
+        path, what = "training.eval_steps", f"training.eval_steps is {training.eval_steps}"
+    elif training.eval_min_tau is not None:
+        path, what = "training.eval_min_tau", f"training.eval_min_tau is {training.eval_min_tau}"
+    else:
+        return
+    report.emit(
+        FSDP_EVAL,
+        path,
+        f"{what} with training.fsdp: the held-out evaluation runs on rank 0 alone while the "
+        "target's decoder layers are sharded over every rank, so rank 0 would wait for "
+        "all-gathers the other ranks never join (the run would hang at the first evaluation)",
+        "set training.eval_steps: 0 (and training.eval_min_tau: null) and measure the export "
+        "with `dflash-recipe eval` after the run, or set training.fsdp: false",
+    )
 
 
 def check_eval_gate(inputs: CompileInputs, report: Report) -> None:
@@ -65,23 +102,26 @@ def check_eval_gate(inputs: CompileInputs, report: Report) -> None:
     training, data = inputs.recipe.training, inputs.recipe.data
     if training.eval_min_tau is None:
         return
+    # training.eval_steps null measures every save_steps (and the gate adds the final step)
+    # when there is eval data; 0 never measures.
     missing = [
         name
-        for name, value in (
-            ("training.eval_steps", training.eval_steps),
-            ("data.eval_data_path", data.eval_data_path),
+        for name, unset in (
+            ("training.eval_steps", training.eval_steps == 0),
+            ("data.eval_data_path", data.eval_data_path is None),
         )
-        if value is None
+        if unset
     ]
     if missing:
         report.emit(
             EVAL_GATE_UNMEASURED,
             "training.eval_min_tau",
             f"training.eval_min_tau is {training.eval_min_tau} but {' and '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not set, so the run measures no "
+            f"{'is' if len(missing) == 1 else 'are'} not set (or 0), so the run measures no "
             "held-out tau and would always fail the gate",
-            "set training.eval_steps (e.g. to max_steps, to measure the final weights) and "
-            "data.eval_data_path, or set training.eval_min_tau: null",
+            "set data.eval_data_path (the run then measures every training.eval_steps, by "
+            "default every save_steps, and at its final step), or set training.eval_min_tau: "
+            "null",
         )
 
 

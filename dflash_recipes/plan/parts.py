@@ -84,6 +84,9 @@ class TrainingPlan(Record):
     logging_dir: str
     #: The acceptance gate of `run`: the least held-out tau the run must measure (None: none).
     eval_min_tau: float | None = None
+    #: Held-out conversations and new tokens per prompt of each training-time measurement.
+    eval_num_prompts: int = 4
+    eval_max_new_tokens: int = 32
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -77,8 +77,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: `logging_dir` (experiment trackers). 4: the draft's `shift_label`, `pure_draft_prefix_len`
 #: and `markov_head_type` (Domino and DSpark as ModelOpt computes them). 5: the data's
 #: `cache_dir` and `num_proc` (the tokenized-data cache). 6: the training's `eval_min_tau` and
-#: the `card` section (the export's model card).
-PLAN_FORMAT_VERSION = 6
+#: the `card` section (the export's model card). 7: the training's `eval_num_prompts` and
+#: `eval_max_new_tokens` (`eval_steps` resolved: every `save_steps` when there is eval data).
+PLAN_FORMAT_VERSION = 7
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the

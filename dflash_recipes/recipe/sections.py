@@ -394,11 +394,18 @@ class TrainingSection(Record):
     save_total_limit: int | None = attrs.field(default=2, validator=IntRange(1, 10**6))
     #: Log metrics every this many optimiser steps.
     logging_steps: int = attrs.field(default=10, validator=_STEPS)
-    #: Measure real acceptance on held-out conversations every this many steps; null: never.
-    eval_steps: int | None = attrs.field(default=None, validator=_STEPS)
+    #: Measure real acceptance on held-out conversations (data.eval_data_path) every this many
+    #: steps; null: every save_steps when there is eval data; 0: never.
+    eval_steps: int | None = attrs.field(default=None, validator=IntRange(0, 10**9))
     #: Acceptance gate: when the last held-out tau the run measured (training.eval_steps) is
-    #: below this, `run` says so and exits 1 after saving and exporting; null: no gate.
+    #: below this, `run` says so and exits 1 after saving and exporting; null: no gate. Set,
+    #: the run also measures at its final step.
     eval_min_tau: float | None = attrs.field(default=None, validator=positive_float)
+    #: How many held-out conversations each training-time measurement drafts on (the first
+    #: ones of data.eval_data_path).
+    eval_num_prompts: int = attrs.field(default=4, validator=IntRange(1, 10**5))
+    #: How many new tokens each training-time measurement generates per prompt.
+    eval_max_new_tokens: int = attrs.field(default=32, validator=IntRange(1, 2**16))
     #: Compute device: auto (CUDA when available) | cpu | cuda.
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
     #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).

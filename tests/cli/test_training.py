@@ -180,3 +180,35 @@ def test_verbose_reaches_the_processes_torchrun_starts(
     for argv in (run_argv, capture_argv):
         worker = argv[argv.index("dflash_recipes.cli") + 1 :]
         assert "-v" in worker, worker
+
+
+def test_run_prints_the_held_out_tau_first_and_warns_when_far_below_the_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary line and the one warning line `run` prints (the training is stubbed)."""
+    from dflash_recipes.executor.training import fit
+    from dflash_recipes.executor.training.summary import TrainSummary
+
+    def trained(*args: object, **kwargs: object) -> TrainSummary:
+        return TrainSummary(
+            steps=300,
+            resumed_from_step=None,
+            final_loss=0.03,
+            accuracy_by_position=(0.0, 0.99),
+            acceptance_length_estimate=7.65,
+            tokens_per_second=1.0,
+            export_dir=str(tmp_path / "run" / "export"),
+            warm_start=None,
+            data_summary="",
+            last_eval_tau=1.06,
+            planned_steps=300,
+            steps_this_run=300,
+        )
+
+    monkeypatch.setattr(fit, "run_plan", trained)
+    args = ["run", str(TINY_SCRATCH), f"training.output_dir={tmp_path / 'run'}", "--no-progress"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2].startswith("done: 300 steps, held-out tau 1.06, loss 0.0300, ")
+    assert lines[-1].startswith("warning: the held-out tau 1.06 is far below the training-batch")

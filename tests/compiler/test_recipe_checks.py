@@ -132,9 +132,18 @@ def test_eval_steps_without_eval_data_warns(make_recipe: RecipeFactory) -> None:
 @pytest.mark.parametrize(
     ("training", "data", "missing"),
     [
-        ({"eval_min_tau": 3.0}, {}, "training.eval_steps and data.eval_data_path are not set"),
+        ({"eval_min_tau": 3.0}, {}, "data.eval_data_path is not set"),
         ({"eval_min_tau": 3.0, "eval_steps": 10}, {}, "data.eval_data_path is not set"),
-        ({"eval_min_tau": 3.0}, {"eval_data_path": "train.jsonl"}, "training.eval_steps is not"),
+        (
+            {"eval_min_tau": 3.0, "eval_steps": 0},
+            {"eval_data_path": "train.jsonl"},
+            "training.eval_steps is not set (or 0)",
+        ),
+        (
+            {"eval_min_tau": 3.0, "eval_steps": 0},
+            {},
+            "training.eval_steps and data.eval_data_path are not set (or 0)",
+        ),
     ],
 )
 def test_an_acceptance_gate_without_a_measurement_is_an_error(
@@ -149,6 +158,37 @@ def test_an_acceptance_gate_without_a_measurement_is_an_error(
     measured = {"eval_min_tau": 3.0, "eval_steps": 10}
     gated = make_recipe(training=measured, data={"eval_data_path": "train.jsonl"})
     assert "eval-gate-unmeasured" not in codes(lint(gated))
+    # eval_steps null with eval data measures by default (every save_steps, and the final step)
+    by_default = make_recipe(training={"eval_min_tau": 3.0}, data={"eval_data_path": "t.jsonl"})
+    assert "eval-gate-unmeasured" not in codes(lint(by_default))
+
+
+@pytest.mark.parametrize(
+    ("training", "path"),
+    [
+        ({"fsdp": True, "eval_steps": 10}, "training.eval_steps"),
+        ({"fsdp": True, "eval_min_tau": 2.0}, "training.eval_min_tau"),
+    ],
+)
+def test_fsdp_with_a_training_time_evaluation_is_refused(
+    make_recipe: RecipeFactory, training: dict[str, object], path: str
+) -> None:
+    """Rank 0 alone would run the FSDP-sharded target: a hang at the first evaluation."""
+    recipe = make_recipe(training=training, data={"eval_data_path": "t.jsonl"})
+    result = lint(recipe)
+    assert not result.ok
+    d = only(result, "fsdp-eval")
+    assert d.path == path
+    assert "rank 0 alone" in d.message and "hang" in d.message
+    assert d.hint is not None and "training.eval_steps: 0" in d.hint
+    assert "training.fsdp: false" in d.hint
+
+
+def test_fsdp_with_eval_data_but_no_evaluation_asked_compiles(make_recipe: RecipeFactory) -> None:
+    """Under FSDP the default interval is never (eval data stays for `dflash-recipe eval`)."""
+    for training in ({"fsdp": True}, {"fsdp": True, "eval_steps": 0}):
+        result = lint(make_recipe(training=training, data={"eval_data_path": "t.jsonl"}))
+        assert "fsdp-eval" not in codes(result), training
 
 
 def test_schema_level_mask_is_required_only_without_a_checkpoint(

@@ -289,7 +289,7 @@ def _print_summary(result: DemoResult, plan: RunPlan, echo: Echo) -> None:
     for label, warm_acc, scratch_acc in rows:
         echo(f"  {label:40s} {mean(warm_acc):12.3f} {mean(scratch_acc):13.3f}")
     echo(
-        f"  {'estimated acceptance length':40s} {result.warm_estimate:12.2f} "
+        f"  {'training-batch tau estimate':40s} {result.warm_estimate:12.2f} "
         f"{result.scratch_estimate:13.2f}"
     )
     echo(

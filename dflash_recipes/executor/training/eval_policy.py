@@ -1,7 +1,10 @@
 """When the loop measures acceptance on held-out prompts, and who measures it.
 
-Every ``training.eval_steps`` optimiser steps, unless the ranks agreed to stop at this step,
-rank 0 runs speculative decoding on ``data.eval_data_path``
+Every ``training.eval_steps`` optimiser steps (the compiler resolves an unset one to every
+``save_steps`` when there is eval data), and at the final step when ``training.eval_min_tau``
+gates the run, unless the ranks agreed to stop at this step, rank 0 runs speculative decoding
+on the first ``training.eval_num_prompts`` conversations of ``data.eval_data_path``
+(``training.eval_max_new_tokens`` each)
 (:func:`~dflash_recipes.executor.evaluation.evaluate.evaluate_on_plan_data`) and sends an
 ``eval`` row to the trackers; every rank receives the measured tau
 (:func:`~dflash_recipes.executor.coordination.rank0_measurement`), so no rank acts on a value
@@ -16,6 +19,7 @@ import logging
 import attrs
 from transformers import PreTrainedTokenizerBase
 
+from dflash_recipes.card.acceptance import eval_step_gate_note
 from dflash_recipes.executor.coordination import rank0_measurement
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.setup.models import Models
@@ -35,11 +39,19 @@ class EvalPolicy:
     models: Models
     tokenizer: PreTrainedTokenizerBase
     trackers: TrackerSet
+    #: The run's last optimiser step (measured too when training.eval_min_tau is set).
+    final_step: int = 0
 
     def due(self, step: int, *, stopping: bool) -> bool:
         """Whether to evaluate after optimiser step `step` (never when the ranks stop now)."""
-        every = self.plan.training.eval_steps
-        return every is not None and step % every == 0 and not stopping
+        training = self.plan.training
+        if stopping or self.plan.data.eval_data_path is None:
+            return False
+        every = training.eval_steps
+        if every is not None and step % every == 0:
+            return True
+        # The gate judges the last measurement: make it the exported weights'.
+        return training.eval_min_tau is not None and step == self.final_step
 
     def measure(self, step: int) -> float | None:
         """Rank 0 measures tau after `step` and logs it; every rank returns rank 0's tau."""
@@ -55,10 +67,27 @@ class EvalPolicy:
         drafter = self.models.drafter
         was_training = drafter.training
         drafter.eval()
-        report = evaluate_on_plan_data(self.plan, self.models.target, drafter, self.tokenizer)
+        training = self.plan.training
+        report = evaluate_on_plan_data(
+            self.plan,
+            self.models.target,
+            drafter,
+            self.tokenizer,
+            num_prompts=training.eval_num_prompts,
+            max_new_tokens=training.eval_max_new_tokens,
+        )
         drafter.train(was_training)
         self.trackers.log_row({**report.to_dict(), **eval_row(step=step, tau=report.tau)})
-        logger.info("eval at step %d: tau %.3f (measured)", step, report.tau)
+        logger.info(
+            "eval at step %d: held-out tau %.3f (measured on %d prompt(s) x %d new tokens)",
+            step,
+            report.tau,
+            training.eval_num_prompts,
+            training.eval_max_new_tokens,
+        )
+        note = eval_step_gate_note(self.plan, report.tau, step)
+        if note is not None:
+            logger.warning("%s", note)
         return report.tau
 
 

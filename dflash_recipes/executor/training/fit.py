@@ -18,15 +18,15 @@ draws the same anchors per sequence as a single-process run over the same global
 
 Under DDP the loss of each rank is normalised by the *global* weight sum of the micro-batch
 (:func:`~dflash_recipes.executor.collectives.global_batch_loss`), so the averaged gradient
-equals the single-process gradient over the whole global batch. Every decision the ranks must
-share (the checkpoint to resume, the plan, the stop) is made in
+equals the single-process gradient over the whole global batch; with gradient accumulation by
+the weight sum of the whole step (:mod:`~dflash_recipes.executor.training.accumulation`).
+Every decision the ranks must share (the checkpoint to resume, the plan, the stop) is made in
 :mod:`dflash_recipes.executor.coordination`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.errors import Interrupted, RunIOError
-from dflash_recipes.executor.collectives import barrier, global_batch_loss
+from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.coordination import StepVote, require_same_plan
 from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import (
@@ -49,6 +49,7 @@ from dflash_recipes.executor.dist_env import (
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
+from dflash_recipes.executor.training.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.loss import LossOutput
@@ -71,6 +72,7 @@ from dflash_recipes.executor.training.setup.resume import (
     locked_run_directory,
     restore,
     resume_checkpoint,
+    world_size_change,
 )
 from dflash_recipes.executor.training.setup.train_data import TrainData, build_train_data
 from dflash_recipes.executor.training.step import step_inputs
@@ -159,6 +161,7 @@ class Run:
     trackers: TrackerSet
     evaluation: EvalPolicy
     saving: SavePolicy
+    accumulation: GradientAccumulation
 
 
 def setup(
@@ -184,25 +187,39 @@ def setup(
     models.wrap_for_ranks(env)
     trackers = TrackerSet.silent()
     if is_main(env):
+        change = world_size_change(
+            plan, start, world_size=env.world_size, num_examples=len(data.dataset)
+        )
+        if change is not None:
+            logger.warning("%s", change)
         output_dir.mkdir(parents=True, exist_ok=True)
         # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
         write_text_atomic(output_dir / PLAN_FILE, plan.to_json())
         trackers = open_trackers(plan, output_dir / METRICS_FILE, resumed_from=start.resumed_from)
-    barrier(env)
-    return Run(
-        plan=plan,
-        spec=plan.resolved_draft(),
-        env=env,
-        output_dir=output_dir,
-        tokenizer=tokenizer,
-        data=data,
-        models=models,
-        optimization=optimization,
-        start=start,
-        trackers=trackers,
-        evaluation=EvalPolicy(plan, env, models, tokenizer, trackers),
-        saving=SavePolicy(plan, env, models, optimization),
-    )
+    try:  # a failure from here on (another rank's setup) ends the tracker process too
+        barrier(env)
+        return Run(
+            plan=plan,
+            spec=plan.resolved_draft(),
+            env=env,
+            output_dir=output_dir,
+            tokenizer=tokenizer,
+            data=data,
+            models=models,
+            optimization=optimization,
+            start=start,
+            trackers=trackers,
+            evaluation=EvalPolicy(
+                plan, env, models, tokenizer, trackers, final_step=optimization.total_steps
+            ),
+            saving=SavePolicy(plan, env, models, optimization),
+            accumulation=GradientAccumulation(
+                plan.training.gradient_accumulation_steps, models.trainable, env
+            ),
+        )
+    except BaseException:
+        trackers.close("failed")
+        raise
 
 
 @attrs.define
@@ -245,11 +262,12 @@ def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress
         if done % training.logging_steps == 0 or done == opt.total_steps:
             _log_window(run, window, progress, bar)
         stop_signal, checkpoint_now = vote.decide()  # the same on every rank
-        if run.evaluation.due(done, stopping=bool(stop_signal)):
-            progress.last_eval_tau = run.evaluation.measure(done)
         stopping = stop_after is not None and done >= stop_after
-        if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
-            run.saving.save(done, position)
+        with window.paused():  # evaluation and checkpoints are not training throughput
+            if run.evaluation.due(done, stopping=bool(stop_signal)):
+                progress.last_eval_tau = run.evaluation.measure(done)
+            if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
+                run.saving.save(done, position)
         if stop_signal:
             vote.close()
             bar.close()
@@ -292,21 +310,20 @@ def micro_step(run: Run, batch: Batch, *, step: int) -> tuple[LossOutput, Tensor
     )
     with autocast:
         result: LossOutput = run.models.step(inputs)
-    # Normalised by the global weight sum (DDP), then averaged over micro-batches.
-    loss = global_batch_loss(result.loss, result.weight_sum, env)
-    loss = loss / plan.training.gradient_accumulation_steps
-    loss.backward()  # type: ignore[no-untyped-call]
+    # Normalised by the global weight sum of the whole step (DDP, accumulation).
+    run.accumulation.loss(result).backward()  # type: ignore[no-untyped-call]
+    run.accumulation.after_backward(result)
     return result, on_device.attention_mask.sum()
 
 
 def _log_window(run: Run, window: MetricWindow, progress: Progress, bar: ProgressBar) -> None:
     """A logging step: the window's train row to the trackers, the bar's figures, a new window."""
     window.settle()
-    lr = float(run.optimization.scheduler.get_last_lr()[0])
+    lr = run.optimization.lr_at(progress.done - 1)  # the rate the last step used
     row = log_train_window(window, step=progress.done, lr=lr, trackers=run.trackers, env=run.env)
     progress.last_row = dict(row)
     progress.tokens += window.tokens
-    progress.seconds += time.perf_counter() - window.started
+    progress.seconds += window.elapsed()
     bar.show_figures(
         loss=row_number(row, "loss"), tau=row_number(row, "acceptance_length_estimate")
     )

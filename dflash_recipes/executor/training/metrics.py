@@ -3,8 +3,12 @@
 :class:`MetricWindow` accumulates a window's loss, per-position accuracy counts and tokens on
 the step's device; :func:`log_train_window` reduces it over the ranks, assembles the window's
 one ``train`` row (:func:`~dflash_recipes.files.metrics_rows.train_row`) and sends it to the
-run's trackers (metrics.jsonl first, :mod:`.trackers`). :func:`row_number` reads a figure back
-from a row (null as NaN).
+run's trackers (metrics.jsonl first, :mod:`.trackers`); :func:`progress_line` is the console's
+line of that row, built from the row alone. :func:`row_number` reads a figure back from a row
+(null as NaN).
+
+The window's clock counts the optimiser steps only: the loop pauses it around evaluation and
+checkpoints (:meth:`MetricWindow.paused`), so ``tokens_per_second`` is training throughput.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -37,10 +42,13 @@ class MetricWindow:
     logging step), so a step that logs nothing makes no host sync and no host copy.
     """
 
-    def __init__(self, block_size: int, *, shift: int = 0) -> None:
+    def __init__(
+        self, block_size: int, *, shift: int = 0, clock: Callable[[], float] | None = None
+    ) -> None:
         self.block_size = block_size
         #: 1 when position 0 drafts too (a head with shift_label), else 0 (module doc).
         self.shift = shift
+        self._clock = clock or time.perf_counter
         self.reset()
 
     def reset(self) -> None:
@@ -55,7 +63,21 @@ class MetricWindow:
         self.count = torch.zeros(self.block_size, dtype=torch.long)
         self.tokens = 0
         self.grad_norm: float | None = None
-        self.started = time.perf_counter()
+        self.started = self._clock()
+        self._paused_seconds = 0.0
+
+    def elapsed(self) -> float:
+        """Seconds since the window started, less the time it was paused."""
+        return self._clock() - self.started - self._paused_seconds
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside is not the window's (evaluation, checkpoints)."""
+        began = self._clock()
+        try:
+            yield
+        finally:
+            self._paused_seconds += self._clock() - began
 
     def add_grad_norm(self, norm: Tensor) -> None:
         self._grad_norm = norm.detach()
@@ -104,7 +126,7 @@ def log_train_window(
     acc = per_position_accuracy(correct.long(), count.long())
     first = 1 - window.shift  # the first drafting position (0 with the label shift)
     tau = estimated_acceptance_length(acc, shift=window.shift)
-    tokens_per_second = tokens / max(1e-9, time.perf_counter() - window.started)
+    tokens_per_second = tokens / max(1e-9, window.elapsed())
     row = train_row(
         step=step,
         loss=loss_mean,
@@ -118,18 +140,38 @@ def log_train_window(
     )
     if is_main(env):
         trackers.log_row(row)
-        accs = " ".join(f"{a:.2f}" for a in acc[first:])
-        logger.info(
-            "step %d loss %.4f lr %.3g acc[%d..] %s tau~%.2f tok/s %.0f",
-            step,
-            first,
-            loss_mean,
-            lr,
-            accs,
-            tau,
-            tokens_per_second,
-        )
+        logger.info("%s", progress_line(row))
     return row
+
+
+def progress_line(row: Mapping[str, object]) -> str:
+    """The console line of a ``train`` row, e.g. ``step 10 loss 4.8900 lr 0.00162 acc[1..] 0.41
+    0.22 0.10 train-batch tau~1.75 tok/s 5120``.
+
+    ``acc[k..]`` lists the accuracy of each drafting position from the first one (1, or 0 for
+    a head with the label shift: the row's leading nulls are the positions that draft
+    nothing). ``train-batch tau~`` is the estimate from this window's training batches, not
+    acceptance measured by drafting on held-out prompts (the ``eval`` rows).
+    """
+    raw = row.get("accuracy_by_position")
+    accs = list(raw) if isinstance(raw, (list, tuple)) else []
+    first = 0
+    while first < len(accs) and accs[first] is None:
+        first += 1
+    shown = " ".join(_figure(a, ".2f") for a in accs[first:])
+    return (
+        f"step {row.get('step')} loss {_figure(row.get('loss'), '.4f')} "
+        f"lr {_figure(row.get('lr'), '.3g')} acc[{first}..] {shown} "
+        f"train-batch tau~{_figure(row.get('acceptance_length_estimate'), '.2f')} "
+        f"tok/s {_figure(row.get('tokens_per_second'), '.0f')}"
+    )
+
+
+def _figure(value: object, spec: str) -> str:
+    """A number of a row as the line shows it (null as nan)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "nan"
+    return format(float(value), spec)
 
 
 def row_number(row: Mapping[str, object], key: str, default: float = math.nan) -> float:
@@ -152,5 +194,6 @@ __all__ = [
     "MetricWindow",
     "accuracies",
     "log_train_window",
+    "progress_line",
     "row_number",
 ]

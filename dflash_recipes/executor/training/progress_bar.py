@@ -37,9 +37,9 @@ class ProgressBar:
             self._bar.update(1)
 
     def show_figures(self, *, loss: float, tau: float) -> None:
-        """The last logged loss and estimated acceptance length beside the bar."""
+        """The last logged loss and training-batch tau estimate beside the bar."""
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.3f}", tau=f"{tau:.2f}")
+            self._bar.set_postfix(loss=f"{loss:.3f}", train_batch_tau=f"{tau:.2f}")
 
     def close(self) -> None:
         if self._bar is not None:

@@ -2,7 +2,9 @@
 
 :class:`TrainSummary` is what :func:`~dflash_recipes.executor.training.fit.run_plan` returns
 (also written as the last row of metrics.jsonl); :func:`summary_line` is the one line the CLI
-prints from it: finished, resumed-finished, or stopped, then which trackers missed rows.
+prints from it: finished, resumed-finished, or stopped, the held-out tau first when the run
+measured one, then which trackers missed rows; :func:`held_out_gap_line` is the warning `run`
+adds when the held-out tau is far below the training-batch estimate.
 """
 
 from __future__ import annotations
@@ -47,9 +49,37 @@ def summary_line(summary: TrainSummary) -> str:
     return line
 
 
+#: A held-out tau whose gain over 1 is below this share of the training-batch estimate's gain
+#: is "far below" it (:func:`held_out_gap_line`).
+HELD_OUT_GAP_SHARE = 0.5
+
+
+def held_out_gap_line(summary: TrainSummary) -> str | None:
+    """One warning line when the held-out tau is far below the training-batch estimate (its
+    gain over 1 less than :data:`HELD_OUT_GAP_SHARE` of the estimate's); None otherwise or
+    when nothing was measured."""
+    tau, estimate = summary.last_eval_tau, summary.acceptance_length_estimate
+    if tau is None or not math.isfinite(tau) or not math.isfinite(estimate):
+        return None
+    if tau - 1.0 >= HELD_OUT_GAP_SHARE * (estimate - 1.0):
+        return None
+    return (
+        f"warning: the held-out tau {tau:.2f} is far below the training-batch estimate "
+        f"{estimate:.2f}: the drafter predicts its training conversations much better than new "
+        "ones, which usually means it memorised them (too few distinct conversations for the "
+        "steps trained); add conversations or train fewer steps, and judge the drafter by the "
+        "held-out tau (what serving sees)"
+    )
+
+
 def _outcome_line(summary: TrainSummary) -> str:
     loss = "n/a" if math.isnan(summary.final_loss) else f"{summary.final_loss:.4f}"
-    figures = f"loss {loss}, estimated acceptance length {summary.acceptance_length_estimate:.2f}"
+    estimate = f"training-batch tau estimate {summary.acceptance_length_estimate:.2f}"
+    tau = summary.last_eval_tau
+    if tau is not None:  # the figure that predicts serving comes first
+        figures = f"held-out tau {tau:.2f}, loss {loss}, {estimate}"
+    else:
+        figures = f"loss {loss}, {estimate} (no held-out tau measured)"
     if summary.steps < summary.planned_steps:
         return (
             f"stopped after {summary.steps} of {summary.planned_steps} steps, {figures}; "
@@ -64,4 +94,4 @@ def _outcome_line(summary: TrainSummary) -> str:
     return f"done: {summary.steps} steps, {figures}, export {summary.export_dir}"
 
 
-__all__ = ["TrainSummary", "summary_line"]
+__all__ = ["HELD_OUT_GAP_SHARE", "TrainSummary", "held_out_gap_line", "summary_line"]

@@ -377,3 +377,48 @@ def test_a_recipe_with_num_proc_2_tokenizes_and_trains_exactly_like_num_proc_1(
     assert {"input_ids.bin", "loss_mask.bin", "offsets.bin", "meta.json"} <= set(arrays[1])
     assert arrays[2] == arrays[1]
     assert len(losses[1]) == 2 and losses[2] == losses[1]
+
+
+def test_gradient_accumulation_equals_one_micro_step_over_the_whole_batch(
+    tmp_path: Path,
+) -> None:
+    """Two micro-batches of one sequence (the no_sync path, the loss scaling) train like one
+    batch of both, though their supervised weights differ: 5e-5 of the movement apart here;
+    averaging the two micro-batches' means instead lands 2e-2 of it away.
+
+    Compared as the whole drafter's distance over how far training moved it: AdamW's first
+    steps amplify float noise in near-zero gradients in single weights (see above).
+    """
+    whole = _plan(tmp_path, "whole", "training.max_steps=2")
+    run_plan(whole, progress=False)
+    halves = _plan(
+        tmp_path,
+        "halves",
+        "training.max_steps=2",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=2",
+    )
+    run_plan(halves, progress=False)
+    a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "halves")
+    seed = torch.Generator().manual_seed(whole.training.seed)
+    start = DFlashDraftModel(whole.resolved_draft(), generator=seed).state_dict()
+    moved = math.sqrt(sum(float((a[n] - start[n].to(a[n].dtype)).square().sum()) for n in a))
+    apart = math.sqrt(sum(float((b[n] - a[n]).square().sum()) for n in a))
+    assert moved > 1e-2
+    assert apart < 1e-3 * moved, (apart, moved)
+
+
+def test_an_epoch_counts_optimiser_steps_not_micro_batches(tmp_path: Path) -> None:
+    """max_steps unset: one epoch is batches per epoch // gradient_accumulation_steps steps."""
+    one = _plan(tmp_path, "one", "training.max_steps=null", "training.num_train_epochs=1")
+    two = _plan(
+        tmp_path,
+        "two",
+        "training.max_steps=null",
+        "training.num_train_epochs=1",
+        "training.gradient_accumulation_steps=2",
+    )
+    steps_one = run_plan(one, progress=False, stop_after=1).planned_steps
+    steps_two = run_plan(two, progress=False, stop_after=1).planned_steps
+    assert steps_one >= 2
+    assert steps_two == steps_one // 2

@@ -10,6 +10,7 @@ clipping of each step, with the multi-tensor kernels.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -25,6 +26,16 @@ class Optimization:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     total_steps: int
+    #: The peak learning rate (the schedule's multiplier scales it).
+    peak_lr: float = 0.0
+    #: The schedule's multiplier of the peak learning rate at a 0-based optimiser step.
+    factor: Callable[[int], float] = attrs.field(default=lambda step: 1.0)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate optimiser step `step` (0-based) updates with. Not the
+        scheduler's ``get_last_lr()`` after that step: the scheduler has moved on to the
+        next step's rate by then (0.0 after a cosine run's last step)."""
+        return self.peak_lr * self.factor(step)
 
 
 def build_optimization(
@@ -50,7 +61,9 @@ def build_optimization(
         )
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    return Optimization(optimizer, scheduler, total_steps)
+    return Optimization(
+        optimizer, scheduler, total_steps, peak_lr=training.learning_rate, factor=schedule
+    )
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_ratio: float, kind: str) -> float:

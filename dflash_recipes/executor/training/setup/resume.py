@@ -11,6 +11,9 @@
   and every other rank restores the very checkpoint rank 0 read: a stale view of the
   directory on one node cannot start the ranks at different steps. Rows of steps the resumed
   run will redo are removed from ``metrics.jsonl`` (atomically) so that each step appears once.
+- :func:`world_size_change`: the warning for resuming on another number of ranks (what
+  changes: the global batch, and without ``training.max_steps`` the total steps and the
+  learning-rate schedule).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from torch import nn
 
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
 from dflash_recipes.executor.coordination import rank0_decides, stop_if_any_rank_failed
+from dflash_recipes.executor.data.train_dataset import batches_per_epoch
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.checkpoints import Stateful, restore_training_checkpoint
+from dflash_recipes.executor.training.setup.optimizer import lr_factor, total_optimizer_steps
 from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.files.locking import LOCK_FILE, hold_directory_lock
 from dflash_recipes.files.metrics_rows import drop_metrics_after
@@ -178,6 +183,8 @@ class ResumePoint(Record):
     next_index: int
     #: The checkpoint restored; None for a fresh run.
     checkpoint: Path | None
+    #: How many ranks trained up to the checkpoint (None: fresh, or not recorded).
+    saved_world_size: int | None = None
 
     @property
     def resumed_from(self) -> int | None:
@@ -253,11 +260,63 @@ def restore(
 
 
 def _resume_point(checkpoint: Path, state: dict[str, object]) -> ResumePoint:
+    saved = state.get("world_size")
     return ResumePoint(
         step=_int(state, "step"),
         epoch=_int(state, "epoch"),
         next_index=_int(state, "next_index"),
         checkpoint=checkpoint,
+        saved_world_size=saved if isinstance(saved, int) and saved >= 1 else None,
+    )
+
+
+def world_size_change(
+    plan: RunPlan, start: ResumePoint, *, world_size: int, num_examples: int
+) -> str | None:
+    """The warning for resuming on another number of ranks than the checkpoint's: what
+    changes (the global batch; without training.max_steps the run's total steps and with them
+    the learning-rate schedule) and how to keep the old run's. None when nothing changes."""
+    saved = start.saved_world_size
+    if saved is None or saved == world_size:
+        return None
+    training = plan.training
+    per_rank = training.per_device_train_batch_size * training.gradient_accumulation_steps
+    head = (
+        f"warning: resuming {start.checkpoint} (step {start.step}, trained on {saved} "
+        f"rank(s)) on {world_size} rank(s): each optimiser step now takes "
+        f"{per_rank * world_size} sequences instead of {per_rank * saved}"
+    )
+    if training.max_steps is not None:
+        return (
+            f"{head}; the run's total stays {training.max_steps} steps (training.max_steps) "
+            "and so does the learning-rate schedule, so the remaining steps cover "
+            f"{'more' if world_size > saved else 'less'} data than planned"
+        )
+
+    def total(ranks: int) -> int:
+        per_epoch = batches_per_epoch(
+            num_examples, batch_size=training.per_device_train_batch_size, world_size=ranks
+        )
+        return total_optimizer_steps(plan, per_epoch)
+
+    before, now = total(saved), total(world_size)
+    if before == now:
+        return f"{head}; the run's total stays {now} steps"
+
+    def rate(steps: int) -> float:
+        return training.learning_rate * lr_factor(
+            start.step,
+            total_steps=steps,
+            warmup_ratio=training.warmup_ratio,
+            kind=training.lr_scheduler_type,
+        )
+
+    return (
+        f"{head}; the run's total goes from {before} to {now} optimiser steps "
+        f"({training.num_train_epochs} epoch(s)), so the learning-rate schedule is spread over "
+        f"{now} steps: the next step's rate is {rate(now):.3g} (it was to be "
+        f"{rate(before):.3g}); resume on {saved} rank(s) to keep the old schedule, or set "
+        "training.max_steps to fix the total"
     )
 
 
@@ -277,4 +336,5 @@ __all__ = [
     "restore",
     "restore_newest_readable",
     "resume_checkpoint",
+    "world_size_change",
 ]

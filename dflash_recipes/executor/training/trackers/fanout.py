@@ -84,13 +84,17 @@ def open_trackers(plan: RunPlan, metrics_path: Path, *, resumed_from: int | None
             "kept": kept,
         },
     )
-    if process.resume_state:
-        write_text_atomic(
-            run_dir / TRACKERS_FILE,
-            json.dumps({**kept, **process.resume_state}, indent=2, sort_keys=True),
-        )
-    process.log_config(flat_config(plan.to_dict()), {"plan_fingerprint": plan.fingerprint})
-    return TrackerSet(MetricsJsonl(metrics_path), process)
+    try:  # the process runs from here: a failure must not leave it behind
+        if process.resume_state:
+            write_text_atomic(
+                run_dir / TRACKERS_FILE,
+                json.dumps({**kept, **process.resume_state}, indent=2, sort_keys=True),
+            )
+        process.log_config(flat_config(plan.to_dict()), {"plan_fingerprint": plan.fingerprint})
+        return TrackerSet(MetricsJsonl(metrics_path), process)
+    except BaseException:
+        process.close("failed")
+        raise
 
 
 def _read_kept(path: Path) -> dict[str, dict[str, str]]:

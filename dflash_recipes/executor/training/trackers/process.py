@@ -17,6 +17,11 @@ row at most that much later; :meth:`flush` delivers everything at once.
 When the process itself ends without being asked (killed, out of memory), the trainer warns
 once, training goes on, and each tracker is named in the summary with the rows logged since
 (rows the process held when it ended are lost to the trackers too; metrics.jsonl has them).
+
+The end of a run never hangs on a tracker: :meth:`TrackerProcess.flush` and
+:meth:`TrackerProcess.close` wait at most :data:`END_SECONDS` each for the process's answer
+(a W&B or MLflow server that stopped answering), then say so; close then stops the process.
+metrics.jsonl, written by the trainer itself, is complete either way.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
@@ -35,9 +41,16 @@ from dflash_recipes.executor.training.trackers.protocol import ConfigValue, Outc
 
 logger = logging.getLogger("dflash_recipes.train")
 
+#: What :meth:`TrackerProcess._answer` returns when its time ran out.
+_NO_ANSWER = object()
+
 WORKER_MODULE = "dflash_recipes.executor.training.trackers.worker"
 #: How long rows are gathered before they are written to the tracker process in one chunk.
 GATHER_SECONDS = 1.0
+#: How long the end of a run waits for the trackers to deliver (flush) and to close, each.
+END_SECONDS = 120.0
+#: How long a stopped tracker process is given to exit on SIGTERM before it is killed.
+_STOP_SECONDS = 10.0
 #: The tracker process's command: the worker without the executor's and the training
 #: package's ``__init__`` (they import torch and transformers, which no tracker needs: seconds
 #: of start-up and hundreds of MB): both are entered as bare packages over their folders.
@@ -113,8 +126,13 @@ class TrackerProcess:
     def flush(self) -> tuple[str, ...]:
         """Wait until the trackers delivered every row; one line per tracker that missed rows."""
         self._send({"op": "flush"})
-        problems = self._answer("flushed")
+        problems = self._answer("flushed", timeout=END_SECONDS)
         found = [str(p) for p in problems] if isinstance(problems, list) else []
+        if problems is _NO_ANSWER:
+            found += [
+                f"{name} had not confirmed delivering every row after {END_SECONDS:g} s"
+                for name in self.names
+            ]
         if self._gone is not None:
             step, reason = self._gone
             where = f"step {step}" if step is not None else "the start"
@@ -128,12 +146,29 @@ class TrackerProcess:
         """End the tracker runs (``outcome`` for MLflow's status and W&B's exit code)."""
         self._closing = True
         self._send({"op": "close", "outcome": outcome})
-        self._answer("closed")
+        if self._answer("closed", timeout=END_SECONDS) is _NO_ANSWER:
+            logger.warning(
+                "the trackers (%s) did not finish closing within %g s; stopped their process "
+                "so the run can end (their runs may lack the end; metrics.jsonl has every row)",
+                ", ".join(self.names),
+                END_SECONDS,
+            )
+            self._stop()
         self._lines.put(None)
         self._urgent.set()
         self._writer.join()
         self._process.wait()
         self._reader.join()
+
+    def _stop(self) -> None:
+        """SIGTERM, then SIGKILL if the process has not exited within _STOP_SECONDS."""
+        with contextlib.suppress(OSError):
+            self._process.terminate()
+        try:
+            self._process.wait(_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                self._process.kill()
 
     # -- the two threads and the answers ---------------------------------------------------
 
@@ -142,10 +177,18 @@ class TrackerProcess:
             self._lines.put(json.dumps(message, allow_nan=False).encode("utf-8") + b"\n")
             self._urgent.set()
 
-    def _answer(self, key: str) -> object:
-        """The process's answer `key` (None when it ended without giving one)."""
+    def _answer(self, key: str, *, timeout: float | None = None) -> object:
+        """The process's answer `key` (None when it ended without giving one; _NO_ANSWER when
+        `timeout` seconds passed without it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self._gone is None:
-            answer = self._answers.get()
+            try:
+                if deadline is None:
+                    answer = self._answers.get()
+                else:
+                    answer = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return _NO_ANSWER
             if answer is None:
                 break
             if key in answer:
@@ -205,4 +248,4 @@ def gather(
     return chunk
 
 
-__all__ = ["GATHER_SECONDS", "WORKER_MODULE", "TrackerProcess", "gather"]
+__all__ = ["END_SECONDS", "GATHER_SECONDS", "WORKER_MODULE", "TrackerProcess", "gather"]
