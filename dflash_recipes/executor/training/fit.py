@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from transformers import PreTrainedTokenizerBase
 from dflash_recipes.errors import Interrupted, RunIOError
 from dflash_recipes.executor.collectives import barrier, global_batch_loss
 from dflash_recipes.executor.coordination import StepVote, require_same_plan
-from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import (
     DistEnv,
     detect_dist_env,
@@ -49,7 +49,6 @@ from dflash_recipes.executor.dist_env import (
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
-from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.metrics import (
@@ -58,6 +57,7 @@ from dflash_recipes.executor.training.metrics import (
     log_train_window,
     row_number,
 )
+from dflash_recipes.executor.training.prefetch import Prefetch, PreparedBatch, prepare_batch
 from dflash_recipes.executor.training.progress_bar import ProgressBar
 from dflash_recipes.executor.training.save_policy import SavePolicy
 from dflash_recipes.executor.training.setup.models import Models, build_models
@@ -216,9 +216,20 @@ class Progress:
     last_eval_tau: float | None = None
 
 
-def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress: bool) -> Progress:
+def fit(
+    run: Run,
+    signals: SignalWatch,
+    stop_after: int | None,
+    *,
+    show_progress: bool,
+    prefetch: bool = True,
+) -> Progress:
     """The optimiser steps from ``run.start`` to the plan's last one (or `stop_after`): log,
-    evaluate and save as planned; a stop signal saves and raises Interrupted."""
+    evaluate and save as planned; a stop signal saves and raises Interrupted.
+
+    Batches are prepared on a background thread while the steps run (`prefetch` False: on the
+    loop's thread, the synchronous baseline), and nothing is read back from the device between
+    logging steps (:mod:`~dflash_recipes.executor.training.prefetch`)."""
     training, env, models, opt = run.plan.training, run.env, run.models, run.optimization
     progress = Progress(done=run.start.step)
     window = MetricWindow(run.spec.block_size, shift=run.spec.label_shift)
@@ -226,64 +237,73 @@ def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress
         total=opt.total_steps, start=run.start.step, show=show_progress and is_main(env)
     )
     vote = StepVote(signals, distributed=env.is_distributed)
-    stream = run.data.stream(run.start.epoch, run.start.next_index)
     position = (run.start.epoch, run.start.next_index)
     models.training_modes()
-    for step in range(run.start.step, opt.total_steps):
-        opt.optimizer.zero_grad(set_to_none=True)
-        for micro in range(training.gradient_accumulation_steps):
-            batch = next(stream)
-            position = (batch.epoch, batch.next_index)
-            last = micro == training.gradient_accumulation_steps - 1
-            with models.gradient_sync(last_micro_batch=last):
-                window.add(*micro_step(run, batch, step=step))
-        window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
-        opt.optimizer.step()
-        opt.scheduler.step()
-        done = progress.done = step + 1
-        bar.advance()
-        if done % training.logging_steps == 0 or done == opt.total_steps:
-            _log_window(run, window, progress, bar)
-        stop_signal, checkpoint_now = vote.decide()  # the same on every rank
-        if run.evaluation.due(done, stopping=bool(stop_signal)):
-            progress.last_eval_tau = run.evaluation.measure(done)
-        stopping = stop_after is not None and done >= stop_after
-        if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
-            run.saving.save(done, position)
-        if stop_signal:
-            vote.close()
-            bar.close()
-            raise stopped_run(stop_signal, done, opt.total_steps, run.output_dir)
-        if stopping:
-            break
+    with Prefetch(_prepared_batches(run), background=prefetch) as batches:
+        for step in range(run.start.step, opt.total_steps):
+            opt.optimizer.zero_grad(set_to_none=True)
+            for micro in range(training.gradient_accumulation_steps):
+                prepared = next(batches)
+                position = (prepared.batch.epoch, prepared.batch.next_index)
+                last = micro == training.gradient_accumulation_steps - 1
+                with models.gradient_sync(last_micro_batch=last):
+                    window.add(*micro_step(run, prepared, step=step))
+            window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
+            opt.optimizer.step()
+            opt.scheduler.step()
+            done = progress.done = step + 1
+            bar.advance()
+            if done % training.logging_steps == 0 or done == opt.total_steps:
+                _log_window(run, window, progress, bar)  # the window's one host sync
+            stop_signal, checkpoint_now = vote.decide()  # the same on every rank
+            if run.evaluation.due(done, stopping=bool(stop_signal)):
+                progress.last_eval_tau = run.evaluation.measure(done)
+            stopping = stop_after is not None and done >= stop_after
+            if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
+                run.saving.save(done, position)
+            if stop_signal:
+                vote.close()
+                bar.close()
+                raise stopped_run(stop_signal, done, opt.total_steps, run.output_dir)
+            if stopping:
+                break
     vote.close()
     bar.close()
     return progress
 
 
-def micro_step(run: Run, batch: Batch, *, step: int) -> tuple[LossOutput, Tensor]:
-    """One micro-batch: anchors, the step's inputs, forward and backward. Returns the step's
-    loss output and the batch's token count (a tensor: no host sync)."""
+def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:
+    """This rank's batches from the run's start, each with its host work done
+    (:func:`~dflash_recipes.executor.training.prefetch.prepare_batch`)."""
+    plan = run.plan
+    for batch in run.data.stream(run.start.epoch, run.start.next_index):
+        yield prepare_batch(
+            batch,
+            env=run.env,
+            seed=plan.training.seed,
+            spec=run.spec,
+            num_anchors=plan.draft.objective.num_anchors,
+        )
+
+
+def micro_step(run: Run, prepared: PreparedBatch, *, step: int) -> tuple[LossOutput, Tensor]:
+    """One micro-batch: the step's inputs, forward and backward. Returns the step's loss
+    output and the batch's token count (a tensor: no host sync)."""
     plan, env, device = run.plan, run.env, run.env.device
     spec, objective = run.spec, plan.draft.objective
-    drawn = sample_batch_anchors(
-        batch,
-        positions=batch_positions(batch, env),
-        seed=plan.training.seed,
-        block_size=spec.block_size,
-        num_anchors=objective.num_anchors,
-    )
+    batch = prepared.batch
     captured = run.data.captured_states(batch, device)  # offline: the target's stored states
-    on_device = batch.to(device)
+    on_device, drawn = prepared.to(device)
     inputs = step_inputs(
         run.models.target,
         spec,
         objective,
         on_device,
-        drawn.to(device),
+        drawn,
         step=step,
         total_steps=run.optimization.total_steps,
         captured=captured,
+        mask=prepared.mask,
     )
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)

@@ -190,6 +190,7 @@ def step_inputs(
     step: int = 0,
     total_steps: int = 1,
     captured: CapturedStates | None = None,
+    mask: object | None = None,
 ) -> StepInputs:
     """Everything a micro-step feeds the drafter, from a batch and its anchors (on one device).
 
@@ -200,7 +201,9 @@ def step_inputs(
     the packed blocks, their positions, the block mask (flex on CUDA, the split form on CPU)
     and the labels. Fusing the taps is left to the step, which trains ``fc``. With `captured`
     (offline training) the taps come from the capture and the target's decoder does not run;
-    teacher logits are recomputed from the captured last hidden state.
+    teacher logits are recomputed from the captured last hidden state. `mask`: the block mask
+    already built on the host (:mod:`~dflash_recipes.executor.training.prefetch`, CPU), else
+    it is built here.
     """
     ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
     anchors, valid = drawn.anchors, drawn.valid
@@ -228,10 +231,9 @@ def step_inputs(
         head_inputs = kind_modules(spec.projector_type).head_inputs(spec, ids, anchors, embeddings)
     ctx_len = int(ids.shape[1])
     ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
-    mask: object
-    if device.type == "cuda":
+    if mask is None and device.type == "cuda":
         mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
-    else:
+    elif mask is None:
         # CPU: the split form of the dense mask (no blocks x blocks part).
         mask = build_split_block_mask(
             anchors, spec.block_size, ctx_len, valid, heads=spec.num_attention_heads
