@@ -100,8 +100,10 @@ def run_plan(
 
     `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
     would; rerunning the recipe then resumes. `max_chunk_logits` bounds the logits one chunk
-    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`);
-    the loss is the same, only the memory and the time change. `verify_capture` hashes every
+    of blocks holds (default: sized from the free memory on CUDA,
+    :func:`~dflash_recipes.executor.training.chunk_budget.logits_budget`, and
+    :data:`~dflash_recipes.executor.training.chunk_budget.MAX_CHUNK_LOGITS` on CPU); the loss
+    is the same, only the memory and the time change. `verify_capture` hashes every
     shard of the plan's capture before the first step (otherwise each is checked on first use).
     """
     env = detect_dist_env(plan.training.device)
