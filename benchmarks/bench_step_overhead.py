@@ -76,8 +76,8 @@ from dflash_recipes.executor.training.anchors import (
     sample_anchors,
 )
 from dflash_recipes.executor.training.fit import micro_step
-from dflash_recipes.executor.training.prefetch import prepare_batch
 from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.training.setup.prefetch import prepare_batch
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 

@@ -57,7 +57,6 @@ from dflash_recipes.executor.training.metrics import (
     log_train_window,
     row_number,
 )
-from dflash_recipes.executor.training.prefetch import Prefetch, PreparedBatch, prepare_batch
 from dflash_recipes.executor.training.progress_bar import ProgressBar
 from dflash_recipes.executor.training.save_policy import SavePolicy
 from dflash_recipes.executor.training.setup.models import Models, build_models
@@ -66,6 +65,7 @@ from dflash_recipes.executor.training.setup.optimizer import (
     build_optimization,
     clip_gradients,
 )
+from dflash_recipes.executor.training.setup.prefetch import Prefetch, PreparedBatch, prepare_batch
 from dflash_recipes.executor.training.setup.resume import (
     ResumePoint,
     locked_run_directory,
@@ -231,7 +231,7 @@ def fit(
 
     Batches are prepared on a background thread while the steps run (`prefetch` False: on the
     loop's thread, the synchronous baseline), and nothing is read back from the device between
-    logging steps (:mod:`~dflash_recipes.executor.training.prefetch`)."""
+    logging steps (:mod:`~dflash_recipes.executor.training.setup.prefetch`)."""
     training, env, models, opt = run.plan.training, run.env, run.models, run.optimization
     progress = Progress(done=run.start.step)
     window = MetricWindow(run.spec.block_size, shift=run.spec.label_shift)
@@ -276,7 +276,7 @@ def fit(
 
 def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:
     """This rank's batches from the run's start, each with its host work done
-    (:func:`~dflash_recipes.executor.training.prefetch.prepare_batch`)."""
+    (:func:`~dflash_recipes.executor.training.setup.prefetch.prepare_batch`)."""
     plan = run.plan
     for batch in run.data.stream(run.start.epoch, run.start.next_index):
         yield prepare_batch(

@@ -209,7 +209,7 @@ def step_inputs(
     and the labels. Fusing the taps is left to the step, which trains ``fc``. With `captured`
     (offline training) the taps come from the capture and the target's decoder does not run;
     teacher logits are recomputed from the captured last hidden state. `mask`: the block mask
-    already built on the host (:mod:`~dflash_recipes.executor.training.prefetch`, CPU), else
+    already built on the host (:mod:`~dflash_recipes.executor.training.setup.prefetch`, CPU), else
     it is built here.
     """
     ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dflash_recipes.executor.training.fit as fit_module
 from dflash_recipes.executor.training.metrics import MetricWindow
-from dflash_recipes.executor.training.prefetch import Prefetch
+from dflash_recipes.executor.training.setup.prefetch import Prefetch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dflash_recipes.executor.training.prefetch import Prefetch, pin_batches
+from dflash_recipes.executor.training.setup.prefetch import Prefetch, pin_batches
 
 
 def _numbers(stop: int, *, fail_at: int | None = None) -> Iterator[int]:
