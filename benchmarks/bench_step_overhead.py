@@ -15,10 +15,12 @@ rotates every round, so a noisy neighbour slows all three alike); figures are me
   ``sample_anchors`` call per row, the split mask at a fixed 8 chunks, the per-tensor-loop
   gradient clipping and AdamW (``foreach=False``), the loss's old ``log_softmax`` + ``gather``
   cross-entropy and ``argmax`` accuracy, and the old per-step host syncs (loss, counts,
-  gradient norm and tokens read back every step);
-- ``after``: the trainer's own code path: ``fit.micro_step`` (``sample_batch_anchors``,
-  ``step_inputs``, ``DraftStep``, backward), then ``clip_gradients``, the AdamW of
-  ``build_optimizer`` and the trainer's metric window;
+  gradient norm and tokens read back every step); the old step's always-built prefix tokens
+  are gone from the code and no longer reproduced;
+- ``after``: the trainer's own code path: ``prefetch.prepare_batch`` (anchors and the split
+  mask; the loop runs it on its prefetch thread, here it runs inside the step), then
+  ``fit.micro_step`` (``step_inputs``, ``DraftStep``, backward), ``clip_gradients``, the AdamW
+  of ``build_optimizer`` and the trainer's metric window;
 - ``plain``: a plain PyTorch step written here: the same target forward, anchors from one
   ``torch.rand`` + ``topk``, one packed drafter forward under the dense block mask, lm_head,
   the decay-weighted cross-entropy, backward, ``clip_grad_norm_`` and a default ``AdamW``
@@ -53,6 +55,7 @@ from torch import Tensor, nn
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import detect_dist_env
+from dflash_recipes.executor.kinds import dflash as dflash_kind
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -75,6 +78,7 @@ from dflash_recipes.executor.training.anchors import (
 )
 from dflash_recipes.executor.training.fit import micro_step
 from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
+from dflash_recipes.executor.training.setup.prefetch import prepare_batch
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 
@@ -268,7 +272,15 @@ class Shape:
                 optimization=SimpleNamespace(total_steps=1000),
                 accumulation=GradientAccumulation(1, [], self.env),
             )
-            out, tokens = micro_step(run, self.batch, step=self.step_count)  # type: ignore[arg-type]
+            # The loop prepares batches on its prefetch thread; here on this one, in the step.
+            prepared = prepare_batch(
+                self.batch,
+                env=self.env,
+                seed=self.plan.training.seed,
+                spec=self.spec,
+                num_anchors=self.objective.num_anchors,
+            )
+            out, tokens = micro_step(run, prepared, step=self.step_count)  # type: ignore[arg-type]
         finally:
             torch.Tensor.backward = plain_backward  # type: ignore[method-assign]
         self.window.add(out, tokens)
@@ -297,14 +309,14 @@ class Shape:
             )
         finally:
             step_module.build_split_block_mask = build_split_block_mask
-        step_module._prefix_tokens(batch.input_ids, anchors, spec.block_size)  # always built
-        new_ce, new_counts = loss_module._token_ce, loss_module._position_counts
-        loss_module._token_ce, loss_module._position_counts = _old_token_ce, _old_counts
+        # The kind's objective calls token_ce by the name it imported; the counts live in loss.
+        new_ce, new_counts = dflash_kind.token_ce, loss_module._position_counts
+        dflash_kind.token_ce, loss_module._position_counts = _old_token_ce, _old_counts
         try:
             with timer.phase("drafter forward"):
                 out = self.steps["before"](inputs)
         finally:
-            loss_module._token_ce, loss_module._position_counts = new_ce, new_counts
+            dflash_kind.token_ce, loss_module._position_counts = new_ce, new_counts
         local = out.weight_sum
         scale = local / local if float(local) > 0 else torch.ones_like(local)
         loss = out.loss * scale

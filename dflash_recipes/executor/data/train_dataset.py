@@ -153,13 +153,23 @@ class Batch:
     #: Index into the epoch's order just after this (global) batch: save it to resume.
     next_index: int
 
-    def to(self, device: torch.device) -> Batch:
-        """The same batch with its tensors on `device`."""
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> Batch:
+        """The same batch with its tensors on `device` (`non_blocking`: an asynchronous copy
+        when the tensors are pinned)."""
         return attrs.evolve(
             self,
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            loss_mask=self.loss_mask.to(device),
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
+            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> Batch:
+        """The same batch in pinned host memory (for asynchronous copies; CUDA only)."""
+        return attrs.evolve(
+            self,
+            input_ids=self.input_ids.pin_memory(),
+            attention_mask=self.attention_mask.pin_memory(),
+            loss_mask=self.loss_mask.pin_memory(),
         )
 
 

@@ -51,9 +51,12 @@ class AnchorBatch:
     #: [B, N] bool; True for real anchors (a prefix of each row).
     valid: Tensor
 
-    def to(self, device: torch.device) -> AnchorBatch:
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> AnchorBatch:
         """The same anchors on `device`."""
-        return AnchorBatch(anchors=self.anchors.to(device), valid=self.valid.to(device))
+        return AnchorBatch(
+            anchors=self.anchors.to(device, non_blocking=non_blocking),
+            valid=self.valid.to(device, non_blocking=non_blocking),
+        )
 
 
 def eligible_anchor_mask(loss_mask: Tensor, attention_mask: Tensor, *, block_size: int) -> Tensor:

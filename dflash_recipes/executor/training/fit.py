@@ -27,6 +27,7 @@ Every decision the ranks must share (the checkpoint to resume, the plan, the sto
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from transformers import PreTrainedTokenizerBase
 from dflash_recipes.errors import Interrupted, RunIOError
 from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.coordination import StepVote, require_same_plan
-from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import (
     DistEnv,
     detect_dist_env,
@@ -50,7 +50,6 @@ from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
 from dflash_recipes.executor.training.accumulation import GradientAccumulation
-from dflash_recipes.executor.training.anchors import batch_positions, sample_batch_anchors
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.metrics import (
@@ -67,6 +66,7 @@ from dflash_recipes.executor.training.setup.optimizer import (
     build_optimization,
     clip_gradients,
 )
+from dflash_recipes.executor.training.setup.prefetch import Prefetch, PreparedBatch, prepare_batch
 from dflash_recipes.executor.training.setup.resume import (
     ResumePoint,
     locked_run_directory,
@@ -102,8 +102,10 @@ def run_plan(
 
     `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
     would; rerunning the recipe then resumes. `max_chunk_logits` bounds the logits one chunk
-    of blocks holds (default :data:`~dflash_recipes.executor.training.step.MAX_CHUNK_LOGITS`);
-    the loss is the same, only the memory and the time change. `verify_capture` hashes every
+    of blocks holds (default: sized from the free memory on CUDA,
+    :func:`~dflash_recipes.executor.training.chunk_budget.logits_budget`, and
+    :data:`~dflash_recipes.executor.training.chunk_budget.MAX_CHUNK_LOGITS` on CPU); the loss
+    is the same, only the memory and the time change. `verify_capture` hashes every
     shard of the plan's capture before the first step (otherwise each is checked on first use).
     """
     env = detect_dist_env(plan.training.device)
@@ -233,9 +235,20 @@ class Progress:
     last_eval_tau: float | None = None
 
 
-def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress: bool) -> Progress:
+def fit(
+    run: Run,
+    signals: SignalWatch,
+    stop_after: int | None,
+    *,
+    show_progress: bool,
+    prefetch: bool = True,
+) -> Progress:
     """The optimiser steps from ``run.start`` to the plan's last one (or `stop_after`): log,
-    evaluate and save as planned; a stop signal saves and raises Interrupted."""
+    evaluate and save as planned; a stop signal saves and raises Interrupted.
+
+    Batches are prepared on a background thread while the steps run (`prefetch` False: on the
+    loop's thread, the synchronous baseline), and nothing is read back from the device between
+    logging steps (:mod:`~dflash_recipes.executor.training.setup.prefetch`)."""
     training, env, models, opt = run.plan.training, run.env, run.models, run.optimization
     progress = Progress(done=run.start.step)
     window = MetricWindow(run.spec.block_size, shift=run.spec.label_shift)
@@ -243,65 +256,74 @@ def fit(run: Run, signals: SignalWatch, stop_after: int | None, *, show_progress
         total=opt.total_steps, start=run.start.step, show=show_progress and is_main(env)
     )
     vote = StepVote(signals, distributed=env.is_distributed)
-    stream = run.data.stream(run.start.epoch, run.start.next_index)
     position = (run.start.epoch, run.start.next_index)
     models.training_modes()
-    for step in range(run.start.step, opt.total_steps):
-        opt.optimizer.zero_grad(set_to_none=True)
-        for micro in range(training.gradient_accumulation_steps):
-            batch = next(stream)
-            position = (batch.epoch, batch.next_index)
-            last = micro == training.gradient_accumulation_steps - 1
-            with models.gradient_sync(last_micro_batch=last):
-                window.add(*micro_step(run, batch, step=step))
-        window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
-        opt.optimizer.step()
-        opt.scheduler.step()
-        done = progress.done = step + 1
-        bar.advance()
-        if done % training.logging_steps == 0 or done == opt.total_steps:
-            _log_window(run, window, progress, bar)
-        stop_signal, checkpoint_now = vote.decide()  # the same on every rank
-        stopping = stop_after is not None and done >= stop_after
-        with window.paused():  # evaluation and checkpoints are not training throughput
-            if run.evaluation.due(done, stopping=bool(stop_signal)):
-                progress.last_eval_tau = run.evaluation.measure(done)
-            if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
-                run.saving.save(done, position)
-        if stop_signal:
-            vote.close()
-            bar.close()
-            raise stopped_run(stop_signal, done, opt.total_steps, run.output_dir)
-        if stopping:
-            break
+    with Prefetch(_prepared_batches(run), background=prefetch) as batches:
+        for step in range(run.start.step, opt.total_steps):
+            opt.optimizer.zero_grad(set_to_none=True)
+            for micro in range(training.gradient_accumulation_steps):
+                prepared = next(batches)
+                position = (prepared.batch.epoch, prepared.batch.next_index)
+                last = micro == training.gradient_accumulation_steps - 1
+                with models.gradient_sync(last_micro_batch=last):
+                    window.add(*micro_step(run, prepared, step=step))
+            window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
+            opt.optimizer.step()
+            opt.scheduler.step()
+            done = progress.done = step + 1
+            bar.advance()
+            if done % training.logging_steps == 0 or done == opt.total_steps:
+                _log_window(run, window, progress, bar)  # the window's one host sync
+            stop_signal, checkpoint_now = vote.decide()  # the same on every rank
+            stopping = stop_after is not None and done >= stop_after
+            with window.paused():  # evaluation and checkpoints are not training throughput
+                if run.evaluation.due(done, stopping=bool(stop_signal)):
+                    progress.last_eval_tau = run.evaluation.measure(done)
+                if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
+                    run.saving.save(done, position)
+            if stop_signal:
+                vote.close()
+                bar.close()
+                raise stopped_run(stop_signal, done, opt.total_steps, run.output_dir)
+            if stopping:
+                break
     vote.close()
     bar.close()
     return progress
 
 
-def micro_step(run: Run, batch: Batch, *, step: int) -> tuple[LossOutput, Tensor]:
-    """One micro-batch: anchors, the step's inputs, forward and backward. Returns the step's
-    loss output and the batch's token count (a tensor: no host sync)."""
-    plan, env, device = run.plan, run.env, run.env.device
+def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:
+    """This rank's batches from the run's start, each with its host work done
+    (:func:`~dflash_recipes.executor.training.setup.prefetch.prepare_batch`)."""
+    plan = run.plan
+    for batch in run.data.stream(run.start.epoch, run.start.next_index):
+        yield prepare_batch(
+            batch,
+            env=run.env,
+            seed=plan.training.seed,
+            spec=run.spec,
+            num_anchors=plan.draft.objective.num_anchors,
+        )
+
+
+def micro_step(run: Run, prepared: PreparedBatch, *, step: int) -> tuple[LossOutput, Tensor]:
+    """One micro-batch: the step's inputs, forward and backward. Returns the step's loss
+    output and the batch's token count (a tensor: no host sync)."""
+    plan, device = run.plan, run.env.device
     spec, objective = run.spec, plan.draft.objective
-    drawn = sample_batch_anchors(
-        batch,
-        positions=batch_positions(batch, env),
-        seed=plan.training.seed,
-        block_size=spec.block_size,
-        num_anchors=objective.num_anchors,
-    )
+    batch = prepared.batch
     captured = run.data.captured_states(batch, device)  # offline: the target's stored states
-    on_device = batch.to(device)
+    on_device, drawn = prepared.to(device)
     inputs = step_inputs(
         run.models.target,
         spec,
         objective,
         on_device,
-        drawn.to(device),
+        drawn,
         step=step,
         total_steps=run.optimization.total_steps,
         captured=captured,
+        mask=prepared.mask,
     )
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)

@@ -36,14 +36,10 @@ from dflash_recipes.executor.training.anchors import (
     block_labels,
     gather_teacher_logits,
 )
+from dflash_recipes.executor.training.chunk_budget import MAX_CHUNK_LOGITS, logits_budget
 from dflash_recipes.executor.training.loss import LossOutput, ObjectiveInputs, combine_losses
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import ObjectivePlan
-
-#: Most logits one chunk of blocks may hold (elements of ``[B, n, K, vocab]``, 2**26 = 256 MiB
-#: in float32). A batch whose logits exceed it computes lm_head, head and loss per chunk of
-#: blocks under activation checkpointing (see :class:`DraftStep`).
-MAX_CHUNK_LOGITS = 2**26
 
 
 @attrs.frozen(eq=False)
@@ -74,7 +70,9 @@ class DraftStep(nn.Module):
     Memory: the drafter runs once over all blocks (one packed forward). Its logits
     ``[B, N, K, vocab]`` are the largest tensors of a step (5 GB in float32 for 512 blocks of
     16 at a 152k vocabulary, and the loss keeps copies for backward), so when they exceed
-    `max_chunk_logits` elements (default :data:`MAX_CHUNK_LOGITS`), lm_head, head and loss run
+    `max_chunk_logits` elements (by default sized from the device's free memory on CUDA,
+    :func:`~dflash_recipes.executor.training.chunk_budget.logits_budget`, and
+    :data:`MAX_CHUNK_LOGITS` on CPU), lm_head, head and loss run
     per chunk of blocks under non-reentrant activation checkpointing: a chunk's logits are freed
     after its loss and recomputed during backward, and :func:`combine_losses` makes the
     batch's loss exactly the unchunked one. The price is a second lm_head/loss forward.
@@ -100,7 +98,16 @@ class DraftStep(nn.Module):
     def blocks_per_chunk(self, batch: int, n_blocks: int) -> int:
         """How many blocks (per row) one chunk of lm_head + loss holds (all of them if they fit)."""
         spec = self.drafter.spec
-        budget = self.max_chunk_logits or MAX_CHUNK_LOGITS
+        head: nn.Module = self._lm_head  # type: ignore[assignment]
+        device = next(self.drafter.parameters()).device
+        budget = logits_budget(
+            free_device_bytes(device),
+            vocab=spec.vocab_size,
+            hidden=spec.hidden_size,
+            dtype_bytes=_weight_dtype(head).itemsize,
+            teacher=needs_teacher(spec.projector_type, self.objective),
+            override=self.max_chunk_logits or None,
+        )
         per_block = max(1, batch * spec.block_size * spec.vocab_size)
         return max(1, min(n_blocks, budget // per_block))
 
@@ -190,6 +197,7 @@ def step_inputs(
     step: int = 0,
     total_steps: int = 1,
     captured: CapturedStates | None = None,
+    mask: object | None = None,
 ) -> StepInputs:
     """Everything a micro-step feeds the drafter, from a batch and its anchors (on one device).
 
@@ -200,7 +208,9 @@ def step_inputs(
     the packed blocks, their positions, the block mask (flex on CUDA, the split form on CPU)
     and the labels. Fusing the taps is left to the step, which trains ``fc``. With `captured`
     (offline training) the taps come from the capture and the target's decoder does not run;
-    teacher logits are recomputed from the captured last hidden state.
+    teacher logits are recomputed from the captured last hidden state. `mask`: the block mask
+    already built on the host (:mod:`~dflash_recipes.executor.training.setup.prefetch`, CPU), else
+    it is built here.
     """
     ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
     anchors, valid = drawn.anchors, drawn.valid
@@ -228,10 +238,9 @@ def step_inputs(
         head_inputs = kind_modules(spec.projector_type).head_inputs(spec, ids, anchors, embeddings)
     ctx_len = int(ids.shape[1])
     ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
-    mask: object
-    if device.type == "cuda":
+    if mask is None and device.type == "cuda":
         mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
-    else:
+    elif mask is None:
         # CPU: the split form of the dense mask (no blocks x blocks part).
         mask = build_split_block_mask(
             anchors, spec.block_size, ctx_len, valid, heads=spec.num_attention_heads
@@ -273,6 +282,16 @@ def _lm_head_logits(head: nn.Module, hidden: Tensor) -> Tensor:
     return logits.float().view(*hidden.shape[:-1], logits.shape[-1])
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a CUDA device can still give this process: free on the device plus what the
+    caching allocator holds unused (no sync: a driver query); None elsewhere (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(0, int(cached))
+
+
 def _weight_dtype(module: nn.Module) -> torch.dtype:
     for parameter in module.parameters():
         return parameter.dtype
@@ -284,5 +303,6 @@ __all__ = [
     "DraftStep",
     "LossTargets",
     "StepInputs",
+    "free_device_bytes",
     "step_inputs",
 ]
