@@ -273,8 +273,8 @@ def capture_taps(
     The early end is a private exception raised from the deepest tap's hook and caught here:
     the model's own forward runs unchanged (works for any wrapper that keeps the layer
     modules, e.g. FSDP2's ``fully_shard``, whose hooks are module hooks too). A tap on the
-    last layer is its raw output, while Hugging Face's ``hidden_states[-1]`` is after the
-    final norm. Call it under ``torch.no_grad()``.
+    last layer goes through the final norm, as Hugging Face's ``hidden_states[-1]`` does.
+    Call it under ``torch.no_grad()``.
     """
     decoder = model.get_decoder()  # type: ignore[no-untyped-call]
     layers = getattr(decoder, "layers", None)
@@ -307,6 +307,9 @@ def capture_taps(
     finally:
         for handle in handles:
             handle.remove()
+    last = len(layers) - 1
+    if last in captured:  # as ``hidden_states[-1]``: the last layer's output after the norm
+        captured[last] = final_norm(model)(captured[last])
     return torch.cat([captured[k] for k in target_layer_ids], dim=-1)
 
 

@@ -167,3 +167,10 @@ def test_capture_taps_equals_hidden_states_and_stops_after_the_deepest_tap(
     assert torch.equal(ours, reference)
     assert calls == list(range(max(taps) + 1))  # layers after the deepest tap never ran
     assert stop_after_layer(taps, needs_logits=True) is None  # logits need the whole target
+    with torch.no_grad():  # a tap on the last layer is after the final norm, as hidden_states[-1]
+        every = list(range(n))
+        full = target_forward(model, ids, attention, with_logits=False).hidden_states
+        assert torch.equal(
+            capture_taps(model, ids, attention, every, stop_after=None),
+            taps_from_hidden_states(full, every),
+        )
