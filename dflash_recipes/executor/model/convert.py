@@ -13,6 +13,7 @@ or device move, so the loaded values are the checkpoint's, bit for bit.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -244,6 +245,74 @@ def target_forward(
     return TargetStates(hidden, out.logits if with_logits else None)
 
 
+class _StopTarget(Exception):
+    """Raised by the deepest tap's hook to end a target forward early (private)."""
+
+
+def stop_after_layer(target_layer_ids: Sequence[int], *, needs_logits: bool) -> int | None:
+    """The one rule for stopping the target early: after the deepest tapped layer, unless
+    something needs the later layers (logits for a teacher or KL objective); None = run to
+    the end."""
+    if needs_logits or not target_layer_ids:
+        return None
+    return max(target_layer_ids)
+
+
+def capture_taps(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_layer_ids: Sequence[int],
+    *,
+    stop_after: int | None,
+) -> torch.Tensor:
+    """The taps (``[B, S, n_taps * H]``, in ``target_layer_ids`` order) captured by forward
+    hooks on the tapped decoder layers, without ``output_hidden_states``; with ``stop_after``
+    the forward ends once that layer has run, so later layers are never computed.
+
+    The early end is a private exception raised from the deepest tap's hook and caught here:
+    the model's own forward runs unchanged (works for any wrapper that keeps the layer
+    modules, e.g. FSDP2's ``fully_shard``, whose hooks are module hooks too). A tap on the
+    last layer goes through the final norm, as Hugging Face's ``hidden_states[-1]`` does.
+    Call it under ``torch.no_grad()``.
+    """
+    decoder = model.get_decoder()  # type: ignore[no-untyped-call]
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        msg = f"{type(model).__name__} has no decoder layers at get_decoder().layers"
+        raise CheckpointError(msg)
+    bad = [k for k in target_layer_ids if not 0 <= k < len(layers)]
+    if bad:
+        msg = f"target_layer_ids {bad} are outside the target's {len(layers)} decoder layers"
+        raise ValueError(msg)
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(k: int) -> Callable[[nn.Module, object, object], None]:
+        def hook(_module: nn.Module, _args: object, output: object) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            assert isinstance(out, torch.Tensor)
+            captured[k] = out
+            if k == stop_after:
+                raise _StopTarget
+
+        return hook
+
+    handles = [layers[k].register_forward_hook(hook_for(k)) for k in set(target_layer_ids)]
+    try:
+        model.get_decoder()(  # type: ignore[no-untyped-call]
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )
+    except _StopTarget:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    last = len(layers) - 1
+    if last in captured:  # as ``hidden_states[-1]``: the last layer's output after the norm
+        captured[last] = final_norm(model)(captured[last])
+    return torch.cat([captured[k] for k in target_layer_ids], dim=-1)
+
+
 @attrs.frozen(eq=False)
 class CapturedStates:
     """What an offline capture gives the trainer in place of a target forward: a micro-batch's
@@ -297,6 +366,7 @@ __all__ = [
     "CapturedStates",
     "ConvertedModel",
     "TargetStates",
+    "capture_taps",
     "convert",
     "dflash_module",
     "embed_tokens",
@@ -304,6 +374,7 @@ __all__ = [
     "lm_head",
     "load_base_model",
     "load_tokenizer",
+    "stop_after_layer",
     "target_forward",
     "teacher_logits",
     "torch_dtype",

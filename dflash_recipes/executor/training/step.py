@@ -23,8 +23,10 @@ from dflash_recipes.executor.kinds.registry import kind_modules
 from dflash_recipes.executor.model.convert import (
     CapturedStates,
     ConvertedModel,
+    capture_taps,
     embed_tokens,
     lm_head,
+    stop_after_layer,
     target_forward,
     teacher_logits,
 )
@@ -218,7 +220,12 @@ def step_inputs(
     device = ids.device
     teacher = needs_teacher(spec.projector_type, objective)
     with torch.no_grad():
-        if captured is None:
+        if captured is None and not teacher:  # hooks on the taps; stops after the deepest
+            taps = spec.target_layer_ids
+            stop = stop_after_layer(taps, needs_logits=teacher)
+            tapped = capture_taps(target, ids, attention, taps, stop_after=stop).float()
+            target_logits = None
+        elif captured is None:
             out = target_forward(target, ids, attention, with_logits=teacher)
             tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
             # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].

@@ -187,3 +187,25 @@ def test_lm_head_is_one_2d_gemm_per_chunk(tmp_path: Path, batch: int, blocks: in
     assert all(name == "mm" and dims == (2, 2) for name, dims in compute), compute
     # chunked: forward, the checkpoint's recompute and the input gradient; whole: no recompute
     assert len(compute) == (3 * chunks if chunks > 1 else 2)
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_the_target_stops_after_the_deepest_tap_unless_a_teacher_needs_it(
+    tmp_path: Path, teacher: bool
+) -> None:
+    plan = tiny_plan(tmp_path, block_size=BLOCK, self_logit_distillation=teacher)
+    model = convert(tiny_target(plan), plan)
+    spec = plan.resolved_draft()
+    layers = model.get_decoder().layers
+    assert max(spec.target_layer_ids) < len(layers) - 1  # taps (1, 2) of 4 layers
+    calls: list[int] = []
+    for k, layer in enumerate(layers):
+        layer.register_forward_hook(lambda *_, k=k: calls.append(k))
+    ids = torch.randint(0, spec.mask_token_id, (1, 24), generator=torch.Generator().manual_seed(1))
+    ones = torch.ones_like(ids)
+    gen = torch.Generator().manual_seed(2)
+    drawn = sample_anchors(ones, ones, block_size=BLOCK, num_anchors=3, generator=gen)
+    batch = Batch(ids, ones, ones, epoch=0, next_index=1)
+    step_inputs(model, spec, plan.draft.objective, batch, drawn, step=0, total_steps=1)
+    deepest = len(layers) - 1 if teacher else max(spec.target_layer_ids)
+    assert calls == list(range(deepest + 1))
