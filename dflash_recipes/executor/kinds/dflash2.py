@@ -35,8 +35,8 @@ class GroupedDynamicCausalConv(nn.Module):
         b, s, _ = u.shape
         delta = self.kernel_projection(u).view(b, s, 2, self.kernel, self.groups)
         delta = delta.repeat_interleave(self.group_size, dim=-1)
-        base: torch.Tensor = self.base_kernel.to(u.dtype)
-        return base + delta
+        out: torch.Tensor = self.base_kernel.to(u.dtype) + delta
+        return out
 
     def apply_side(
         self, x: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int
