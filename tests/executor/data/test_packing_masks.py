@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from testkit.numerics import assert_equal_up_to_rounding
+from testkit.tiny import tiny_plan, tiny_target
 
+from dflash_recipes.executor.model.convert import document_position_ids, target_forward
 from dflash_recipes.executor.model.masks import (
     build_dense_block_mask,
     document_causal_mask,
@@ -57,3 +61,54 @@ def test_a_block_sees_only_its_own_document_before_its_anchor() -> None:
     assert ctx[0].nonzero().flatten().tolist() == [0, 1]
     assert ctx[2].nonzero().flatten().tolist() == [5, 6]
     assert torch.equal(mask[:, 10:], dense[0, 0, :, 10:])  # own-block attention unchanged
+
+
+def test_packed_target_forward_equals_each_document_alone(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path)
+    model = tiny_target(plan)
+    assert model.config._attn_implementation == "sdpa"  # the implementation the mask goes to
+    gen = torch.Generator().manual_seed(1)
+    lengths = [7, 4, 5]
+    vocab = model.config.vocab_size
+    docs = [torch.randint(0, vocab, (1, n), generator=gen) for n in lengths]
+    ids = torch.cat(docs, dim=1)
+    doc_ids = torch.cat([torch.full((1, n), d) for d, n in enumerate(lengths)], dim=1)
+    with torch.no_grad():
+        packed = target_forward(
+            model, ids, torch.ones_like(ids), with_logits=True, document_ids=doc_ids
+        )
+        start = 0
+        for d, tokens in enumerate(docs):
+            alone = target_forward(model, tokens, torch.ones_like(tokens), with_logits=True)
+            part = slice(start, start + lengths[d])
+            pairs = zip(packed.hidden_states, alone.hidden_states, strict=True)
+            for layer, (p, a) in enumerate(pairs):
+                assert_equal_up_to_rounding(p[:, part], a, what=f"doc {d} layer {layer}")
+            assert packed.logits is not None and alone.logits is not None
+            assert_equal_up_to_rounding(packed.logits[:, part], alone.logits, what="logits")
+            start += lengths[d]
+
+
+def test_a_token_of_one_document_changes_nothing_in_another(tmp_path: Path) -> None:
+    model = tiny_target(tiny_plan(tmp_path))
+    ids = torch.arange(12).unsqueeze(0) % model.config.vocab_size
+    doc_ids = torch.tensor([[0] * 6 + [1] * 6])
+    changed = ids.clone()
+    changed[0, 2] = (changed[0, 2] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        a = target_forward(
+            model, ids, torch.ones_like(ids), with_logits=False, document_ids=doc_ids
+        )
+        b = target_forward(
+            model, changed, torch.ones_like(ids), with_logits=False, document_ids=doc_ids
+        )
+    assert torch.equal(a.hidden_states[-1][:, 6:], b.hidden_states[-1][:, 6:])
+    assert not torch.equal(a.hidden_states[-1][:, 2:6], b.hidden_states[-1][:, 2:6])
+
+
+def test_position_ids_restart_at_every_document() -> None:
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5]])
+    assert document_position_ids(docs).tolist() == [
+        [0, 1, 2, 0, 1, 0, 1, 2, 3],
+        list(range(9)),
+    ]
