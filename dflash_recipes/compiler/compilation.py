@@ -252,6 +252,7 @@ def build_plan(
                 or absolute(training.output_dir) / DATA_CACHE_DIR  # no home folder
             ),
             num_proc=data.num_proc,
+            packing=data.packing,
         ),
         training=TrainingPlan(
             output_dir=str(absolute(training.output_dir)),

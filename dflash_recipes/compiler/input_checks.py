@@ -25,6 +25,7 @@ from dflash_recipes.compiler.codes import (
     DATA_UNREADABLE,
     INIT_CHECKPOINT_IGNORED,
     OUTPUT_DIR_UNUSABLE,
+    PACKING_NOT_YET,
     RESUME_FROM_CHECKPOINT,
     TRACKER_LIBRARY_MISSING,
 )
@@ -69,6 +70,14 @@ def check_data(inputs: CompileInputs, report: Report) -> None:
             "data.data_path is not set; the plan compiles, but `dflash-recipe run` needs a "
             "JSONL file of training conversations",
             "set data.data_path: /path/to/train.jsonl (one conversation per line)",
+        )
+    if data.packing:
+        report.emit(
+            PACKING_NOT_YET,
+            "data.packing",
+            "data.packing is true, but the executor of this version does not lay several "
+            "conversations into one row yet (per-document attention and anchors are missing)",
+            "set data.packing: false (rows are padded to the longest in the batch)",
         )
     fields = (
         ("data_path", data.data_path, "a JSONL file of training conversations"),

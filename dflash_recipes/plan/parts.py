@@ -52,6 +52,8 @@ class DataPlan(Record):
     cache_dir: str | None = None
     #: Processes that tokenize a new cache (None: the cores the run may use).
     num_proc: int | None = None
+    #: Whole conversations packed into full rows (see executor/data/packing.py).
+    packing: bool = False
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -358,6 +358,9 @@ class DataSection(Record):
     #: Directory written by `dflash-recipe capture`: train offline from its safetensors shards
     #: (the target's decoder is not run); compile checks it against the plan.
     hidden_states_path: str | None = attrs.field(default=None, validator=path_str)
+    #: Pack whole conversations into rows of exactly training.training_seq_len tokens (per-document
+    #: attention); false: one conversation per row, padded. Compile refuses true for now.
+    packing: bool = False
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -148,3 +148,19 @@ def test_compile_result_ok_and_errors() -> None:
     warning = Diagnostic(Severity.WARNING, "data-path-unset", "data.data_path", "m")
     result = CompileResult(plan=None, diagnostics=(warning,))
     assert not result.ok and result.errors == ()
+
+
+def test_packing_is_recorded_in_the_plan_and_refused_while_unimplemented(
+    base_model: Path,
+    drafter: Path,
+    train_file: Path,
+    recipe_text: Callable[..., str],
+    write_recipe: Callable[..., Path],
+) -> None:
+    path = write_recipe(recipe_text())
+    result = compile_file(path)
+    assert result.plan is not None and result.plan.data.packing is False
+    refused = compile_file(path, ["data.packing=true"])
+    found = only(refused, "packing-not-yet")
+    assert found.severity is Severity.ERROR and found.path == "data.packing"
+    assert "data.packing: false" in (found.hint or "")

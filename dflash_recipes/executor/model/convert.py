@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.masks import document_causal_mask
 from dflash_recipes.executor.model.warmstart import warm_start
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -219,6 +220,7 @@ def target_forward(
     attention_mask: torch.Tensor,
     *,
     with_logits: bool,
+    document_ids: torch.Tensor | None = None,
 ) -> TargetStates:
     """Run the frozen target for its hidden states, and its logits only when asked.
 
@@ -228,6 +230,12 @@ def target_forward(
     whose decoder cannot be told apart, the whole causal LM runs, so the logits are exactly
     the model's (including any scaling or soft-capping its forward applies). Call it under
     ``torch.no_grad()``.
+
+    A packed row passes `document_ids` (``[B, S]``, the document number of each token): the
+    position ids restart at 0 per document and the mask handed to the model is the 4-D
+    block-diagonal causal boolean mask (:func:`~dflash_recipes.executor.model.masks.
+    document_causal_mask`), which transformers passes as-is to the model's attention (SDPA,
+    the implementation the targets are loaded with; the eager path takes the same mask).
     """
     runner: nn.Module = model
     if not with_logits:
@@ -235,11 +243,16 @@ def target_forward(
         decoder = get_decoder() if callable(get_decoder) else None
         if isinstance(decoder, nn.Module) and decoder is not model:
             runner = decoder
+    extra: dict[str, torch.Tensor] = {}
+    if document_ids is not None:
+        attention_mask = document_causal_mask(document_ids)
+        extra["position_ids"] = document_position_ids(document_ids)
     out = runner(
         input_ids=input_ids,
         attention_mask=attention_mask,
         output_hidden_states=True,
         use_cache=False,
+        **extra,
     )
     hidden = tuple(out.hidden_states)
     return TargetStates(hidden, out.logits if with_logits else None)
@@ -311,6 +324,16 @@ def capture_taps(
     if last in captured:  # as ``hidden_states[-1]``: the last layer's output after the norm
         captured[last] = final_norm(model)(captured[last])
     return torch.cat([captured[k] for k in target_layer_ids], dim=-1)
+
+
+def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` positions restarting at 0 where the document number changes."""
+    seq_len = document_ids.shape[1]
+    index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
 
 
 @attrs.frozen(eq=False)

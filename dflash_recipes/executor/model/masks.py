@@ -91,6 +91,39 @@ def build_dense_block_mask(anchors: Tensor, block_size: int, ctx_len: int, valid
     return (sees_context | same_block).unsqueeze(1)
 
 
+def document_causal_mask(document_ids: Tensor) -> Tensor:
+    """The target's mask for packed rows: ``[B, 1, T, T]`` bool, block-diagonal causal.
+
+    Query ``i`` sees key ``j`` when ``j <= i`` and both lie in the same document
+    (`document_ids` ``[B, T]``), the boolean ``attn_mask`` form SDPA takes.
+    """
+    if document_ids.dim() != 2:
+        msg = f"document_ids must be [batch, seq_len], got {tuple(document_ids.shape)}"
+        raise ValueError(msg)
+    seq_len = document_ids.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+    return (same & causal).unsqueeze(1)
+
+
+def document_context_mask(dense: Tensor, context_start: Tensor, block_size: int) -> Tensor:
+    """Restrict a dense drafter mask so block ``b`` sees only context ``[context_start_b, a_b)``.
+
+    `dense` is :func:`build_dense_block_mask`'s ``[B, 1, N*bs, T + N*bs]``; `context_start`
+    ``[B, N]`` is each anchor's document start in its packed row (0 for an unpacked row).
+    """
+    batch, _, q_len, kv_len = dense.shape
+    if context_start.shape != (batch, q_len // block_size):
+        want = (batch, q_len // block_size)
+        msg = f"context_start {tuple(context_start.shape)} must be [B, N] = {want}"
+        raise ValueError(msg)
+    ctx_len = kv_len - q_len
+    q_start = context_start.repeat_interleave(block_size, dim=1)
+    kv_idx = torch.arange(kv_len, device=dense.device).view(1, 1, -1)
+    keep = (kv_idx >= ctx_len) | (kv_idx >= q_start.unsqueeze(-1))
+    return dense & keep.unsqueeze(1)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

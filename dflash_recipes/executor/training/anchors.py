@@ -59,8 +59,18 @@ class AnchorBatch:
         )
 
 
-def eligible_anchor_mask(loss_mask: Tensor, attention_mask: Tensor, *, block_size: int) -> Tensor:
-    """[B, T] bool: positions allowed to open a block (the rule in the module docstring)."""
+def eligible_anchor_mask(
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    *,
+    block_size: int,
+    document_ids: Tensor | None = None,
+) -> Tensor:
+    """[B, T] bool: positions allowed to open a block (the rule in the module docstring).
+
+    With `document_ids` ([B, T], a packed row's document number per token) a block must also
+    lie inside one document: the anchor's document is the block's last position's document.
+    """
     if loss_mask.shape != attention_mask.shape or loss_mask.dim() != 2:
         msg = (
             f"loss_mask {tuple(loss_mask.shape)} and attention_mask "
@@ -77,7 +87,17 @@ def eligible_anchor_mask(loss_mask: Tensor, attention_mask: Tensor, *, block_siz
     fits = positions + block_size <= valid_len
     next_supervised = torch.zeros_like(supervised)
     next_supervised[:, :-1] = supervised[:, 1:]
-    return fits & supervised & next_supervised
+    eligible = fits & supervised & next_supervised
+    if document_ids is not None:
+        if document_ids.shape != loss_mask.shape:
+            msg = f"document_ids {tuple(document_ids.shape)} must be {tuple(loss_mask.shape)}"
+            raise ValueError(msg)
+        same = torch.zeros_like(supervised)
+        if block_size <= seq_len:
+            last = document_ids[:, block_size - 1 :]
+            same[:, : seq_len - block_size + 1] = last == document_ids[:, : last.shape[1]]
+        eligible = eligible & same
+    return eligible
 
 
 def sample_anchors(
