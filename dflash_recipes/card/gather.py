@@ -36,7 +36,7 @@ from dflash_recipes.card.facts import (
 )
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
-from dflash_recipes.data.sources import resolve_source
+from dflash_recipes.data.sources import content_sha256, resolve_source
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.files.run_dir import TRAINER_STATE, checkpoint_step, latest_complete_checkpoint
@@ -160,14 +160,22 @@ def _cache_stats(plan: RunPlan) -> tuple[int | None, int | None, int | None]:
         entries = [p for p in Path(cache).iterdir() if p.is_dir()]
     except OSError:
         return None, None, None
+    # The cache is shared by every run and keyed by content: an entry another run (another
+    # path to the same data) built is this run's too, so entries match by the data's hash.
+    try:
+        data_sha256: str | None = content_sha256(
+            resolve_source(Path(data.data_path), setting="data.data_path")
+        )
+    except DFlashRecipeError:
+        data_sha256 = None
     for entry in entries:
         meta = _read_json_dict(entry / CACHE_META_FILE)
         key = meta.get("key") if meta is not None else None
         stats = meta.get("stats") if meta is not None else None
         if (
             meta is None
-            or meta.get("source") != data.data_path
             or not isinstance(key, dict)
+            or (meta.get("source") != data.data_path and key.get("data_sha256") != data_sha256)
             or not isinstance(stats, dict)
             or any(key.get(k) != v for k, v in wanted.items())
         ):

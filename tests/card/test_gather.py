@@ -112,3 +112,35 @@ def test_hashing_stops_at_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(gather, "HASH_LIMIT_BYTES", 9)
     facts, _ = training_facts(plan)
     assert facts.data_files[0].sha256 is None and facts.data_files[0].size == 10
+
+
+def test_an_entry_another_run_built_from_the_same_data_elsewhere_is_found(tmp_path: Path) -> None:
+    """The cache is shared and keyed by content: an entry whose recorded source is another
+    path (another checkout, another run's copy) counts when the data's bytes are the same."""
+    from dflash_recipes.data.sources import content_sha256, resolve_source
+
+    plan = tiny_plan(tmp_path, cache_dir=str(tmp_path / "cache"))
+    assert plan.data.data_path is not None
+    Path(plan.data.data_path).write_text('{"messages": []}\n', encoding="utf-8")
+    ours = content_sha256(resolve_source(Path(plan.data.data_path), setting="data.data_path"))
+    entry = Path(str(plan.data.cache_dir)) / "built-by-another-run"
+    entry.mkdir(parents=True)
+    meta: dict[str, object] = {
+        "source": str(tmp_path / "elsewhere" / "domain.jsonl"),
+        "key": {
+            "data_sha256": "0" * 64,  # other bytes: not this data
+            "answer_only_loss": True,
+            "training_seq_len": 32,
+            "block_size": plan.draft.block_size,
+        },
+        "stats": {"num_tokens": 700, "num_supervised_tokens": 300, "conversations_used": 5},
+    }
+    (entry / CACHE_META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+    facts, _ = training_facts(plan)
+    assert facts.dataset_tokens is None
+    key = meta["key"]
+    assert isinstance(key, dict)
+    key["data_sha256"] = ours
+    (entry / CACHE_META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+    facts, _ = training_facts(plan)
+    assert (facts.dataset_tokens, facts.supervised_tokens, facts.conversations) == (700, 300, 5)
