@@ -69,7 +69,6 @@ from dflash_recipes.executor.model.masks import build_dense_block_mask, build_sp
 from dflash_recipes.executor.training import loss as loss_module
 from dflash_recipes.executor.training import metrics as metrics_module
 from dflash_recipes.executor.training import step as step_module
-from dflash_recipes.executor.training.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
     block_inputs,
@@ -77,6 +76,7 @@ from dflash_recipes.executor.training.anchors import (
     sample_anchors,
 )
 from dflash_recipes.executor.training.fit import micro_step
+from dflash_recipes.executor.training.setup.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
 from dflash_recipes.executor.training.setup.prefetch import prepare_batch
 from dflash_recipes.executor.training.step import DraftStep, step_inputs

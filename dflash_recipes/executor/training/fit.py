@@ -19,7 +19,7 @@ draws the same anchors per sequence as a single-process run over the same global
 Under DDP the loss of each rank is normalised by the *global* weight sum of the micro-batch
 (:func:`~dflash_recipes.executor.collectives.global_batch_loss`), so the averaged gradient
 equals the single-process gradient over the whole global batch; with gradient accumulation by
-the weight sum of the whole step (:mod:`~dflash_recipes.executor.training.accumulation`).
+the weight sum of the whole step (:mod:`~dflash_recipes.executor.training.setup.accumulation`).
 Every decision the ranks must share (the checkpoint to resume, the plan, the stop) is made in
 :mod:`dflash_recipes.executor.coordination`.
 """
@@ -49,7 +49,6 @@ from dflash_recipes.executor.dist_env import (
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
-from dflash_recipes.executor.training.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.metrics import (
@@ -60,6 +59,7 @@ from dflash_recipes.executor.training.metrics import (
 )
 from dflash_recipes.executor.training.progress_bar import ProgressBar
 from dflash_recipes.executor.training.save_policy import SavePolicy
+from dflash_recipes.executor.training.setup.accumulation import GradientAccumulation
 from dflash_recipes.executor.training.setup.models import Models, build_models
 from dflash_recipes.executor.training.setup.optimizer import (
     Optimization,

@@ -36,6 +36,7 @@ from dflash_recipes.executor.training.anchors import (
     sample_batch_anchors,
 )
 from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.records import Record
 
 T = TypeVar("T")
 
@@ -92,8 +93,8 @@ def prepare_batch(
     return PreparedBatch(batch=batch, drawn=drawn, mask=mask)
 
 
-@attrs.frozen
-class _Failed:
+@attrs.frozen(repr=False, eq=False, slots=False)
+class _Failed(Record):
     error: BaseException
 
 
