@@ -160,14 +160,11 @@ def _cache_stats(plan: RunPlan) -> tuple[int | None, int | None, int | None]:
         entries = [p for p in Path(cache).iterdir() if p.is_dir()]
     except OSError:
         return None, None, None
-    # The cache is shared by every run and keyed by content: an entry another run (another
-    # path to the same data) built is this run's too, so entries match by the data's hash.
-    try:
-        data_sha256: str | None = content_sha256(
-            resolve_source(Path(data.data_path), setting="data.data_path")
-        )
-    except DFlashRecipeError:
-        data_sha256 = None
+    # The cache is shared by every run and keyed by content: an entry another run built from
+    # another path to the same data is this run's too. The data is hashed only when no entry
+    # names this path, and only within the export's hashing limit.
+    by_path: list[tuple[Path, dict[str, object]]] = []
+    by_content: list[tuple[Path, dict[str, object], object]] = []
     for entry in entries:
         meta = _read_json_dict(entry / CACHE_META_FILE)
         key = meta.get("key") if meta is not None else None
@@ -175,11 +172,20 @@ def _cache_stats(plan: RunPlan) -> tuple[int | None, int | None, int | None]:
         if (
             meta is None
             or not isinstance(key, dict)
-            or (meta.get("source") != data.data_path and key.get("data_sha256") != data_sha256)
             or not isinstance(stats, dict)
             or any(key.get(k) != v for k, v in wanted.items())
         ):
             continue
+        if meta.get("source") == data.data_path:
+            by_path.append((entry, stats))
+        else:
+            by_content.append((entry, stats, key.get("data_sha256")))
+    matches = by_path
+    if not matches and by_content:
+        data_sha256 = _bounded_content_sha256(data.data_path)
+        if data_sha256 is not None:
+            matches = [(e, stats) for e, stats, sha in by_content if sha == data_sha256]
+    for entry, stats in matches:
         mtime = (entry / CACHE_META_FILE).stat().st_mtime
         if best is None or mtime > best[0]:
             best = (mtime, stats)
@@ -191,6 +197,18 @@ def _cache_stats(plan: RunPlan) -> tuple[int | None, int | None, int | None]:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     return count("num_tokens"), count("num_supervised_tokens"), count("conversations_used")
+
+
+def _bounded_content_sha256(data_path: str) -> str | None:
+    """The data's content hash as the token cache keys it, or None when it cannot be read or is
+    larger than the export hashes (:data:`HASH_LIMIT_BYTES`)."""
+    try:
+        source = resolve_source(Path(data_path), setting="data.data_path")
+        if sum(path.stat().st_size for path, _ in source.files) > HASH_LIMIT_BYTES:
+            return None
+        return content_sha256(source)
+    except (DFlashRecipeError, OSError):
+        return None
 
 
 def _warm_start(plan: RunPlan) -> str | None:
