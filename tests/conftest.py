@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import yaml
 from testkit.compiling import RecipeFactory
@@ -31,6 +32,12 @@ from dflash_recipes.recipe.sections import (
 )
 
 _SESSION_CACHE = pytest.StashKey[str]()
+
+# `.ci/run` sets DFLASH_HYPOTHESIS_PROFILE=ci: every property test draws the same examples on
+# every CI run (a landing is not decided by a fresh random draw) and no example database is
+# read or written. Runs elsewhere draw fresh examples; what they find is pinned with `@example`.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None)
+hypothesis.settings.load_profile(os.environ.get("DFLASH_HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -239,7 +239,8 @@ def arrow_schema(path: Path, fmt: FileFormat) -> pa.Schema:
             return pq.read_schema(path)
         with pa.memory_map(str(path)) as source:
             return _open_arrow(source).schema
-    except (OSError, pa.ArrowException) as exc:
+    # ValueError: a column name in a damaged footer that is not UTF-8 (UnicodeDecodeError)
+    except (OSError, ValueError, pa.ArrowException) as exc:
         raise _unreadable(path, fmt, exc) from None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from testkit.fuzzing import FUZZ, json_values
 
@@ -157,6 +157,8 @@ TABLES = {kind: _table_bytes(kind) for kind in ("parquet", "arrow")}
     flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
     cut=st.integers(0, 4096),
 )
+# found by CI: a column name in the Parquet footer made not UTF-8 (pyarrow: UnicodeDecodeError)
+@example(kind="parquet", flips=[(380885, 128)], cut=0)
 def test_columnar_readers_raise_only_data_errors(
     tmp_path: Path, kind: str, flips: list[tuple[int, int]], cut: int
 ) -> None:
@@ -205,3 +207,13 @@ def test_datasets_folders_raise_only_data_errors(
         str(exc).encode("utf-8")
         return
     event("read")
+
+
+def test_a_parquet_footer_whose_column_name_is_not_utf8_is_a_data_error(tmp_path: Path) -> None:
+    raw = bytearray(TABLES["parquet"])
+    name_at = raw.index(b"messages")  # the footer's schema element (later copies: column paths)
+    raw[name_at] = 0x80
+    path = tmp_path / "d.parquet"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"cannot be read as a Parquet file .*write or download"):
+        source_columns(resolve_source(path, setting="data.data_path"))
