@@ -202,6 +202,11 @@ def _print_report(report: AcceptanceReport, *, max_new_tokens: int, batch_size: 
             f"({settings.chat_template_source}) sha256 {template[:12]}; "
             f"prompts sha256 {(settings.prompt_file_sha256 or '-')[:12]}"
         )
+        if settings.held_out_slice is not None:
+            click.echo(
+                f"prompts: the data.eval_holdout slice of {settings.prompt_file} "
+                f"({settings.held_out_slice}), held out of training"
+            )
 
 
 @main.command("report")

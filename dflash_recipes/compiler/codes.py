@@ -33,6 +33,19 @@ TAPS_DUPLICATE = _code("taps-duplicate", _E, "target_layer_ids lists a target la
 EVAL_DATA_UNSET = _code(
     "eval-data-unset", _W, "training.eval_steps is set but data.eval_data_path is not"
 )
+EVAL_DATA_TWICE = _code(
+    "eval-data-twice", _E, "data.eval_holdout and data.eval_data_path are both set"
+)
+EVAL_HOLDOUT_OFFLINE = _code(
+    "eval-holdout-offline",
+    _E,
+    "data.eval_holdout with data.hidden_states_path: a capture trains on every conversation",
+)
+EVAL_HOLDOUT_SMALL = _code(
+    "eval-holdout-small",
+    _W,
+    "data.eval_holdout is smaller than training.eval_num_prompts",
+)
 EVAL_GATE_UNMEASURED = _code(
     "eval-gate-unmeasured",
     _E,

@@ -253,6 +253,7 @@ def build_plan(
             ),
             num_proc=data.num_proc,
             packing=data.packing,
+            eval_holdout=data.eval_holdout,
         ),
         training=TrainingPlan(
             output_dir=str(absolute(training.output_dir)),

@@ -15,8 +15,11 @@ from dflash_recipes.checkpoint.kinds.registry import (
 from dflash_recipes.checkpoint.tensor_layout import ARCHITECTURE_FIELDS, CheckpointDims
 from dflash_recipes.compiler.codes import (
     ARCH_DIM_MISSING,
+    EVAL_DATA_TWICE,
     EVAL_DATA_UNSET,
     EVAL_GATE_UNMEASURED,
+    EVAL_HOLDOUT_OFFLINE,
+    EVAL_HOLDOUT_SMALL,
     FSDP_EVAL,
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
@@ -49,17 +52,55 @@ def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) ->
     check_taps_unique(arch, report)
     check_layer_types_length(arch, arch.layer_types, "", report)
     training, data = inputs.recipe.training, inputs.recipe.data
-    if training.eval_steps and data.eval_data_path is None:
+    if training.eval_steps and not data.has_eval_data:
         report.emit(
             EVAL_DATA_UNSET,
             "training.eval_steps",
-            f"training.eval_steps is {training.eval_steps} but data.eval_data_path is not "
-            "set, so there is nothing to evaluate on",
-            "set data.eval_data_path to a JSONL file of held-out conversations, or set "
+            f"training.eval_steps is {training.eval_steps} but neither data.eval_data_path "
+            "nor data.eval_holdout is set, so there is nothing to evaluate on",
+            "set data.eval_data_path to a JSONL file of held-out conversations (or "
+            "data.eval_holdout: N to hold N training conversations out), or set "
             "training.eval_steps: null",
         )
     check_eval_gate(inputs, report)
     check_fsdp_eval(inputs, report)
+    check_eval_holdout(inputs, report)
+
+
+def check_eval_holdout(inputs: CompileInputs, report: Report) -> None:
+    """data.eval_holdout: one source of held-out conversations, an online run (a capture
+    trains on every conversation it holds), and enough of them for eval_num_prompts."""
+    training, data = inputs.recipe.training, inputs.recipe.data
+    holdout = data.eval_holdout
+    if holdout == 0:
+        return
+    if data.eval_data_path is not None:
+        report.emit(
+            EVAL_DATA_TWICE,
+            "data.eval_holdout",
+            f"data.eval_holdout is {holdout} and data.eval_data_path is set: the run would "
+            "have two sets of held-out conversations",
+            "keep one: data.eval_holdout: 0 to measure on data.eval_data_path, or remove "
+            "data.eval_data_path to hold training conversations out",
+        )
+    if data.hidden_states_path is not None:
+        report.emit(
+            EVAL_HOLDOUT_OFFLINE,
+            "data.eval_holdout",
+            f"data.eval_holdout is {holdout} with data.hidden_states_path: offline training "
+            "reads every conversation of the capture, so none would be held out",
+            "write the held-out conversations to a file and set data.eval_data_path to it "
+            "(and data.eval_holdout: 0), or train online (data.hidden_states_path: null)",
+        )
+    if holdout < training.eval_num_prompts:
+        report.emit(
+            EVAL_HOLDOUT_SMALL,
+            "data.eval_holdout",
+            f"data.eval_holdout is {holdout}, fewer than training.eval_num_prompts "
+            f"({training.eval_num_prompts}): each measurement drafts on {holdout} prompt(s)",
+            f"set data.eval_holdout to at least {training.eval_num_prompts}, or lower "
+            "training.eval_num_prompts",
+        )
 
 
 def resolved_eval_steps(training: TrainingSection, data: DataSection) -> int | None:
@@ -68,7 +109,7 @@ def resolved_eval_steps(training: TrainingSection, data: DataSection) -> int | N
     :func:`check_fsdp_eval`)."""
     if training.eval_steps is not None:
         return training.eval_steps or None
-    if data.eval_data_path is None or training.fsdp:
+    if not data.has_eval_data or training.fsdp:
         return None
     return training.save_steps
 
@@ -78,7 +119,7 @@ def check_fsdp_eval(inputs: CompileInputs, report: Report) -> None:
     evaluation drafts on rank 0 alone: its forward would wait for all-gathers the other ranks
     never join. Refused, with the two ways out."""
     training, data = inputs.recipe.training, inputs.recipe.data
-    if not training.fsdp or data.eval_data_path is None:
+    if not training.fsdp or not data.has_eval_data:
         return
     if training.eval_steps:
         path, what = "training.eval_steps", f"training.eval_steps is {training.eval_steps}"
@@ -108,7 +149,7 @@ def check_eval_gate(inputs: CompileInputs, report: Report) -> None:
         name
         for name, unset in (
             ("training.eval_steps", training.eval_steps == 0),
-            ("data.eval_data_path", data.eval_data_path is None),
+            ("data.eval_data_path (or data.eval_holdout)", not data.has_eval_data),
         )
         if unset
     ]
@@ -119,7 +160,8 @@ def check_eval_gate(inputs: CompileInputs, report: Report) -> None:
             f"training.eval_min_tau is {training.eval_min_tau} but {' and '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not set (or 0), so the run measures no "
             "held-out tau and would always fail the gate",
-            "set data.eval_data_path (the run then measures every training.eval_steps, by "
+            "set data.eval_data_path or data.eval_holdout (the run then measures every "
+            "training.eval_steps, by "
             "default every save_steps, and at its final step), or set training.eval_min_tau: "
             "null",
         )

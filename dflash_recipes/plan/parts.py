@@ -54,6 +54,14 @@ class DataPlan(Record):
     num_proc: int | None = None
     #: Whole conversations packed into full rows (see executor/data/packing.py).
     packing: bool = False
+    #: Conversations of data_path held out of training for the held-out measurement
+    #: (executor/data/holdout.py); 0: none (eval_data_path, if any, is the held-out data).
+    eval_holdout: int = 0
+
+    @property
+    def has_eval_data(self) -> bool:
+        """Whether there are held-out conversations: a file of them or a held-out slice."""
+        return self.eval_data_path is not None or self.eval_holdout > 0
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -348,6 +348,10 @@ class DataSection(Record):
     answer_only_loss: bool = True
     #: Optional held-out conversations (same formats) for `eval` and `training.eval_steps`.
     eval_data_path: str | None = attrs.field(default=None, validator=path_str)
+    #: Hold this many conversations of data.data_path out of training (a seeded choice, the
+    #: same on every start and world size) and measure held-out acceptance on them, as with
+    #: data.eval_data_path (set one of the two); 0: none.
+    eval_holdout: int = attrs.field(default=0, validator=IntRange(0, 10**6))
     #: Where the tokenized data is cached (tokenized once, read in place by every run and
     #: rank); null: the per-user cache every run shares, $DFLASH_RECIPES_CACHE/tokenized, else
     #: $XDG_CACHE_HOME/dflash-recipes/tokenized, else ~/.cache/dflash-recipes/tokenized.
@@ -361,6 +365,11 @@ class DataSection(Record):
     #: Pack whole conversations into rows of exactly training.training_seq_len tokens (per-document
     #: attention); false: one conversation per row, padded. Compile refuses true for now.
     packing: bool = False
+
+    @property
+    def has_eval_data(self) -> bool:
+        """Whether there are held-out conversations: a file of them or a held-out slice."""
+        return self.eval_data_path is not None or self.eval_holdout > 0
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -397,15 +406,16 @@ class TrainingSection(Record):
     save_total_limit: int | None = attrs.field(default=2, validator=IntRange(1, 10**6))
     #: Log metrics every this many optimiser steps.
     logging_steps: int = attrs.field(default=10, validator=_STEPS)
-    #: Measure real acceptance on held-out conversations (data.eval_data_path) every this many
-    #: steps; null: every save_steps when there is eval data; 0: never.
+    #: Measure real acceptance on held-out conversations (data.eval_data_path or
+    #: data.eval_holdout) every this many steps; null: every save_steps when there is eval
+    #: data; 0: never.
     eval_steps: int | None = attrs.field(default=None, validator=IntRange(0, 10**9))
     #: Acceptance gate: when the last held-out tau the run measured (training.eval_steps) is
     #: below this, `run` says so and exits 1 after saving and exporting; null: no gate. Set,
     #: the run also measures at its final step.
     eval_min_tau: float | None = attrs.field(default=None, validator=positive_float)
     #: How many held-out conversations each training-time measurement drafts on (the first
-    #: ones of data.eval_data_path).
+    #: ones of data.eval_data_path or of the data.eval_holdout slice).
     eval_num_prompts: int = attrs.field(default=4, validator=IntRange(1, 10**5))
     #: How many new tokens each training-time measurement generates per prompt.
     eval_max_new_tokens: int = attrs.field(default=32, validator=IntRange(1, 2**16))

@@ -132,8 +132,12 @@ def test_eval_steps_without_eval_data_warns(make_recipe: RecipeFactory) -> None:
 @pytest.mark.parametrize(
     ("training", "data", "missing"),
     [
-        ({"eval_min_tau": 3.0}, {}, "data.eval_data_path is not set"),
-        ({"eval_min_tau": 3.0, "eval_steps": 10}, {}, "data.eval_data_path is not set"),
+        ({"eval_min_tau": 3.0}, {}, "data.eval_data_path (or data.eval_holdout) is not set"),
+        (
+            {"eval_min_tau": 3.0, "eval_steps": 10},
+            {},
+            "data.eval_data_path (or data.eval_holdout) is not set",
+        ),
         (
             {"eval_min_tau": 3.0, "eval_steps": 0},
             {"eval_data_path": "train.jsonl"},
@@ -142,7 +146,7 @@ def test_eval_steps_without_eval_data_warns(make_recipe: RecipeFactory) -> None:
         (
             {"eval_min_tau": 3.0, "eval_steps": 0},
             {},
-            "training.eval_steps and data.eval_data_path are not set (or 0)",
+            "training.eval_steps and data.eval_data_path (or data.eval_holdout) are not set (or 0)",
         ),
     ],
 )
@@ -189,6 +193,60 @@ def test_fsdp_with_eval_data_but_no_evaluation_asked_compiles(make_recipe: Recip
     for training in ({"fsdp": True}, {"fsdp": True, "eval_steps": 0}):
         result = lint(make_recipe(training=training, data={"eval_data_path": "t.jsonl"}))
         assert "fsdp-eval" not in codes(result), training
+
+
+def test_a_held_out_slice_is_eval_data_for_every_eval_rule(make_recipe: RecipeFactory) -> None:
+    """data.eval_holdout counts as eval data: the default interval, the gate, the FSDP rule."""
+    holdout = {"eval_holdout": 8}
+    plain = lint(make_recipe(training={"eval_steps": 50}, data=holdout))
+    assert "eval-data-unset" not in codes(plain)
+    default = compile_recipe(make_recipe(data=holdout), resolve=False)
+    assert default.plan is not None
+    assert default.plan.training.eval_steps == default.plan.training.save_steps
+    assert default.plan.data.eval_holdout == 8 and default.plan.data.has_eval_data
+    gated = lint(make_recipe(training={"eval_min_tau": 3.0}, data=holdout))
+    assert "eval-gate-unmeasured" not in codes(gated)
+    fsdp = lint(make_recipe(training={"fsdp": True, "eval_steps": 10}, data=holdout))
+    assert only(fsdp, "fsdp-eval").path == "training.eval_steps"
+
+
+def test_a_held_out_slice_and_an_eval_file_are_refused_together(
+    make_recipe: RecipeFactory,
+) -> None:
+    result = lint(make_recipe(data={"eval_holdout": 8, "eval_data_path": "held.jsonl"}))
+    assert not result.ok
+    d = only(result, "eval-data-twice")
+    assert d.path == "data.eval_holdout"
+    assert d.message == (
+        "data.eval_holdout is 8 and data.eval_data_path is set: the run would have two sets of "
+        "held-out conversations"
+    )
+    assert d.hint is not None
+    assert "data.eval_holdout: 0" in d.hint and "remove data.eval_data_path" in d.hint
+
+
+def test_a_held_out_slice_of_a_capture_is_refused(make_recipe: RecipeFactory) -> None:
+    result = lint(make_recipe(data={"eval_holdout": 8, "hidden_states_path": "capture"}))
+    d = only(result, "eval-holdout-offline")
+    assert d.severity is Severity.ERROR and d.path == "data.eval_holdout"
+    assert "offline training reads every conversation of the capture" in d.message
+    assert d.hint is not None and "set data.eval_data_path" in d.hint
+
+
+def test_a_slice_smaller_than_the_prompts_of_a_measurement_warns(
+    make_recipe: RecipeFactory,
+) -> None:
+    small = lint(make_recipe(data={"eval_holdout": 2}, training={"eval_num_prompts": 4}))
+    assert small.ok
+    d = only(small, "eval-holdout-small")
+    assert d.message == (
+        "data.eval_holdout is 2, fewer than training.eval_num_prompts (4): each measurement "
+        "drafts on 2 prompt(s)"
+    )
+    enough = lint(make_recipe(data={"eval_holdout": 4}, training={"eval_num_prompts": 4}))
+    assert "eval-holdout-small" not in codes(enough)
+    none = lint(make_recipe(training={"eval_num_prompts": 4}))
+    assert not codes(none) & {"eval-holdout-small", "eval-data-twice", "eval-holdout-offline"}
 
 
 def test_schema_level_mask_is_required_only_without_a_checkpoint(

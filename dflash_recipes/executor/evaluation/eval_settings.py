@@ -68,6 +68,9 @@ class EvalSettings(Record):
     #: The first stop token id (None: generation runs to max_new_tokens).
     eos_token_id: int | None
     decoding: str = DECODING
+    #: The prompts are the data.eval_holdout slice of prompt_file (training held them out),
+    #: e.g. "4 conversations, seed 0"; None: the file's first num_prompts.
+    held_out_slice: str | None = None
 
     @property
     def thinking_mode(self) -> str:

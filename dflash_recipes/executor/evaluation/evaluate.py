@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from dflash_recipes.data.conversations import Conversation, read_conversations
 from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.holdout import plan_held_out_conversations
 from dflash_recipes.executor.data.tokenize import read_chat_template
 from dflash_recipes.executor.evaluation.cached_decoding import (
     check_positions,
@@ -371,6 +372,7 @@ def eval_settings(
     batch_size: int,
     enable_thinking: bool | None,
     eos_token_id: int | None,
+    held_out_slice: str | None = None,
 ) -> EvalSettings:
     """The :class:`EvalSettings` of a measurement (file hashes read here)."""
     template = chat_template if chat_template is not None else tokenizer.chat_template
@@ -393,6 +395,7 @@ def eval_settings(
         enable_thinking=enable_thinking,
         template_reads_enable_thinking=text is not None and "enable_thinking" in text,
         eos_token_id=eos_token_id,
+        held_out_slice=held_out_slice,
     )
 
 
@@ -409,24 +412,73 @@ def evaluate_on_plan_data(
     *,
     max_new_tokens: int = 32,
     num_prompts: int = 4,
+    held_out: Sequence[Conversation] = (),
 ) -> AcceptanceReport:
-    """Measured acceptance on the first ``num_prompts`` of ``data.eval_data_path`` (in training).
+    """Measured acceptance on the first ``num_prompts`` held-out conversations (in training):
+    those of ``data.eval_data_path``, or `held_out`, the ``data.eval_holdout`` slice of the
+    training data (:mod:`~dflash_recipes.executor.data.holdout`).
 
     ``drafter`` is the drafter or the converted model, on the target's device; its train/eval
     mode is restored afterwards. DataError when the plan has no eval data.
     """
-    if plan.data.eval_data_path is None:
-        msg = "data.eval_data_path is not set: there are no held-out conversations to measure on"
+    data = plan.data
+    if data.eval_holdout > 0 and data.data_path is not None:
+        return _measure(
+            plan,
+            target,
+            drafter,
+            tokenizer,
+            Path(data.data_path),
+            max_new_tokens=max_new_tokens,
+            num_prompts=num_prompts,
+            prompts=_held_out_prompts(plan, tokenizer, held_out, num_prompts),
+            held_out_slice=held_out_slice(plan),
+        )
+    if data.eval_data_path is None:
+        msg = (
+            "neither data.eval_data_path nor data.eval_holdout is set: there are no held-out "
+            "conversations to measure on"
+        )
         raise DataError(msg)
     return _measure(
         plan,
         target,
         drafter,
         tokenizer,
-        Path(plan.data.eval_data_path),
+        Path(data.eval_data_path),
         max_new_tokens=max_new_tokens,
         num_prompts=num_prompts,
     )
+
+
+def held_out_slice(plan: RunPlan) -> str:
+    """How a report names the plan's data.eval_holdout slice (its size and seed)."""
+    return f"{plan.data.eval_holdout} conversations, seed {plan.training.seed}"
+
+
+def _held_out_prompts(
+    plan: RunPlan,
+    tokenizer: PreTrainedTokenizerBase,
+    held_out: Sequence[Conversation],
+    num_prompts: int,
+    enable_thinking: bool | None = None,
+) -> list[list[int]]:
+    """The prompts of the first `num_prompts` held-out conversations of the training data."""
+    prompts = prompts_from_conversations(
+        held_out,
+        tokenizer,
+        chat_template=read_chat_template(plan.data.chat_template),
+        limit=num_prompts,
+        enable_thinking=enable_thinking,
+    )
+    if not prompts:
+        msg = (
+            f"none of the {len(held_out)} conversation(s) data.eval_holdout holds out of "
+            f"{plan.data.data_path} has a turn before its first assistant turn, so there is no "
+            "prompt to draft on; raise data.eval_holdout or set data.eval_data_path"
+        )
+        raise DataError(msg)
+    return prompts
 
 
 def _measure(
@@ -442,6 +494,7 @@ def _measure(
     enable_thinking: bool | None = None,
     prompt_column: str | None = None,
     prompts: Sequence[Sequence[int]] | None = None,
+    held_out_slice: str | None = None,
 ) -> AcceptanceReport:
     spec = plan.resolved_draft()
     chat_template = read_chat_template(plan.data.chat_template)
@@ -468,6 +521,7 @@ def _measure(
         batch_size=batch_size,
         enable_thinking=enable_thinking,
         eos_token_id=eos_id,
+        held_out_slice=held_out_slice,
     )
     return evaluate_acceptance(
         target,
@@ -504,25 +558,38 @@ def run_eval(
     """
     spec = plan.resolved_draft()
     source = prompts_file
+    holdout = source is None and plan.data.eval_holdout > 0 and plan.data.data_path is not None
     if source is None and plan.data.eval_data_path is not None:
         source = Path(plan.data.eval_data_path)
+    if holdout and plan.data.data_path is not None:
+        source = Path(plan.data.data_path)
     if source is None:
         msg = (
-            "no held-out prompts: pass --prompts FILE or set data.eval_data_path in the recipe "
-            "(JSONL conversations, like the training data)"
+            "no held-out prompts: pass --prompts FILE or set data.eval_data_path (JSONL "
+            "conversations, like the training data) or data.eval_holdout in the recipe"
         )
         raise DataError(msg)
     drafter = DFlashDraftModel(spec)
     load_drafter_weights(drafter, checkpoint_dir)
     tokenizer = load_tokenizer(plan)  # the one training used (model.trust_remote_code included)
-    prompts = load_prompts(
-        source,
-        tokenizer,
-        chat_template=read_chat_template(plan.data.chat_template),
-        limit=num_prompts,
-        enable_thinking=enable_thinking,
-        column=prompt_column,
-    )
+    if holdout:
+        # the conversations training held out (data.eval_holdout), from the tokenized cache
+        prompts = _held_out_prompts(
+            plan,
+            tokenizer,
+            plan_held_out_conversations(plan, tokenizer),
+            num_prompts,
+            enable_thinking,
+        )
+    else:
+        prompts = load_prompts(
+            source,
+            tokenizer,
+            chat_template=read_chat_template(plan.data.chat_template),
+            limit=num_prompts,
+            enable_thinking=enable_thinking,
+            column=prompt_column,
+        )
     target = load_base_model(plan)
     drafter.to(dtype=torch_dtype(plan.base_model.dtype))
     return _measure(
@@ -537,6 +604,7 @@ def run_eval(
         enable_thinking=enable_thinking,
         prompt_column=prompt_column,
         prompts=prompts,
+        held_out_slice=held_out_slice(plan) if holdout else None,
     )
 
 

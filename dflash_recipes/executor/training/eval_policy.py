@@ -3,8 +3,8 @@
 Every ``training.eval_steps`` optimiser steps (the compiler resolves an unset one to every
 ``save_steps`` when there is eval data), and at the final step when ``training.eval_min_tau``
 gates the run, unless the ranks agreed to stop at this step, rank 0 runs speculative decoding
-on the first ``training.eval_num_prompts`` conversations of ``data.eval_data_path``
-(``training.eval_max_new_tokens`` each)
+on the first ``training.eval_num_prompts`` conversations of ``data.eval_data_path`` or of the
+``data.eval_holdout`` slice of the training data (``training.eval_max_new_tokens`` each)
 (:func:`~dflash_recipes.executor.evaluation.evaluate.evaluate_on_plan_data`) and sends an
 ``eval`` row to the trackers; every rank receives the measured tau
 (:func:`~dflash_recipes.executor.coordination.rank0_measurement`), so no rank acts on a value
@@ -20,6 +20,7 @@ import attrs
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.card.acceptance import eval_step_gate_note
+from dflash_recipes.data.conversations import Conversation
 from dflash_recipes.executor.coordination import rank0_measurement
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.setup.models import Models
@@ -41,11 +42,13 @@ class EvalPolicy:
     trackers: TrackerSet
     #: The run's last optimiser step (measured too when training.eval_min_tau is set).
     final_step: int = 0
+    #: Rank 0: the conversations data.eval_holdout holds out of training.
+    held_out: tuple[Conversation, ...] = ()
 
     def due(self, step: int, *, stopping: bool) -> bool:
         """Whether to evaluate after optimiser step `step` (never when the ranks stop now)."""
         training = self.plan.training
-        if stopping or self.plan.data.eval_data_path is None:
+        if stopping or not self.plan.data.has_eval_data:
             return False
         every = training.eval_steps
         if every is not None and step % every == 0:
@@ -56,7 +59,7 @@ class EvalPolicy:
     def measure(self, step: int) -> float | None:
         """Rank 0 measures tau after `step` and logs it; every rank returns rank 0's tau."""
         tau = None
-        if is_main(self.env) and self.plan.data.eval_data_path is not None:
+        if is_main(self.env) and self.plan.data.has_eval_data:
             tau = self._measure_on_rank0(step)
         self.models.training_modes()
         return rank0_measurement(tau, self.env)
@@ -75,6 +78,7 @@ class EvalPolicy:
             self.tokenizer,
             num_prompts=training.eval_num_prompts,
             max_new_tokens=training.eval_max_new_tokens,
+            held_out=self.held_out,
         )
         drafter.train(was_training)
         self.trackers.log_row({**report.to_dict(), **eval_row(step=step, tau=report.tau)})

@@ -212,7 +212,13 @@ def setup(
             start=start,
             trackers=trackers,
             evaluation=EvalPolicy(
-                plan, env, models, tokenizer, trackers, final_step=optimization.total_steps
+                plan,
+                env,
+                models,
+                tokenizer,
+                trackers,
+                final_step=optimization.total_steps,
+                held_out=data.held_out,
             ),
             saving=SavePolicy(plan, env, models, optimization),
             accumulation=GradientAccumulation(

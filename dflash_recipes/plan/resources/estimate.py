@@ -419,9 +419,7 @@ def estimate_resources(
     pd = _DTYPE_BYTES[plan.base_model.dtype]
     fsdp = training.fsdp and world_size > 1
     offline = plan.data.hidden_states_path is not None
-    decoder_loaded = not offline or (
-        training.eval_steps is not None and plan.data.eval_data_path is not None
-    )
+    decoder_loaded = not offline or (training.eval_steps is not None and plan.data.has_eval_data)
 
     # -- weights ----------------------------------------------------------------------------
     target_numel = 0

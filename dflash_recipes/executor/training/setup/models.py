@@ -80,9 +80,7 @@ def build_models(
     """
     training = plan.training
     # Offline, the decoder runs only for measured evaluation (speculative decoding needs it).
-    needs_decoder = not offline or (
-        training.eval_steps is not None and plan.data.eval_data_path is not None
-    )
+    needs_decoder = not offline or (training.eval_steps is not None and plan.data.has_eval_data)
     # Every rank, before minutes of loading the target: refuse what cannot fit.
     check_device_memory(plan, device=env.device, world_size=env.world_size, log=is_main(env))
     base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)

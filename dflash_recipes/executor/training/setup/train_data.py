@@ -6,6 +6,10 @@ rank's stream of batches from any resume position (:meth:`TrainData.stream`, epo
 epoch), and, offline, the captured target states of a batch's rows
 (:meth:`TrainData.captured_states`: which samples this rank's rows are, in the epoch's seeded
 order). Data problems stop the run here, before anything is written to ``output_dir``.
+
+With ``data.eval_holdout``, the dataset's seeded held-out slice is left out of the stream, and
+rank 0 (which runs the held-out measurement) keeps the held-out conversations
+(:attr:`TrainData.held_out`; :mod:`~dflash_recipes.executor.data.holdout`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import attrs
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from dflash_recipes.data.conversations import Conversation
 from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.holdout import held_out_conversations, split_dataset
 from dflash_recipes.executor.data.offline import CaptureReader, capture_dataset, open_capture
 from dflash_recipes.executor.data.train_dataset import (
     Batch,
@@ -45,6 +51,8 @@ class TrainData:
     batch_size: int
     seed: int
     env: DistEnv
+    #: Rank 0: the conversations data.eval_holdout holds out of training (else empty).
+    held_out: tuple[Conversation, ...] = ()
     #: The epoch whose order :meth:`captured_states` last looked up, and that order.
     _order_key: tuple[int, int] | None = None
     _order: list[int] = attrs.Factory(list)
@@ -119,10 +127,30 @@ def build_train_data(
         dataset = build_dataset(plan, tokenizer, env=env)
     if is_main(env):
         logger.info("data: %s", dataset.summary)
+    whole = dataset
+    dataset, indices = split_dataset(plan, whole)
+    held_out: tuple[Conversation, ...] = ()
+    if indices and is_main(env) and plan.data.data_path is not None:
+        held_out = tuple(
+            held_out_conversations(
+                plan.data.data_path,
+                whole.stats,
+                indices,
+                answer_only_loss=plan.data.answer_only_loss,
+            )
+        )
+        logger.info(
+            "data: %d conversation(s) held out for the held-out measurement "
+            "(data.eval_holdout, seed %d); training on %d",
+            len(indices),
+            plan.training.seed,
+            len(dataset),
+        )
     training = plan.training
     return TrainData(
         dataset=dataset,
         capture=capture,
+        held_out=held_out,
         batch_size=training.per_device_train_batch_size,
         seed=training.seed,
         env=env,
