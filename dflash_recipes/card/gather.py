@@ -283,7 +283,13 @@ def training_facts(
         found for found in [hub_id_from_cache_path(data.data_path, "datasets")] if found
     )
     budget = [HASH_LIMIT_BYTES]
-    files = data_files(data.data_path, "training", "data.data_path", budget)
+    role = "training"
+    if data.eval_holdout:  # the held-out conversations are in this file, never trained on
+        role = (
+            f"training, less {data.eval_holdout} conversations held out for the held-out "
+            f"measurement (data.eval_holdout, seed {training.seed})"
+        )
+    files = data_files(data.data_path, role, "data.data_path", budget)
     files += data_files(data.eval_data_path, "held-out", "data.eval_data_path", budget)
     step, processes, ours = _steps(plan, sources)
     per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps

@@ -49,6 +49,20 @@ def test_data_files_are_named_sized_and_hashed(tmp_path: Path) -> None:
     assert (gone[0].name, gone[0].note) == ("gone.jsonl", "not readable at export")
 
 
+def test_a_held_out_slice_is_named_on_the_training_file(tmp_path: Path) -> None:
+    (tmp_path / "data.jsonl").write_text("{}\n", encoding="utf-8")
+    facts, _ = training_facts(tiny_plan(tmp_path, eval_holdout=5, seed=3))
+    assert [(f.name, f.role) for f in facts.data_files] == [
+        (
+            "data.jsonl",
+            "training, less 5 conversations held out for the held-out measurement "
+            "(data.eval_holdout, seed 3)",
+        )
+    ]
+    plain, _ = training_facts(tiny_plan(tmp_path))
+    assert [(f.name, f.role) for f in plain.data_files] == [("data.jsonl", "training")]
+
+
 def test_the_cache_meta_name_is_the_token_caches() -> None:
     from dflash_recipes.executor.data.token_cache import META_FILE
 

@@ -125,6 +125,7 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "chat_template": None,
             "answer_only_loss": True,
             "eval_data_path": None,
+            "eval_holdout": 0,
             "cache_dir": None,
             "num_proc": 1,
         },
