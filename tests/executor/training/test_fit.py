@@ -408,6 +408,53 @@ def test_gradient_accumulation_equals_one_micro_step_over_the_whole_batch(
     assert apart < 1e-3 * moved, (apart, moved)
 
 
+@pytest.mark.slow
+def test_two_gloo_ranks_accumulating_train_like_one_process_over_the_whole_batch(
+    tmp_path: Path,
+) -> None:
+    """2 ranks x 2 micro-batches of one sequence == 1 process x 4 sequences: the gradients
+    summed over micro-batches and averaged over ranks with the step's total weight (issue 36,
+    "gradient_accumulation_steps > 1 is never run by any test")."""
+    whole = _plan(
+        tmp_path, "whole", "training.max_steps=2", "training.per_device_train_batch_size=4"
+    )
+    run_plan(whole, progress=False)
+    ranks = _plan(
+        tmp_path,
+        "ranks",
+        "training.max_steps=2",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=2",
+    )
+    plan_file = tmp_path / "ranks_plan.json"
+    plan_file.write_text(ranks.to_json(), encoding="utf-8")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "dflash_recipes", "run", str(plan_file)),
+            *("--nproc-per-node", "2", "--no-progress"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "ranks")
+    seed = torch.Generator().manual_seed(whole.training.seed)
+    start = DFlashDraftModel(whole.resolved_draft(), generator=seed).state_dict()
+    moved = math.sqrt(sum(float((a[n] - start[n].to(a[n].dtype)).square().sum()) for n in a))
+    apart = math.sqrt(sum(float((b[n] - a[n]).square().sum()) for n in a))
+    assert moved > 1e-2
+    assert apart < 1e-3 * moved, (apart, moved)
+
+
 def test_an_epoch_counts_optimiser_steps_not_micro_batches(tmp_path: Path) -> None:
     """max_steps unset: one epoch is batches per epoch // gradient_accumulation_steps steps."""
     one = _plan(tmp_path, "one", "training.max_steps=null", "training.num_train_epochs=1")
