@@ -17,8 +17,11 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   dry run): an all_reduce, and a DDP step (``wrap_ddp``) whose gradients equal the
   single-process step on the whole batch;
 - ``fsdp``: FSDP2 (``fully_shard``): the sharded frozen target (``shard_target_fsdp2``, what
-  ``training.fsdp`` does) gives the plain target's taps, and one AdamW step of a sharded
-  drafter (not something the trainer does; checked for use) equals the plain one;
+  ``training.fsdp`` does), run through the trainer's own ``step_inputs`` (taps captured by
+  forward hooks, the forward stopped after the deepest tap: ``convert.capture_taps``), gives
+  the plain target's ``output_hidden_states`` taps, and so does a teacher objective's path
+  (``target_forward`` with logits) on the sharded target; one AdamW step of a sharded drafter
+  (not something the trainer does; checked for use) equals the plain one;
 - ``step``: a timed training step at real proportions (CUDA; tiny dims in a dry run): the
   drafter of Qwen3-8B (hidden 4096, 5 layers, 32 heads / 8 kv heads x 128, intermediate 12288,
   vocab 151936, block 16, 5 taps) on a Qwen3-8B-wide target truncated to 6 layers (built from a
@@ -66,6 +69,7 @@ from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
     lm_head,
+    stop_after_layer,
     target_forward,
 )
 from dflash_recipes.executor.model.draft import (
@@ -608,15 +612,34 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
 
     plain = _moved(copy.deepcopy(model), device)
     sharded = shard_target_fsdp2(copy.deepcopy(model), env)
+    # The reference: the unsharded target's Hugging Face hidden states (output_hidden_states).
     with torch.no_grad():
-        taps = []
-        for target in (sharded, plain):
-            states = target_forward(target, batch.ids, batch.attention, with_logits=False)
-            taps.append(taps_from_hidden_states(states.hidden_states, spec.target_layer_ids))
+        states = target_forward(plain, batch.ids, batch.attention, with_logits=False)
+        expected = taps_from_hidden_states(states.hidden_states, spec.target_layer_ids).float()
+    # The trainer's own path on the sharded target: step_inputs (forward hooks on the taps,
+    # the forward stopped after the deepest one: convert.capture_taps), as training.fsdp runs it.
+    stop = stop_after_layer(spec.target_layer_ids, needs_logits=False)
+    report.note(
+        f"taps {list(spec.target_layer_ids)} of {dims.target_layers} layers: the trainer's "
+        f"forward stops after layer {stop}"
+    )
+    tapped = inputs_for(sharded, plan, batch).tapped
     report.close(
-        f"target taps, shard_target_fsdp2 over {world} rank(s) vs plain",
-        taps[0],
-        taps[1],
+        f"target taps, step_inputs on shard_target_fsdp2 over {world} rank(s) (the trainer's "
+        "hooks, stopped after the deepest tap) vs the plain target's hidden states",
+        tapped,
+        expected,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    # A teacher objective's path (logits wanted: the whole forward with output_hidden_states).
+    with torch.no_grad():
+        teacher = target_forward(sharded, batch.ids, batch.attention, with_logits=True)
+    report.close(
+        "target taps, output_hidden_states on the sharded target (a teacher objective's path) "
+        "vs plain",
+        taps_from_hidden_states(teacher.hidden_states, spec.target_layer_ids),
+        expected,
         atol=1e-5,
         rtol=1e-5,
     )
