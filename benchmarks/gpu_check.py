@@ -8,6 +8,10 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
 - ``flex``: the drafter's forward and backward under the flex-attention block mask
   (:func:`build_flex_block_mask`, the compiled ``flex_attention`` kernel the CUDA path uses),
   with and without attention sinks, against the dense-mask eager forward on the CPU in float32;
+  the graph is the trainer's (raw taps through ``fuse_context``, so ``fc`` and ``hidden_norm``
+  are in it), and gradients are compared for exactly the parameters that get one in both
+  graphs: a parameter with a gradient on one side only, or a trainable one with none on
+  either, fails (the backward needs CUDA: no gradients in a dry run);
 - ``bf16``: one training micro-step (``step_inputs`` + ``DraftStep``: fuse, drafter, lm_head,
   loss, backward) under bf16 autocast on the device, against the same step in float32 on the
   CPU;
@@ -311,23 +315,54 @@ class Report:
         self._line(what, ok, f"relative error {value:.3g} (tolerance {tol:g}, norm-wise)")
 
     def grads(
-        self, what: str, got: nn.Module, ref: nn.Module, *, tol: float, full: bool = False
+        self,
+        what: str,
+        got: nn.Module,
+        ref: nn.Module,
+        *,
+        tol: float,
+        full: bool = False,
+        outside: frozenset[str] = frozenset(),
     ) -> None:
-        """Every parameter's gradient (or value, `full`=False means gradients), norm-wise."""
-        worst, worst_name = -1.0, ""
+        """Every parameter's gradient (or value, with `full`), norm-wise.
+
+        Gradients are compared for exactly the parameters that get one in both graphs. Any other
+        trainable parameter fails the line: one that gets a gradient in one graph only, and one
+        that gets none in either unless the check's graph leaves it out by construction
+        (`outside`, named in the line); a parameter of `outside` that does get a gradient fails
+        too (the check's premise is wrong)."""
         ref_params = dict(ref.named_parameters())
         pairs = [(n, p, ref_params[n]) for n, p in got.named_parameters() if n in ref_params]
         if not pairs:
             self._line(what, False, "no parameters in common")
             return
+        if full:
+            compared = [(n, _full(p), _full(r)) for n, p, r in pairs]
+        else:
+            problems: list[str] = []
+            compared = []
+            for name, p, r in pairs:
+                a, b = _full(p.grad), _full(r.grad)
+                if a is not None and b is not None:
+                    if name in outside:
+                        problems.append(
+                            f"{name} has a gradient, but the check's graph leaves it out"
+                        )
+                    compared.append((name, a, b))
+                elif a is not None or b is not None:
+                    side = "the reference" if a is None else "the tested graph"
+                    problems.append(f"{name} has a gradient in {side} only")
+                elif name not in outside and (p.requires_grad or r.requires_grad):
+                    problems.append(f"{name} should get a gradient and gets none")
+            if problems:
+                self.inject = False
+                self._line(what, False, "; ".join(problems))
+                return
         inject = self.inject
         self.inject = False
-        for name, p, r in pairs:
-            a = _full(p) if full else _full(p.grad)
-            b = _full(r) if full else _full(r.grad)
-            if a is None or b is None:
-                self._line(what, False, f"{name} has no gradient")
-                return
+        worst, worst_name = -1.0, ""
+        for name, a, b in compared:
+            assert a is not None and b is not None
             if inject:
                 b, inject = b * 1.5 + 0.1, False
             value = float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -337,11 +372,12 @@ class Report:
                 worst, worst_name = value, name
         ok = worst <= tol
         kind = "values" if full else "gradients"
+        left_out = f"; not in the check's graph: {', '.join(sorted(outside))}" if outside else ""
         self._line(
             what,
             ok,
-            f"{len(pairs)} {kind}, worst relative error {worst:.3g} ({worst_name}; tolerance "
-            f"{tol:g}, norm-wise per tensor)",
+            f"{len(compared)} {kind}, worst relative error {worst:.3g} ({worst_name}; tolerance "
+            f"{tol:g}, norm-wise per tensor){left_out}",
         )
 
     def _line(self, what: str, ok: bool, detail: str) -> None:
@@ -408,14 +444,15 @@ def check_flex(setup: Setup, report: Report) -> None:
         gen = torch.Generator().manual_seed(12)
         q_len = batch.anchors.shape[1] * dims.block
         embeds = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
-        context = torch.randn(dims.batch, dims.seq, dims.hidden, generator=gen)
+        # Raw taps, fused by the drafter as the trainer does: fc and hidden_norm are in the graph.
+        taps = torch.randn(dims.batch, dims.seq, len(dims.taps) * dims.hidden, generator=gen)
         q_pos = block_positions(batch.anchors, dims.block)
         c_pos = torch.arange(dims.seq).expand(dims.batch, dims.seq)
         probe = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
 
         reference = copy.deepcopy(drafter)
         dense = build_dense_block_mask(batch.anchors, dims.block, dims.seq, batch.valid)
-        ref_out = reference(embeds, context, q_pos, c_pos, dense)
+        ref_out = reference(embeds, reference.fuse_context(taps), q_pos, c_pos, dense)
         (ref_out * probe).sum().backward()
 
         tested = copy.deepcopy(drafter).to(device)
@@ -424,9 +461,8 @@ def check_flex(setup: Setup, report: Report) -> None:
         )
         with warnings.catch_warnings(), torch.set_grad_enabled(device.type == "cuda"):
             warnings.simplefilter("ignore")  # eager flex_attention warns on the CPU
-            out = tested(
-                embeds.to(device), context.to(device), q_pos.to(device), c_pos.to(device), mask
-            )
+            context = tested.fuse_context(taps.to(device))
+            out = tested(embeds.to(device), context, q_pos.to(device), c_pos.to(device), mask)
         label = "with attention sinks" if sink else "no sinks"
         report.close(f"draft states, {label}", out, ref_out, atol=1e-4, rtol=1e-3)
         if device.type == "cuda":

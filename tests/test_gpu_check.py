@@ -3,12 +3,17 @@ reference makes it fail."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
@@ -64,3 +69,79 @@ def test_without_cuda_it_says_to_use_the_dry_run() -> None:
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no CUDA device is visible" in done.stderr and "--dry-run" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradient comparison (the flex check's backward runs on CUDA only: its rule is tested here)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _gpu_check() -> ModuleType:
+    """benchmarks/gpu_check.py imported as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Fused(torch.nn.Module):
+    """A drafter's shape in small: `fc` fuses the context, `body` runs after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 3)
+        self.body = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, *, fused: bool) -> torch.Tensor:
+        out: torch.Tensor = self.body(self.fc(x) if fused else x[..., :3])
+        return out
+
+
+def _backward(module: _Fused, *, fused: bool) -> _Fused:
+    x = torch.arange(8.0).view(2, 4) / 8
+    module(x, fused=fused).sum().backward()  # type: ignore[no-untyped-call]
+    return module
+
+
+def _grads_line(
+    got: _Fused, ref: _Fused, outside: frozenset[str] = frozenset()
+) -> tuple[bool, str]:
+    gpu_check = _gpu_check()
+    report = gpu_check.Report("flex")
+    report.grads("drafter gradients", got, ref, tol=1e-6, outside=outside)
+    return report.failed, report.lines[-1]
+
+
+def test_gradients_are_compared_for_what_both_graphs_contain() -> None:
+    fused = _Fused()
+    failed, line = _grads_line(
+        _backward(copy.deepcopy(fused), fused=True), _backward(fused, fused=True)
+    )
+    assert not failed, line
+    assert "4 gradients" in line  # fc and body, weight and bias
+
+
+def test_a_gradient_in_one_graph_only_fails() -> None:
+    """The GPU run's `fc.weight has no gradient`: a graph without fc against one with it."""
+    got, ref = _backward(_Fused(), fused=False), _backward(_Fused(), fused=True)
+    failed, line = _grads_line(got, ref)
+    assert failed, line
+    assert "fc.weight has a gradient in the reference only" in line
+
+
+def test_a_parameter_left_out_of_both_graphs_fails_unless_the_check_says_so() -> None:
+    got, ref = _backward(_Fused(), fused=False), _backward(_Fused(), fused=False)
+    failed, line = _grads_line(got, ref)
+    assert failed, line
+    assert "fc.weight should get a gradient and gets none" in line
+    failed, line = _grads_line(got, ref, outside=frozenset({"fc.weight", "fc.bias"}))
+    assert not failed, line
+    assert "2 gradients" in line and "not in the check's graph: fc.bias, fc.weight" in line
+    # the check's premise wrong: a parameter said to be outside the graph gets a gradient
+    got, ref = _backward(_Fused(), fused=True), _backward(_Fused(), fused=True)
+    failed, line = _grads_line(got, ref, outside=frozenset({"fc.weight"}))
+    assert failed and "fc.weight has a gradient, but the check's graph leaves it out" in line
