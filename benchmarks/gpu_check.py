@@ -1,6 +1,7 @@
 """GPU check: the CUDA paths against CPU/eager float32 references, then a timed 8B-sized step.
 
     python benchmarks/gpu_check.py [--peak-tflops 989] [--steps 3] [--only CHECK ...]
+    python benchmarks/gpu_check.py --only step --profile [--profile-trace step.json]
     python benchmarks/gpu_check.py --dry-run      # every check on the CPU at tiny dims (< 30 s)
 
 Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
@@ -36,6 +37,10 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   against the step: its exact parts (target and drafter weights, AdamW states) against the
   built modules' bytes, and its memory per rank (less the stated allowance) against
   ``torch.cuda.max_memory_allocated`` of a step, within 15% (exact parts only in a dry run).
+  With ``--profile``: the step's phases (target forward + masks, drafter + head forward,
+  backward, optimizer) timed per step (CUDA events and one synchronize per step, in this mode
+  only), then ``torch.profiler``'s ``key_averages`` table: the top CUDA kernels by self CUDA
+  time (CPU ops by self CPU time in a dry run);
 
 Exits 1 when any check fails, 0 otherwise (SKIPs included), 2 when there is no CUDA device and
 no ``--dry-run``.
@@ -406,6 +411,8 @@ class Setup:
     steps: int
     peak_tflops: float
     ddp_world: int
+    profile: bool = False
+    profile_trace: Path | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,11 +825,19 @@ def check_step(setup: Setup, report: Report) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     batch = make_batch(dims, seed=63).to(device)
 
-    def one_step() -> float:
+    def one_step(mark: Callable[[str], None] = lambda _phase: None) -> float:
+        """One training step; `mark` is called at the end of each of :data:`PHASES`."""
         optimizer.zero_grad(set_to_none=True)
-        out = run_step(step, inputs_for(model, plan, batch), autocast=True)
+        inputs = inputs_for(model, plan, batch)
+        mark(PHASES[0])
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out: LossOutput = step(inputs)
+        mark(PHASES[1])
+        out.loss.backward()  # type: ignore[no-untyped-call]
+        mark(PHASES[2])
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
+        mark(PHASES[3])
         return float(out.loss.detach())
 
     def sync() -> None:
@@ -870,6 +885,102 @@ def check_step(setup: Setup, report: Report) -> None:
     report.note(f"FLOPs formula: {formula}")
     peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     compare_memory(plan, dims, model, drafter, optimizer, peak_bytes, report)
+    if setup.profile:
+        profile_step(one_step, device, setup.steps, report, trace=setup.profile_trace)
+
+
+#: The phases of a training step that ``--profile`` times, in order.
+PHASES = (
+    "target forward + masks",
+    "drafter + head forward",
+    "backward",
+    "optimizer (clip + AdamW)",
+)
+#: Rows of the profiler's table that ``--profile`` prints.
+PROFILE_ROWS = 25
+
+
+class _PhaseClock:
+    """The ends of a step's phases: CUDA events on CUDA (read after a synchronize), the host
+    clock on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.start = self._now()
+        self.marks: list[tuple[str, torch.cuda.Event | float]] = []
+
+    def _now(self) -> torch.cuda.Event | float:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self._now()))
+
+    def durations_ms(self) -> list[tuple[str, float]]:
+        out, previous = [], self.start
+        for phase, at in self.marks:
+            if isinstance(previous, float) and isinstance(at, float):
+                out.append((phase, (at - previous) * 1000))
+            else:
+                assert isinstance(previous, torch.cuda.Event) and isinstance(at, torch.cuda.Event)
+                out.append((phase, float(previous.elapsed_time(at))))
+            previous = at
+        return out
+
+
+def profile_step(
+    one_step: Callable[[Callable[[str], None]], float],
+    device: torch.device,
+    steps: int,
+    report: Report,
+    *,
+    trace: Path | None = None,
+) -> None:
+    """``--profile``: each phase of `steps` training steps timed (CUDA events recorded at the
+    phase ends, one synchronize per step, in this mode only; the host clock on the CPU), their
+    medians printed, then ``torch.profiler``'s ``key_averages`` table of `steps` more steps
+    (sorted by self CUDA time on CUDA: the top kernels; by self CPU time on the CPU), and the
+    profiler's Chrome trace written to `trace` when given."""
+    cuda = device.type == "cuda"
+    per_phase: dict[str, list[float]] = {name: [] for name in PHASES}
+    totals: list[float] = []
+    for _ in range(steps):
+        clock = _PhaseClock(cuda)
+        one_step(clock.mark)
+        if cuda:
+            torch.cuda.synchronize(device)
+        for name, ms in clock.durations_ms():
+            per_phase[name].append(ms)
+        totals.append(sum(ms for _, ms in clock.durations_ms()))
+    how = "CUDA events, a synchronize after each step" if cuda else "host clock"
+    medians = ", ".join(
+        f"{name} {sorted(ms)[len(ms) // 2]:.1f} ms" for name, ms in per_phase.items()
+    )
+    report.note(
+        f"profile: per phase, median of {steps} step(s) ({how}): {medians}; step "
+        f"{sorted(totals)[len(totals) // 2]:.1f} ms"
+    )
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            one_step(lambda _phase: None)
+        if cuda:
+            torch.cuda.synchronize(device)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    what = "CUDA kernels and ops by self CUDA time" if cuda else "CPU ops by self CPU time"
+    report.note(f"profile: torch.profiler over {steps} step(s), top {PROFILE_ROWS} {what}:")
+    table = prof.key_averages().table(
+        sort_by=sort, row_limit=PROFILE_ROWS, max_name_column_width=70
+    )
+    report.lines.extend("    " + line for line in table.splitlines())
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+        report.note(f"profile: Chrome trace written to {trace}")
 
 
 #: The activation estimate's tolerance against a measured step.
@@ -960,6 +1071,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
     parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="step: time each phase of the step and print torch.profiler's top kernels/ops",
+    )
+    parser.add_argument(
+        "--profile-trace", type=Path, default=None, help="with --profile: write the Chrome trace"
+    )
+    parser.add_argument(
         "--ddp-world", type=int, default=2, help="ranks of the nccl/fsdp checks (at most the GPUs)"
     )
     # For the test suite: make the named checks compare against a wrong reference.
@@ -1002,6 +1121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.steps,
             peak_tflops=args.peak_tflops,
             ddp_world=args.ddp_world if not args.dry_run else 1,
+            profile=args.profile,
+            profile_trace=args.profile_trace,
         )
         for name in CHECKS:
             if name not in args.only:

@@ -57,6 +57,27 @@ def test_a_wrong_reference_fails_the_run() -> None:
     assert "gpu_check: 2 check(s) failed: flex, nccl" in done.stdout, out
 
 
+def test_profile_breaks_the_step_into_phases_and_prints_the_profiler_table(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "step.json"
+    done = _run("--only", "step", "--profile", "--steps", "2", "--profile-trace", str(trace))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    phases = next(line for line in done.stdout.splitlines() if "profile: per phase" in line)
+    for phase in (
+        "target forward + masks",
+        "drafter + head forward",
+        "backward",
+        "optimizer (clip + AdamW)",
+    ):
+        assert f"{phase} " in phases and " ms" in phases, phases
+    assert "top 25 CPU ops by self CPU time" in done.stdout, out
+    assert "Self CPU %" in done.stdout and "aten::mm" in done.stdout, out
+    assert trace.stat().st_size > 0
+    assert "\nPASS step (" in done.stdout, out
+
+
 def test_without_cuda_it_says_to_use_the_dry_run() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
