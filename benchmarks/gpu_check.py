@@ -41,6 +41,13 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   backward, optimizer) timed per step (CUDA events and one synchronize per step, in this mode
   only), then ``torch.profiler``'s ``key_averages`` table: the top CUDA kernels by self CUDA
   time (CPU ops by self CPU time in a dry run);
+- ``eval``: KV-cached verification (``evaluate_acceptance``, the product's eval loop) of the
+  shipped tiny target in bf16 with a random float32 drafter on the device, against both in
+  float32 on the CPU: the CPU's output equals greedy decoding, the device's pooled tau is
+  within 10% of the CPU's; tokens/s of both printed;
+- ``run``: ``dflash-recipe run`` of the tiny from-scratch recipe through ``--nproc-per-node 1``
+  (torchrun; ``training.device=cuda``, NCCL; the CPU and gloo in a dry run): it completes its 2
+  steps and writes an export (``model.safetensors``, ``config.json``).
 
 Exits 1 when any check fails, 0 otherwise (SKIPs included), 2 when there is no CUDA device and
 no ``--dry-run``.
@@ -54,6 +61,7 @@ import dataclasses
 import math
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,10 +82,12 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
 from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
+from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport, evaluate_acceptance
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
     lm_head,
+    load_base_model,
     stop_after_layer,
     target_forward,
 )
@@ -95,7 +105,7 @@ from dflash_recipes.plan.resources.estimate import estimate_resources, target_di
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step")
+CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "run")
 #: H200 (and H100 SXM) dense bf16 tensor-core peak, TFLOP/s.
 DEFAULT_PEAK_TFLOPS = 989.0
 
@@ -1049,6 +1059,148 @@ def compare_memory(
     report.failed |= not ok
 
 
+#: The eval check's tolerance: the device's pooled tau against the CPU's, relative.
+EVAL_TAU_TOLERANCE = 0.10
+
+
+def check_eval(setup: Setup, report: Report) -> None:
+    """KV-cached verification (``evaluate_acceptance``: the product's eval loop) of the shipped
+    tiny target in bf16 with a float32 drafter on the device, against both in float32 on the
+    CPU."""
+    device = setup.device
+    result = compile_file(
+        REPO / "recipes" / "tiny" / "tiny_released.yaml",
+        overrides=(f"training.output_dir={setup.workdir / 'eval-run'}",),
+    )
+    if result.plan is None:
+        msg = f"cannot compile recipes/tiny/tiny_released.yaml: {result.diagnostics}"
+        raise RuntimeError(msg)
+    plan = result.plan
+    spec = plan.resolved_draft()
+    reference = load_base_model(plan)  # float32, CPU
+    drafter = DFlashDraftModel(spec, generator=torch.Generator().manual_seed(71))
+    n_prompts, new_tokens = (4, 24) if setup.dry_run else (8, 192)
+    gen = torch.Generator().manual_seed(73)
+    vocab = int(reference.config.vocab_size)
+    prompts = [
+        torch.randint(3, vocab - 10, (12 + 4 * k,), generator=gen).tolist()
+        for k in range(n_prompts)
+    ]
+    tested = copy.deepcopy(reference)
+    nn.Module.to(tested, device=device, dtype=torch.bfloat16)
+    tested_drafter = copy.deepcopy(drafter).to(device)
+    report.note(
+        f"the shipped tiny target ({reference.config.num_hidden_layers} layers x "
+        f"{reference.config.hidden_size}), a random float32 drafter (block {spec.block_size}); "
+        f"{n_prompts} prompts x {new_tokens} new tokens, batch {n_prompts}: bf16 target on "
+        f"{device.type} vs float32 on the CPU"
+    )
+
+    def measure(target: PreTrainedModel, module: nn.Module) -> AcceptanceReport:
+        return evaluate_acceptance(
+            target,
+            module,
+            spec,
+            prompts,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            batch_size=n_prompts,
+        )
+
+    ref = measure(reference, drafter)
+    # CUDA context and kernels warm before the timed run
+    evaluate_acceptance(
+        tested, tested_drafter, spec, prompts[:1], max_new_tokens=4, eos_token_id=None
+    )
+    got = measure(tested, tested_drafter)
+    ok_ref = ref.lossless
+    report.note(
+        f"{'ok  ' if ok_ref else 'BAD '} float32 CPU: tau {ref.tau:.3f} over {ref.steps} "
+        f"verification steps, output equal to greedy decoding: {ref.lossless}"
+    )
+    report.failed |= not ok_ref
+    ref_tau = ref.tau
+    if report.inject:  # the suite's wrong reference
+        ref_tau, report.inject = ref_tau * 1.5 + 0.1, False
+    gap = abs(got.tau - ref_tau) / ref_tau if ref_tau else math.inf
+    ok = gap <= EVAL_TAU_TOLERANCE and got.steps > 0
+    report.note(
+        f"{'ok  ' if ok else 'BAD '} bf16 target on {device.type}: tau {got.tau:.3f} over "
+        f"{got.steps} steps vs {ref_tau:.3f} on the CPU: relative gap {gap:.3g} (tolerance "
+        f"{EVAL_TAU_TOLERANCE:g}); output equal to its own greedy decoding: {got.lossless} "
+        "(bf16 near-ties may differ between the cached and the whole forward: not failed)"
+    )
+    report.failed |= not ok
+    report.note(
+        f"tokens/s: {got.tokens_per_second:,.0f} on {device.type} (bf16 target), "
+        f"{ref.tokens_per_second:,.0f} on the CPU (float32); {got.tokens} tokens each"
+    )
+
+
+#: The run check's recipe, resized small: 2 steps of 1 sequence x 64 tokens, 4 blocks of 4.
+RUN_OVERRIDES = (
+    "training.max_steps=2",
+    "training.per_device_train_batch_size=1",
+    "training.training_seq_len=64",
+    "training.logging_steps=1",
+    "dflash.dflash_num_anchors=4",
+    "dflash.dflash_block_size=4",
+)
+
+
+def check_run(setup: Setup, report: Report) -> None:
+    """``dflash-recipe run`` end to end through ``--nproc-per-node 1`` (torchrun: NCCL on CUDA,
+    gloo in a dry run) on the tiny from-scratch recipe: it completes and writes an export."""
+    out = setup.workdir / "run-check"
+    device = "cuda" if setup.device.type == "cuda" else "cpu"
+    argv = [
+        sys.executable,
+        "-m",
+        "dflash_recipes",
+        "run",
+        str(REPO / "recipes" / "tiny" / "tiny_scratch.yaml"),
+        f"training.output_dir={out}",
+        f"training.device={device}",
+        *RUN_OVERRIDES,
+        "--nproc-per-node",
+        "1",
+        "--no-progress",
+    ]
+    report.note(
+        f"dflash-recipe run recipes/tiny/tiny_scratch.yaml training.device={device} "
+        f"{' '.join(RUN_OVERRIDES)} --nproc-per-node 1"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    started = time.perf_counter()
+    done = subprocess.run(
+        argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+    seconds = time.perf_counter() - started
+    lines = done.stderr.strip().splitlines()
+    last = lines[-1] if lines else ""
+    finished = done.returncode == 0 and last.startswith("done: 2 steps")
+    report.note(
+        f"{'ok  ' if finished else 'BAD '} exit code {done.returncode} after {seconds:.1f} s; "
+        f"last line: {last[:160]!r}"
+    )
+    report.failed |= not finished
+    if not finished:
+        report.lines.extend(
+            "    " + line for line in (done.stdout + done.stderr).splitlines()[-12:]
+        )
+    export = out / "export"
+    if report.inject:  # the suite's wrong reference: look for an export where there is none
+        export, report.inject = out / "no-export", False
+    written = [name for name in ("model.safetensors", "config.json") if (export / name).is_file()]
+    ok = len(written) == 2
+    report.note(
+        f"{'ok  ' if ok else 'BAD '} export {export}: "
+        + (", ".join(written) if written else "nothing written")
+    )
+    report.failed |= not ok
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {
     "flex": check_flex,
     "bf16": check_bf16,
@@ -1056,6 +1208,8 @@ CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {
     "nccl": check_nccl,
     "fsdp": check_fsdp,
     "step": check_step,
+    "eval": check_eval,
+    "run": check_run,
 }
 
 

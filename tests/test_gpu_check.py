@@ -17,7 +17,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step")
+CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "run")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -28,7 +28,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         env=env,
         cwd=REPO,
-        timeout=120,
+        timeout=300,
         check=False,
     )
 
@@ -43,18 +43,44 @@ def test_dry_run_passes_every_check() -> None:
     assert "FAIL" not in done.stdout and "BAD" not in done.stdout, out
     assert "tolerance" in done.stdout  # every comparison states its tolerance
     assert "target tokens/s" in done.stdout and "FLOPs formula" in done.stdout
+    assert "tokens/s: " in done.stdout  # the eval check's speed
     assert "gpu_check: all checks passed" in done.stdout
 
 
 @pytest.mark.slow
 def test_a_wrong_reference_fails_the_run() -> None:
-    done = _run("--only", "flex", "nccl", "--inject-mismatch", "flex", "nccl")
+    done = _run(
+        "--only",
+        "flex",
+        "nccl",
+        "fsdp",
+        "eval",
+        "--inject-mismatch",
+        "flex",
+        "nccl",
+        "fsdp",
+        "eval",
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
-    assert "\nFAIL flex (" in done.stdout and "\nFAIL nccl (" in done.stdout, out
+    for name in ("flex", "nccl", "fsdp", "eval"):
+        assert f"\nFAIL {name} (" in done.stdout, out
     assert "BAD  draft states, no sinks" in done.stdout, out
     assert "BAD  all_reduce over 1 rank(s)" in done.stdout, out
-    assert "gpu_check: 2 check(s) failed: flex, nccl" in done.stdout, out
+    assert "BAD  target taps, step_inputs on shard_target_fsdp2" in done.stdout, out
+    assert "BAD  bf16 target on cpu: tau" in done.stdout, out
+    assert "gpu_check: 4 check(s) failed: flex, nccl, fsdp, eval" in done.stdout, out
+
+
+@pytest.mark.slow
+def test_the_run_check_launches_the_cli_and_finds_the_export() -> None:
+    done = _run("--only", "run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--nproc-per-node 1" in done.stdout and "\nPASS run (" in done.stdout
+    assert "model.safetensors, config.json" in done.stdout
+    wrong = _run("--only", "run", "--inject-mismatch", "run")
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert "BAD  export" in wrong.stdout and "nothing written" in wrong.stdout
 
 
 def test_profile_breaks_the_step_into_phases_and_prints_the_profiler_table(
