@@ -82,6 +82,7 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
 from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
+from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate_batch
 from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport, evaluate_acceptance
 from dflash_recipes.executor.model.convert import (
     convert,
@@ -1131,6 +1132,20 @@ def check_eval(setup: Setup, report: Report) -> None:
         "(bf16 near-ties may differ between the cached and the whole forward: not failed)"
     )
     report.failed |= not ok
+    # Per prompt: the same tokens, and the same accepted length at every verification step?
+    runs = [
+        speculative_generate_batch(
+            target, module, spec, prompts, max_new_tokens=new_tokens, eos_token_id=None
+        )
+        for target, module in ((reference, drafter), (tested, tested_drafter))
+    ]
+    same_tokens = sum(a.tokens == b.tokens for a, b in zip(*runs, strict=True))
+    same_taus = sum(a.accepted_per_step == b.accepted_per_step for a, b in zip(*runs, strict=True))
+    report.note(
+        f"per prompt: {same_tokens} of {n_prompts} with the CPU's tokens, {same_taus} of "
+        f"{n_prompts} with its accepted length at every step (bf16 may flip a near-tied "
+        "argmax: reported, not failed)"
+    )
     report.note(
         f"tokens/s: {got.tokens_per_second:,.0f} on {device.type} (bf16 target), "
         f"{ref.tokens_per_second:,.0f} on the CPU (float32); {got.tokens} tokens each"
@@ -1233,13 +1248,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--profile-trace", type=Path, default=None, help="with --profile: write the Chrome trace"
     )
     parser.add_argument(
-        "--ddp-world", type=int, default=2, help="ranks of the nccl/fsdp checks (at most the GPUs)"
+        "--ddp-world",
+        type=int,
+        default=None,
+        help="ranks of the nccl/fsdp checks (default 2, at most the GPUs; 1 in a dry run, where "
+        "more are gloo processes on the CPU)",
     )
     # For the test suite: make the named checks compare against a wrong reference.
     parser.add_argument(
         "--inject-mismatch", nargs="+", choices=CHECKS, default=[], help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
+    if args.ddp_world is None:
+        args.ddp_world = 1 if args.dry_run else 2
     if args.steps < 1 or args.ddp_world < 1 or args.peak_tflops <= 0:
         parser.error("--steps and --ddp-world must be >= 1 and --peak-tflops > 0")
     return args
@@ -1274,7 +1295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_dims=TINY_DIMS if args.dry_run else CHECK_DIMS,
             steps=args.steps,
             peak_tflops=args.peak_tflops,
-            ddp_world=args.ddp_world if not args.dry_run else 1,
+            ddp_world=args.ddp_world,
             profile=args.profile,
             profile_trace=args.profile_trace,
         )

@@ -73,6 +73,18 @@ def test_a_wrong_reference_fails_the_run() -> None:
 
 
 @pytest.mark.slow
+def test_the_fsdp_check_shards_over_two_gloo_ranks() -> None:
+    """The dry run's fsdp check with 2 CPU processes: the target really sharded, its taps through
+    the trainer's step_inputs equal the plain target's on both ranks."""
+    done = _run("--only", "fsdp", "--ddp-world", "2")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "gloo on the CPU, 2 process(es)" in done.stdout, out
+    assert "ok   target taps, step_inputs on shard_target_fsdp2 over 2 rank(s)" in done.stdout, out
+    assert "\nPASS fsdp (" in done.stdout and "BAD" not in done.stdout, out
+
+
+@pytest.mark.slow
 def test_the_run_check_launches_the_cli_and_finds_the_export() -> None:
     done = _run("--only", "run")
     assert done.returncode == 0, done.stdout + done.stderr
