@@ -923,7 +923,7 @@ class _PhaseClock:
     def _now(self) -> torch.cuda.Event | float:
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record()
         return event
 
