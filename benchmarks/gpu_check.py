@@ -1,6 +1,7 @@
 """GPU check: the CUDA paths against CPU/eager float32 references, then a timed 8B-sized step.
 
     python benchmarks/gpu_check.py [--peak-tflops 989] [--steps 3] [--only CHECK ...]
+    python benchmarks/gpu_check.py --only step --profile [--profile-trace step.json]
     python benchmarks/gpu_check.py --dry-run      # every check on the CPU at tiny dims (< 30 s)
 
 Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
@@ -8,6 +9,10 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
 - ``flex``: the drafter's forward and backward under the flex-attention block mask
   (:func:`build_flex_block_mask`, the compiled ``flex_attention`` kernel the CUDA path uses),
   with and without attention sinks, against the dense-mask eager forward on the CPU in float32;
+  the graph is the trainer's (raw taps through ``fuse_context``, so ``fc`` and ``hidden_norm``
+  are in it), and gradients are compared for exactly the parameters that get one in both
+  graphs: a parameter with a gradient on one side only, or a trainable one with none on
+  either, fails (the backward needs CUDA: no gradients in a dry run);
 - ``bf16``: one training micro-step (``step_inputs`` + ``DraftStep``: fuse, drafter, lm_head,
   loss, backward) under bf16 autocast on the device, against the same step in float32 on the
   CPU;
@@ -17,8 +22,11 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   dry run): an all_reduce, and a DDP step (``wrap_ddp``) whose gradients equal the
   single-process step on the whole batch;
 - ``fsdp``: FSDP2 (``fully_shard``): the sharded frozen target (``shard_target_fsdp2``, what
-  ``training.fsdp`` does) gives the plain target's taps, and one AdamW step of a sharded
-  drafter (not something the trainer does; checked for use) equals the plain one;
+  ``training.fsdp`` does), run through the trainer's own ``step_inputs`` (taps captured by
+  forward hooks, the forward stopped after the deepest tap: ``convert.capture_taps``), gives
+  the plain target's ``output_hidden_states`` taps, and so does a teacher objective's path
+  (``target_forward`` with logits) on the sharded target; one AdamW step of a sharded drafter
+  (not something the trainer does; checked for use) equals the plain one;
 - ``step``: a timed training step at real proportions (CUDA; tiny dims in a dry run): the
   drafter of Qwen3-8B (hidden 4096, 5 layers, 32 heads / 8 kv heads x 128, intermediate 12288,
   vocab 151936, block 16, 5 taps) on a Qwen3-8B-wide target truncated to 6 layers (built from a
@@ -29,6 +37,17 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   against the step: its exact parts (target and drafter weights, AdamW states) against the
   built modules' bytes, and its memory per rank (less the stated allowance) against
   ``torch.cuda.max_memory_allocated`` of a step, within 15% (exact parts only in a dry run).
+  With ``--profile``: the step's phases (target forward + masks, drafter + head forward,
+  backward, optimizer) timed per step (CUDA events and one synchronize per step, in this mode
+  only), then ``torch.profiler``'s ``key_averages`` table: the top CUDA kernels by self CUDA
+  time (CPU ops by self CPU time in a dry run);
+- ``eval``: KV-cached verification (``evaluate_acceptance``, the product's eval loop) of the
+  shipped tiny target in bf16 with a random float32 drafter on the device, against both in
+  float32 on the CPU: the CPU's output equals greedy decoding, the device's pooled tau is
+  within 10% of the CPU's; tokens/s of both printed;
+- ``run``: ``dflash-recipe run`` of the tiny from-scratch recipe through ``--nproc-per-node 1``
+  (torchrun; ``training.device=cuda``, NCCL; the CPU and gloo in a dry run): it completes its 2
+  steps and writes an export (``model.safetensors``, ``config.json``).
 
 Exits 1 when any check fails, 0 otherwise (SKIPs included), 2 when there is no CUDA device and
 no ``--dry-run``.
@@ -42,6 +61,7 @@ import dataclasses
 import math
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,10 +82,14 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
 from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
+from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate_batch
+from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport, evaluate_acceptance
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
     lm_head,
+    load_base_model,
+    stop_after_layer,
     target_forward,
 )
 from dflash_recipes.executor.model.draft import (
@@ -82,7 +106,7 @@ from dflash_recipes.plan.resources.estimate import estimate_resources, target_di
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step")
+CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "run")
 #: H200 (and H100 SXM) dense bf16 tensor-core peak, TFLOP/s.
 DEFAULT_PEAK_TFLOPS = 989.0
 
@@ -307,23 +331,54 @@ class Report:
         self._line(what, ok, f"relative error {value:.3g} (tolerance {tol:g}, norm-wise)")
 
     def grads(
-        self, what: str, got: nn.Module, ref: nn.Module, *, tol: float, full: bool = False
+        self,
+        what: str,
+        got: nn.Module,
+        ref: nn.Module,
+        *,
+        tol: float,
+        full: bool = False,
+        outside: frozenset[str] = frozenset(),
     ) -> None:
-        """Every parameter's gradient (or value, `full`=False means gradients), norm-wise."""
-        worst, worst_name = -1.0, ""
+        """Every parameter's gradient (or value, with `full`), norm-wise.
+
+        Gradients are compared for exactly the parameters that get one in both graphs. Any other
+        trainable parameter fails the line: one that gets a gradient in one graph only, and one
+        that gets none in either unless the check's graph leaves it out by construction
+        (`outside`, named in the line); a parameter of `outside` that does get a gradient fails
+        too (the check's premise is wrong)."""
         ref_params = dict(ref.named_parameters())
         pairs = [(n, p, ref_params[n]) for n, p in got.named_parameters() if n in ref_params]
         if not pairs:
             self._line(what, False, "no parameters in common")
             return
+        if full:
+            compared = [(n, _full(p), _full(r)) for n, p, r in pairs]
+        else:
+            problems: list[str] = []
+            compared = []
+            for name, p, r in pairs:
+                a, b = _full(p.grad), _full(r.grad)
+                if a is not None and b is not None:
+                    if name in outside:
+                        problems.append(
+                            f"{name} has a gradient, but the check's graph leaves it out"
+                        )
+                    compared.append((name, a, b))
+                elif a is not None or b is not None:
+                    side = "the reference" if a is None else "the tested graph"
+                    problems.append(f"{name} has a gradient in {side} only")
+                elif name not in outside and (p.requires_grad or r.requires_grad):
+                    problems.append(f"{name} should get a gradient and gets none")
+            if problems:
+                self.inject = False
+                self._line(what, False, "; ".join(problems))
+                return
         inject = self.inject
         self.inject = False
-        for name, p, r in pairs:
-            a = _full(p) if full else _full(p.grad)
-            b = _full(r) if full else _full(r.grad)
-            if a is None or b is None:
-                self._line(what, False, f"{name} has no gradient")
-                return
+        worst, worst_name = -1.0, ""
+        for name, a, b in compared:
+            assert a is not None and b is not None
             if inject:
                 b, inject = b * 1.5 + 0.1, False
             value = float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -333,11 +388,12 @@ class Report:
                 worst, worst_name = value, name
         ok = worst <= tol
         kind = "values" if full else "gradients"
+        left_out = f"; not in the check's graph: {', '.join(sorted(outside))}" if outside else ""
         self._line(
             what,
             ok,
-            f"{len(pairs)} {kind}, worst relative error {worst:.3g} ({worst_name}; tolerance "
-            f"{tol:g}, norm-wise per tensor)",
+            f"{len(compared)} {kind}, worst relative error {worst:.3g} ({worst_name}; tolerance "
+            f"{tol:g}, norm-wise per tensor){left_out}",
         )
 
     def _line(self, what: str, ok: bool, detail: str) -> None:
@@ -366,6 +422,8 @@ class Setup:
     steps: int
     peak_tflops: float
     ddp_world: int
+    profile: bool = False
+    profile_trace: Path | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,14 +462,15 @@ def check_flex(setup: Setup, report: Report) -> None:
         gen = torch.Generator().manual_seed(12)
         q_len = batch.anchors.shape[1] * dims.block
         embeds = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
-        context = torch.randn(dims.batch, dims.seq, dims.hidden, generator=gen)
+        # Raw taps, fused by the drafter as the trainer does: fc and hidden_norm are in the graph.
+        taps = torch.randn(dims.batch, dims.seq, len(dims.taps) * dims.hidden, generator=gen)
         q_pos = block_positions(batch.anchors, dims.block)
         c_pos = torch.arange(dims.seq).expand(dims.batch, dims.seq)
         probe = torch.randn(dims.batch, q_len, dims.hidden, generator=gen)
 
         reference = copy.deepcopy(drafter)
         dense = build_dense_block_mask(batch.anchors, dims.block, dims.seq, batch.valid)
-        ref_out = reference(embeds, context, q_pos, c_pos, dense)
+        ref_out = reference(embeds, reference.fuse_context(taps), q_pos, c_pos, dense)
         (ref_out * probe).sum().backward()
 
         tested = copy.deepcopy(drafter).to(device)
@@ -420,9 +479,8 @@ def check_flex(setup: Setup, report: Report) -> None:
         )
         with warnings.catch_warnings(), torch.set_grad_enabled(device.type == "cuda"):
             warnings.simplefilter("ignore")  # eager flex_attention warns on the CPU
-            out = tested(
-                embeds.to(device), context.to(device), q_pos.to(device), c_pos.to(device), mask
-            )
+            context = tested.fuse_context(taps.to(device))
+            out = tested(embeds.to(device), context, q_pos.to(device), c_pos.to(device), mask)
         label = "with attention sinks" if sink else "no sinks"
         report.close(f"draft states, {label}", out, ref_out, atol=1e-4, rtol=1e-3)
         if device.type == "cuda":
@@ -608,15 +666,34 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
 
     plain = _moved(copy.deepcopy(model), device)
     sharded = shard_target_fsdp2(copy.deepcopy(model), env)
+    # The reference: the unsharded target's Hugging Face hidden states (output_hidden_states).
     with torch.no_grad():
-        taps = []
-        for target in (sharded, plain):
-            states = target_forward(target, batch.ids, batch.attention, with_logits=False)
-            taps.append(taps_from_hidden_states(states.hidden_states, spec.target_layer_ids))
+        states = target_forward(plain, batch.ids, batch.attention, with_logits=False)
+        expected = taps_from_hidden_states(states.hidden_states, spec.target_layer_ids).float()
+    # The trainer's own path on the sharded target: step_inputs (forward hooks on the taps,
+    # the forward stopped after the deepest one: convert.capture_taps), as training.fsdp runs it.
+    stop = stop_after_layer(spec.target_layer_ids, needs_logits=False)
+    report.note(
+        f"taps {list(spec.target_layer_ids)} of {dims.target_layers} layers: the trainer's "
+        f"forward stops after layer {stop}"
+    )
+    tapped = inputs_for(sharded, plan, batch).tapped
     report.close(
-        f"target taps, shard_target_fsdp2 over {world} rank(s) vs plain",
-        taps[0],
-        taps[1],
+        f"target taps, step_inputs on shard_target_fsdp2 over {world} rank(s) (the trainer's "
+        "hooks, stopped after the deepest tap) vs the plain target's hidden states",
+        tapped,
+        expected,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    # A teacher objective's path (logits wanted: the whole forward with output_hidden_states).
+    with torch.no_grad():
+        teacher = target_forward(sharded, batch.ids, batch.attention, with_logits=True)
+    report.close(
+        "target taps, output_hidden_states on the sharded target (a teacher objective's path) "
+        "vs plain",
+        taps_from_hidden_states(teacher.hidden_states, spec.target_layer_ids),
+        expected,
         atol=1e-5,
         rtol=1e-5,
     )
@@ -759,11 +836,19 @@ def check_step(setup: Setup, report: Report) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     batch = make_batch(dims, seed=63).to(device)
 
-    def one_step() -> float:
+    def one_step(mark: Callable[[str], None] = lambda _phase: None) -> float:
+        """One training step; `mark` is called at the end of each of :data:`PHASES`."""
         optimizer.zero_grad(set_to_none=True)
-        out = run_step(step, inputs_for(model, plan, batch), autocast=True)
+        inputs = inputs_for(model, plan, batch)
+        mark(PHASES[0])
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out: LossOutput = step(inputs)
+        mark(PHASES[1])
+        out.loss.backward()  # type: ignore[no-untyped-call]
+        mark(PHASES[2])
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
+        mark(PHASES[3])
         return float(out.loss.detach())
 
     def sync() -> None:
@@ -811,6 +896,102 @@ def check_step(setup: Setup, report: Report) -> None:
     report.note(f"FLOPs formula: {formula}")
     peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     compare_memory(plan, dims, model, drafter, optimizer, peak_bytes, report)
+    if setup.profile:
+        profile_step(one_step, device, setup.steps, report, trace=setup.profile_trace)
+
+
+#: The phases of a training step that ``--profile`` times, in order.
+PHASES = (
+    "target forward + masks",
+    "drafter + head forward",
+    "backward",
+    "optimizer (clip + AdamW)",
+)
+#: Rows of the profiler's table that ``--profile`` prints.
+PROFILE_ROWS = 25
+
+
+class _PhaseClock:
+    """The ends of a step's phases: CUDA events on CUDA (read after a synchronize), the host
+    clock on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.start = self._now()
+        self.marks: list[tuple[str, torch.cuda.Event | float]] = []
+
+    def _now(self) -> torch.cuda.Event | float:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self._now()))
+
+    def durations_ms(self) -> list[tuple[str, float]]:
+        out, previous = [], self.start
+        for phase, at in self.marks:
+            if isinstance(previous, float) and isinstance(at, float):
+                out.append((phase, (at - previous) * 1000))
+            else:
+                assert isinstance(previous, torch.cuda.Event) and isinstance(at, torch.cuda.Event)
+                out.append((phase, float(previous.elapsed_time(at))))
+            previous = at
+        return out
+
+
+def profile_step(
+    one_step: Callable[[Callable[[str], None]], float],
+    device: torch.device,
+    steps: int,
+    report: Report,
+    *,
+    trace: Path | None = None,
+) -> None:
+    """``--profile``: each phase of `steps` training steps timed (CUDA events recorded at the
+    phase ends, one synchronize per step, in this mode only; the host clock on the CPU), their
+    medians printed, then ``torch.profiler``'s ``key_averages`` table of `steps` more steps
+    (sorted by self CUDA time on CUDA: the top kernels; by self CPU time on the CPU), and the
+    profiler's Chrome trace written to `trace` when given."""
+    cuda = device.type == "cuda"
+    per_phase: dict[str, list[float]] = {name: [] for name in PHASES}
+    totals: list[float] = []
+    for _ in range(steps):
+        clock = _PhaseClock(cuda)
+        one_step(clock.mark)
+        if cuda:
+            torch.cuda.synchronize(device)
+        for name, ms in clock.durations_ms():
+            per_phase[name].append(ms)
+        totals.append(sum(ms for _, ms in clock.durations_ms()))
+    how = "CUDA events, a synchronize after each step" if cuda else "host clock"
+    medians = ", ".join(
+        f"{name} {sorted(ms)[len(ms) // 2]:.1f} ms" for name, ms in per_phase.items()
+    )
+    report.note(
+        f"profile: per phase, median of {steps} step(s) ({how}): {medians}; step "
+        f"{sorted(totals)[len(totals) // 2]:.1f} ms"
+    )
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            one_step(lambda _phase: None)
+        if cuda:
+            torch.cuda.synchronize(device)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    what = "CUDA kernels and ops by self CUDA time" if cuda else "CPU ops by self CPU time"
+    report.note(f"profile: torch.profiler over {steps} step(s), top {PROFILE_ROWS} {what}:")
+    table = prof.key_averages().table(
+        sort_by=sort, row_limit=PROFILE_ROWS, max_name_column_width=70
+    )
+    report.lines.extend("    " + line for line in table.splitlines())
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+        report.note(f"profile: Chrome trace written to {trace}")
 
 
 #: The activation estimate's tolerance against a measured step.
@@ -879,6 +1060,162 @@ def compare_memory(
     report.failed |= not ok
 
 
+#: The eval check's tolerance: the device's pooled tau against the CPU's, relative.
+EVAL_TAU_TOLERANCE = 0.10
+
+
+def check_eval(setup: Setup, report: Report) -> None:
+    """KV-cached verification (``evaluate_acceptance``: the product's eval loop) of the shipped
+    tiny target in bf16 with a float32 drafter on the device, against both in float32 on the
+    CPU."""
+    device = setup.device
+    result = compile_file(
+        REPO / "recipes" / "tiny" / "tiny_released.yaml",
+        overrides=(f"training.output_dir={setup.workdir / 'eval-run'}",),
+    )
+    if result.plan is None:
+        msg = f"cannot compile recipes/tiny/tiny_released.yaml: {result.diagnostics}"
+        raise RuntimeError(msg)
+    plan = result.plan
+    spec = plan.resolved_draft()
+    reference = load_base_model(plan)  # float32, CPU
+    drafter = DFlashDraftModel(spec, generator=torch.Generator().manual_seed(71))
+    n_prompts, new_tokens = (4, 24) if setup.dry_run else (8, 192)
+    gen = torch.Generator().manual_seed(73)
+    vocab = int(reference.config.vocab_size)
+    prompts = [
+        torch.randint(3, vocab - 10, (12 + 4 * k,), generator=gen).tolist()
+        for k in range(n_prompts)
+    ]
+    tested = copy.deepcopy(reference)
+    nn.Module.to(tested, device=device, dtype=torch.bfloat16)
+    tested_drafter = copy.deepcopy(drafter).to(device)
+    report.note(
+        f"the shipped tiny target ({reference.config.num_hidden_layers} layers x "
+        f"{reference.config.hidden_size}), a random float32 drafter (block {spec.block_size}); "
+        f"{n_prompts} prompts x {new_tokens} new tokens, batch {n_prompts}: bf16 target on "
+        f"{device.type} vs float32 on the CPU"
+    )
+
+    def measure(target: PreTrainedModel, module: nn.Module) -> AcceptanceReport:
+        return evaluate_acceptance(
+            target,
+            module,
+            spec,
+            prompts,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            batch_size=n_prompts,
+        )
+
+    ref = measure(reference, drafter)
+    # CUDA context and kernels warm before the timed run
+    evaluate_acceptance(
+        tested, tested_drafter, spec, prompts[:1], max_new_tokens=4, eos_token_id=None
+    )
+    got = measure(tested, tested_drafter)
+    ok_ref = ref.lossless
+    report.note(
+        f"{'ok  ' if ok_ref else 'BAD '} float32 CPU: tau {ref.tau:.3f} over {ref.steps} "
+        f"verification steps, output equal to greedy decoding: {ref.lossless}"
+    )
+    report.failed |= not ok_ref
+    ref_tau = ref.tau
+    if report.inject:  # the suite's wrong reference
+        ref_tau, report.inject = ref_tau * 1.5 + 0.1, False
+    gap = abs(got.tau - ref_tau) / ref_tau if ref_tau else math.inf
+    ok = gap <= EVAL_TAU_TOLERANCE and got.steps > 0
+    report.note(
+        f"{'ok  ' if ok else 'BAD '} bf16 target on {device.type}: tau {got.tau:.3f} over "
+        f"{got.steps} steps vs {ref_tau:.3f} on the CPU: relative gap {gap:.3g} (tolerance "
+        f"{EVAL_TAU_TOLERANCE:g}); output equal to its own greedy decoding: {got.lossless} "
+        "(bf16 near-ties may differ between the cached and the whole forward: not failed)"
+    )
+    report.failed |= not ok
+    # Per prompt: the same tokens, and the same accepted length at every verification step?
+    runs = [
+        speculative_generate_batch(
+            target, module, spec, prompts, max_new_tokens=new_tokens, eos_token_id=None
+        )
+        for target, module in ((reference, drafter), (tested, tested_drafter))
+    ]
+    same_tokens = sum(a.tokens == b.tokens for a, b in zip(*runs, strict=True))
+    same_taus = sum(a.accepted_per_step == b.accepted_per_step for a, b in zip(*runs, strict=True))
+    report.note(
+        f"per prompt: {same_tokens} of {n_prompts} with the CPU's tokens, {same_taus} of "
+        f"{n_prompts} with its accepted length at every step (bf16 may flip a near-tied "
+        "argmax: reported, not failed)"
+    )
+    report.note(
+        f"tokens/s: {got.tokens_per_second:,.0f} on {device.type} (bf16 target), "
+        f"{ref.tokens_per_second:,.0f} on the CPU (float32); {got.tokens} tokens each"
+    )
+
+
+#: The run check's recipe, resized small: 2 steps of 1 sequence x 64 tokens, 4 blocks of 4.
+RUN_OVERRIDES = (
+    "training.max_steps=2",
+    "training.per_device_train_batch_size=1",
+    "training.training_seq_len=64",
+    "training.logging_steps=1",
+    "dflash.dflash_num_anchors=4",
+    "dflash.dflash_block_size=4",
+)
+
+
+def check_run(setup: Setup, report: Report) -> None:
+    """``dflash-recipe run`` end to end through ``--nproc-per-node 1`` (torchrun: NCCL on CUDA,
+    gloo in a dry run) on the tiny from-scratch recipe: it completes and writes an export."""
+    out = setup.workdir / "run-check"
+    device = "cuda" if setup.device.type == "cuda" else "cpu"
+    argv = [
+        sys.executable,
+        "-m",
+        "dflash_recipes",
+        "run",
+        str(REPO / "recipes" / "tiny" / "tiny_scratch.yaml"),
+        f"training.output_dir={out}",
+        f"training.device={device}",
+        *RUN_OVERRIDES,
+        "--nproc-per-node",
+        "1",
+        "--no-progress",
+    ]
+    report.note(
+        f"dflash-recipe run recipes/tiny/tiny_scratch.yaml training.device={device} "
+        f"{' '.join(RUN_OVERRIDES)} --nproc-per-node 1"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    started = time.perf_counter()
+    done = subprocess.run(
+        argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+    seconds = time.perf_counter() - started
+    lines = done.stderr.strip().splitlines()
+    last = lines[-1] if lines else ""
+    finished = done.returncode == 0 and last.startswith("done: 2 steps")
+    report.note(
+        f"{'ok  ' if finished else 'BAD '} exit code {done.returncode} after {seconds:.1f} s; "
+        f"last line: {last[:160]!r}"
+    )
+    report.failed |= not finished
+    if not finished:
+        report.lines.extend(
+            "    " + line for line in (done.stdout + done.stderr).splitlines()[-12:]
+        )
+    export = out / "export"
+    if report.inject:  # the suite's wrong reference: look for an export where there is none
+        export, report.inject = out / "no-export", False
+    written = [name for name in ("model.safetensors", "config.json") if (export / name).is_file()]
+    ok = len(written) == 2
+    report.note(
+        f"{'ok  ' if ok else 'BAD '} export {export}: "
+        + (", ".join(written) if written else "nothing written")
+    )
+    report.failed |= not ok
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {
     "flex": check_flex,
     "bf16": check_bf16,
@@ -886,6 +1223,8 @@ CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {
     "nccl": check_nccl,
     "fsdp": check_fsdp,
     "step": check_step,
+    "eval": check_eval,
+    "run": check_run,
 }
 
 
@@ -901,13 +1240,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
     parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
     parser.add_argument(
-        "--ddp-world", type=int, default=2, help="ranks of the nccl/fsdp checks (at most the GPUs)"
+        "--profile",
+        action="store_true",
+        help="step: time each phase of the step and print torch.profiler's top kernels/ops",
+    )
+    parser.add_argument(
+        "--profile-trace", type=Path, default=None, help="with --profile: write the Chrome trace"
+    )
+    parser.add_argument(
+        "--ddp-world",
+        type=int,
+        default=None,
+        help="ranks of the nccl/fsdp checks (default 2, at most the GPUs; 1 in a dry run, where "
+        "more are gloo processes on the CPU)",
     )
     # For the test suite: make the named checks compare against a wrong reference.
     parser.add_argument(
         "--inject-mismatch", nargs="+", choices=CHECKS, default=[], help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
+    if args.ddp_world is None:
+        args.ddp_world = 1 if args.dry_run else 2
     if args.steps < 1 or args.ddp_world < 1 or args.peak_tflops <= 0:
         parser.error("--steps and --ddp-world must be >= 1 and --peak-tflops > 0")
     return args
@@ -942,7 +1295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_dims=TINY_DIMS if args.dry_run else CHECK_DIMS,
             steps=args.steps,
             peak_tflops=args.peak_tflops,
-            ddp_world=args.ddp_world if not args.dry_run else 1,
+            ddp_world=args.ddp_world,
+            profile=args.profile,
+            profile_trace=args.profile_trace,
         )
         for name in CHECKS:
             if name not in args.only:

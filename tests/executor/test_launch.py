@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.executor.launch import (
@@ -227,6 +228,61 @@ def test_a_sigterm_to_the_launcher_lets_every_worker_finish_its_save(
 # ---------------------------------------------------------------------------------------------
 
 
+#: Loaded by every process of the launch (PYTHONPATH): each rank writes what the trainer's
+#: online path captured from the target in its first micro-step (the batch, the taps, whether
+#: the target's weights were FSDP2-sharded) into a file of its own, never to stdout.
+_TAPS_SITECUSTOMIZE = """
+import os
+from pathlib import Path
+
+import torch
+
+from dflash_recipes.executor.training import step as _step
+
+_capture = _step.capture_taps
+
+
+def _recorded(model, input_ids, attention_mask, target_layer_ids, *, stop_after):
+    tapped = _capture(model, input_ids, attention_mask, target_layer_ids, stop_after=stop_after)
+    out = Path(os.environ["DFLASH_TEST_TAPS"]) / f"rank{os.environ.get('RANK', '-')}.pt"
+    if not out.exists():
+        from torch.distributed.tensor import DTensor
+
+        report = {
+            "input_ids": input_ids.cpu(),
+            "attention_mask": attention_mask.cpu(),
+            "tapped": tapped.cpu(),
+            "stop_after": stop_after,
+            "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
+        }
+        torch.save(report, out)
+    return tapped
+
+
+_step.capture_taps = _recorded
+"""
+
+
+def _unsharded_taps(plan_overrides: tuple[str, ...], report: dict[str, object]) -> torch.Tensor:
+    """The plain (unsharded, whole-forward) target's taps of a rank's batch, from Hugging
+    Face's ``output_hidden_states``."""
+    from testkit.compiling import TINY_SCRATCH
+
+    from dflash_recipes.compiler.compilation import compile_file
+    from dflash_recipes.executor.model.convert import load_base_model, target_forward
+    from dflash_recipes.executor.model.draft import taps_from_hidden_states
+
+    result = compile_file(TINY_SCRATCH, overrides=plan_overrides)
+    assert result.plan is not None, result.diagnostics
+    target = load_base_model(result.plan)
+    ids, attention = report["input_ids"], report["attention_mask"]
+    assert isinstance(ids, torch.Tensor) and isinstance(attention, torch.Tensor)
+    with torch.no_grad():
+        states = target_forward(target, ids, attention, with_logits=False)
+    taps = result.plan.resolved_draft().target_layer_ids
+    return taps_from_hidden_states(states.hidden_states, taps).float()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nproc", "extra"),
@@ -238,11 +294,27 @@ def test_a_sigterm_to_the_launcher_lets_every_worker_finish_its_save(
 def test_run_with_nproc_per_node_trains_through_torchrun(
     nproc: int, extra: tuple[str, ...], tmp_path: Path
 ) -> None:
+    """The trainer through torchrun, and its target taps (forward hooks, stopped after the
+    deepest tap) on each rank equal the unsharded target's ``output_hidden_states`` taps of
+    that rank's batch: under ``training.fsdp`` on 2 gloo ranks too, with the target sharded."""
     from testkit.compiling import SMALL_RUN, TINY_SCRATCH
 
     out = tmp_path / "run"
+    hooks, taps_dir = tmp_path / "hooks", tmp_path / "taps"
+    hooks.mkdir()
+    taps_dir.mkdir()
+    (hooks / "sitecustomize.py").write_text(_TAPS_SITECUSTOMIZE, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
+    env["DFLASH_TEST_TAPS"] = str(taps_dir)
+    overrides = (
+        f"training.output_dir={out}",
+        *SMALL_RUN,
+        "training.max_steps=2",
+        "training.per_device_train_batch_size=1",
+        *extra,
+    )
     done = subprocess.run(
         [
             sys.executable,
@@ -250,11 +322,7 @@ def test_run_with_nproc_per_node_trains_through_torchrun(
             "dflash_recipes",
             "run",
             str(TINY_SCRATCH),
-            f"training.output_dir={out}",
-            *SMALL_RUN,
-            "training.max_steps=2",
-            "training.per_device_train_batch_size=1",
-            *extra,
+            *overrides,
             "--nproc-per-node",
             str(nproc),
             "--no-progress",
@@ -270,3 +338,20 @@ def test_run_with_nproc_per_node_trains_through_torchrun(
     assert last.startswith("done: 2 steps, "), done.stderr[-3000:]
     assert (out / "export" / "model.safetensors").is_file()
     assert "unrecognized arguments" not in done.stderr
+
+    from testkit.numerics import assert_equal_up_to_rounding
+
+    reports = sorted(taps_dir.glob("rank*.pt"))
+    assert [p.name for p in reports] == [f"rank{r}.pt" for r in range(nproc)]
+    batches = []
+    for path in reports:
+        report = torch.load(path, weights_only=True)
+        assert report["sharded"] is (nproc > 1)  # training.fsdp sharded the target's layers
+        assert report["stop_after"] is not None  # the forward stopped after the deepest tap
+        expected = _unsharded_taps(overrides, report)
+        assert_equal_up_to_rounding(
+            report["tapped"], expected, what=f"{path.stem}'s taps vs the unsharded target's"
+        )
+        batches.append(report["input_ids"])
+    if nproc > 1:  # each rank tapped its own share of the batch
+        assert not torch.equal(batches[0], batches[1])
