@@ -11,11 +11,12 @@ parser (:func:`torchrun_parser`), not of a table of torch versions. The one that
 between releases is the stop grace: after forwarding a SIGTERM, torchrun SIGKILLs the workers
 that have not exited within its shutdown timeout, 30 s unless ``--shutdown-timeout`` (torch
 2.12 and newer) says otherwise, and a save can take longer. Where that option exists the
-command sets it to :data:`WORKER_SHUTDOWN_TIMEOUT_S`; where it does not, the command tells
-torchrun (``--signals-to-handle``) to leave SIGTERM and SIGINT alone, and the wrapper takes
-them: it passes them on to the workers and waits for every worker to exit, with no deadline
-of its own (:mod:`dflash_recipes.executor.torchrun`). Either way the scheduler's grace period
-is the one that counts.
+command sets it to :data:`WORKER_SHUTDOWN_TIMEOUT_S`; where it does not (torch 2.10 and
+2.11), the command tells torchrun (``--signals-to-handle``) to leave SIGTERM and SIGINT alone,
+and the wrapper takes them: it passes them on to the workers and waits for every worker to
+exit, with no deadline of its own (:mod:`dflash_recipes.executor.torchrun`). Either way the
+scheduler's grace period is the one that counts. torch 2.9's torchrun has neither option: the
+launch is refused there (a LaunchError that names the torch to install).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dflash_recipes.errors import LaunchError
+from dflash_recipes.executor.versions import installed_version
 
 if TYPE_CHECKING:
     from argparse import ArgumentParser
@@ -42,6 +44,10 @@ DEFAULT_RDZV_ID = "dflash-recipes"
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})$")
 _RDZV_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _LAUNCH_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--rdzv-endpoint")
+
+#: The first torch whose torchrun has ``--signals-to-handle`` (torch 2.9's has neither it nor
+#: ``--shutdown-timeout``; read in the 2.9.0, 2.9.1, 2.10.0 and 2.11.0 wheels' ``run.py``).
+SIGNALS_TO_HANDLE_SINCE = "2.10"
 
 #: The signals the wrapper takes from a torchrun without ``--shutdown-timeout`` (the stop
 #: signals of :mod:`dflash_recipes.executor.signals`, by the names torchrun's option uses).
@@ -71,7 +77,8 @@ def stop_grace_options(parser: ArgumentParser) -> list[str]:
 
     ``--shutdown-timeout`` where torchrun has it; else ``--signals-to-handle`` with torchrun's
     default list less :data:`KEPT_STOP_SIGNALS`, which the wrapper then takes. Raises
-    LaunchError for a torchrun that has neither.
+    LaunchError for a torchrun that has neither (torch 2.9's), naming the installed torch and
+    :data:`SIGNALS_TO_HANDLE_SINCE`.
     """
     timeout = str(WORKER_SHUTDOWN_TIMEOUT_S)
     if torchrun_accepts(parser, "--shutdown-timeout", timeout):
@@ -82,10 +89,13 @@ def stop_grace_options(parser: ArgumentParser) -> list[str]:
             s for s in (n.strip() for n in default.split(",")) if s and s not in KEPT_STOP_SIGNALS
         ]
         return ["--signals-to-handle", ",".join(left)]
+    found = installed_version("torch")
     msg = (
-        "this torchrun accepts neither --shutdown-timeout nor --signals-to-handle, so it would "
-        "SIGKILL the workers 30 s after a SIGTERM, in the middle of a save: upgrade torch "
-        "(pip install 'torch>=2.9')"
+        f"this torchrun (torch {found or 'unknown'}) accepts neither --shutdown-timeout nor "
+        "--signals-to-handle, so it would SIGKILL the workers 30 s after a SIGTERM, in the "
+        f"middle of a save: upgrade torch (pip install 'torch>={SIGNALS_TO_HANDLE_SINCE}'), "
+        "or start torchrun yourself (torchrun ... -m dflash_recipes.cli run PLAN) and accept "
+        "that 30 s"
     )
     raise LaunchError(msg)
 
@@ -188,6 +198,7 @@ def launch_torchrun(argv: Sequence[str]) -> int:
 __all__ = [
     "DEFAULT_RDZV_ID",
     "KEPT_STOP_SIGNALS",
+    "SIGNALS_TO_HANDLE_SINCE",
     "TORCHRUN_MODULE",
     "WORKER_SHUTDOWN_TIMEOUT_S",
     "build_torchrun_argv",

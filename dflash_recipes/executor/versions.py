@@ -4,9 +4,10 @@ The floors are the ones ``pyproject.toml`` declares (a test keeps the two equal)
 its reason in the code:
 
 - torch 2.9: flex attention's ``AuxRequest`` (``return_aux=AuxRequest(lse=True)``, the
-  drafter's attention with a sink), new in 2.9; torchrun's ``--signals-to-handle``, which
-  keeps the stop grace where ``--shutdown-timeout`` (2.12) is missing
-  (:mod:`dflash_recipes.executor.launch`); FSDP2's ``fully_shard`` (2.6).
+  drafter's attention with a sink), new in 2.9; FSDP2's ``fully_shard`` (2.6). The launcher
+  of ``--nproc-per-node`` needs 2.10: torchrun's ``--signals-to-handle``, which keeps the stop
+  grace where ``--shutdown-timeout`` (2.12) is missing, came with 2.10, and torch 2.9's
+  torchrun, with neither, is refused there (:mod:`dflash_recipes.executor.launch`).
 - transformers 5.17 (the release the December 2026 GPU image ships): the RoPE settings as
   ``rope_parameters`` and the Qwen3/Llama classes of transformers 5, the hidden-state
   recording registry a ``fully_shard``-ed target keeps (``transformers.utils.output_capturing``,

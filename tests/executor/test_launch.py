@@ -1,8 +1,10 @@
 """The torchrun command `run --nproc-per-node` builds, and its launch.
 
 The stop grace is tested twice over: with the installed torchrun (``--shutdown-timeout``) and
-with an argument parser shaped like torch 2.11's, which has no such option; both launches
-really start torchrun with stand-in workers and stop them with a SIGTERM to the launcher.
+with an argument parser shaped like torch 2.10 and 2.11's, which has no such option; both
+launches really start torchrun with stand-in workers and stop them with a SIGTERM to the
+launcher. Parsers of every shape (with and without each option) choose the options; torch
+2.9's, with neither, is refused.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import torch
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.executor.launch import (
     DEFAULT_RDZV_ID,
+    SIGNALS_TO_HANDLE_SINCE,
     WORKER_SHUTDOWN_TIMEOUT_S,
     build_torchrun_argv,
     launch_torchrun,
+    stop_grace_options,
     torchrun_parser,
 )
 from dflash_recipes.executor.torchrun import kept_stop_signals
@@ -119,13 +123,17 @@ def test_launch_returns_the_exit_code() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# a torchrun without --shutdown-timeout (torch 2.9 to 2.11)
+# torchruns of each shape: --shutdown-timeout (torch 2.12 and newer), --signals-to-handle only
+# (torch 2.10 and 2.11), neither (torch 2.9, read in the 2.9.0 and 2.9.1 wheels' run.py)
 # ---------------------------------------------------------------------------------------------
 
 
-def _torchrun_2_11_parser(*, signals_to_handle: bool = True) -> argparse.ArgumentParser:
-    """torchrun's parser as torch 2.11 has it, for the options the launcher uses: no
-    --shutdown-timeout (torch 2.12 added it), --signals-to-handle with its default."""
+def _torchrun_parser_shaped(
+    *, shutdown_timeout: bool = False, signals_to_handle: bool = True
+) -> argparse.ArgumentParser:
+    """torchrun's parser, for the options the launcher uses, with or without each of the two
+    stop-grace options; the defaults are torch 2.10 and 2.11's shape (no --shutdown-timeout,
+    --signals-to-handle with its default)."""
     parser = argparse.ArgumentParser(prog="torchrun")
     parser.add_argument("--nnodes", "--nnodes", type=str, default="1:1")
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=str, default="1")
@@ -137,14 +145,44 @@ def _torchrun_2_11_parser(*, signals_to_handle: bool = True) -> argparse.Argumen
         parser.add_argument(
             "--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         )
+    if shutdown_timeout:
+        parser.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=None)
     parser.add_argument("-m", "--module", action="store_true")
     parser.add_argument("training_script", type=str)
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser
 
 
+@pytest.mark.parametrize(
+    ("shutdown_timeout", "signals_to_handle", "expected"),
+    [
+        (True, True, ["--shutdown-timeout", str(WORKER_SHUTDOWN_TIMEOUT_S)]),
+        (True, False, ["--shutdown-timeout", str(WORKER_SHUTDOWN_TIMEOUT_S)]),
+        (False, True, ["--signals-to-handle", "SIGHUP,SIGQUIT"]),
+    ],
+    ids=["both-2.12-and-newer", "shutdown-timeout-only", "signals-to-handle-only-2.10-2.11"],
+)
+def test_the_stop_grace_is_asked_of_torchruns_own_parser(
+    shutdown_timeout: bool, signals_to_handle: bool, expected: list[str]
+) -> None:
+    """--shutdown-timeout wherever torchrun has it, --signals-to-handle only where it has not;
+    the whole command is one that torchrun's parser of that shape takes."""
+    parser = _torchrun_parser_shaped(
+        shutdown_timeout=shutdown_timeout, signals_to_handle=signals_to_handle
+    )
+    assert stop_grace_options(parser) == expected
+    argv = build_torchrun_argv(["plan.json"], nproc_per_node=2, parser=parser)
+    assert argv[5:7] == expected
+    args = vars(parser.parse_args(argv[3:]))
+    assert (args["standalone"], args["training_script_args"]) == (True, ["run", "plan.json"])
+    if shutdown_timeout:
+        assert args["shutdown_timeout"] == WORKER_SHUTDOWN_TIMEOUT_S
+        if signals_to_handle:  # torchrun keeps handling every stop signal itself
+            assert args["signals_to_handle"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
 def test_without_shutdown_timeout_torchrun_leaves_the_stop_signals_to_the_wrapper() -> None:
-    old = _torchrun_2_11_parser()
+    old = _torchrun_parser_shaped()
     argv = build_torchrun_argv(["plan.json"], nproc_per_node=2, parser=old)
     assert "--shutdown-timeout" not in argv
     # every option is one the old torchrun takes, and it handles the signals less TERM/INT
@@ -157,15 +195,40 @@ def test_without_shutdown_timeout_torchrun_leaves_the_stop_signals_to_the_wrappe
     assert kept_stop_signals(new[3:]) == ()
 
 
+@pytest.mark.parametrize("signals_to_handle", [True, False], ids=["2.10-and-newer", "2.9"])
+def test_the_wrapper_takes_no_signal_from_a_torchrun_that_handles_them_all(
+    signals_to_handle: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed torchruns of either shape, told nothing about the stop signals, keep them."""
+    import dflash_recipes.executor.torchrun as wrapper
+
+    def shaped() -> argparse.ArgumentParser:
+        return _torchrun_parser_shaped(signals_to_handle=signals_to_handle)
+
+    monkeypatch.setattr(wrapper, "get_args_parser", shaped)
+    argv = ["--nproc-per-node", "2", "--standalone", "-m", "dflash_recipes.cli", "run", "p"]
+    assert kept_stop_signals(argv) == ()
+    if signals_to_handle:
+        told = ["--signals-to-handle", "SIGHUP,SIGQUIT", *argv]
+        assert kept_stop_signals(told) == (signal.SIGTERM, signal.SIGINT)
+
+
 def test_a_torchrun_that_can_keep_no_grace_is_refused() -> None:
+    """torch 2.9's torchrun: neither option; the refusal names the torch to install."""
+    from dflash_recipes.executor.versions import installed_version
+
     with pytest.raises(LaunchError) as info:
         build_torchrun_argv(
-            ["plan.json"], nproc_per_node=2, parser=_torchrun_2_11_parser(signals_to_handle=False)
+            ["plan.json"], nproc_per_node=2, parser=_torchrun_parser_shaped(signals_to_handle=False)
         )
-    assert str(info.value).startswith(
-        "this torchrun accepts neither --shutdown-timeout nor --signals-to-handle"
+    message = str(info.value)
+    assert message.startswith(
+        f"this torchrun (torch {installed_version('torch')}) accepts neither "
+        "--shutdown-timeout nor --signals-to-handle"
     )
-    assert "pip install 'torch>=" in str(info.value)
+    assert f"pip install 'torch>={SIGNALS_TO_HANDLE_SINCE}'" in message
+    assert SIGNALS_TO_HANDLE_SINCE == "2.10"
+    assert "-m dflash_recipes.cli run PLAN" in message
 
 
 _STAND_IN_WORKER = """
@@ -198,7 +261,7 @@ def _wait_for(paths: list[Path], process: subprocess.Popen[bytes]) -> None:
 def test_a_sigterm_to_the_launcher_lets_every_worker_finish_its_save(
     torchrun: str, tmp_path: Path
 ) -> None:
-    parser = torchrun_parser() if torchrun == "installed" else _torchrun_2_11_parser()
+    parser = torchrun_parser() if torchrun == "installed" else _torchrun_parser_shaped()
     argv = build_torchrun_argv(["unused"], nproc_per_node=2, parser=parser)
     worker = tmp_path / "worker.py"
     worker.write_text(_STAND_IN_WORKER, encoding="utf-8")

@@ -22,8 +22,10 @@ anchor):
    proposals are accepted while they equal the target's greedy token, then the target's token
    at the first mismatch (or after a fully accepted block) is committed as a bonus. The step's
    acceptance length tau is accepted proposals + 1, so ``1 <= tau <= D + 1``;
-3. the cache is cropped to the accepted positions (anchor + accepted proposals): the bonus
-   token is the next anchor and enters the cache with the next block. The same pass gave the
+3. the cache is cropped to the accepted positions (anchor + accepted proposals), after every
+   pass (the prefill and a fully accepted block too: that crop cuts sliding-window layers back
+   to their window): the bonus token is the next anchor and enters the cache with the next
+   block. The same pass gave the
    tapped states of those positions, which join the drafter's context.
 
 A batch of prompts runs as rows of one cache, each row accepting its own number of tokens.
@@ -128,10 +130,16 @@ def has_windowed_layers(target: PreTrainedModel) -> bool:
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` slots of every layer (transformers 5 crops by a negative count)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)
+    """Keep the first ``length`` positions of every layer (transformers 5 crops by a negative
+    count), after every target pass, even when nothing was rejected.
+
+    A sliding-window layer recording its past keeps every state a pass added until the next
+    crop, which rolls it back and brings it down to the ``window - 1`` states the next pass
+    attends to: ``crop(0)`` is not a no-op there. Without it, transformers 5.17 hands the next
+    pass every recorded state while the mask counts ``window - 1`` (the pass fails on a shape
+    mismatch); later releases slice what they hand on, but the layer still grows without end.
+    """
+    cache.crop(-max(cache.get_seq_length() - length, 0))
 
 
 class _Rows:
@@ -240,6 +248,7 @@ def speculative_generate_batch(
         activate()
     cache_argument = _cache_argument(target)
     greedy, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
+    _crop(cache, width)  # nothing to roll back; a prompt longer than a window is cut to it
     for row in range(len(prompts)):
         store.extend(row, tapped[row, pads[row] :])
         state.commit(row, [int(greedy[row, -1])])

@@ -20,6 +20,7 @@ from testkit.tiny import (
     tiny_plan,
     tiny_target,
 )
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.errors import DataError
@@ -430,23 +431,7 @@ def test_prompt_longer_than_the_targets_positions_is_refused(tmp_path: Path) -> 
 def test_sliding_window_target_is_lossless_and_batches_one_at_a_time(tmp_path: Path) -> None:
     """A target whose windows count cache slots: crops past the window keep working (the
     cache records past states), and a batch runs its prompts one at a time."""
-    config = Qwen3Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=TINY_HIDDEN,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(config).eval()
-    randomize(target, seed=1)
+    target = sliding_target(8)
     assert has_windowed_layers(target)
     spec = spec_for(tmp_path, block_size=4)
     prompts = [list(p) for p in PROMPTS]
@@ -466,3 +451,63 @@ def test_sliding_window_target_is_lossless_and_batches_one_at_a_time(tmp_path: P
             eos_token_id=None,
         )
         assert result.accepted_per_step == reference.accepted_per_step
+
+
+def sliding_target(window: int) -> PreTrainedModel:
+    """A tiny Qwen3 whose last two of four layers attend over ``window`` positions."""
+    config = Qwen3Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=TINY_HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=window,
+        max_window_layers=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    randomize(target, seed=1)
+    return target
+
+
+def test_sliding_window_layers_are_cut_to_the_window_after_every_pass(tmp_path: Path) -> None:
+    """Every pass, the prefill and fully accepted blocks included, is followed by a crop: a
+    sliding-window layer recording its past keeps what a pass added until the next crop, and
+    transformers 5.17 hands all of it to the next pass while the mask counts ``window - 1``
+    states (the pass fails on a shape mismatch; later releases slice, the layer grows). A
+    prompt longer than the window is cut to it after the prefill."""
+    window = 8
+    target = sliding_target(window)
+    spec = spec_for(tmp_path, block_size=4)
+    prompt = [(7 * k + 3) % TINY_VOCAB for k in range(3 * window)]
+    n = 40
+    oracle = oracle_for(target, [prompt], n, 4)  # full acceptances among the steps
+    held: list[list[int]] = []  # states each sliding layer holds when a pass starts
+
+    def record(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        held.append(
+            [
+                int(layer.keys.shape[-2])
+                for layer in cache.layers
+                if getattr(layer, "is_sliding", False) and layer.is_initialized
+            ]
+        )
+
+    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        result = speculative_generate(
+            target, oracle, spec, prompt, max_new_tokens=n, eos_token_id=None
+        )
+    finally:
+        handle.remove()
+    assert result.tokens == oracle.continuations[tuple(prompt)][:n]
+    assert max(result.accepted_per_step) == 4  # a fully accepted block was among the steps
+    assert held[0] == []  # the prefill starts from an empty cache
+    assert all(len(sizes) == 2 for sizes in held[1:])
+    assert max(max(sizes) for sizes in held[1:]) == window - 1
