@@ -3,11 +3,12 @@
 The floors are the ones ``pyproject.toml`` declares (a test keeps the two equal), and each has
 its reason in the code:
 
-- torch 2.9: flex attention's ``AuxRequest`` (``return_aux=AuxRequest(lse=True)``, the
-  drafter's attention with a sink), new in 2.9; FSDP2's ``fully_shard`` (2.6). The launcher
-  of ``--nproc-per-node`` needs 2.10: torchrun's ``--signals-to-handle``, which keeps the stop
-  grace where ``--shutdown-timeout`` (2.12) is missing, came with 2.10, and torch 2.9's
-  torchrun, with neither, is refused there (:mod:`dflash_recipes.executor.launch`).
+- torch 2.10: the launcher of ``--nproc-per-node`` needs torchrun's ``--signals-to-handle``,
+  which keeps the stop grace where ``--shutdown-timeout`` (2.12) is missing and came with
+  2.10; torch 2.9's torchrun has neither, so the launcher could not work on it
+  (:mod:`dflash_recipes.executor.launch`) and 2.9 is refused here. The rest needs 2.9: flex
+  attention's ``AuxRequest`` (``return_aux=AuxRequest(lse=True)``, the drafter's attention
+  with a sink); FSDP2's ``fully_shard`` (2.6).
 - transformers 5.17 (the release the December 2026 GPU image ships): the RoPE settings as
   ``rope_parameters`` and the Qwen3/Llama classes of transformers 5, the hidden-state
   recording registry a ``fully_shard``-ed target keeps (``transformers.utils.output_capturing``,
@@ -17,8 +18,8 @@ its reason in the code:
 The CI's floor leg (``.ci/run``) runs the model, export, distributed, launcher and evaluation
 tests on these transformers and pure-Python floors. Versions are read from the installed
 distributions' metadata, without importing either library (``regenerate`` against a server
-imports neither). Only the release numbers count: ``2.9.0a0+git...`` (a container's build of
-the 2.9 branch) is 2.9.
+imports neither). Only the release numbers count: ``2.10.0a0+git...`` (a container's build of
+the 2.10 branch) is 2.10.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from importlib.metadata import PackageNotFoundError, version
 from dflash_recipes.errors import LaunchError
 
 #: The oldest release of each library the executor runs on (pyproject.toml says the same).
-REQUIRED: dict[str, tuple[int, ...]] = {"torch": (2, 9), "transformers": (5, 17)}
+REQUIRED: dict[str, tuple[int, ...]] = {"torch": (2, 10), "transformers": (5, 17)}
 
 _RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")
 

@@ -24,7 +24,7 @@ def _installed(**versions: str | None) -> dict[str, str | None]:
 
 @pytest.mark.parametrize(
     "found",
-    ["2.9.0", "2.11.0+cu130", "2.9.0a0+50eac811a6.nv25.09", "3.0.0", "2.10"],
+    ["2.10.0", "2.11.0+cu130", "2.10.0a0+50eac811a6.nv25.11", "3.0.0", "2.10"],
 )
 def test_supported_torch_releases_pass(found: str) -> None:
     check_versions(_installed(torch=found).get)
@@ -32,10 +32,11 @@ def test_supported_torch_releases_pass(found: str) -> None:
 
 def test_an_old_torch_is_refused_in_one_line_naming_both_versions() -> None:
     with pytest.raises(LaunchError) as info:
-        check_versions(_installed(torch="2.8.0+cu128").get)
+        check_versions(_installed(torch="2.9.1+cu128").get)
     assert str(info.value) == (
-        "torch 2.8.0+cu128 installed, but dflash-recipes needs torch >= 2.9: upgrade "
-        "(pip install 'torch>=2.9'), or install dflash-recipes into an environment that has them"
+        "torch 2.9.1+cu128 installed, but dflash-recipes needs torch >= 2.10: upgrade "
+        "(pip install 'torch>=2.10'), or install dflash-recipes into an environment that has "
+        "them"
     )
 
 
@@ -45,7 +46,7 @@ def test_both_too_old_are_named_together() -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("torch 2.4.1, transformers 5.2.0 installed, but dflash-recipes ")
-    assert "needs torch >= 2.9, transformers >= 5.17" in message
+    assert "needs torch >= 2.10, transformers >= 5.17" in message
 
 
 def test_a_library_not_installed_or_unreadable_is_left_to_its_import() -> None:
@@ -96,8 +97,9 @@ def test_run_refuses_an_old_torch_before_anything_is_written(tmp_path: Path) -> 
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == (
-        "error: torch 2.8.0 installed, but dflash-recipes needs torch >= 2.9: upgrade "
-        "(pip install 'torch>=2.9'), or install dflash-recipes into an environment that has them"
+        "error: torch 2.8.0 installed, but dflash-recipes needs torch >= 2.10: upgrade "
+        "(pip install 'torch>=2.10'), or install dflash-recipes into an environment that has "
+        "them"
     )
     assert "Traceback" not in done.stderr
     assert not out.exists()
