@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -208,6 +209,34 @@ def test_eval_command_json_carries_the_settings(
     assert refused.exit_code != 0
     assert "max_position_embeddings" in refused.output
     assert "Traceback" not in refused.output
+
+
+def _shape(line: str) -> str:
+    """A console line with its figures, hashes and paths left out: what must not drift."""
+    line = re.sub(r"\b[0-9a-f]{12}\b", "<sha>", line)
+    line = re.sub(r"\d+(\.\d+)?", "<n>", line)
+    return re.sub(r"<n>( <n>)+", "<n>...", line)
+
+
+def test_the_readme_s_eval_sample_is_what_the_command_prints(
+    eval_setup: tuple[RunPlan, Path], tmp_path: Path
+) -> None:
+    """Issue 36: "The README's `eval` console sample is out of date"; kept true line by line."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```console\n\$ dflash-recipe eval [^\n]*\n(.*?)```", readme, re.S)
+    assert block is not None, "the README has no `dflash-recipe eval` console sample"
+    sample = block.group(1).splitlines()
+    plan, export = eval_setup
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    prompts = write_json(tmp_path / "prompts.json", [TEXTS[0], TEXTS[1]])
+    result = cli(
+        "eval", str(plan_file), "--checkpoint", str(export), "--prompts", str(prompts),
+        "--max-new-tokens", "6",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    printed = [line for line in result.output.splitlines() if line.strip()]
+    assert [_shape(line) for line in printed] == [_shape(line) for line in sample]
 
 
 @pytest.mark.parametrize("kind", ["folder", "save_to_disk"])

@@ -11,6 +11,7 @@ import pytest
 from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.executor.training import fit as fit_module
+from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.executor.training.metrics import MetricWindow, progress_line
 from dflash_recipes.executor.training.save_policy import SavePolicy
@@ -130,4 +131,36 @@ def test_checkpoint_time_is_not_in_the_next_window_s_throughput(
     rates = [float(str(row["tokens_per_second"])) for row in _train_rows(tmp_path / "run")]
     # Every window holds one step of a fixed-size batch and a few clock readings: the rates
     # are of one size. Step 3's window, after step 2's checkpoint, would be 1e5 times smaller.
+    assert max(rates) / min(rates) < 10, rates
+
+
+def test_evaluation_time_is_not_in_the_next_window_s_throughput(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _FakeClock()
+    monkeypatch.setattr(fit_module, "MetricWindow", functools.partial(MetricWindow, clock=clock))
+    measure = EvalPolicy.measure
+
+    def slow_measure(self: EvalPolicy, step: int) -> float | None:
+        tau = measure(self, step)
+        clock.now += 1e6  # a held-out measurement that takes "forever"
+        return tau
+
+    monkeypatch.setattr(EvalPolicy, "measure", slow_measure)
+    plan = tiny_scratch_plan(
+        tmp_path / "run",
+        "training.max_steps=4",
+        "training.save_steps=100",
+        "training.eval_steps=2",
+        "training.eval_num_prompts=1",
+        "training.eval_max_new_tokens=2",
+    )
+    run_plan(plan, progress=False)
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2, 4]
+    rates = [float(str(row["tokens_per_second"])) for row in _train_rows(tmp_path / "run")]
+    assert len(rates) == 4
+    # step 3's window follows step 2's measurement: counted, it would be 1e5 times smaller
     assert max(rates) / min(rates) < 10, rates
