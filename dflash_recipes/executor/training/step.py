@@ -38,9 +38,9 @@ from dflash_recipes.executor.training.anchors import (
     block_labels,
     gather_teacher_logits,
 )
-from dflash_recipes.plan.resources.chunk_budget import MAX_CHUNK_LOGITS, logits_budget
 from dflash_recipes.executor.training.loss import LossOutput, ObjectiveInputs, combine_losses
 from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.plan.resources.chunk_budget import MAX_CHUNK_LOGITS, logits_budget
 from dflash_recipes.plan.run_plan import ObjectivePlan
 
 

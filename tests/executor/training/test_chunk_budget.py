@@ -13,6 +13,7 @@ from testkit.tiny import tiny_target
 
 import dflash_recipes.executor.training.step as step_module
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
+from dflash_recipes.executor.training.step import DraftStep
 from dflash_recipes.plan.resources.chunk_budget import (
     MAX_CHUNK_LOGITS,
     SAFETY_FRACTION,
@@ -20,7 +21,6 @@ from dflash_recipes.plan.resources.chunk_budget import (
     chunk_rows,
     logits_budget,
 )
-from dflash_recipes.executor.training.step import DraftStep
 
 GIB = 2**30
 #: Qwen3-8B's lm_head: a 151936 vocabulary over 4096 hidden units, bfloat16.
