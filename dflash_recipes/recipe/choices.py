@@ -30,6 +30,8 @@ TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 MASTER_DTYPES: tuple[str, ...] = get_args(MasterDtype)
+#: Target dtypes the trainer autocasts the drafter's step to on CUDA (the half-precision ones).
+AUTOCAST_DTYPES: tuple[str, ...] = tuple(d for d in DTYPES if d != "float32")
 SCHEDULERS: tuple[str, ...] = get_args(SchedulerType)
 LOSS_OBJECTIVES: tuple[str, ...] = get_args(LossObjective)
 PROJECTOR_TYPES: tuple[str, ...] = get_args(ProjectorType)
@@ -47,6 +49,7 @@ TRACKER_LIBRARIES: dict[str, str] = {
 }
 
 __all__ = [
+    "AUTOCAST_DTYPES",
     "DEVICES",
     "DTYPES",
     "LAYER_TYPES",

@@ -268,10 +268,10 @@ def test_compile_with_resources_imports_no_torch(qwen3_8b: Path) -> None:
     assert "HEAVY []" in done.stderr
 
 
-def test_the_executor_constants_are_the_estimates() -> None:
+def test_the_estimate_and_the_trainer_autocast_the_same_target_dtypes() -> None:
     torch = pytest.importorskip("torch")
     del torch
     from dflash_recipes.executor.training.setup import precision
     from dflash_recipes.plan.resources import estimate as resources
 
-    assert resources._AUTOCAST_DTYPES == precision.AUTOCAST_DTYPES
+    assert resources.AUTOCAST_DTYPES is precision.AUTOCAST_DTYPES == ("bfloat16", "float16")

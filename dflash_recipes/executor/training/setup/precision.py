@@ -23,9 +23,7 @@ import torch
 
 from dflash_recipes.executor.model.convert import torch_dtype
 from dflash_recipes.plan.run_plan import RunPlan
-
-#: Target dtypes whose step runs under autocast on CUDA (the autocast dtype is the target's).
-AUTOCAST_DTYPES = ("bfloat16", "float16")
+from dflash_recipes.recipe.choices import AUTOCAST_DTYPES
 
 
 def tf32_settings(device_type: str, enabled: bool) -> dict[str, bool] | None:
@@ -75,7 +73,6 @@ def master_dtype(plan: RunPlan) -> torch.dtype:
 
 
 __all__ = [
-    "AUTOCAST_DTYPES",
     "apply_tf32",
     "autocast_dtype",
     "build_grad_scaler",
