@@ -163,7 +163,7 @@ def measure(name: str, folder: Path, *, autocast: bool = False) -> list[list[str
     for what, est, real in (
         ("target weights", memory.target_weights, target_bytes),
         ("drafter weights", memory.drafter_weights, drafter_bytes),
-        ("gradients", memory.gradients, grad_bytes),
+        ("gradients", estimate.gradient_bytes, grad_bytes),
         ("optimizer states", memory.optimizer_states, optim_bytes),
         ("saved for backward", parts.step_inputs + parts.drafter_saved, saved_bytes),
         ("activations (peak)", memory.activations, peak),

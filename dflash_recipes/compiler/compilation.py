@@ -284,6 +284,8 @@ def build_plan(
             eval_min_tau=training.eval_min_tau,
             eval_num_prompts=training.eval_num_prompts,
             eval_max_new_tokens=training.eval_max_new_tokens,
+            tf32=training.tf32,
+            drafter_master_dtype=training.drafter_master_dtype,
         ),
         draft=DraftPlan(
             block_size=dflash.dflash_block_size,

@@ -18,6 +18,7 @@ from dflash_recipes.recipe.choices import (
     Dtype,
     LossObjective,
     MarkovHeadType,
+    MasterDtype,
     ProjectorType,
     SchedulerType,
     TrackerName,
@@ -97,6 +98,10 @@ class TrainingPlan(Record):
     #: Held-out conversations and new tokens per prompt of each training-time measurement.
     eval_num_prompts: int = 4
     eval_max_new_tokens: int = 32
+    #: TF32 for float32 matmuls on CUDA (set by the executor at setup; nothing on CPU).
+    tf32: bool = True
+    #: The drafter's parameter dtype while it trains (gradients and AdamW moments follow).
+    drafter_master_dtype: MasterDtype = "float32"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -79,7 +79,8 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: `cache_dir` and `num_proc` (the tokenized-data cache). 6: the training's `eval_min_tau` and
 #: the `card` section (the export's model card). 7: the training's `eval_num_prompts` and
 #: `eval_max_new_tokens` (`eval_steps` resolved: every `save_steps` when there is eval data).
-#: 8: the data's `packing`. 9: the data's `eval_holdout`.
+#: 8: the data's `packing`. 9: the data's `eval_holdout`; the training's `tf32` and
+#: `drafter_master_dtype` (precision).
 PLAN_FORMAT_VERSION = 9
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"

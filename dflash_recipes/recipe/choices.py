@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Dtype = Literal["bfloat16", "float16", "float32"]
+#: The drafter's parameter (master-weight) dtype during training: its gradients and AdamW's
+#: moments follow it.
+MasterDtype = Literal["float32", "bfloat16"]
 SchedulerType = Literal["cosine", "linear", "constant"]
 LossObjective = Literal["decay", "dpace"]
 ProjectorType = Literal["dflash", "domino", "dspark"]
@@ -26,6 +29,9 @@ LayerType = Literal["full_attention", "sliding_attention"]
 TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
+MASTER_DTYPES: tuple[str, ...] = get_args(MasterDtype)
+#: Target dtypes the trainer autocasts the drafter's step to on CUDA (the half-precision ones).
+AUTOCAST_DTYPES: tuple[str, ...] = tuple(d for d in DTYPES if d != "float32")
 SCHEDULERS: tuple[str, ...] = get_args(SchedulerType)
 LOSS_OBJECTIVES: tuple[str, ...] = get_args(LossObjective)
 PROJECTOR_TYPES: tuple[str, ...] = get_args(ProjectorType)
@@ -43,11 +49,13 @@ TRACKER_LIBRARIES: dict[str, str] = {
 }
 
 __all__ = [
+    "AUTOCAST_DTYPES",
     "DEVICES",
     "DTYPES",
     "LAYER_TYPES",
     "LOSS_OBJECTIVES",
     "MARKOV_HEAD_TYPES",
+    "MASTER_DTYPES",
     "PROJECTOR_TYPES",
     "REASONING_POLICIES",
     "SCHEDULERS",
@@ -58,6 +66,7 @@ __all__ = [
     "LayerType",
     "LossObjective",
     "MarkovHeadType",
+    "MasterDtype",
     "ProjectorType",
     "ReasoningPolicy",
     "SchedulerType",

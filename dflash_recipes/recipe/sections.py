@@ -26,6 +26,7 @@ from dflash_recipes.recipe.choices import (
     LAYER_TYPES,
     LOSS_OBJECTIVES,
     MARKOV_HEAD_TYPES,
+    MASTER_DTYPES,
     PROJECTOR_TYPES,
     REASONING_POLICIES,
     SCHEDULERS,
@@ -33,6 +34,7 @@ from dflash_recipes.recipe.choices import (
     Dtype,
     LossObjective,
     MarkovHeadType,
+    MasterDtype,
     ProjectorType,
     ReasoningPolicy,
     SchedulerType,
@@ -423,6 +425,14 @@ class TrainingSection(Record):
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
     #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
     fsdp: bool = False
+    #: TF32 tensor cores for float32 matmuls and convolutions on CUDA (no effect on CPU).
+    tf32: bool = True
+    #: The drafter's parameter dtype while it trains: float32 | bfloat16. Its gradients and
+    #: AdamW's moments take the same dtype, so bfloat16 halves their memory (ModelOpt's
+    #: choice) at the cost of coarser updates. The export is written in model.dtype either way.
+    drafter_master_dtype: MasterDtype = attrs.field(
+        default="float32", validator=one_of(MASTER_DTYPES)
+    )
     #: Experiment trackers that also get every metrics row: tensorboard | mlflow | wandb
     #: (metrics.jsonl is always written). Each needs its library: pip install
     #: 'dflash-recipes[NAME]'.

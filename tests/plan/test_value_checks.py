@@ -359,3 +359,13 @@ def test_a_required_value_may_not_be_null_an_optional_one_may(plan_dict: dict[st
     )
     for path in optional:
         assert _problems(_evolve(plan, path, None)) == []
+
+
+def test_a_forged_master_dtype_is_refused_by_its_dotted_path(plan_dict: dict[str, Any]) -> None:
+    plan_dict["training"]["drafter_master_dtype"] = "float16"
+    with pytest.raises(PlanError) as info:
+        RunPlan.from_dict(refingerprint(plan_dict))
+    message = str(info.value)
+    # the schema's Literal refuses it before the value checks, naming the field and the choices
+    assert "attribute drafter_master_dtype" in message and "'float32', 'bfloat16'" in message
+    assert "dflash-recipe compile RECIPE" in message

@@ -166,6 +166,24 @@ def test_literal_lists_allowed_values_and_guesses() -> None:
     assert found.hint == "did you mean cosine?"
 
 
+def test_a_master_dtype_outside_the_choices_is_refused_with_them() -> None:
+    found = only_problem(with_model("training:\n  drafter_master_dtype: float16\n"))
+    assert (found.code, found.path) == ("invalid-value", "training.drafter_master_dtype")
+    assert "float32, bfloat16" in found.message
+
+
+def test_the_precision_fields_default_to_tf32_and_float32_master_weights() -> None:
+    recipe, found = structure(with_model(""))
+    assert found == [] and recipe is not None
+    assert recipe.training.tf32 is True
+    assert recipe.training.drafter_master_dtype == "float32"
+    recipe, found = structure(
+        with_model("training:\n  tf32: false\n  drafter_master_dtype: bfloat16\n")
+    )
+    assert found == [] and recipe is not None
+    assert (recipe.training.tf32, recipe.training.drafter_master_dtype) == (False, "bfloat16")
+
+
 def test_literal_of_wrong_type_lists_allowed_values() -> None:
     found = only_problem(
         with_model("dflash:\n  dflash_architecture_config:\n    projector_type: 3\n")

@@ -52,6 +52,10 @@ def test_defaults_fill_the_unnamed_sections() -> None:
             lambda: TrainingSection(lr_scheduler_type="cosin"),  # type: ignore[arg-type]
             "must be one of cosine, linear, constant",
         ),
+        (
+            lambda: TrainingSection(drafter_master_dtype="float16"),  # type: ignore[arg-type]
+            "drafter_master_dtype must be one of float32, bfloat16",
+        ),
         (lambda: ModelSection(model_name_or_path=""), "non-empty string"),
         (lambda: DFlashSection(dflash_dpace_alpha=0.0), r"\(0, 1\]"),
         (lambda: CardSection(base_model="/models/Qwen3-8B"), "never a local path"),

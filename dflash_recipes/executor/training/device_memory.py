@@ -47,7 +47,9 @@ def check_device_memory(
     where = label or str(device)
     try:
         target = read_target_dims(Path(plan.base_model.path))
-        resources = estimate_resources(plan, world_size=world_size, device="cuda", target=target)
+        resources = estimate_resources(
+            plan, world_size=world_size, device="cuda", target=target, device_bytes=total_bytes
+        )
     except ResourceError as exc:
         if log:
             logger.warning("memory check skipped: %s", exc)

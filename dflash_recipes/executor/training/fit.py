@@ -66,6 +66,11 @@ from dflash_recipes.executor.training.setup.optimizer import (
     build_optimization,
     clip_gradients,
 )
+from dflash_recipes.executor.training.setup.precision import (
+    apply_tf32,
+    autocast_dtype,
+    build_grad_scaler,
+)
 from dflash_recipes.executor.training.setup.prefetch import Prefetch, PreparedBatch, prepare_batch
 from dflash_recipes.executor.training.setup.resume import (
     ResumePoint,
@@ -103,8 +108,8 @@ def run_plan(
     `stop_after` stops after that optimiser step with its checkpoint saved, as a killed job
     would; rerunning the recipe then resumes. `max_chunk_logits` bounds the logits one chunk
     of blocks holds (default: sized from the free memory on CUDA,
-    :func:`~dflash_recipes.executor.training.chunk_budget.logits_budget`, and
-    :data:`~dflash_recipes.executor.training.chunk_budget.MAX_CHUNK_LOGITS` on CPU); the loss
+    :func:`~dflash_recipes.plan.resources.chunk_budget.logits_budget`, and
+    :data:`~dflash_recipes.plan.resources.chunk_budget.MAX_CHUNK_LOGITS` on CPU); the loss
     is the same, only the memory and the time change. `verify_capture` hashes every
     shard of the plan's capture before the first step (otherwise each is checked on first use).
     """
@@ -164,6 +169,8 @@ class Run:
     evaluation: EvalPolicy
     saving: SavePolicy
     accumulation: GradientAccumulation
+    #: Loss scaling of a float16-autocast step (:mod:`~.setup.precision`); None: none.
+    scaler: torch.amp.GradScaler | None = None
 
 
 def setup(
@@ -172,6 +179,7 @@ def setup(
     """Every part of the run from its builder, then plan.json and the trackers. Data problems
     stop the run here, before anything is written to output_dir."""
     output_dir = Path(plan.training.output_dir)
+    apply_tf32(plan, env.device)  # training.tf32, on CUDA only
     chosen = resume_checkpoint(plan, env)  # rank 0 decides, every rank receives
     if is_main(env):  # refuse now, not after hours of training
         check_export_target(output_dir / EXPORT_DIR)
@@ -224,6 +232,7 @@ def setup(
             accumulation=GradientAccumulation(
                 plan.training.gradient_accumulation_steps, models.trainable, env
             ),
+            scaler=build_grad_scaler(plan, env.device),
         )
     except BaseException:
         trackers.close("failed")
@@ -273,8 +282,14 @@ def fit(
                 last = micro == training.gradient_accumulation_steps - 1
                 with models.gradient_sync(last_micro_batch=last):
                     window.add(*micro_step(run, prepared, step=step))
+            if run.scaler is not None:  # clip the true gradients
+                run.scaler.unscale_(opt.optimizer)
             window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
-            opt.optimizer.step()
+            if run.scaler is not None:  # fused AdamW skips a step with inf/NaN, no host sync
+                run.scaler.step(opt.optimizer)
+                run.scaler.update()
+            else:
+                opt.optimizer.step()
             opt.scheduler.step()
             done = progress.done = step + 1
             bar.advance()
@@ -331,15 +346,15 @@ def micro_step(run: Run, prepared: PreparedBatch, *, step: int) -> tuple[LossOut
         captured=captured,
         mask=prepared.mask,
     )
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda" and plan.base_model.dtype == "bfloat16"
-        else nullcontext()
-    )
+    dtype = autocast_dtype(device.type, plan.base_model.dtype)
+    autocast = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
     with autocast:
         result: LossOutput = run.models.step(inputs)
     # Normalised by the global weight sum of the whole step (DDP, accumulation).
-    run.accumulation.loss(result).backward()  # type: ignore[no-untyped-call]
+    loss = run.accumulation.loss(result)
+    if run.scaler is not None:
+        loss = run.scaler.scale(loss)
+    loss.backward()  # type: ignore[no-untyped-call]
     run.accumulation.after_backward(result)
     return result, on_device.attention_mask.sum()
 

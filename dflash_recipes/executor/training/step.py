@@ -38,9 +38,9 @@ from dflash_recipes.executor.training.anchors import (
     block_labels,
     gather_teacher_logits,
 )
-from dflash_recipes.executor.training.chunk_budget import MAX_CHUNK_LOGITS, logits_budget
 from dflash_recipes.executor.training.loss import LossOutput, ObjectiveInputs, combine_losses
 from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.plan.resources.chunk_budget import MAX_CHUNK_LOGITS, logits_budget
 from dflash_recipes.plan.run_plan import ObjectivePlan
 
 
@@ -73,7 +73,7 @@ class DraftStep(nn.Module):
     ``[B, N, K, vocab]`` are the largest tensors of a step (5 GB in float32 for 512 blocks of
     16 at a 152k vocabulary, and the loss keeps copies for backward), so when they exceed
     `max_chunk_logits` elements (by default sized from the device's free memory on CUDA,
-    :func:`~dflash_recipes.executor.training.chunk_budget.logits_budget`, and
+    :func:`~dflash_recipes.plan.resources.chunk_budget.logits_budget`, and
     :data:`MAX_CHUNK_LOGITS` on CPU), lm_head, head and loss run
     per chunk of blocks under non-reentrant activation checkpointing: a chunk's logits are freed
     after its loss and recomputed during backward, and :func:`combine_losses` makes the

@@ -11,15 +11,21 @@ Memory per rank, in bytes:
   shards: the tensors of the decoder layers (``...layers.<i>.``) split on their first dim over
   the world size (padded up, as FSDP2 pads), everything else (embeddings, final norm,
   ``lm_head``) whole on every rank. Offline training without evaluation loads no decoder.
-- ``drafter_weights``, ``gradients``, ``optimizer_states``: the drafter's float32 master
-  weights, their float32 gradients (twice under DDP: its gradient buckets are a second copy)
-  and AdamW's two float32 moments (plus its per-tensor step counters), exact from the layout.
-- ``activations``: the larger of the two phases of a micro-step: the target's forward (all
-  hidden states it returns, one decoder layer's transient tensors, FSDP's gathered layers, the
-  tapped states in float32, teacher logits) and the drafter's forward and backward (what it
-  saves for backward for ``num_anchors x block_size`` positions through every layer, the
-  attention's keys and values, autocast's bfloat16 weight copies, plus the larger of the
-  chunked logits/loss peak and one layer's backward transients).
+- ``drafter_weights``, ``optimizer_states``: the drafter's master weights and AdamW's two
+  moments in ``training.drafter_master_dtype`` (float32, or bfloat16 for half of each), plus
+  its per-tensor step counters, exact from the layout.
+- ``activations`` and ``gradients``: the largest phase of a step, with the gradients alive in
+  it (all of them, in the master dtype, are :attr:`ResourcePlan.gradient_bytes`). The phases:
+  the target's forward (without a teacher objective only the tapped layers' outputs, the
+  forward stopping after the deepest tap; with one every hidden state and the logits; one
+  decoder layer's transients, FSDP's gathered layers, the tapped states in float32); the turn
+  from the drafter's forward to its backward (what it saves for ``num_anchors x block_size``
+  positions through every layer, the attention's keys and values, autocast's weight copies
+  when the master dtype is not the autocast dtype, plus the larger of one chunk of
+  logits/loss, sized as :mod:`~dflash_recipes.plan.resources.chunk_budget` sizes it, and one
+  layer's backward transients); the end of the backward. The first two hold gradients only
+  when they outlive a micro-step (gradient accumulation) and DDP's buckets (a second copy,
+  allocated up front on several ranks); the last holds them all.
 - ``allowance``: a stated margin for what no tensor count sees: :data:`CUDA_CONTEXT_BYTES` of
   CUDA context and library workspaces plus :data:`FRAGMENTATION` of the activations for the
   caching allocator's fragmentation (none on CPU).
@@ -32,21 +38,26 @@ only when a plan does not fit). The activation model is validated against real t
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 import attrs
 
-from dflash_recipes.checkpoint.config_bounds import plausible_maximum
 from dflash_recipes.checkpoint.kinds import registry as kinds
-from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
-from dflash_recipes.errors import CheckpointError, ResourceError
-from dflash_recipes.files.jsonio import read_json_object_file, shorten
+from dflash_recipes.errors import ResourceError
 from dflash_recipes.plan.attention_chunks import split_chunk_count
+from dflash_recipes.plan.resources.chunk_budget import logits_budget
+from dflash_recipes.plan.resources.target_dims import (
+    TargetDims,
+    decoder_layer_index,
+    is_decoder_layer_tensor,
+    read_target_dims,
+    sharded_numel,
+    target_dims,
+)
 from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.choices import AUTOCAST_DTYPES
 from dflash_recipes.records import Record
 
 GIB = 2**30
@@ -56,13 +67,8 @@ CUDA_CONTEXT_BYTES = 3 * GIB // 2
 FRAGMENTATION = 0.10
 #: Peak dense bfloat16 throughput assumed for `--mfu` when no other is given (H100/H200 SXM).
 DEFAULT_PEAK_TFLOPS = 989.0
-#: Most logits one chunk of blocks holds (the executor's ``training.step.MAX_CHUNK_LOGITS``; a test
-#: checks the two agree).
-MAX_CHUNK_LOGITS = 2**26
-
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _ST_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
-_LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.\d+\.")
 #: safetensors header bytes per tensor (name, dtype, shape, offsets as JSON), about.
 _HEADER_BYTES_PER_TENSOR = 120
 #: torch.save bytes per optimizer tensor besides its data (pickle records, the step counter).
@@ -83,8 +89,10 @@ class MemoryPerRank(Record):
 
     target_weights: int
     drafter_weights: int
+    #: The gradients alive at the peak (none at the end of a lone micro-step's forward).
     gradients: int
     optimizer_states: int
+    #: The activations of the peak phase.
     activations: int
     allowance: int
 
@@ -183,6 +191,8 @@ class ResourcePlan(Record):
     target_parameters: int
     #: Where the target's sizes came from: its safetensors headers or its config.json.
     target_source: Literal["safetensors", "config.json"]
+    #: Every gradient of the drafter (master dtype), as after a backward; DDP's buckets apart.
+    gradient_bytes: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form: fixed keys (scripts rely on them), bytes and counts as integers."""
@@ -193,6 +203,7 @@ class ResourcePlan(Record):
             "fsdp_sharded": self.fsdp_sharded,
             "target_source": self.target_source,
             "parameters": {"drafter": self.drafter_parameters, "target": self.target_parameters},
+            "gradient_bytes": self.gradient_bytes,
             "memory_per_rank": {
                 "target_weights": memory.target_weights,
                 "drafter_weights": memory.drafter_weights,
@@ -229,148 +240,6 @@ class ResourcePlan(Record):
 
 
 # ---------------------------------------------------------------------------------------------
-# the target's tensors
-# ---------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class TargetDims(Record):
-    """The target's dims that the estimate needs (config.json), and its tensor shapes."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    #: Tensor name -> shape (from the safetensors headers, else derived from the dims).
-    shapes: Mapping[str, tuple[int, ...]]
-    source: Literal["safetensors", "config.json"]
-
-
-def _int_field(config: Mapping[str, object], name: str, where: str) -> int:
-    value = config.get(name)
-    maximum = plausible_maximum(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
-        # the bound first: the tensor table below has one entry per layer
-        msg = (
-            f"{where}: {name} must be an integer in [1, {maximum}] to estimate resources, "
-            f"got {shorten(value)}"
-        )
-        raise ResourceError(msg)
-    return value
-
-
-def read_target_dims(model_dir: Path) -> TargetDims:
-    """The target's dims from config.json and its tensor table from the safetensors headers
-    (header bytes only); without weight files, the Qwen3/Llama tensor set of the dims."""
-    where = model_dir / CONFIG_FILE
-    config = read_json_object_file(where, max_bytes=4 * 2**20, what="config", error=ResourceError)
-    shapes: dict[str, tuple[int, ...]] | None = None
-    if (model_dir / WEIGHTS_FILE).exists() or (model_dir / WEIGHTS_INDEX_FILE).exists():
-        from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
-
-        try:
-            weights = read_checkpoint_weights(model_dir)
-        except CheckpointError as exc:
-            msg = f"cannot size the target from its safetensors headers: {exc}"
-            raise ResourceError(msg) from exc
-        shapes = {name: info.shape for name, info in weights.tensors.items()}
-    return target_dims(config, shapes=shapes, where=str(where))
-
-
-def target_dims(
-    config: Mapping[str, object],
-    *,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
-    where: str = CONFIG_FILE,
-) -> TargetDims:
-    """:class:`TargetDims` of a config.json mapping; `shapes` (the tensor table of the weight
-    files) when known, else the Qwen3/Llama tensor set of the config's dims."""
-    text = config.get("text_config")
-    if isinstance(text, dict):  # multimodal wrappers nest the language model's config
-        config = {**config, **text}
-    hidden = _int_field(config, "hidden_size", where)
-    layers = _int_field(config, "num_hidden_layers", where)
-    heads = _int_field(config, "num_attention_heads", where)
-    # absent or null: what transformers assumes (one kv head per head, hidden // heads)
-    stated = {key: config.get(key) is not None for key in ("num_key_value_heads", "head_dim")}
-    kv_heads = (
-        _int_field(config, "num_key_value_heads", where) if stated["num_key_value_heads"] else heads
-    )
-    head_dim = _int_field(config, "head_dim", where) if stated["head_dim"] else hidden // heads
-    inter = _int_field(config, "intermediate_size", where)
-    vocab = _int_field(config, "vocab_size", where)
-    if shapes is None:
-        tied = config.get("tie_word_embeddings") is True
-        shapes = _qwen3_shapes(hidden, layers, heads, kv_heads, head_dim, inter, vocab, tied=tied)
-        source: Literal["safetensors", "config.json"] = "config.json"
-    else:
-        source = "safetensors"
-    return TargetDims(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        shapes=shapes,
-        source=source,
-    )
-
-
-def _qwen3_shapes(
-    hidden: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    inter: int,
-    vocab: int,
-    *,
-    tied: bool,
-) -> dict[str, tuple[int, ...]]:
-    """The tensors of a Qwen3-style decoder (Llama's, plus q/k norms) of these dims."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                p + "self_attn.q_norm.weight": (head_dim,),
-                p + "self_attn.k_norm.weight": (head_dim,),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-            }
-        )
-    shapes["model.norm.weight"] = (hidden,)
-    if not tied:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
-
-def is_decoder_layer_tensor(name: str) -> bool:
-    """True for a tensor of the target's decoder layers (what FSDP shards)."""
-    return _LAYER_TENSOR.search(name) is not None
-
-
-def sharded_numel(shape: Sequence[int], world_size: int) -> int:
-    """Elements one rank holds of a tensor FSDP2 shards on dim 0 (padded up to the world)."""
-    if not shape:
-        return 1
-    rest = math.prod(shape[1:])
-    return -(-shape[0] // world_size) * rest
-
-
-# ---------------------------------------------------------------------------------------------
 # the estimate
 # ---------------------------------------------------------------------------------------------
 
@@ -382,14 +251,21 @@ def estimate_resources(
     device: Device | None = None,
     target: TargetDims | None = None,
     autocast: bool | None = None,
+    device_bytes: int | None = None,
+    chunk_logits: int | None = None,
 ) -> ResourcePlan:
     """The resource plan of a resolved `plan` on `world_size` ranks.
 
     `device` defaults to the plan's (``auto`` counts as cuda, the device it is sized for);
     `target` to what :func:`read_target_dims` reads from the plan's base model. `autocast`
-    (bf16 matmuls over float32 master weights) defaults to what the trainer does: on CUDA
-    with a bfloat16 target. Raises ResourceError when the plan is unresolved or the target's
-    files cannot be read.
+    (half-precision matmuls over the master weights) defaults to what the trainer does: on
+    CUDA with a bfloat16 or float16 target. `device_bytes` (a CUDA device's total memory)
+    sizes the lm_head/loss chunks from the memory left free, as the step does on that device;
+    without it they hold the fixed floor
+    (:data:`~dflash_recipes.plan.resources.chunk_budget.MAX_CHUNK_LOGITS`), the least the step
+    takes.
+    `chunk_logits` stands for the step's ``max_chunk_logits`` override. Raises ResourceError
+    when the plan is unresolved or the target's files cannot be read.
     """
     facts, arch, taps = plan.base_model.facts, plan.draft.architecture, plan.draft.target_layer_ids
     dims = (
@@ -438,43 +314,50 @@ def estimate_resources(
 
     # -- activations ----------------------------------------------------------------------
     cuda = device == "cuda"
+    master = training.drafter_master_dtype
+    mb = _DTYPE_BYTES[master]  # the drafter's parameters, gradients and AdamW moments
     if autocast is None:
-        autocast = cuda and plan.base_model.dtype == "bfloat16"
-    mm = 2 if autocast else 4  # matmul inputs/outputs (autocast's bf16 copies)
+        autocast = cuda and plan.base_model.dtype in AUTOCAST_DTYPES
+    # The dtype the drafter's matmuls run in: autocast's (the target's), else the weights'.
+    mm = 2 if autocast else mb
+    # Autocast casts weights and matmul inputs only when the weights are not already in its
+    # dtype (a bfloat16 master under bfloat16 autocast casts nothing).
+    casts = autocast and master != plan.base_model.dtype
+    rq = max(mm, mb)  # what the q/k norm weights promote the roped queries and keys to
     f32 = 4
     b, t = training.per_device_train_batch_size, training.training_seq_len
     n, k = objective.num_anchors, plan.draft.block_size
     q = n * k  # packed block positions per row
     needs_teacher = kinds.needs_teacher(arch.projector_type, objective)
 
-    # Step inputs, alive for the whole drafter phase: tapped states (float32, plus autocast's
-    # bf16 copy fc saves), block embeddings, RoPE tables, labels, teacher logits.
+    # Step inputs, alive for the whole drafter phase: tapped states (float32, plus the copy fc
+    # saves in its matmul dtype), block embeddings, RoPE tables, labels, teacher logits.
     tapped = b * t * n_taps * h * f32
-    inputs = tapped + (b * t * n_taps * h * 2 if autocast else 0)
+    inputs = tapped + (b * t * n_taps * h * mm if mm < f32 else 0)
     inputs += b * q * h * f32 + 2 * b * (t + q) * d * f32 + 3 * b * q * 8
     if needs_teacher:
         inputs += b * t * v * pd
     # Per draft layer, what autograd keeps (see the module docstring of draft.py for the ops):
-    # input norm (x, normed, normed*w cast for q_proj), [context ; x] for k/v (one copy per
-    # projection under autocast), q and k norms (the float32 input, the normed states in the
-    # matmul dtype), o_proj's input,
-    # the post-attention norm (x, normed, the cast for gate and up) and the SwiGLU's four
+    # input norm (its float32 input or upcast, the normed states in the master dtype, what
+    # q_proj saves), [context ; x] for k/v (one copy per projection when autocast casts), q and
+    # k norms (the float32 upcast, the normed states in the matmul dtype), o_proj's input, the
+    # post-attention norm (as the input norm, gate and up each casting) and the SwiGLU's four
     # [Q, I] tensors.
     kv_rows = t + q
     per_layer = b * (
-        q * h * (f32 + f32 + mm)
-        + kv_rows * h * mm * (2 if autocast else 1)
+        q * h * (f32 + mb + mm)
+        + kv_rows * h * mm * (2 if casts else 1)
         + q * nh * d * (f32 + mm)
         + kv_rows * nkv * d * (f32 + mm)
         + q * nh * d * mm
-        + q * h * (f32 + f32 + mm * (2 if autocast else 1))
+        + q * h * (f32 + mb + mm * (2 if casts else 1))
         + 4 * q * inter * mm
     )
     if cuda:
-        # flex attention: roped q and k (float32: the norm weights promote them), v, the
-        # output and its log-sum-exp.
+        # flex attention: roped q and k (promoted by the norm weights), v, the output and its
+        # log-sum-exp.
         attention = b * (
-            q * nh * d * f32 + kv_rows * nkv * d * (f32 + mm) + q * nh * d * f32 + q * nh * f32
+            q * nh * d * rq + kv_rows * nkv * d * (rq + mm) + q * nh * d * rq + q * nh * f32
         )
     else:
         # The CPU split form copies each chunk's visible context (about half of it on average
@@ -492,28 +375,49 @@ def estimate_resources(
     drafter_saved = layers * (per_layer + attention)
     # Once per step: hidden_norm's float32 input and its normed states (cast back to the
     # matmul dtype), and the final norm's input and normed states.
-    drafter_saved += b * t * h * (f32 + mm) + b * q * h * 2 * f32
-    if autocast:
-        drafter_saved += drafter_numel * 2  # autocast's cached bf16 weight copies
-    # Logits and loss: per chunk of blocks when they exceed MAX_CHUNK_LOGITS (recomputed in
-    # backward): log-softmax (saved) with the gradients of it and of the logits, plus the
-    # bfloat16 logits themselves under autocast.
+    drafter_saved += b * t * h * (f32 + mm) + b * q * h * (f32 + mb)
+    if casts:
+        drafter_saved += drafter_numel * 2  # autocast's cached half-precision weight copies
+    # Logits and loss: per chunk of blocks (recomputed in backward) when they exceed the
+    # step's budget, sized as DraftStep.blocks_per_chunk sizes it (chunk_budget.logits_budget:
+    # from the memory free at that moment when the device's size is known, else the fixed
+    # floor). A chunk holds the rows' contiguous states (lm_head's dtype, and their float32
+    # gradient), the logits in lm_head's dtype and in float32, the saved log-probabilities and
+    # one float32 gradient at a time (the budget's bytes_per_row counts more, to leave room).
     per_block = max(1, b * k * v)
-    blocks_per_chunk = max(1, min(n, MAX_CHUNK_LOGITS // per_block))
-    chunk_logits = blocks_per_chunk * per_block
-    loss_peak = chunk_logits * (3 * f32 + (mm if autocast else 0))
+    # Everything alive when the step sizes its chunks (the drafter's forward is done; on the
+    # first micro-step no gradient exists yet), for the budget's free memory.
+    grads = drafter_numel * mb
+    buckets = grads if world_size > 1 else 0  # DDP's gradient buckets, allocated up front
+    grads_in_forward = buckets + (grads if training.gradient_accumulation_steps > 1 else 0)
+    static = target_numel * pd + drafter_numel * 3 * mb + n_tensors * 4
+    free = None
+    if cuda and device_bytes is not None:
+        used = static + grads_in_forward + inputs + drafter_saved
+        free = device_bytes - CUDA_CONTEXT_BYTES - used
+    budget = logits_budget(
+        free, vocab=v, hidden=h, dtype_bytes=pd, teacher=needs_teacher, override=chunk_logits
+    )
+    blocks_per_chunk = max(1, min(n, budget // per_block))
+    chunk_rows_held = blocks_per_chunk * b * k
+    chunk_logits_held = chunk_rows_held * v
+    loss_peak = chunk_logits_held * (3 * f32 + (pd if pd < f32 else 0))
+    loss_peak += chunk_rows_held * h * (pd + f32)
     if needs_teacher:
-        loss_peak += chunk_logits * 2 * f32  # the teacher's softmax and gathered logits
+        loss_peak += chunk_logits_held * 2 * f32  # the teacher's softmax and gathered logits
     # What the kind's head keeps beyond the plain loss (Domino, DSpark: the corrected logits and
     # their log-softmax, a rough count).
-    loss_peak += chunk_logits * kinds.kind_facts(arch.projector_type).loss_logit_copies * f32
+    loss_peak += chunk_logits_held * kinds.kind_facts(arch.projector_type).loss_logit_copies * f32
     # Backward frees what each op saved as it goes: the transient is about the gradients of
     # the widest op's inputs and output (the SwiGLU's [Q, I] tensors).
     backward_transient = 3 * b * q * max(inter, h) * f32
-    # Target forward (no grad): the hidden states it returns, one layer's transient tensors,
-    # the tapped states being concatenated, the teacher logits, FSDP's gathered layers.
+    # Target forward (no grad). Without a teacher, hooks keep the tapped layers' outputs only
+    # and the forward stops after the deepest tap (convert.capture_taps): the kept outputs, the
+    # running layer's input and transients, then their concatenation made float32. With a
+    # teacher: every hidden state it returns, one layer's transients, the tapped states being
+    # concatenated and the teacher logits. FSDP adds its gathered layers.
+    bth = b * t * target.hidden_size
     if decoder_loaded and not offline:
-        states = (target.num_hidden_layers + 1) * b * t * target.hidden_size * pd
         layer_tmp = (
             b
             * t
@@ -525,9 +429,12 @@ def estimate_resources(
                 + 2 * target.num_key_value_heads * target.head_dim
             )
         )
-        target_peak = states + layer_tmp + tapped
         if needs_teacher:
-            target_peak += b * t * target.vocab_size * pd
+            states = (target.num_hidden_layers + 1) * bth * pd
+            target_peak = states + layer_tmp + tapped + b * t * target.vocab_size * pd
+        else:
+            kept = (n_taps + 1) * bth * pd
+            target_peak = max(kept + layer_tmp, n_taps * bth * (pd + f32))
         if fsdp:
             target_peak += 2 * layer_numel * pd  # the layer running and the one prefetched
     else:
@@ -540,13 +447,22 @@ def estimate_resources(
         loss_peak=loss_peak,
         backward_transient=backward_transient,
     )
-    activations = parts.peak
+    # The step's peak is the largest phase with the gradients alive in it: the target's forward
+    # and the drafter's forward-to-backward turn hold the gradients only when they outlive a
+    # micro-step (accumulation) or are DDP's buckets; the end of the backward holds them all
+    # with only the step's inputs left.
+    phases = (
+        (parts.target_forward_peak, grads_in_forward),
+        (parts.drafter_phase, grads_in_forward),
+        (inputs + backward_transient, grads + buckets),
+    )
+    activations, gradients_at_peak = max(phases, key=sum)
     allowance = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * activations) if cuda else 0
     memory = MemoryPerRank(
         target_weights=target_numel * pd,
-        drafter_weights=drafter_numel * 4,
-        gradients=drafter_numel * 4 * (2 if world_size > 1 else 1),
-        optimizer_states=drafter_numel * 8 + n_tensors * 4,
+        drafter_weights=drafter_numel * mb,
+        gradients=gradients_at_peak,
+        optimizer_states=drafter_numel * 2 * mb + n_tensors * 4,
         activations=activations,
         allowance=allowance,
     )
@@ -555,17 +471,18 @@ def estimate_resources(
     rows = b * world_size * training.gradient_accumulation_steps
     tokens = rows * t
     supervised = rows * n * (k - 1)
+    # Without a teacher the target stops after the deepest tap: later layers never run.
+    layers_run = target.num_hidden_layers if needs_teacher else max(taps) + 1
     dense_target = 0
     for name, shape in target.shapes.items():
         if len(shape) == 2 and "embed_tokens" not in name:
-            if not decoder_loaded and is_decoder_layer_tensor(name):
+            index = decoder_layer_index(name)
+            if index is not None and (not decoder_loaded or index >= layers_run):
                 continue
             dense_target += math.prod(shape)
     if not needs_teacher:
         dense_target -= target.vocab_size * target.hidden_size  # lm_head is not run
-    target_attention = (
-        2 * rows * t * t * target.num_attention_heads * target.head_dim * target.num_hidden_layers
-    )
+    target_attention = 2 * rows * t * t * target.num_attention_heads * target.head_dim * layers_run
     if offline:
         target_flops = 2 * max(0, dense_target) * tokens if needs_teacher else 0
         target_attention = 0
@@ -621,6 +538,7 @@ def estimate_resources(
         drafter_parameters=drafter_numel,
         target_parameters=sum(math.prod(s) for s in target.shapes.values()),
         target_source=target.source,
+        gradient_bytes=grads,
     )
 
 
@@ -641,6 +559,7 @@ __all__ = [
     "ResourcePlan",
     "StepFigures",
     "TargetDims",
+    "decoder_layer_index",
     "estimate_resources",
     "gib",
     "is_decoder_layer_tensor",

@@ -13,14 +13,14 @@ from testkit.tiny import tiny_target
 
 import dflash_recipes.executor.training.step as step_module
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
-from dflash_recipes.executor.training.chunk_budget import (
+from dflash_recipes.executor.training.step import DraftStep
+from dflash_recipes.plan.resources.chunk_budget import (
     MAX_CHUNK_LOGITS,
     SAFETY_FRACTION,
     bytes_per_row,
     chunk_rows,
     logits_budget,
 )
-from dflash_recipes.executor.training.step import DraftStep
 
 GIB = 2**30
 #: Qwen3-8B's lm_head: a 151936 vocabulary over 4096 hidden units, bfloat16.
@@ -68,7 +68,7 @@ def test_bad_dimensions_are_refused() -> None:
 
 def test_the_module_needs_no_torch() -> None:
     code = (
-        "import sys; import dflash_recipes.executor.training.chunk_budget; "
+        "import sys; import dflash_recipes.plan.resources.chunk_budget; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

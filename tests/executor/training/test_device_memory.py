@@ -99,3 +99,30 @@ def test_run_checks_memory_on_every_rank_before_it_loads_the_target(
     assert asked == [("cpu", 1, True)]
     assert loaded == []  # refused before the target was loaded
     assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_the_check_sizes_the_loss_chunks_from_the_devices_memory(tmp_path: Path) -> None:
+    """On a 141 GiB device the step holds every block's logits in one chunk (chunk_budget), so
+    the check's estimate is the one sized for that device, above the fixed floor's."""
+    from testkit.fixture_8b import make_fixture
+
+    from dflash_recipes.compiler.compilation import compile_file
+    from dflash_recipes.plan.resources.estimate import gib
+
+    make_fixture(tmp_path, target_weights=True)
+    recipe = Path(__file__).resolve().parents[3] / "recipes/Qwen/Qwen3-8B/hf_online_dflash.yaml"
+    result = compile_file(
+        recipe,
+        overrides=(
+            f"model.model_name_or_path={tmp_path / 'base'}",
+            f"data.data_path={tmp_path / 'data' / 'train.jsonl'}",
+            f"training.output_dir={tmp_path / 'runs'}",
+        ),
+    )
+    assert result.plan is not None
+    line = check_device_memory(
+        result.plan, device=CUDA, world_size=1, total_bytes=141 * GIB, label="big", log=False
+    )
+    sized = estimate_resources(result.plan, device="cuda", device_bytes=141 * GIB).memory.total
+    assert line is not None and f"about {gib(sized)} GiB per rank" in line
+    assert sized > estimate_resources(result.plan, device="cuda").memory.total

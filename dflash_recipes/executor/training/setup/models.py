@@ -28,6 +28,7 @@ from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.training.device_memory import check_device_memory
+from dflash_recipes.executor.training.setup.precision import master_dtype
 from dflash_recipes.executor.training.step import DraftStep
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -93,8 +94,9 @@ def build_models(
         shard_target_fsdp2(target, env)
     else:
         nn.Module.to(target, env.device)
-    # Master weights of the drafter stay float32; the frozen target keeps the plan dtype.
-    drafter.float()
+    # The drafter's master weights in training.drafter_master_dtype (float32 by default); the
+    # frozen target keeps the plan dtype.
+    drafter.to(master_dtype(plan))
     step = DraftStep(
         drafter, lm_head(target), plan.draft.objective, max_chunk_logits=max_chunk_logits
     )

@@ -8,7 +8,9 @@ GPU but makes a 139 GiB one pay that second forward for memory it has: on CUDA t
 :func:`logits_budget` of the memory free at the step (a :data:`SAFETY_FRACTION` of it, never
 below the fixed floor); on CPU, or when the caller gives one, the fixed budget stands.
 
-Pure arithmetic, no torch: the memory estimate (``plan/resources``) may size the same chunks.
+Pure arithmetic, no torch, so it lives below the executor: the step
+(:meth:`~dflash_recipes.executor.training.step.DraftStep.blocks_per_chunk`) and the memory estimate
+(:mod:`~dflash_recipes.plan.resources.estimate`) size the same chunks with it.
 """
 
 from __future__ import annotations
