@@ -54,11 +54,15 @@ class MetricWindow:
     def reset(self) -> None:
         self.micro = 0
         self._loss: Tensor | None = None
+        self._weight: Tensor | None = None
         self._correct: Tensor | None = None
         self._count: Tensor | None = None
         self._tokens: Tensor | None = None
         self._grad_norm: Tensor | None = None
         self.loss_sum = 0.0
+        #: The supervised weight the window's losses were weighted by (loss_sum / weight_sum
+        #: is its loss).
+        self.weight_sum = 0.0
         self.correct = torch.zeros(self.block_size, dtype=torch.long)
         self.count = torch.zeros(self.block_size, dtype=torch.long)
         self.tokens = 0
@@ -84,15 +88,20 @@ class MetricWindow:
 
     def add(self, out: LossOutput, tokens: Tensor) -> None:
         self.micro += 1
-        self._loss = _accumulate(self._loss, out.loss.detach())
+        # weighted by its supervised weight, as the gradient is (accumulation, ranks): the
+        # window's loss is the weighted mean over every supervised position it trained on
+        weight = out.weight_sum.detach().float()
+        self._loss = _accumulate(self._loss, out.loss.detach().float() * weight)
+        self._weight = _accumulate(self._weight, weight)
         self._correct = _accumulate(self._correct, out.per_position_correct.detach())
         self._count = _accumulate(self._count, out.per_position_count.detach())
         self._tokens = _accumulate(self._tokens, tokens)
 
     def settle(self) -> None:
         """Bring the accumulated tensors to Python numbers (the one host sync of a window)."""
-        if self._loss is not None:
+        if self._loss is not None and self._weight is not None:
             self.loss_sum = float(self._loss)
+            self.weight_sum = float(self._weight)
         if self._correct is not None and self._count is not None:
             self.correct = self._correct.cpu().long()
             self.count = self._count.cpu().long()
@@ -115,14 +124,10 @@ def log_train_window(
     correct = all_reduce_sum(window.correct.to(env.device).float(), env).cpu()
     count = all_reduce_sum(window.count.to(env.device).float(), env).cpu()
     tokens = float(all_reduce_sum(torch.tensor(float(window.tokens), device=env.device), env))
-    loss_mean = (
-        float(
-            all_reduce_sum(
-                torch.tensor(window.loss_sum / max(1, window.micro), device=env.device), env
-            )
-        )
-        / env.world_size
-    )
+    # the weighted mean over every supervised position of every micro-batch on every rank
+    weighted = torch.tensor([window.loss_sum, window.weight_sum], device=env.device)
+    loss_sum, weight_sum = (float(v) for v in all_reduce_sum(weighted, env).cpu())
+    loss_mean = loss_sum / weight_sum if weight_sum > 0 else 0.0
     acc = per_position_accuracy(correct.long(), count.long())
     first = 1 - window.shift  # the first drafting position (0 with the label shift)
     tau = estimated_acceptance_length(acc, shift=window.shift)

@@ -8,14 +8,22 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from testkit.compiling import tiny_scratch_plan
 
+from dflash_recipes.executor.dist_env import detect_dist_env
 from dflash_recipes.executor.training import fit as fit_module
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.fit import run_plan
-from dflash_recipes.executor.training.metrics import MetricWindow, progress_line
+from dflash_recipes.executor.training.loss import LossOutput
+from dflash_recipes.executor.training.metrics import (
+    MetricWindow,
+    log_train_window,
+    progress_line,
+)
 from dflash_recipes.executor.training.save_policy import SavePolicy
 from dflash_recipes.executor.training.setup.optimizer import lr_factor
+from dflash_recipes.executor.training.trackers.fanout import TrackerSet
 from dflash_recipes.files.metrics_rows import train_row
 
 
@@ -164,3 +172,27 @@ def test_evaluation_time_is_not_in_the_next_window_s_throughput(
     assert len(rates) == 4
     # step 3's window follows step 2's measurement: counted, it would be 1e5 times smaller
     assert max(rates) / min(rates) < 10, rates
+
+
+def _micro_batch(loss: float, weight: float) -> LossOutput:
+    zeros = torch.zeros(4, dtype=torch.long)
+    return LossOutput(
+        loss=torch.tensor(loss),
+        ce=torch.tensor(loss),
+        per_position_correct=zeros,
+        per_position_count=zeros,
+        weight_sum=torch.tensor(weight),
+    )
+
+
+def test_the_logged_loss_weighs_each_micro_batch_by_its_supervised_weight() -> None:
+    """As the gradient does: 1 position at loss 1.0 and 3 at loss 4.0 log 3.25, not the mean
+    of the two micro-batches' means (2.5)."""
+    window = MetricWindow(4, clock=_FakeClock())
+    window.add(_micro_batch(1.0, 1.0), torch.tensor(10))
+    window.add(_micro_batch(4.0, 3.0), torch.tensor(10))
+    window.settle()
+    row = log_train_window(
+        window, step=1, lr=0.1, trackers=TrackerSet.silent(), env=detect_dist_env("cpu", {})
+    )
+    assert row["loss"] == pytest.approx(3.25)
