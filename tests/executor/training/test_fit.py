@@ -156,6 +156,32 @@ DraftStep.blocks_per_chunk = _recorded
 """
 
 
+def _torchrun_env() -> dict[str, str]:
+    """This process's environment without a torchrun rank's variables, one thread per rank."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run_two_ranks(plan_file: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`dflash-recipe run PLAN --nproc-per-node 2` (gloo ranks) as a user starts it."""
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "dflash_recipes", "run", str(plan_file)),
+            *("--nproc-per-node", "2", "--no-progress"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 @pytest.mark.slow
 def test_two_process_gloo_matches_one_process(tmp_path: Path) -> None:
     """Same global batch: 2 ranks x 1 sequence == 1 process x 2 sequences.
@@ -174,35 +200,14 @@ def test_two_process_gloo_matches_one_process(tmp_path: Path) -> None:
     )
     plan_file = tmp_path / "ddp_plan.json"
     plan_file.write_text(ddp.to_json(), encoding="utf-8")
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    }
-    env["OMP_NUM_THREADS"] = "1"
+    env = _torchrun_env()
     hooks, markers = tmp_path / "hooks", tmp_path / "markers"
     hooks.mkdir()
     markers.mkdir()
     (hooks / "sitecustomize.py").write_text(_CHUNKING_SITECUSTOMIZE, encoding="utf-8")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
     env["DFLASH_TEST_MARKERS"] = str(markers)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_recipes",
-            "run",
-            str(plan_file),
-            "--nproc-per-node",
-            "2",
-            "--no-progress",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = _run_two_ranks(plan_file, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     chunked = {m.name: m.read_text() for m in markers.iterdir()}
     assert chunked == {"rank0": "1 of 4", "rank1": "1 of 4"}, chunked
@@ -428,23 +433,7 @@ def test_two_gloo_ranks_accumulating_train_like_one_process_over_the_whole_batch
     )
     plan_file = tmp_path / "ranks_plan.json"
     plan_file.write_text(ranks.to_json(), encoding="utf-8")
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "dflash_recipes", "run", str(plan_file)),
-            *("--nproc-per-node", "2", "--no-progress"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = _run_two_ranks(plan_file, _torchrun_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "ranks")
     seed = torch.Generator().manual_seed(whole.training.seed)
