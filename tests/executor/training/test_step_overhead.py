@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.training.anchors import anchor_key, sample_batch_anchors
 from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.metrics import MetricWindow, log_train_window
 from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
 
 
@@ -101,7 +103,17 @@ def test_accuracy_counts_keep_argmax_first_maximum_rule() -> None:
     assert correct.tolist() == expected.long()[0].tolist()
 
 
-def _train_rows(tmp_path: Path, name: str, logging_steps: int) -> list[dict[str, object]]:
+def _train_rows(
+    tmp_path: Path, name: str, logging_steps: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[dict[str, object]], list[float]]:
+    """The run's ``train`` rows and, for each, the supervised weight its window summed."""
+    weights: list[float] = []
+    real = log_train_window
+
+    def spy(window: MetricWindow, **kwargs: Any) -> Any:
+        weights.append(window.weight_sum)
+        return real(window, **kwargs)
+
     result = compile_file(
         TINY_SCRATCH,
         overrides=(
@@ -117,20 +129,31 @@ def _train_rows(tmp_path: Path, name: str, logging_steps: int) -> list[dict[str,
         ),
     )
     assert result.plan is not None, result.diagnostics
-    run_plan(result.plan, progress=False)
+    with monkeypatch.context() as patched:
+        patched.setattr("dflash_recipes.executor.training.fit.log_train_window", spy)
+        run_plan(result.plan, progress=False)
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if row["kind"] == "train"]
+    return [row for row in map(json.loads, lines) if row["kind"] == "train"], weights
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_metrics_kept_on_device_report_the_whole_logging_window(tmp_path: Path) -> None:
+def test_metrics_kept_on_device_report_the_whole_logging_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Steps that log nothing still count: a row covers every step since the last one."""
-    each = _train_rows(tmp_path, "each", 1)
-    pooled = _train_rows(tmp_path, "pooled", 2)
+    each, weights = _train_rows(tmp_path, "each", 1, monkeypatch)
+    pooled, pooled_weight = _train_rows(tmp_path, "pooled", 2, monkeypatch)
     assert [r["step"] for r in each] == [1, 2] and [r["step"] for r in pooled] == [2]
     row = pooled[0]
-    # Same seed, same data, same anchors: the window's loss is the mean of the two steps' ...
-    assert row["loss"] == pytest.approx((each[0]["loss"] + each[1]["loss"]) / 2, rel=1e-6)
+    # Same seed, same data, same anchors: the window covers both steps' supervised weight ...
+    assert pooled_weight == [pytest.approx(weights[0] + weights[1], rel=1e-6)]
+    # ... and its loss is the two steps' losses weighted by it, as the gradient weighs them
+    # (the steps carry different weights, so the plain mean of the two would be a different
+    # number) ...
+    assert weights[0] != pytest.approx(weights[1], rel=1e-3)
+    losses = [float(str(r["loss"])) for r in each]
+    expected = (losses[0] * weights[0] + losses[1] * weights[1]) / sum(weights)
+    assert row["loss"] == pytest.approx(expected, rel=1e-6)
     # ... and the gradient norm is the last step's.
     assert row["grad_norm"] == pytest.approx(each[1]["grad_norm"], rel=1e-6)
     assert each[0]["grad_norm"] != pytest.approx(each[1]["grad_norm"], rel=1e-6)
