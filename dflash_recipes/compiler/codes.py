@@ -100,8 +100,8 @@ DATA_HUB_ID = _code(
 DATA_UNREADABLE = _code(
     "data-unreadable", _E, "a data input cannot be read (corrupt Parquet/Arrow, bad folder)"
 )
-PACKING_NOT_YET = _code(
-    "packing-not-yet", _E, "data.packing is on, but this version cannot train packed rows yet"
+PACKING_OFFLINE = _code(
+    "packing-offline", _E, "data.packing is on with offline training (data.hidden_states_path)"
 )
 DATA_COLUMNS_MISSING = _code(
     "data-columns-missing", _E, "a data input has no 'messages' or 'conversations' column"

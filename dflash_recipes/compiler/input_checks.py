@@ -25,7 +25,7 @@ from dflash_recipes.compiler.codes import (
     DATA_UNREADABLE,
     INIT_CHECKPOINT_IGNORED,
     OUTPUT_DIR_UNUSABLE,
-    PACKING_NOT_YET,
+    PACKING_OFFLINE,
     RESUME_FROM_CHECKPOINT,
     TRACKER_LIBRARY_MISSING,
 )
@@ -71,13 +71,15 @@ def check_data(inputs: CompileInputs, report: Report) -> None:
             "JSONL file of training conversations",
             "set data.data_path: /path/to/train.jsonl (one conversation per line)",
         )
-    if data.packing:
+    if data.packing and data.hidden_states_path is not None:
         report.emit(
-            PACKING_NOT_YET,
+            PACKING_OFFLINE,
             "data.packing",
-            "data.packing is true, but the executor of this version does not lay several "
-            "conversations into one row yet (per-document attention and anchors are missing)",
-            "set data.packing: false (rows are padded to the longest in the batch)",
+            "data.packing is true with offline training (data.hidden_states_path): a capture "
+            "holds one conversation per row and its states were computed without the packed "
+            "row's per-document mask, so packed rows cannot be read from it",
+            "set data.packing: false for offline training, or drop data.hidden_states_path "
+            "to train online (the target runs per packed row)",
         )
     fields = (
         ("data_path", data.data_path, "a JSONL file of training conversations"),

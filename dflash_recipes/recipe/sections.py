@@ -365,7 +365,7 @@ class DataSection(Record):
     #: (the target's decoder is not run); compile checks it against the plan.
     hidden_states_path: str | None = attrs.field(default=None, validator=path_str)
     #: Pack whole conversations into rows of exactly training.training_seq_len tokens (per-document
-    #: attention); false: one conversation per row, padded. Compile refuses true for now.
+    #: attention); false: one conversation per row, padded. Online training only.
     packing: bool = False
 
     @property

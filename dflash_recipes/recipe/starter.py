@@ -423,6 +423,12 @@ def render_init_recipe(
         ),
         _line(1, "chat_template", None, "null: the tokenizer's own template"),
         _line(1, "answer_only_loss", True, "supervise assistant tokens only"),
+        _line(
+            1,
+            "packing",
+            True,
+            "whole conversations packed into full training_seq_len rows (per-document attention)",
+        ),
         "training:",
         _line(
             1,

@@ -150,7 +150,8 @@ def test_compile_result_ok_and_errors() -> None:
     assert not result.ok and result.errors == ()
 
 
-def test_packing_is_recorded_in_the_plan_and_refused_while_unimplemented(
+def test_packing_is_recorded_in_the_plan_and_refused_only_offline(
+    tmp_path: Path,
     base_model: Path,
     drafter: Path,
     train_file: Path,
@@ -160,7 +161,12 @@ def test_packing_is_recorded_in_the_plan_and_refused_while_unimplemented(
     path = write_recipe(recipe_text())
     result = compile_file(path)
     assert result.plan is not None and result.plan.data.packing is False
-    refused = compile_file(path, ["data.packing=true"])
-    found = only(refused, "packing-not-yet")
+    packed = compile_file(path, ["data.packing=true"])
+    assert packed.ok and packed.plan is not None and packed.plan.data.packing is True
+    offline = tmp_path / "capture"
+    refused = compile_file(
+        path, ["data.packing=true", f"data.hidden_states_path={offline}", "data.data_path=null"]
+    )
+    found = only(refused, "packing-offline")
     assert found.severity is Severity.ERROR and found.path == "data.packing"
     assert "data.packing: false" in (found.hint or "")

@@ -70,6 +70,7 @@ def test_from_a_checkpoint_everything_is_the_checkpoints(tmp_path: Path, base_mo
     assert plan.draft.objective.loss_decay_factor == 5.0
     assert plan.training.learning_rate == 1.0e-4
     assert plan.init_checkpoint is not None and plan.init_checkpoint.path == str(ckpt)
+    assert plan.data.packing is True  # new recipes pack; a recipe without the line does not
 
 
 def test_header_shows_the_commands_and_comments_explain_the_choices(

@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash_recipes.data.conversations import Conversation, iter_conversations
 from dflash_recipes.data.sources import resolve_source
 from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.packing import example_lengths
 from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
 from dflash_recipes.executor.data.train_dataset import TrainDataset, build_dataset
 from dflash_recipes.plan.run_plan import RunPlan
@@ -56,6 +57,13 @@ class TrainingExamples(Sequence[TokenizedExample]):
 
     def __len__(self) -> int:
         return self._count
+
+    def lengths(self) -> list[int]:
+        """The token count of every training example (the whole dataset's, less the held-out
+        ones: from the cache's offsets when it has them)."""
+        held = set(self._held_out)
+        whole = example_lengths(self._examples)
+        return [n for i, n in enumerate(whole) if i not in held]
 
     def underlying(self, index: int) -> int:
         """The index in the whole dataset of training example `index`."""

@@ -144,23 +144,34 @@ def _shared_input_sha256(source: DataSource, env: DistEnv) -> str:
 
 @attrs.frozen(eq=False)
 class Batch:
-    """Right-padded LongTensors ``[B, T]`` (T = longest example) and where the data stands."""
+    """Right-padded LongTensors ``[B, T]`` (T = longest example) and where the data stands.
+
+    A packed batch (``data.packing``, :mod:`~dflash_recipes.executor.data.packing`) has rows of
+    exactly ``training_seq_len`` tokens holding several whole conversations, `document_ids`
+    saying which, and `next_index` counting rows of the epoch's packing plan.
+    """
 
     input_ids: Tensor
     attention_mask: Tensor
     loss_mask: Tensor
     epoch: int
-    #: Index into the epoch's order just after this (global) batch: save it to resume.
+    #: Index into the epoch's order (packed: its rows) just after this (global) batch: save it
+    #: to resume.
     next_index: int
+    #: Packed rows: ``[B, T]`` long, per token its document's number within the row (0, 1,
+    #: ...), -1 for the filler after the last document (attention 0 there); None unpacked.
+    document_ids: Tensor | None = None
 
     def to(self, device: torch.device, *, non_blocking: bool = False) -> Batch:
         """The same batch with its tensors on `device` (`non_blocking`: an asynchronous copy
         when the tensors are pinned)."""
+        docs = self.document_ids
         return attrs.evolve(
             self,
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
             attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
             loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
+            document_ids=None if docs is None else docs.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
@@ -170,6 +181,7 @@ class Batch:
             input_ids=self.input_ids.pin_memory(),
             attention_mask=self.attention_mask.pin_memory(),
             loss_mask=self.loss_mask.pin_memory(),
+            document_ids=None if self.document_ids is None else self.document_ids.pin_memory(),
         )
 
 

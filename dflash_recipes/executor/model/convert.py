@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.model.masks import document_causal_mask
+from dflash_recipes.executor.model.masks import document_causal_mask, document_starts
 from dflash_recipes.executor.model.warmstart import warm_start
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -278,6 +278,7 @@ def capture_taps(
     target_layer_ids: Sequence[int],
     *,
     stop_after: int | None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The taps (``[B, S, n_taps * H]``, in ``target_layer_ids`` order) captured by forward
     hooks on the tapped decoder layers, without ``output_hidden_states``; with ``stop_after``
@@ -287,7 +288,8 @@ def capture_taps(
     the model's own forward runs unchanged (works for any wrapper that keeps the layer
     modules, e.g. FSDP2's ``fully_shard``, whose hooks are module hooks too). A tap on the
     last layer goes through the final norm, as Hugging Face's ``hidden_states[-1]`` does.
-    Call it under ``torch.no_grad()``.
+    Call it under ``torch.no_grad()``. A packed row passes `document_ids`: positions restart
+    per document and the mask is block-diagonal causal, as in :func:`target_forward`.
     """
     decoder = model.get_decoder()  # type: ignore[no-untyped-call]
     layers = getattr(decoder, "layers", None)
@@ -310,10 +312,14 @@ def capture_taps(
 
         return hook
 
+    extra: dict[str, torch.Tensor] = {}
+    if document_ids is not None:
+        attention_mask = document_causal_mask(document_ids)
+        extra["position_ids"] = document_position_ids(document_ids)
     handles = [layers[k].register_forward_hook(hook_for(k)) for k in set(target_layer_ids)]
     try:
         model.get_decoder()(  # type: ignore[no-untyped-call]
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
         )
     except _StopTarget:
         pass
@@ -330,10 +336,7 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` positions restarting at 0 where the document number changes."""
     seq_len = document_ids.shape[1]
     index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start_index
+    return index - document_starts(document_ids)
 
 
 @attrs.frozen(eq=False)

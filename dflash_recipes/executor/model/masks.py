@@ -2,8 +2,11 @@
 
 A query in block ``b`` with anchor ``a_b`` sees the context positions ``j < a_b`` and every
 position of its own block (bidirectional); nothing of other blocks (docs/dflash.md, "The
-training objective", step 3). The draft model (:mod:`~dflash_recipes.executor.model.draft`),
-the training step and speculative decoding build their masks here.
+training objective", step 3). In a packed row (``document_ids``, several conversations per row)
+the context of block ``b`` is further cut to its own document: ``[start_b, a_b)`` with
+``start_b`` the first position of the anchor's document (:func:`anchor_starts`). The draft
+model (:mod:`~dflash_recipes.executor.model.draft`), the training step and speculative decoding
+build their masks here.
 """
 
 from __future__ import annotations
@@ -66,17 +69,48 @@ def _check_mask_inputs(anchors: Tensor, block_size: int, ctx_len: int, valid: Te
         raise ValueError(msg)
 
 
+def document_starts(document_ids: Tensor) -> Tensor:
+    """``[B, T]``: per token, the index of the first token of its document (a packed row's
+    documents are contiguous runs of one number)."""
+    if document_ids.dim() != 2:
+        msg = f"document_ids must be [batch, seq_len], got {tuple(document_ids.shape)}"
+        raise ValueError(msg)
+    seq_len = document_ids.shape[1]
+    index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
+    first = torch.ones_like(document_ids, dtype=torch.bool)
+    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+
+
+def anchor_starts(anchors: Tensor, document_ids: Tensor | None) -> Tensor:
+    """``[B, N]``: the first context position each block may see, the start of its anchor's
+    document (0 everywhere without `document_ids`)."""
+    if document_ids is None:
+        return torch.zeros_like(anchors)
+    if document_ids.shape[0] != anchors.shape[0]:
+        msg = f"document_ids {tuple(document_ids.shape)} and anchors {tuple(anchors.shape)}"
+        raise ValueError(msg + " must have the same batch size")
+    return torch.gather(document_starts(document_ids), 1, anchors.clamp(min=0))
+
+
 def _visible_context(anchors: Tensor, ctx_len: int, valid: Tensor) -> Tensor:
     """Per block, how many leading context positions it sees: ``a_b`` (valid) or 0 (padded)."""
     limit = anchors.clamp(min=0, max=ctx_len)
     return torch.where(valid, limit, torch.zeros_like(limit))
 
 
-def build_dense_block_mask(anchors: Tensor, block_size: int, ctx_len: int, valid: Tensor) -> Tensor:
+def build_dense_block_mask(
+    anchors: Tensor,
+    block_size: int,
+    ctx_len: int,
+    valid: Tensor,
+    *,
+    document_ids: Tensor | None = None,
+) -> Tensor:
     """Dense mask ``[B, 1, N*bs, ctx_len + N*bs]`` (True = may attend) for packed blocks.
 
     Key index ``j < ctx_len`` is context position ``j``; ``ctx_len + i`` is packed block
-    position ``i``. See the module docstring for the semantics.
+    position ``i``. See the module docstring for the semantics (`document_ids`: a packed row's).
     """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
     device = anchors.device
@@ -87,6 +121,9 @@ def build_dense_block_mask(anchors: Tensor, block_size: int, ctx_len: int, valid
     kv_idx = torch.arange(ctx_len + q_len, device=device)
     kv_block = torch.cat([torch.full((ctx_len,), -1, device=device, dtype=torch.long), q_block])
     sees_context = kv_idx.view(1, 1, -1) < q_limit.unsqueeze(-1)
+    if document_ids is not None:
+        q_start = anchor_starts(anchors, document_ids).repeat_interleave(block_size, dim=1)
+        sees_context &= kv_idx.view(1, 1, -1) >= q_start.unsqueeze(-1)
     same_block = kv_block.view(1, 1, -1) == q_block.view(1, -1, 1)
     return (sees_context | same_block).unsqueeze(1)
 
@@ -142,12 +179,15 @@ def build_flex_block_mask(
     valid: Tensor,
     *,
     tile_size: tuple[int, int] = (_FLEX_TILE, _FLEX_TILE),
+    document_ids: Tensor | None = None,
 ) -> BlockMask:
     """The flex-attention :class:`BlockMask` of :func:`build_dense_block_mask`, block-sparse.
 
     The tile structure (which ``tile_size`` tiles are empty, partial or full) is computed from
-    per-tile minima and maxima of the anchors, so memory is ``O(B * tiles)``; the exact mask is
-    applied inside partial tiles by the mask_mod. Built on ``anchors.device``.
+    per-tile minima and maxima of the anchors (and, for a packed row's `document_ids`, of the
+    anchors' document starts), so memory is ``O(B * tiles)``; the exact mask is applied inside
+    partial tiles by the mask_mod, which in a packed row also compares the context position's
+    document with the anchor's. Built on ``anchors.device``.
     """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
     device = anchors.device
@@ -167,15 +207,37 @@ def build_flex_block_mask(
     kv_block = torch.full((kv_pad,), -3, device=device, dtype=torch.int32)
     kv_block[:ctx_len] = -1
     kv_block[ctx_len:kv_len] = q_block[:q_len]
+    starts = anchor_starts(anchors, document_ids).to(torch.int32)
+    q_first = torch.zeros(batch, q_pad, device=device, dtype=torch.int32)
+    q_first[:, :q_len] = starts.repeat_interleave(block_size, dim=1)
 
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (kv_idx < q_limit[b, q_idx]) | (kv_block[kv_idx] == q_block[q_idx])
+    if document_ids is None:
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx < q_limit[b, q_idx]) | (kv_block[kv_idx] == q_block[q_idx])
+
+    else:
+        # Document numbers of the context (-4 past it) and of each query's anchor (-5 for the
+        # padded query rows): the context seen is the anchor's own document before it.
+        docs = document_ids.to(device=device, dtype=torch.int32)
+        kv_doc = torch.full((batch, kv_pad), -4, device=device, dtype=torch.int32)
+        kv_doc[:, :ctx_len] = docs[:, :ctx_len]
+        q_doc = torch.full((batch, q_pad), -5, device=device, dtype=torch.int32)
+        q_doc[:, :q_len] = torch.gather(docs, 1, anchors.clamp(min=0)).repeat_interleave(
+            block_size, dim=1
+        )
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            own = (kv_idx < q_limit[b, q_idx]) & (kv_doc[b, kv_idx] == q_doc[b, q_idx])
+            return own | (kv_block[kv_idx] == q_block[q_idx])
 
     # Per query tile: the range of visible context and of block ids (real rows only).
     rows = q_limit.view(batch, q_tiles, q_tile)
     real_row = (torch.arange(q_pad, device=device) < q_len).view(1, q_tiles, q_tile)
     max_limit = rows.amax(dim=-1)
     min_limit = torch.where(real_row, rows, torch.iinfo(torch.int32).max).amin(dim=-1)
+    first_rows = q_first.view(batch, q_tiles, q_tile)
+    max_first = torch.where(real_row, first_rows, 0).amax(dim=-1)
     q_start = torch.arange(q_tiles, device=device) * q_tile
     q_end = torch.clamp(q_start + q_tile, max=q_len)
     q_complete = q_start + q_tile <= q_len
@@ -192,12 +254,21 @@ def build_flex_block_mask(
     kb_lo = (torch.clamp(kv_start, min=ctx_len) - ctx_len) // block_size
     kb_hi = (kv_end - 1 - ctx_len) // block_size
 
-    ctx_any = has_ctx.view(1, 1, -1) & (max_limit.unsqueeze(-1) > kv_start.view(1, 1, -1))
+    if document_ids is None:
+        ctx_any = has_ctx.view(1, 1, -1) & (max_limit.unsqueeze(-1) > kv_start.view(1, 1, -1))
+    else:  # per query row: its span [first, limit) must meet the tile's context
+        lo = torch.maximum(q_first.unsqueeze(-1), kv_start.view(1, 1, -1))
+        hi = torch.minimum(q_limit.unsqueeze(-1), ctx_end.view(1, 1, -1))
+        hit = (lo < hi) & real_row.view(1, q_pad, 1)
+        ctx_any = has_ctx.view(1, 1, -1) & hit.view(batch, q_tiles, q_tile, -1).any(dim=2)
     overlap = (kb_lo.view(1, -1) <= qb_hi.view(-1, 1)) & (kb_hi.view(1, -1) >= qb_lo.view(-1, 1))
     blk_any = (has_blk.view(1, -1) & overlap).unsqueeze(0)
     any_tile = ctx_any | blk_any
 
-    ctx_full = ~has_ctx.view(1, 1, -1) | (min_limit.unsqueeze(-1) >= ctx_end.view(1, 1, -1))
+    ctx_full = ~has_ctx.view(1, 1, -1) | (
+        (min_limit.unsqueeze(-1) >= ctx_end.view(1, 1, -1))
+        & (max_first.unsqueeze(-1) <= kv_start.view(1, 1, -1))
+    )
     one_block = (
         (qb_lo == qb_hi).view(-1, 1)
         & (kb_lo == kb_hi).view(1, -1)
@@ -304,8 +375,10 @@ def build_split_block_mask(
     *,
     num_chunks: int | None = None,
     heads: int = 1,
+    document_ids: Tensor | None = None,
 ) -> SplitBlockMask:
-    """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`).
+    """:class:`SplitBlockMask` of packed blocks (semantics of :func:`build_dense_block_mask`;
+    with a packed row's `document_ids` a block sees only its own document's context).
 
     Blocks are grouped into up to `num_chunks` chunks, by default as few as
     :func:`split_chunk_count` allows for `heads` attention heads; each chunk attends to the
@@ -314,6 +387,7 @@ def build_split_block_mask(
     """
     _check_mask_inputs(anchors, block_size, ctx_len, valid)
     limit = _visible_context(anchors, ctx_len, valid)
+    starts = None if document_ids is None else anchor_starts(anchors, document_ids)
     batch, n_blocks = anchors.shape
     if num_chunks is None:
         num_chunks = split_chunk_count(batch, n_blocks, block_size, ctx_len, heads=heads)
@@ -335,6 +409,9 @@ def build_split_block_mask(
         q_limit = limit[:, first:end].repeat_interleave(block_size, dim=1)
         kv_ctx = torch.arange(visible, device=anchors.device)
         sees_context = kv_ctx.view(1, 1, -1) < q_limit.unsqueeze(-1)
+        if starts is not None:
+            q_first = starts[:, first:end].repeat_interleave(block_size, dim=1)
+            sees_context &= kv_ctx.view(1, 1, -1) >= q_first.unsqueeze(-1)
         q_block = torch.arange(n_q, device=anchors.device) // block_size
         same_block = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(batch, -1, -1)
         masks.append(torch.cat([sees_context, same_block], dim=-1).unsqueeze(1))

@@ -14,6 +14,8 @@ attention mask; sequences are right-padded), position ``a`` may open a block whe
    blocks; at inference the anchor is always a token the model produced);
 3. ``loss_mask[a + 1] == 1``: the block's first drafted token is supervised, so every block
    carries at least one label.
+4. in a packed row (several conversations, ``document_ids``), the whole block lies inside the
+   anchor's document.
 
 With answer-only loss this means the first token of each answer is never a label (nothing of
 the answer precedes it to anchor on), exactly as at inference, where the target produces it.
@@ -133,6 +135,7 @@ def sample_counter_anchors(
     num_anchors: int,
     key: int,
     rows: Tensor,
+    document_ids: Tensor | None = None,
 ) -> AnchorBatch:
     """:func:`sample_anchors` with counter-based random keys: row ``r`` of the batch draws
     :func:`counter_keys` ``(key, rows[r], ...)``.
@@ -140,8 +143,12 @@ def sample_counter_anchors(
     The anchors of a row depend only on `key`, its counter ``rows[r]`` and its own masks, never
     on the other rows or on earlier draws, so the row drawn again in another batch, another
     process or a resumed run gets the same anchors. One vectorised pass over the whole batch.
+    A packed row (`document_ids`) draws from every document's eligible positions at once: the
+    row's budget is shared by its supervised positions, and no block crosses a document end.
     """
-    eligible, n = _eligible_and_count(loss_mask, attention_mask, block_size, num_anchors)
+    eligible, n = _eligible_and_count(
+        loss_mask, attention_mask, block_size, num_anchors, document_ids
+    )
     batch, seq_len = eligible.shape
     if rows.shape != (batch,):
         msg = f"rows must hold one counter per sequence ({batch}), got {tuple(rows.shape)}"
@@ -155,13 +162,19 @@ def sample_counter_anchors(
 
 
 def _eligible_and_count(
-    loss_mask: Tensor, attention_mask: Tensor, block_size: int, num_anchors: int
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    block_size: int,
+    num_anchors: int,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """The eligible positions ``[B, T]`` and how many anchors the fullest row gets."""
     if num_anchors < 1:
         msg = f"num_anchors must be >= 1, got {num_anchors}"
         raise ValueError(msg)
-    eligible = eligible_anchor_mask(loss_mask, attention_mask, block_size=block_size)
+    eligible = eligible_anchor_mask(
+        loss_mask, attention_mask, block_size=block_size, document_ids=document_ids
+    )
     if eligible.shape[0] == 0:
         return eligible, 0
     return eligible, min(num_anchors, int(eligible.sum(dim=1).max().item()))
@@ -244,7 +257,8 @@ def sample_batch_anchors(
     num_anchors: int,
 ) -> AnchorBatch:
     """The anchors of a training batch, ``[B, N]`` with N >= 1; row ``r`` is drawn from the
-    counter ``positions[r]`` under :func:`anchor_key` ``(seed, epoch)``, all rows in one pass."""
+    counter ``positions[r]`` under :func:`anchor_key` ``(seed, epoch)``, all rows in one pass
+    (a packed batch: per document, :func:`sample_counter_anchors`)."""
     drawn = sample_counter_anchors(
         batch.loss_mask,
         batch.attention_mask,
@@ -252,6 +266,7 @@ def sample_batch_anchors(
         num_anchors=num_anchors,
         key=anchor_key(seed, batch.epoch),
         rows=torch.tensor(positions, dtype=torch.int64),
+        document_ids=batch.document_ids,
     )
     if drawn.anchors.shape[1] == 0:
         # No row has an eligible position: one padding block, so every shape stays non-empty.
@@ -317,6 +332,7 @@ def block_labels(
     *,
     block_size: int,
     shift: int = 0,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Labels of every block position: position k predicts the token at ``anchor + k + shift``.
 
@@ -327,7 +343,9 @@ def block_labels(
     Returns ``(labels [B, N, block_size] long, label_mask [B, N, block_size] bool)``. A position
     is supervised when its block is valid, its target ``anchor + k + shift`` is inside the
     sequence and ``loss_mask`` there is 1 (and ``k >= 1`` without the shift). Unsupervised
-    labels are ``IGNORE_INDEX`` (-100).
+    labels are ``IGNORE_INDEX`` (-100). In a packed row (`document_ids`) a target in another
+    document than the anchor's is not supervised either (the last position of a block that
+    ends its document, with the shift).
     """
     if shift not in (0, 1):
         msg = f"shift must be 0 or 1, got {shift}"
@@ -340,6 +358,10 @@ def block_labels(
     supervised = torch.gather(loss_mask, 1, flat).view_as(positions) != 0
     not_anchor = torch.arange(block_size, device=anchors.device) + shift >= 1
     label_mask = valid.unsqueeze(-1) & inside & supervised & not_anchor
+    if document_ids is not None:
+        target_doc = torch.gather(document_ids, 1, flat).view_as(positions)
+        anchor_doc = torch.gather(document_ids, 1, anchors.clamp(min=0)).unsqueeze(-1)
+        label_mask &= target_doc == anchor_doc
     labels = torch.where(label_mask, tokens.long(), torch.full_like(tokens.long(), IGNORE_INDEX))
     return labels, label_mask
 

@@ -24,6 +24,7 @@ from dflash_recipes.executor.model.convert import (
     CapturedStates,
     ConvertedModel,
     capture_taps,
+    document_position_ids,
     embed_tokens,
     lm_head,
     stop_after_layer,
@@ -31,7 +32,11 @@ from dflash_recipes.executor.model.convert import (
     teacher_logits,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
-from dflash_recipes.executor.model.masks import build_flex_block_mask, build_split_block_mask
+from dflash_recipes.executor.model.masks import (
+    anchor_starts,
+    build_flex_block_mask,
+    build_split_block_mask,
+)
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
     block_inputs,
@@ -213,8 +218,17 @@ def step_inputs(
     teacher logits are recomputed from the captured last hidden state. `mask`: the block mask
     already built on the host (:mod:`~dflash_recipes.executor.training.setup.prefetch`, CPU), else
     it is built here.
+
+    A packed batch (:attr:`Batch.document_ids`) keeps its conversations apart: the target runs
+    with per-document positions and a block-diagonal causal mask, a block's context is its own
+    document before the anchor, and the drafter's positions restart per document, so each
+    conversation's blocks get what they would get alone in a row.
     """
     ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
+    docs = batch.document_ids
+    if docs is not None and captured is not None:
+        msg = "packed rows cannot be trained from a capture; set data.packing: false offline"
+        raise DataError(msg)
     anchors, valid = drawn.anchors, drawn.valid
     embeddings = embed_tokens(target)
     device = ids.device
@@ -223,10 +237,12 @@ def step_inputs(
         if captured is None and not teacher:  # hooks on the taps; stops after the deepest
             taps = spec.target_layer_ids
             stop = stop_after_layer(taps, needs_logits=teacher)
-            tapped = capture_taps(target, ids, attention, taps, stop_after=stop).float()
+            tapped = capture_taps(
+                target, ids, attention, taps, stop_after=stop, document_ids=docs
+            ).float()
             target_logits = None
         elif captured is None:
-            out = target_forward(target, ids, attention, with_logits=teacher)
+            out = target_forward(target, ids, attention, with_logits=teacher, document_ids=docs)
             tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
             # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
             target_logits = out.logits
@@ -244,16 +260,32 @@ def step_inputs(
         block_embeds = embeddings(block_ids).float()
         head_inputs = kind_modules(spec.projector_type).head_inputs(spec, ids, anchors, embeddings)
     ctx_len = int(ids.shape[1])
-    ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
+    if docs is None:
+        ctx_positions = torch.arange(ctx_len, device=device).expand(ids.shape[0], ctx_len)
+    else:  # positions restart per document, the blocks' too (anchor's place in its document)
+        ctx_positions = document_position_ids(docs)
+        starts = anchor_starts(anchors, docs).repeat_interleave(spec.block_size, dim=1)
+        q_positions = q_positions - starts
     if mask is None and device.type == "cuda":
-        mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid)
+        mask = build_flex_block_mask(anchors, spec.block_size, ctx_len, valid, document_ids=docs)
     elif mask is None:
         # CPU: the split form of the dense mask (no blocks x blocks part).
         mask = build_split_block_mask(
-            anchors, spec.block_size, ctx_len, valid, heads=spec.num_attention_heads
+            anchors,
+            spec.block_size,
+            ctx_len,
+            valid,
+            heads=spec.num_attention_heads,
+            document_ids=docs,
         )
     labels, label_mask = block_labels(
-        ids, loss_mask, anchors, valid, block_size=spec.block_size, shift=spec.label_shift
+        ids,
+        loss_mask,
+        anchors,
+        valid,
+        block_size=spec.block_size,
+        shift=spec.label_shift,
+        document_ids=docs,
     )
     return StepInputs(
         tapped=tapped,

@@ -141,7 +141,8 @@ class ActivationParts(Record):
 class StepFigures(Record):
     """One optimiser step over the whole job (all ranks, all accumulation micro-steps)."""
 
-    #: Token positions the target reads (sequences at training_seq_len: an upper bound).
+    #: Token positions the target reads: rows at training_seq_len, exact with data.packing
+    #: (a packed row is full), an upper bound for padded rows (shorter than the longest).
     tokens: int
     #: Supervised block positions (anchors x (block_size - 1)): an upper bound.
     supervised_positions: int
@@ -469,6 +470,8 @@ def estimate_resources(
 
     # -- step -----------------------------------------------------------------------------
     rows = b * world_size * training.gradient_accumulation_steps
+    # Every row at training_seq_len: what a packed row is (data.packing; its target attention
+    # is a dense masked SDPA over the whole row), a padded batch's upper bound.
     tokens = rows * t
     supervised = rows * n * (k - 1)
     # Without a teacher the target stops after the deepest tap: later layers never run.

@@ -85,7 +85,12 @@ def prepare_batch(
         # The split form is the CPU path of step_inputs; built here from the host anchors.
         ctx_len = int(batch.input_ids.shape[1])
         mask = build_split_block_mask(
-            drawn.anchors, spec.block_size, ctx_len, drawn.valid, heads=spec.num_attention_heads
+            drawn.anchors,
+            spec.block_size,
+            ctx_len,
+            drawn.valid,
+            heads=spec.num_attention_heads,
+            document_ids=batch.document_ids,
         )
     if pin_batches(env.device):
         batch = batch.pin_memory()

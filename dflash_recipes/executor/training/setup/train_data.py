@@ -25,6 +25,13 @@ from dflash_recipes.data.conversations import Conversation
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.holdout import held_out_conversations, split_dataset
 from dflash_recipes.executor.data.offline import CaptureReader, capture_dataset, open_capture
+from dflash_recipes.executor.data.packing import (
+    PackingPlan,
+    example_lengths,
+    pack_epoch,
+    packed_batches,
+    packed_rows_per_epoch,
+)
 from dflash_recipes.executor.data.train_dataset import (
     Batch,
     TrainDataset,
@@ -53,6 +60,12 @@ class TrainData:
     env: DistEnv
     #: Rank 0: the conversations data.eval_holdout holds out of training (else empty).
     held_out: tuple[Conversation, ...] = ()
+    #: data.packing: the row length (training_seq_len) whole conversations are packed into;
+    #: None: one conversation per row, padded.
+    packed_seq_len: int | None = None
+    #: Packed: the examples' token counts (read once), and the last epoch's packing plan.
+    _lengths: list[int] | None = None
+    _packing: tuple[int, PackingPlan] | None = None
     #: The epoch whose order :meth:`captured_states` last looked up, and that order.
     _order_key: tuple[int, int] | None = None
     _order: list[int] = attrs.Factory(list)
@@ -64,30 +77,72 @@ class TrainData:
 
     @property
     def batches_per_epoch(self) -> int:
-        """How many batches this rank draws per epoch."""
+        """How many batches this rank draws per epoch (packed: in epoch 0's packing plan; the
+        rows of later epochs' plans differ by a few at most)."""
+        if self.packed_seq_len is not None:
+            return packed_rows_per_epoch(
+                self.packing_plan(0), batch_size=self.batch_size, world_size=self.env.world_size
+            )
         return batches_per_epoch(
             len(self.dataset), batch_size=self.batch_size, world_size=self.env.world_size
         )
 
-    def stream(self, epoch: int, start: int) -> Iterator[Batch]:
-        """This rank's batches from index `start` of `epoch`'s order on, epoch after epoch.
+    def packing_plan(self, epoch: int) -> PackingPlan:
+        """Packed: the rows of `epoch` (:func:`~dflash_recipes.executor.data.packing.
+        pack_epoch`, from the cache's lengths; the same on every rank)."""
+        assert self.packed_seq_len is not None, "packing_plan needs data.packing"
+        if self._packing is None or self._packing[0] != epoch:
+            if self._lengths is None:
+                self._lengths = example_lengths(self.dataset.examples)
+            plan = pack_epoch(
+                self._lengths, seq_len=self.packed_seq_len, seed=self.seed, epoch=epoch
+            )
+            self._packing = (epoch, plan)
+        return self._packing[1]
 
-        DataError when the data holds fewer conversations than one global batch.
-        """
+    def _epoch_batches(self, epoch: int, start: int) -> Iterator[Batch]:
         env = self.env
-        while True:
-            produced = False
-            for batch in batches(
+        if self.packed_seq_len is not None:
+            return packed_batches(
                 self.dataset,
+                self.packing_plan(epoch),
                 batch_size=self.batch_size,
-                seed=self.seed,
                 epoch=epoch,
                 start_index=start,
                 rank=env.rank,
                 world_size=env.world_size,
-            ):
+            )
+        return batches(
+            self.dataset,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            epoch=epoch,
+            start_index=start,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+
+    def stream(self, epoch: int, start: int) -> Iterator[Batch]:
+        """This rank's batches from index `start` of `epoch`'s order (packed: row `start` of its
+        packing plan) on, epoch after epoch.
+
+        DataError when the data holds fewer conversations (packed: rows) than one global batch.
+        """
+        env = self.env
+        while True:
+            produced = False
+            for batch in self._epoch_batches(epoch, start):
                 produced = True
                 yield batch
+            if not produced and start == 0 and self.packed_seq_len is not None:
+                rows = len(self.packing_plan(epoch).rows)
+                msg = (
+                    f"the data packs into {rows} row(s) of {self.packed_seq_len} tokens, fewer "
+                    f"than one global batch ({self.batch_size} x {env.world_size} processes); "
+                    "add data, lower per_device_train_batch_size or training_seq_len, or set "
+                    "data.packing: false"
+                )
+                raise DataError(msg)
             if not produced and start == 0:
                 msg = (
                     f"the data has {len(self.dataset)} usable conversations, fewer than one "
@@ -101,6 +156,9 @@ class TrainData:
         """Offline: the captured target states of this rank's rows of `batch`; online: None."""
         if self.capture is None:
             return None
+        if batch.document_ids is not None:
+            msg = "packed rows have no captured states; compile refuses data.packing offline"
+            raise DataError(msg)
         key = (batch.epoch, self.capture.manifest.num_samples)
         if self._order_key != key:
             self._order = epoch_order(key[1], seed=self.seed, epoch=batch.epoch)
@@ -147,6 +205,12 @@ def build_train_data(
             len(dataset),
         )
     training = plan.training
+    if plan.data.packing and capture is not None:
+        msg = (
+            "data.packing does not work with offline training (data.hidden_states_path): the "
+            "capture holds one conversation per row; set data.packing: false or train online"
+        )
+        raise DataError(msg)
     return TrainData(
         dataset=dataset,
         capture=capture,
@@ -154,6 +218,7 @@ def build_train_data(
         batch_size=training.per_device_train_batch_size,
         seed=training.seed,
         env=env,
+        packed_seq_len=training.training_seq_len if plan.data.packing else None,
     )
 
 

@@ -66,3 +66,22 @@ def test_data_smaller_than_one_global_batch_is_refused_with_the_fix() -> None:
         "the data has 1 usable conversations, fewer than one global batch (2 x 2 processes); "
         "add data or lower per_device_train_batch_size"
     )
+
+
+def test_a_packed_stream_goes_on_epoch_after_epoch_in_full_rows_and_resumes_on_a_row() -> None:
+    data = _data(40, batch_size=2)
+    data.packed_seq_len = 8  # 3-token conversations: two per row, 20 rows per epoch
+    assert data.batches_per_epoch == 10
+    straight = list(itertools.islice(data.stream(0, 0), 13))
+    assert [(b.epoch, b.next_index) for b in straight[9:12]] == [(0, 20), (1, 2), (1, 4)]
+    assert all(tuple(b.input_ids.shape) == (2, 8) for b in straight)
+    resumed = list(itertools.islice(data.stream(0, 16), 5))
+    for a, b in zip(straight[8:], resumed, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.document_ids, b.document_ids)
+
+
+def test_data_that_packs_into_fewer_rows_than_a_global_batch_is_refused_with_the_fix() -> None:
+    data = _data(3, batch_size=2)
+    data.packed_seq_len = 16  # all three conversations fit one row
+    with pytest.raises(DataError, match="packs into 1 row"):
+        next(data.stream(0, 0))
