@@ -4,6 +4,7 @@ run measures on the same ones."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -49,6 +50,33 @@ def test_training_batches_never_hold_a_held_out_conversation(tmp_path: Path) -> 
     assert seen == all_rows - held
     # the held-out conversations are those examples: rendered, they tokenize to them
     assert plan_held_out_conversations(plan, tokenizer, whole) == list(data.held_out)
+
+
+def test_packed_rows_never_hold_a_held_out_conversation(tmp_path: Path) -> None:
+    """With data.packing the rows are planned from the training view's lengths: every
+    training conversation is packed whole, a held-out one never."""
+    plan = tiny_scratch_plan(
+        tmp_path / "run",
+        "data.eval_data_path=null",
+        "data.eval_holdout=6",
+        "data.packing=true",
+        "training.training_seq_len=256",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
+    tokenizer = load_tokenizer(plan)
+    whole = build_dataset(plan, tokenizer)
+    data = build_train_data(plan, tokenizer, detect_dist_env("cpu", {}), verify_capture=False)
+    assert data.packed_seq_len == 256
+    training = {tuple(e.input_ids[:256]) for e in data.dataset.examples}
+    held = {tuple(e.input_ids[:256]) for e in whole.examples} - training
+    assert len(held) == 6
+    documents: set[tuple[int, ...]] = set()
+    for batch in itertools.islice(data.stream(0, 0), data.batches_per_epoch):
+        assert batch.epoch == 0 and batch.document_ids is not None
+        for ids, docs in zip(batch.input_ids.tolist(), batch.document_ids.tolist(), strict=True):
+            for doc in sorted(set(docs) - {-1}):
+                documents.add(tuple(i for i, d in zip(ids, docs, strict=True) if d == doc))
+    assert documents == training
 
 
 @pytest.mark.usefixtures("one_thread")
