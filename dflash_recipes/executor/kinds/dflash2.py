@@ -298,7 +298,14 @@ class DFlash2DraftModel(DFlashDraftModel):
         generator: torch.Generator | None = None,
     ) -> DFlash2DraftModel:
         """A DFlash 2 drafter with `dflash`'s backbone (copied) and new parts initialised so
-        that it computes exactly what `dflash` computes (module doc)."""
+        that it computes exactly what `dflash` computes (module doc); ValueError for a drafter
+        with a head (Domino, DSpark), whose head DFlash 2 has no place for."""
+        if dflash.head is not None:
+            msg = (
+                f"the DFlash drafter has a {dflash.spec.head_description} head, whose tensors "
+                "do not fit a DFlash 2 backbone; warm-start DFlash 2 from a plain DFlash drafter"
+            )
+            raise ValueError(msg)
         model = cls(dflash.spec, settings, generator=generator)
         model.to(dtype=dflash.fc.weight.dtype, device=dflash.fc.weight.device)
         missing, unexpected = model.load_state_dict(dflash.state_dict(), strict=False)

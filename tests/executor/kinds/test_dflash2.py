@@ -245,6 +245,11 @@ def test_greedy_path_by_hand() -> None:
     assert selector_path(unary, hidden, 3, 2, w, a, b) == [1, 2]
     # from anchor 0 (A = [1, 0]), slot 0: token 1 scores 1.0 + 2 = 3.0 -> 1; the same slot 1
     assert selector_path(unary, hidden, 0, 2, w, a, b) == [1, 2]
+    # batched: three blocks with the same slots and anchors 2, 3, 0
+    three = select_path(
+        unary.expand(3, -1, -1), hidden.expand(3, -1, -1), torch.tensor([2, 3, 0]), 2, sel
+    )
+    assert three.tolist() == [[1, 2]] * 3
 
 
 def test_a_zero_successor_codebook_is_the_unary_argmax_path() -> None:
@@ -262,3 +267,34 @@ def test_unary_scores_multiplier_and_softcap() -> None:
     capped = DFlash2Settings(2, 16, 8, 4, output_multiplier=0.5, final_logit_softcapping=2.0)
     got = unary_scores(logits, capped).tolist()
     assert got == pytest.approx([2 * math.tanh(2.5), 2 * math.tanh(-1.0)])
+
+
+# --- DFlash 1 -> DFlash 2 at step 0 ------------------------------------------------------------
+
+
+def test_a_dflash2_drafter_from_a_dflash1_one_computes_exactly_the_same(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path, block_size=BLOCK, rope_theta=10_000.0)
+    dflash = DFlashDraftModel(plan.resolved_draft())
+    randomize(dflash, seed=4)
+    model = DFlash2DraftModel.from_dflash(
+        dflash, SETTINGS, generator=torch.Generator().manual_seed(0)
+    )
+    for name, tensor in dflash.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    embeds, context, _, _ = _inputs(dflash.spec.hidden_size)
+    hidden = _forward(model, embeds, context)
+    assert torch.equal(hidden, _forward(dflash, embeds, context))  # bit for bit, float32
+    # the selector's greedy path is DFlash 1's argmax path
+    lm_head = torch.randn(dflash.spec.vocab_size, dflash.spec.hidden_size)
+    slots = hidden.view(-1, BLOCK, hidden.shape[-1])[:, 1:]
+    unary = unary_scores(slots @ lm_head.T, SETTINGS)
+    anchors = torch.arange(slots.shape[0]) % dflash.spec.vocab_size
+    path = select_path(unary, slots, anchors, SETTINGS.selector_top_k, model.candidate_selector)
+    assert torch.equal(path, unary.argmax(-1))
+    assert not torch.equal(model.candidate_selector.predecessor_codebook, torch.zeros(1))
+
+
+def test_from_dflash_refuses_a_drafter_with_a_head(tmp_path: Path) -> None:
+    plan = tiny_plan(tmp_path, projector_type="dspark", markov_rank=4)
+    with pytest.raises(ValueError, match="do not fit a DFlash 2 backbone"):
+        DFlash2DraftModel.from_dflash(DFlashDraftModel(plan.resolved_draft()), SETTINGS)
