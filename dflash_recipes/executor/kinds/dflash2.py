@@ -259,6 +259,73 @@ def selector_path(
     return path
 
 
+@attrs.frozen
+class SelectorLoss:
+    """The selector's objective over N positions (:func:`selector_loss`)."""
+
+    #: ``sum_i w_i * CE_i / sum_i w_i`` (0 without weight): positions skipped for a missing gold
+    #: token count in the denominator, as SpecForge normalises by DFlash's effective tokens.
+    loss: Tensor
+    #: Positions scored (nonzero weight) whose gold token was in the top-K (all, with inject).
+    counted: Tensor
+    #: Positions scored whose greedy choice from the true previous token, among the unary
+    #: top-K as served (never an injected token), is the gold token.
+    correct: Tensor
+    #: Positions scored (nonzero weight).
+    count: Tensor
+
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: Tensor,
+    unary: Tensor,
+    prev: Tensor,
+    gold: Tensor,
+    weights: Tensor,
+    top_k: int,
+    missing: MissingGold = "skip",
+) -> SelectorLoss:
+    """The K-way cross-entropy of the gold token over the unary top-K, teacher-forced with the
+    true previous token (reference section 4).
+
+    ``hidden [N, H]`` draft states, ``unary [N, V]`` (:func:`unary_scores`; not
+    differentiated through: the unary loss trains the backbone), ``prev``/``gold [N]`` the true
+    previous and gold tokens, ``weights [N]`` the DFlash position weights (0: not scored). A
+    gold token outside the top-K is skipped (``skip``: no loss, as serving can never pick it,
+    and the position counts as wrong) or put in place of the last candidate (``inject``).
+    """
+    if missing not in ("skip", "inject"):
+        msg = f"missing gold must be skip or inject, got {missing!r}"
+        raise ValueError(msg)
+    scores, cands = unary.detach().float().topk(top_k, dim=-1)
+    hit = cands == gold.unsqueeze(-1)
+    found = hit.any(-1)
+    served = found  # the gold token was a candidate serving could have chosen
+    if missing == "inject":
+        last = torch.zeros_like(hit)
+        last[:, -1] = True
+        inject = (~found).unsqueeze(-1) & last
+        cands = torch.where(inject, gold.unsqueeze(-1), cands)
+        scores = torch.where(inject, unary.detach().float().gather(-1, gold.unsqueeze(-1)), scores)
+        hit = hit | inject
+        found = torch.ones_like(found)
+    edges = selector.edge_scores(scores, cands, prev, hidden)
+    gold_index = hit.float().argmax(-1, keepdim=True)
+    ce = torch.logsumexp(edges, -1) - edges.gather(-1, gold_index).squeeze(-1)
+    w = weights.float()
+    used = w * found.float()
+    total = w.sum()
+    loss = (used * ce).sum() / total.clamp_min(torch.finfo(torch.float32).tiny)
+    scored = w != 0
+    choice = cands.gather(-1, edges.argmax(-1, keepdim=True)).squeeze(-1)
+    return SelectorLoss(
+        loss=loss,
+        counted=(scored & found).sum(),
+        correct=(scored & served & (choice == gold)).sum(),
+        count=scored.sum(),
+    )
+
+
 class DFlash2DraftModel(DFlashDraftModel):
     """The DFlash 2 drafter (module doc); ``state_dict()`` holds the 81-tensor z-lab names."""
 
@@ -326,8 +393,10 @@ __all__ = [
     "DFlash2Settings",
     "GroupedDynamicCausalConv",
     "MissingGold",
+    "SelectorLoss",
     "edge_scores",
     "select_path",
+    "selector_loss",
     "selector_path",
     "unary_scores",
 ]

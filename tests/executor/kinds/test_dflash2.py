@@ -22,6 +22,7 @@ from dflash_recipes.executor.kinds.dflash2 import (
     GroupedDynamicCausalConv,
     edge_scores,
     select_path,
+    selector_loss,
     selector_path,
     unary_scores,
 )
@@ -299,3 +300,61 @@ def test_from_dflash_refuses_a_drafter_with_a_head(tmp_path: Path) -> None:
     plan = tiny_plan(tmp_path, projector_type="dspark", markov_rank=4)
     with pytest.raises(ValueError, match="do not fit a DFlash 2 backbone"):
         DFlash2DraftModel.from_dflash(DFlashDraftModel(plan.resolved_draft()), SETTINGS)
+
+
+# --- the selector's loss -----------------------------------------------------------------------
+
+
+def _loss_case() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Three positions on the hand selector (see test_greedy_path_by_hand for the edges)."""
+    hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    unary = torch.tensor([[0.9, 1.0, 0.0, -1.0], [0.0, 0.0, 1.5, 2.0], [0.0, 0.0, 1.5, 2.0]])
+    prev = torch.tensor([2, 1, 1])
+    gold = torch.tensor([0, 2, 0])  # position 2's gold is not in its top-2 {3, 2}
+    return hidden, unary, prev, gold
+
+
+def _ce(edges: list[float], gold: int) -> float:
+    return math.log(sum(math.exp(e) for e in edges)) - edges[gold]
+
+
+def test_selector_loss_by_hand_skips_a_missing_gold_token() -> None:
+    sel = _hand_selector()
+    hidden, unary, prev, gold = _loss_case()
+    weights = torch.tensor([1.0, 0.5, 1.0])
+    got = selector_loss(sel, hidden, unary, prev, gold, weights, 2)
+    # position 0: candidates [1, 0], edges [3.0, 0.9], gold 0; position 1: [3, 2], [3.0, 4.5],
+    # gold 2; position 2: skipped, but its weight stays in the denominator
+    expected = (_ce([3.0, 0.9], 1) + 0.5 * _ce([3.0, 4.5], 1)) / 2.5
+    assert float(got.loss.detach()) == pytest.approx(expected)
+    assert (int(got.count), int(got.counted), int(got.correct)) == (3, 2, 1)
+
+
+def test_selector_loss_by_hand_injects_a_missing_gold_token() -> None:
+    sel = _hand_selector()
+    hidden, unary, prev, gold = _loss_case()
+    weights = torch.tensor([1.0, 0.5, 1.0])
+    got = selector_loss(sel, hidden, unary, prev, gold, weights, 2, "inject")
+    # position 2: gold 0 replaces candidate 2: candidates [3, 0], edges [3.0, 0.0 + 0]
+    expected = (_ce([3.0, 0.9], 1) + 0.5 * _ce([3.0, 4.5], 1) + _ce([3.0, 0.0], 1)) / 2.5
+    assert float(got.loss.detach()) == pytest.approx(expected)
+    # an injected token is never counted as a correct choice (serving cannot pick it)
+    assert (int(got.count), int(got.counted), int(got.correct)) == (3, 3, 1)
+    # top-1: position 1's gold 2 replaces candidate 3 and is the only (so chosen) candidate
+    one = selector_loss(sel, hidden, unary, prev, gold, weights, 1, "inject")
+    assert (int(one.count), int(one.counted), int(one.correct)) == (3, 3, 0)
+
+
+def test_selector_loss_ignores_unweighted_positions_and_trains_the_selector() -> None:
+    sel = _hand_selector()
+    hidden, unary, prev, gold = _loss_case()
+    got = selector_loss(
+        sel, hidden, unary, prev, torch.tensor([0, 2, 3]), torch.tensor([1.0, 0.5, 0.0]), 2
+    )
+    assert (int(got.count), int(got.counted), int(got.correct)) == (2, 2, 1)
+    expected = (_ce([3.0, 0.9], 1) + 0.5 * _ce([3.0, 4.5], 1)) / 1.5
+    assert float(got.loss.detach()) == pytest.approx(expected)
+    got.loss.backward()
+    assert sel.successor_codebook.grad is not None and sel.successor_codebook.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="skip or inject"):
+        selector_loss(sel, hidden, unary, prev, gold, torch.ones(3), 2, "insert")  # type: ignore[arg-type]
