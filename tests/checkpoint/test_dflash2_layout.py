@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from testkit.released_layouts import (
+    DFLASH2_CONFIG,
+    DIMS,
+    HIDDEN,
+    TAPS,
+    VOCAB,
+    write_dflash2_checkpoint,
+)
+
 from dflash_recipes.checkpoint.kinds import dflash2
+from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
+from dflash_recipes.checkpoint.tensor_layout import LayoutSpec, backbone_layout
 
 
 def test_muse_layout_matches_the_released_header_shapes() -> None:
@@ -54,3 +67,28 @@ def test_config_checks() -> None:
     )
     big_top = {**good, "selector_top_k": 11}
     assert dflash2.config_problems(big_top, hidden=5120, vocab=10, block_size=8)
+
+
+def test_the_layout_facts_account_for_every_tensor_of_the_released_header(tmp_path: Path) -> None:
+    # z-lab/dflash tests/fixtures/dflash2-safetensors-header.json, rebuilt as a sparse file
+    write_dflash2_checkpoint(tmp_path)
+    header = read_safetensors_header(tmp_path / "model.safetensors")
+    found = {name: tuple(info.shape) for name, info in header.tensors.items()}
+    assert len(found) == 81
+    dflash_config = DFLASH2_CONFIG["dflash_config"]
+    assert isinstance(dflash_config, dict)
+    spec = LayoutSpec(hidden_size=HIDDEN, n_taps=len(TAPS), vocab_size=VOCAB, **DIMS)
+    expected = dict(backbone_layout(spec))
+    expected.update(
+        dflash2.extra_layout(
+            hidden=HIDDEN,
+            vocab=VOCAB,
+            layers=DIMS["num_hidden_layers"],
+            kernel=dflash_config["conv_kernel_size"],
+            group_size=dflash_config["conv_group_size"],
+            rank=dflash_config["selector_rank"],
+        )
+    )
+    assert found == expected
+    assert dflash2.config_problems(dflash_config, hidden=HIDDEN, vocab=VOCAB, block_size=16) == []
+    assert all(info.dtype == "BF16" for info in header.tensors.values())

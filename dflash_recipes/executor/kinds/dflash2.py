@@ -2,18 +2,66 @@
 
 :class:`GroupedDynamicCausalConv`: the convolution on both sides of a sublayer. From the
 normed input u one projection gives per-position coefficient offsets delta[side, tap, group];
-side 0 filters u before the sublayer, side 1 filters the sublayer output o. Taps run over
-block positions only: a tap t reaching before the block start (``pos % block < t``) reads zero.
-Initialised as the identity (tap 0 weight 1, projection 0), so a DFlash 1 backbone computes
-what it computed before.
+side 0 filters u before the sublayer, side 1 filters the sublayer output o (still with the
+coefficients of u), and the result is added to the residual. Taps run over block positions
+only: a tap t reaching before the block start (``pos % block < t``) reads zero, so position 0
+(the anchor) sees zero padding and position 1 sees the anchor. Initialised as the identity
+(tap 0 weight 1, projection 0), so a DFlash 1 backbone computes what it computed before.
 
-:func:`selector_path`: the candidate selector's greedy single path over the unary top-K.
+:class:`DFlash2DecoderLayer`: a DFlash decoder layer with one convolution around attention
+(``attention_conv``) and one around the MLP (``mlp_conv``).
+
+:class:`CandidateSelector`: ``hidden_projection`` W (``[r, H]``) and the two codebooks A
+(``predecessor_codebook``) and B (``successor_codebook``), ``[V, r]`` bare parameters (no
+``.weight``, as z-lab releases them). The score of the edge p -> c at a slot with draft state h
+is ``U(c) + <A[p] * (W h), B[c]>`` (:func:`edge_scores`), U the unary scores (the target head's
+logits, times ``output_multiplier``, optionally soft-capped: :func:`unary_scores`) over the
+slot's top-K candidates. :func:`select_path`: the single greedy path; :func:`selector_loss`:
+the K-way cross-entropy with the true previous token (docstring there).
+
+:class:`DFlash2DraftModel`: a :class:`~dflash_recipes.executor.model.draft.DFlashDraftModel`
+whose layers are :class:`DFlash2DecoderLayer` and which holds a ``candidate_selector``;
+:meth:`DFlash2DraftModel.from_dflash` initialises one from a DFlash 1 drafter as SpecForge does
+(identity convolutions, zero successor codebook), so it computes exactly what the DFlash 1
+drafter computes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
+import attrs
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_recipes.executor.kinds.protocol import INIT_STD
+from dflash_recipes.executor.model.draft import (
+    DFlashDraftModel,
+    DraftDecoderLayer,
+    DraftMask,
+    KVJoin,
+)
+from dflash_recipes.plan.draft_spec import ResolvedDraft
+
+#: What the selector's loss does at a position whose gold token is not in the unary top-K:
+#: ``skip`` it (SpecForge, NeMo; serving never picks it either) or ``inject`` it in place of
+#: the last candidate (speculators).
+MissingGold = Literal["skip", "inject"]
+
+
+@attrs.frozen
+class DFlash2Settings:
+    """The ``dflash_config`` keys DFlash 2 adds (reference section 1)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -21,56 +69,334 @@ class GroupedDynamicCausalConv(nn.Module):
 
     def __init__(self, hidden: int, kernel: int, group_size: int) -> None:
         super().__init__()
+        if group_size < 1 or hidden % group_size:
+            msg = f"conv_group_size {group_size} must divide the hidden size {hidden}"
+            raise ValueError(msg)
         self.kernel = kernel
         self.group_size = group_size
         self.groups = hidden // group_size
-        base = torch.zeros(2, kernel, hidden)
-        base[:, 0] = 1.0
-        self.base_kernel = nn.Parameter(base)
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel, hidden))
         self.kernel_projection = nn.Linear(hidden, 2 * kernel * self.groups, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The identity: tap 0 weight 1 on both sides, every other tap 0, projection 0."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
         nn.init.zeros_(self.kernel_projection.weight)
 
-    def coefficients(self, u: torch.Tensor) -> torch.Tensor:
+    def coefficients(self, u: Tensor) -> Tensor:
         """[batch, seq, 2, K, H] coefficients from the normed input u [batch, seq, H]."""
         b, s, _ = u.shape
         delta = self.kernel_projection(u).view(b, s, 2, self.kernel, self.groups)
         delta = delta.repeat_interleave(self.group_size, dim=-1)
-        out: torch.Tensor = self.base_kernel.to(u.dtype) + delta
+        out: Tensor = self.base_kernel.to(delta.dtype) + delta
         return out
 
-    def apply_side(
-        self, x: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int
-    ) -> torch.Tensor:
+    def apply_side(self, x: Tensor, coeff: Tensor, side: int, block_size: int) -> Tensor:
         """Filter x [batch, seq, H] (seq a whole number of blocks) with side `side`."""
         pos = torch.arange(x.shape[1], device=x.device) % block_size
         out = coeff[:, :, side, 0] * x
         for t in range(1, self.kernel):
-            shifted = torch.nn.functional.pad(x, (0, 0, t, 0))[:, : x.shape[1]]
+            shifted = F.pad(x, (0, 0, t, 0))[:, : x.shape[1]]
             keep = (pos >= t).to(x.dtype).view(1, -1, 1)
             out = out + coeff[:, :, side, t] * shifted * keep
         return out
 
+    def forward(self, u: Tensor, sublayer: Callable[[Tensor], Tensor], block_size: int) -> Tensor:
+        """``post(sublayer(pre(u)))``: the sublayer's contribution to the residual."""
+        if u.shape[1] % block_size:
+            msg = f"the query stream ({u.shape[1]} positions) is not whole blocks of {block_size}"
+            raise ValueError(msg)
+        coeff = self.coefficients(u)
+        out = sublayer(self.apply_side(u, coeff, 0, block_size))
+        return self.apply_side(out, coeff, 1, block_size)
+
+
+class DFlash2DecoderLayer(DraftDecoderLayer):
+    """A DFlash decoder layer with a convolution on both sides of attention and of the MLP."""
+
+    def __init__(self, spec: ResolvedDraft, settings: DFlash2Settings) -> None:
+        super().__init__(spec)
+        self.block_size = spec.block_size
+        hidden, kernel, group = (
+            spec.hidden_size,
+            settings.conv_kernel_size,
+            settings.conv_group_size,
+        )
+        self.attention_conv = GroupedDynamicCausalConv(hidden, kernel, group)
+        self.mlp_conv = GroupedDynamicCausalConv(hidden, kernel, group)
+
+    def _mlp_part(self, x: Tensor) -> Tensor:
+        result: Tensor = x + self.mlp_conv(
+            self.post_attention_layernorm(x), self.mlp, self.block_size
+        )
+        return result
+
+    def forward(
+        self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, mask: DraftMask
+    ) -> Tensor:
+        attn = self.attention_conv(
+            self.input_layernorm(x),
+            lambda v: self.self_attn(v, context, cos, sin, mask),
+            self.block_size,
+        )
+        return self._mlp_part(x + attn)
+
+    def forward_cached(
+        self, x: Tensor, join: KVJoin, cos: Tensor, sin: Tensor, mask: Tensor
+    ) -> Tensor:
+        attn = self.attention_conv(
+            self.input_layernorm(x),
+            lambda v: self.self_attn.forward_cached(v, join, cos, sin, mask),
+            self.block_size,
+        )
+        return self._mlp_part(x + attn)
+
+
+class CandidateSelector(nn.Module):
+    """The selector's parameters (module doc); tensor names as z-lab releases them."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Projection and predecessor codebook normal(0, 0.02); successor codebook zero, so a
+        fresh selector adds nothing to the unary scores (SpecForge's initialisation)."""
+        nn.init.normal_(self.hidden_projection.weight, std=INIT_STD, generator=generator)
+        nn.init.normal_(self.predecessor_codebook, std=INIT_STD, generator=generator)
+        nn.init.zeros_(self.successor_codebook)
+
+    def edge_scores(
+        self, unary: Tensor, candidates: Tensor, prev: Tensor, hidden: Tensor
+    ) -> Tensor:
+        """:func:`edge_scores` with this selector's parameters."""
+        return edge_scores(
+            unary,
+            candidates,
+            prev,
+            hidden,
+            self.hidden_projection.weight,
+            self.predecessor_codebook,
+            self.successor_codebook,
+        )
+
+
+def unary_scores(logits: Tensor, settings: DFlash2Settings) -> Tensor:
+    """The unary scores U in float32: logits times ``output_multiplier``, then, with
+    ``final_logit_softcapping`` c, ``c * tanh(U / c)``."""
+    scores = logits.float() * settings.output_multiplier
+    cap = settings.final_logit_softcapping
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    return scores
+
+
+def edge_scores(
+    unary: Tensor,
+    candidates: Tensor,
+    prev: Tensor,
+    hidden: Tensor,
+    projection: Tensor,
+    predecessor: Tensor,
+    successor: Tensor,
+) -> Tensor:
+    """``[..., K]`` float32 scores of the edges ``prev -> candidates[..., i]``.
+
+    ``unary [..., K]`` the candidates' unary scores, ``candidates [..., K]`` their token ids,
+    ``prev [...]`` the predecessor token, ``hidden [..., H]`` the slot's draft state,
+    ``projection [r, H]``, codebooks ``[V, r]``: ``U(c) + <A[p] * (W h), B[c]>``.
+    """
+    query = predecessor[prev].float() * (hidden.float() @ projection.float().T)
+    pair = (successor[candidates].float() * query.unsqueeze(-2)).sum(-1)
+    out: Tensor = unary.float() + pair
+    return out
+
+
+def select_path(
+    unary: Tensor, hidden: Tensor, anchors: Tensor, top_k: int, selector: CandidateSelector
+) -> Tensor:
+    """``[R, S]`` greedy single paths of R blocks over their S proposal slots.
+
+    ``unary [R, S, V]`` (:func:`unary_scores`), ``hidden [R, S, H]`` the slots' draft states,
+    ``anchors [R]`` the verified anchor tokens (slot 0's predecessor; slot j's is the token
+    chosen at j-1). At each slot: the top-K of the unary scores, then the argmax of the edge
+    scores from the predecessor.
+    """
+    prev = anchors
+    chosen: list[Tensor] = []
+    for j in range(unary.shape[1]):
+        scores, cands = unary[:, j].float().topk(top_k, dim=-1)
+        edges = selector.edge_scores(scores, cands, prev, hidden[:, j])
+        prev = cands.gather(-1, edges.argmax(-1, keepdim=True)).squeeze(-1)
+        chosen.append(prev)
+    return torch.stack(chosen, dim=1)
+
 
 def selector_path(
-    unary: torch.Tensor,
-    hidden: torch.Tensor,
+    unary: Tensor,
+    hidden: Tensor,
     anchor: int,
     top_k: int,
-    projection: torch.Tensor,
-    predecessor: torch.Tensor,
-    successor: torch.Tensor,
+    projection: Tensor,
+    predecessor: Tensor,
+    successor: Tensor,
 ) -> list[int]:
-    """The greedy path over slots 1..B-1 of one block.
-
-    unary [B-1, V] (already scaled/softcapped), hidden [B-1, H], projection [r, H],
-    codebooks [V, r]. Edge score S_j(p -> c) = U_j(c) + <A[p] * (W h_j), B[c]>.
-    """
+    """The greedy path of one block: unary [B-1, V], hidden [B-1, H] (:func:`select_path`)."""
     path: list[int] = []
-    prev = anchor
+    prev = torch.tensor(anchor)
     for j in range(unary.shape[0]):
         scores, cands = unary[j].float().topk(top_k)
-        query = predecessor[prev].float() * (projection.float() @ hidden[j].float())
-        edge = scores + successor[cands].float() @ query
-        prev = int(cands[int(edge.argmax())])
-        path.append(prev)
+        edges = edge_scores(scores, cands, prev, hidden[j], projection, predecessor, successor)
+        prev = cands[edges.argmax()]
+        path.append(int(prev))
     return path
+
+
+@attrs.frozen
+class SelectorLoss:
+    """The selector's objective over N positions (:func:`selector_loss`)."""
+
+    #: ``sum_i w_i * CE_i / sum_i w_i`` (0 without weight): positions skipped for a missing gold
+    #: token count in the denominator, as SpecForge normalises by DFlash's effective tokens.
+    loss: Tensor
+    #: Positions scored (nonzero weight) whose gold token was in the top-K (all, with inject).
+    counted: Tensor
+    #: Positions scored whose greedy choice from the true previous token, among the unary
+    #: top-K as served (never an injected token), is the gold token.
+    correct: Tensor
+    #: Positions scored (nonzero weight).
+    count: Tensor
+
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: Tensor,
+    unary: Tensor,
+    prev: Tensor,
+    gold: Tensor,
+    weights: Tensor,
+    top_k: int,
+    missing: MissingGold = "skip",
+) -> SelectorLoss:
+    """The K-way cross-entropy of the gold token over the unary top-K, teacher-forced with the
+    true previous token (reference section 4).
+
+    ``hidden [N, H]`` draft states, ``unary [N, V]`` (:func:`unary_scores`; not
+    differentiated through: the unary loss trains the backbone), ``prev``/``gold [N]`` the true
+    previous and gold tokens, ``weights [N]`` the DFlash position weights (0: not scored). A
+    gold token outside the top-K is skipped (``skip``: no loss, as serving can never pick it,
+    and the position counts as wrong) or put in place of the last candidate (``inject``).
+    """
+    if missing not in ("skip", "inject"):
+        msg = f"missing gold must be skip or inject, got {missing!r}"
+        raise ValueError(msg)
+    scores, cands = unary.detach().float().topk(top_k, dim=-1)
+    hit = cands == gold.unsqueeze(-1)
+    found = hit.any(-1)
+    served = found  # the gold token was a candidate serving could have chosen
+    if missing == "inject":
+        last = torch.zeros_like(hit)
+        last[:, -1] = True
+        inject = (~found).unsqueeze(-1) & last
+        cands = torch.where(inject, gold.unsqueeze(-1), cands)
+        scores = torch.where(inject, unary.detach().float().gather(-1, gold.unsqueeze(-1)), scores)
+        hit = hit | inject
+        found = torch.ones_like(found)
+    edges = selector.edge_scores(scores, cands, prev, hidden)
+    gold_index = hit.float().argmax(-1, keepdim=True)
+    ce = torch.logsumexp(edges, -1) - edges.gather(-1, gold_index).squeeze(-1)
+    w = weights.float()
+    used = w * found.float()
+    total = w.sum()
+    loss = (used * ce).sum() / total.clamp_min(torch.finfo(torch.float32).tiny)
+    scored = w != 0
+    choice = cands.gather(-1, edges.argmax(-1, keepdim=True)).squeeze(-1)
+    return SelectorLoss(
+        loss=loss,
+        counted=(scored & found).sum(),
+        correct=(scored & served & (choice == gold)).sum(),
+        count=scored.sum(),
+    )
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The DFlash 2 drafter (module doc); ``state_dict()`` holds the 81-tensor z-lab names."""
+
+    def __init__(
+        self,
+        spec: ResolvedDraft,
+        settings: DFlash2Settings,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(spec, generator=generator)
+        self.settings = settings
+        self.layers = nn.ModuleList(
+            DFlash2DecoderLayer(spec, settings) for _ in range(spec.num_hidden_layers)
+        )
+        self.candidate_selector = CandidateSelector(
+            spec.hidden_size, spec.vocab_size, settings.selector_rank
+        )
+        self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The backbone as DFlash's; identity convolutions; the selector's initialisation."""
+        super().reset_parameters(generator)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(generator)
+
+    @classmethod
+    def from_dflash(
+        cls,
+        dflash: DFlashDraftModel,
+        settings: DFlash2Settings,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> DFlash2DraftModel:
+        """A DFlash 2 drafter with `dflash`'s backbone (copied) and new parts initialised so
+        that it computes exactly what `dflash` computes (module doc); ValueError for a drafter
+        with a head (Domino, DSpark), whose head DFlash 2 has no place for."""
+        if dflash.head is not None:
+            msg = (
+                f"the DFlash drafter has a {dflash.spec.head_description} head, whose tensors "
+                "do not fit a DFlash 2 backbone; warm-start DFlash 2 from a plain DFlash drafter"
+            )
+            raise ValueError(msg)
+        model = cls(dflash.spec, settings, generator=generator)
+        model.to(dtype=dflash.fc.weight.dtype, device=dflash.fc.weight.device)
+        missing, unexpected = model.load_state_dict(dflash.state_dict(), strict=False)
+        new = {name for name, _ in model.named_parameters()} - set(dflash.state_dict())
+        if unexpected or set(missing) != new:
+            msg = (
+                f"the DFlash drafter's tensors do not fit a DFlash 2 backbone: unexpected "
+                f"{sorted(unexpected)}, missing {sorted(set(missing) - new)}"
+            )
+            raise ValueError(msg)
+        return model
+
+
+__all__ = [
+    "CandidateSelector",
+    "DFlash2DecoderLayer",
+    "DFlash2DraftModel",
+    "DFlash2Settings",
+    "GroupedDynamicCausalConv",
+    "MissingGold",
+    "SelectorLoss",
+    "edge_scores",
+    "select_path",
+    "selector_loss",
+    "selector_path",
+    "unary_scores",
+]
