@@ -305,8 +305,10 @@ from dflash_recipes.executor.training import step as _step
 _capture = _step.capture_taps
 
 
-def _recorded(model, input_ids, attention_mask, target_layer_ids, *, stop_after):
-    tapped = _capture(model, input_ids, attention_mask, target_layer_ids, stop_after=stop_after)
+def _recorded(model, input_ids, attention_mask, target_layer_ids, *, stop_after, **more):
+    tapped = _capture(
+        model, input_ids, attention_mask, target_layer_ids, stop_after=stop_after, **more
+    )
     out = Path(os.environ["DFLASH_TEST_TAPS"]) / f"rank{os.environ.get('RANK', '-')}.pt"
     if not out.exists():
         from torch.distributed.tensor import DTensor

@@ -44,6 +44,7 @@ from dflash_recipes.executor.model.draft import (
     KVJoin,
 )
 from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.records import Record
 
 #: What the selector's loss does at a position whose gold token is not in the unary top-K:
 #: ``skip`` it (SpecForge, NeMo; serving never picks it either) or ``inject`` it in place of
@@ -51,8 +52,8 @@ from dflash_recipes.plan.draft_spec import ResolvedDraft
 MissingGold = Literal["skip", "inject"]
 
 
-@attrs.frozen
-class DFlash2Settings:
+@attrs.frozen(repr=False, eq=False, slots=False)
+class DFlash2Settings(Record):
     """The ``dflash_config`` keys DFlash 2 adds (reference section 1)."""
 
     conv_kernel_size: int
@@ -259,7 +260,7 @@ def selector_path(
     return path
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class SelectorLoss:
     """The selector's objective over N positions (:func:`selector_loss`)."""
 

@@ -20,6 +20,7 @@ from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.executor.training.setup.train_data import build_train_data
 from dflash_recipes.files.run_dir import EXPORT_DIR
+from dflash_recipes.plan.run_plan import RunPlan
 
 
 def _unpadded_rows(data_stream: object, count: int) -> set[tuple[int, ...]]:
@@ -30,13 +31,19 @@ def _unpadded_rows(data_stream: object, count: int) -> set[tuple[int, ...]]:
     return rows
 
 
-def test_training_batches_never_hold_a_held_out_conversation(tmp_path: Path) -> None:
-    plan = tiny_scratch_plan(
+def _holdout_plan(tmp_path: Path, held: int, *overrides: str) -> RunPlan:
+    """The tiny scratch plan training on the demo data less `held` conversations."""
+    return tiny_scratch_plan(
         tmp_path / "run",
         "data.eval_data_path=null",
-        "data.eval_holdout=6",
+        f"data.eval_holdout={held}",
+        *overrides,
         f"data.cache_dir={tmp_path / 'cache'}",
     )
+
+
+def test_training_batches_never_hold_a_held_out_conversation(tmp_path: Path) -> None:
+    plan = _holdout_plan(tmp_path, 6)
     tokenizer = load_tokenizer(plan)
     whole = build_dataset(plan, tokenizer)
     data = build_train_data(plan, tokenizer, detect_dist_env("cpu", {}), verify_capture=False)
@@ -55,14 +62,7 @@ def test_training_batches_never_hold_a_held_out_conversation(tmp_path: Path) -> 
 def test_packed_rows_never_hold_a_held_out_conversation(tmp_path: Path) -> None:
     """With data.packing the rows are planned from the training view's lengths: every
     training conversation is packed whole, a held-out one never."""
-    plan = tiny_scratch_plan(
-        tmp_path / "run",
-        "data.eval_data_path=null",
-        "data.eval_holdout=6",
-        "data.packing=true",
-        "training.training_seq_len=256",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    )
+    plan = _holdout_plan(tmp_path, 6, "data.packing=true", "training.training_seq_len=256")
     tokenizer = load_tokenizer(plan)
     whole = build_dataset(plan, tokenizer)
     data = build_train_data(plan, tokenizer, detect_dist_env("cpu", {}), verify_capture=False)
@@ -83,16 +83,14 @@ def test_packed_rows_never_hold_a_held_out_conversation(tmp_path: Path) -> None:
 def test_a_holdout_run_measures_on_the_slice_and_eval_measures_on_the_same(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plan = tiny_scratch_plan(
-        tmp_path / "run",
-        "data.eval_data_path=null",
-        "data.eval_holdout=4",
+    plan = _holdout_plan(
+        tmp_path,
+        4,
         "training.max_steps=2",
         "training.save_steps=2",
         "training.eval_steps=null",  # resolved to every save_steps: there is eval data
         "training.eval_num_prompts=2",
         "training.eval_max_new_tokens=4",
-        f"data.cache_dir={tmp_path / 'cache'}",
     )
     assert plan.training.eval_steps == 2
     with caplog.at_level(logging.INFO, logger="dflash_recipes.train"):
