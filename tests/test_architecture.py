@@ -342,8 +342,8 @@ def _kind_names_used(path: Path, names: frozenset[str]) -> list[tuple[int, str]]
 
 
 def test_no_drafter_kind_is_named_outside_its_homes() -> None:
-    # one home per kind (docs/dflash.md, "Add a drafter kind"): code elsewhere asks the kind's
-    # registry (kind_facts, kind_modules) and never branches on a projector type's name
+    # one home per kind (docs/dflash.md, "Architecture", "a drafter kind"): code elsewhere asks
+    # the kind's registry (kind_facts, kind_modules), never branches on a projector type's name
     names = _choice("PROJECTOR_TYPES")
     outside = {
         str(p.relative_to(ROOT)): hits
