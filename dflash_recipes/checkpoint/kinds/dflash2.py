@@ -301,8 +301,9 @@ class DFlash2Facts:
                 "layout, rules), but this version of dflash-recipes cannot train DFlash 2 "
                 "drafters yet: its convolution and candidate selector are not wired into "
                 "training, evaluation and export",
-                "wait for the release that trains DFlash 2 (issue 37), or set "
-                f"{_ARCH}.projector_type: dflash to fine-tune a DFlash 1 drafter",
+                "nothing in the recipe fixes this: DFlash 2 training comes with a later "
+                "release (issue 37); to fine-tune a DFlash 1 drafter instead, warm-start one "
+                f"and set {_ARCH}.projector_type: dflash",
             )
         ]
 
