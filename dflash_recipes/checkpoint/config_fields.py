@@ -18,7 +18,7 @@ naming it (:func:`unknown_fields`), so nothing passes unseen. The docs table of
 
 :func:`dflash_recipes.compiler.field_checks.check_checkpoint_fields` holds the checks the
 inventory calls for beyond what `hfconfig` reads: refusals (`hidden_act`, causal blocks, attention
-biases, DFlash 2 modules),
+biases, DFlash 2 modules under another projector type),
 `max_position_embeddings` below the training length, and config values that contradict the
 safetensors header. Pure data, no torch: it runs in `compile`.
 """
@@ -122,10 +122,12 @@ _NESTED_WITH_FLAT_FALLBACK: tuple[CheckpointField, ...] = (
     ),
 )
 
+#: The `dflash_config` keys only DFlash 2 drafters have (the recipe fields of the same names).
 _DFLASH2_FIELDS: tuple[str, ...] = (
     "conv_group_size",
     "conv_kernel_size",
     "final_logit_softcapping",
+    "input_embedding_scale",
     "output_multiplier",
     "selector_rank",
     "selector_top_k",
@@ -133,8 +135,9 @@ _DFLASH2_FIELDS: tuple[str, ...] = (
 _DFLASH2_TENSOR_MARKERS: tuple[str, ...] = ("attention_conv", "mlp_conv", "candidate_selector")
 
 _REFUSED_CAUSAL = (
-    "true makes the draft blocks causal; dflash-recipes trains non-causal blocks (DFlash 1), "
-    "so the error `checkpoint-field-refused` stops the compile"
+    "true makes the draft blocks causal; dflash-recipes trains non-causal blocks, so the error "
+    "`checkpoint-field-refused` stops the compile (a DFlash 2 checkpoint with sliding layers "
+    "that does not state false warns: `checkpoint-causal-unstated`)"
 )
 
 #: Every field, in docs order: top level first, then `dflash_config`.
@@ -143,8 +146,9 @@ CHECKPOINT_FIELDS: tuple[CheckpointField, ...] = (
     _f(
         "architectures",
         "compared",
-        "engines pick the model class from it; a DFlash 2 class name (`DFlash2DraftModel`) is "
-        "the error `checkpoint-dflash2`; otherwise the tensors decide the layout",
+        "engines pick the model class from it; a DFlash 2 class name (`DFlash2DraftModel`) "
+        "under a projector_type other than dflash2 is the error `checkpoint-dflash2`; "
+        "otherwise the tensors decide the layout",
     ),
     _f("model_type", "irrelevant", "the export always writes qwen3; the tensors decide"),
     _f(
@@ -369,7 +373,14 @@ CHECKPOINT_FIELDS: tuple[CheckpointField, ...] = (
         "`checkpoint-field-differs`; another kind is refused",
     ),
     *(
-        _f(_DC + name, "refused", "a DFlash 2 field: the error `checkpoint-dflash2`")
+        _f(
+            _DC + name,
+            "compared",
+            f"a DFlash 2 field: taken as dflash_architecture_config.{name} when the recipe sets "
+            "none (info `kind-field-from-checkpoint`), a different recipe value is the error "
+            "`checkpoint-kind-field-differs`; with a projector_type other than dflash2 the "
+            "error `checkpoint-dflash2`",
+        )
         for name in _DFLASH2_FIELDS
     ),
 )

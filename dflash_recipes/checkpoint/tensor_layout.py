@@ -56,6 +56,9 @@ DRAFT_SPEC_FIELDS: tuple[str, ...] = (
     "use_confidence_head",
     "markov_head_type",
     "attention_sink",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
 )
 
 #: Per-layer tensor names, after `layers.{i}.`, in the order a drafter defines them.
@@ -97,7 +100,8 @@ class LayoutSpec(Record):
 
     Construction checks that the fields the kind needs are set (``KindFacts.layout_needs``;
     ValueError otherwise): domino needs vocab_size, emb_dim and gru_hidden_dim; dspark needs
-    vocab_size and markov_rank. The compiler reports missing fields as diagnostics first.
+    vocab_size and markov_rank; dflash2 needs vocab_size, conv_kernel_size, conv_group_size and
+    selector_rank. The compiler reports missing fields as diagnostics first.
     """
 
     hidden_size: int = attrs.field(validator=_positive)
@@ -118,6 +122,10 @@ class LayoutSpec(Record):
     #: DSpark: vanilla, gated (adds gate_proj) or rnn (adds joint_proj).
     markov_head_type: str = "vanilla"
     attention_sink: bool = False
+    #: DFlash 2: convolution taps, channels per coefficient group, selector codebook rank.
+    conv_kernel_size: int | None = attrs.field(default=None, validator=_positive)
+    conv_group_size: int | None = attrs.field(default=None, validator=_positive)
+    selector_rank: int | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         needed = kind_facts(self.projector_type).layout_needs

@@ -11,8 +11,13 @@ scratch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any, cast
+
+import attrs
 
 from dflash_recipes.checkpoint.hfconfig import read_checkpoint_config
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.known_layouts import KNOWN_LAYOUTS, canonical_weights
 from dflash_recipes.checkpoint.model_paths import inspect_checkpoint_dir
 from dflash_recipes.checkpoint.target_facts import TargetFacts
@@ -277,10 +282,18 @@ def check_checkpoint_fields(
 
 
 def check_layout(
-    inputs: CompileInputs, read: WhatWasRead, taps: tuple[int, ...] | None, report: Report
+    inputs: CompileInputs,
+    read: WhatWasRead,
+    taps: tuple[int, ...] | None,
+    report: Report,
+    *,
+    kind_fields: Mapping[str, object] | None = None,
 ) -> tuple[str, ...]:
     """The checkpoint's tensors against the layout the recipe describes (width first, then every
-    name and shape, then the heads); returns the head submodules that train from scratch."""
+    name and shape, then the heads); returns the head submodules that train from scratch.
+
+    `kind_fields` are the kind's inherited fields as resolved (the recipe's, else the
+    checkpoint's: ``DraftIds.kind_fields``); the layout is built with them."""
     checkpoint, facts = read.checkpoint, read.facts
     weights = checkpoint.weights
     if weights is None or facts is None:
@@ -301,7 +314,13 @@ def check_layout(
             "the base model the drafter was trained for",
         )
         return ()
-    spec = _layout_spec(inputs.arch, facts, len(taps) if taps is not None else None)
+    arch = inputs.arch
+    if kind_fields:
+        try:
+            arch = attrs.evolve(arch, **cast(dict[str, Any], kind_fields))
+        except (ValueError, TypeError):
+            return ()  # a checkpoint value of the wrong type: reported by resolve_kind_fields
+    spec = _layout_spec(arch, facts, len(taps) if taps is not None else None)
     if spec is None:
         return ()
     presence = head_presence(spec, found)
@@ -338,11 +357,12 @@ def check_layout(
         )
         return ()
     if presence.absent:
+        kind = kind_facts(spec.projector_type)
         report.emit(
             HEADS_FROM_SCRATCH,
             f"{ARCH_PATH}.projector_type",
             f"the init checkpoint has no {spec.projector_type} head: "
-            f"{', '.join(presence.absent)} will train from scratch while the backbone "
+            f"{', '.join(presence.absent)} {kind.fresh_start} while the backbone "
             "warm-starts",
             f"nothing to change when warm-starting a {spec.projector_type} drafter from a "
             "plain DFlash checkpoint; expect the head to need more steps than the backbone"
@@ -350,7 +370,7 @@ def check_layout(
                 " (and the backbone, trained to predict anchor + k at position k, to "
                 "relearn anchor + k + 1 under shift_label true; shift_label: false keeps "
                 "its alignment)"
-                if inputs.arch.shift_label
+                if inputs.arch.shift_label and kind.shifts_labels
                 else ""
             ),
         )
@@ -371,7 +391,8 @@ def _layout_spec(
             arch, hidden_size=facts.hidden_size, n_taps=n_taps, vocab_size=facts.vocab_size
         )
     except ValueError:
-        return None  # a head field is missing: reported by check_head_fields
+        return None  # a head field is missing: reported by check_head_fields (or as unset
+        # by resolve_kind_fields)
 
 
 def _unfixable_hint(unexpected_names: bool) -> str:

@@ -143,6 +143,34 @@ HEAD_PARTLY_PRESENT = _code(
 HEADS_FROM_SCRATCH = _code(
     "heads-from-scratch", _W, "head submodules absent from the init checkpoint train from scratch"
 )
+KIND_FIELD_FROM_CHECKPOINT = _code(
+    "kind-field-from-checkpoint",
+    _I,
+    "a DFlash 2 field (conv_kernel_size, selector_top_k, ...) taken from the init checkpoint's "
+    "dflash_config",
+)
+CHECKPOINT_KIND_FIELD_DIFFERS = _code(
+    "checkpoint-kind-field-differs",
+    _E,
+    "a DFlash 2 field of the recipe contradicts the init checkpoint's dflash_config",
+)
+DFLASH2_SETTING_INVALID = _code(
+    "dflash2-setting-invalid",
+    _E,
+    "a DFlash 2 field breaks its rule (conv_group_size divides the hidden size, "
+    "conv_kernel_size <= dflash_block_size, selector_top_k <= vocab)",
+)
+DFLASH2_NOT_YET = _code(
+    "dflash2-not-yet",
+    _E,
+    "projector_type dflash2 is checked, but this version cannot train DFlash 2 drafters yet",
+)
+CHECKPOINT_CAUSAL_UNSTATED = _code(
+    "checkpoint-causal-unstated",
+    _W,
+    "a DFlash 2 init checkpoint with sliding layers does not state is_causal: false "
+    "(engines would run those layers causal)",
+)
 HIDDEN_SIZE_MISMATCH = _code(
     "hidden-size-mismatch", _E, "the init checkpoint's width differs from the base model's"
 )
@@ -251,7 +279,9 @@ RESOURCES_EXCEED_DEVICE = _code(
 __all__ = [
     "ARCH_DIM_MISSING",
     "CHECKPOINT_BLOCK_SIZE_DIFFERS",
+    "CHECKPOINT_CAUSAL_UNSTATED",
     "CHECKPOINT_CONFIG_MISSING",
+    "CHECKPOINT_KIND_FIELD_DIFFERS",
     "CHECKPOINT_LAYER_TYPES_DIFFER",
     "CHECKPOINT_LAYOUT_MISMATCH",
     "CHECKPOINT_LAYOUT_RENAMED",
@@ -266,6 +296,8 @@ __all__ = [
     "DATA_HUB_ID",
     "DATA_PATH_UNSET",
     "DATA_UNREADABLE",
+    "DFLASH2_NOT_YET",
+    "DFLASH2_SETTING_INVALID",
     "EVAL_DATA_UNSET",
     "HEADS_FROM_SCRATCH",
     "HEAD_FIELD_MISSING",
@@ -274,6 +306,7 @@ __all__ = [
     "HIDDEN_SIZE_MISMATCH",
     "INIT_CHECKPOINT_BAD_WEIGHTS",
     "INIT_CHECKPOINT_IGNORED",
+    "KIND_FIELD_FROM_CHECKPOINT",
     "KV_HEADS_NOT_DIVISOR",
     "LAYER_TYPES_FROM_CHECKPOINT",
     "LAYER_TYPES_FROM_PREVIOUS_RUN",

@@ -20,6 +20,7 @@ and nothing reads tensor data: a 2 GB drafter costs a few kilobytes of header.
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -157,7 +158,9 @@ def compile_recipe(
         check_against_target(inputs, read.facts, ids, report)
         check_checkpoint_config(inputs, read, report)
         if check_checkpoint_fields(inputs, read.checkpoint, report):  # DFlash 2: no layout diff
-            heads_from_scratch = check_layout(inputs, read, ids.taps, report)
+            heads_from_scratch = check_layout(
+                inputs, read, ids.taps, report, kind_fields=ids.kind_fields
+            )
         check_capture(inputs, read.facts, ids.taps, report)
         check_tracker_libraries(inputs, report)
     else:
@@ -309,6 +312,7 @@ def build_plan(
                 shift_label=arch.shift_label,
                 pure_draft_prefix_len=arch.pure_draft_prefix_len,
                 markov_head_type=arch.markov_head_type,
+                **_kind_fields(ids),
             ),
             objective=ObjectivePlan(
                 num_anchors=dflash.dflash_num_anchors,
@@ -323,6 +327,8 @@ def build_plan(
                 domino_backbone_loss_weight=float(dflash.dflash_domino_backbone_loss_weight),
                 dspark_tv_weight=float(dflash.dflash_dspark_tv_weight),
                 dspark_confidence_weight=float(dflash.dflash_dspark_confidence_weight),
+                selector_loss_alpha=float(dflash.dflash_selector_loss_alpha),
+                selector_missing_gold=dflash.dflash_selector_missing_gold,
             ),
         ),
         init_checkpoint=_init_checkpoint_plan(
@@ -343,6 +349,20 @@ def build_plan(
         ),
         card=_card_plan(recipe.card),
     )
+
+
+def _kind_fields(ids: DraftIds) -> dict[str, Any]:
+    """The plan's values of the kind's inherited fields (DFlash 2's): the recipe's, else the
+    checkpoint's, as resolve_kind_fields found them; a float field stays a float."""
+    floats = {
+        field.name
+        for field in attrs.fields(ArchitecturePlan)
+        if field.type in ("float | None", float | None)
+    }
+    return {
+        name: float(value) if name in floats and isinstance(value, int) else value
+        for name, value in ids.kind_fields.items()
+    }
 
 
 def _init_checkpoint_plan(

@@ -43,9 +43,11 @@ CHECKPOINT_FIELD_REFUSED = register_code(
 CHECKPOINT_DFLASH2 = register_code(
     "checkpoint-dflash2",
     Severity.ERROR,
-    "the init checkpoint is a DFlash 2 drafter; dflash-recipes trains DFlash 1 drafters",
+    "the init checkpoint is a DFlash 2 drafter and the recipe's projector_type is not dflash2",
 )
 
+
+CHECKPOINT_CAUSAL_UNSTATED = "checkpoint-causal-unstated"  # registered in compiler/codes.py
 
 CHECKPOINT_HEADER_CONTRADICTION = register_code(
     "checkpoint-config-contradicts-header",
@@ -241,6 +243,27 @@ class _Checker:
                 "warm-start from a DSpark drafter with one of those heads, or a plain DFlash one",
             )
 
+    def causal_stated(self) -> None:
+        """A DFlash 2 checkpoint with sliding layers states ``is_causal: false`` (engines make
+        its sliding layers causal otherwise, the blocks it was trained on non-causal)."""
+        types = _stated(self.config, "layer_types")
+        sliding = (
+            types is not None and isinstance(types[0], list) and "sliding_attention" in types[0]
+        )
+        causal = _stated(self.config, "is_causal")
+        if not sliding or (causal is not None and causal[0] is False):
+            return
+        self.add(
+            CHECKPOINT_CAUSAL_UNSTATED,
+            Severity.WARNING,
+            _INIT,
+            "this DFlash 2 checkpoint has sliding_attention layers but its config.json does not "
+            "state `is_causal: false`: z-lab, vLLM and SGLang then run those layers causal "
+            "inside the block, while dflash-recipes trains and evaluates non-causal blocks",
+            "check how the drafter was trained (every release states is_causal: false) and add "
+            '`"is_causal": false` to its config.json if its blocks are non-causal',
+        )
+
     def differences(self, projector_type: str, alignment: HeadAlignment) -> None:
         config = self.config
         aux = _stated(config, "eagle_aux_hidden_state_layer_ids")
@@ -377,12 +400,17 @@ def check_checkpoint_fields(
     """Every finding the inventory calls for on an init checkpoint's parsed config.json.
 
     `shapes` is the safetensors header (None when it could not be read); `where` names the
-    config file in messages. A DFlash 2 checkpoint gives one `checkpoint-dflash2` error and
-    nothing else. Fields in no inventory entry give one `checkpoint-field-unknown` info.
+    config file in messages. A DFlash 2 checkpoint under a recipe of another projector type
+    gives one `checkpoint-dflash2` error and nothing else; under a dflash2 recipe it is checked
+    as any other (and for `is_causal: false` with sliding layers). Fields in no inventory entry
+    give one `checkpoint-field-unknown` info.
     """
     checker = _Checker(config, where)
     tensors, fields = dflash2_markers(config, shapes or {})
-    if tensors or fields:
+    kind = kind_facts(projector_type)
+    # a recipe whose kind reads every DFlash 2 field asks for a DFlash 2 drafter
+    dflash2_recipe = set(_DFLASH2_FIELDS) <= set(kind.inherited_fields)
+    if (tensors or fields) and not dflash2_recipe:
         found = []
         if tensors:
             found.append(f"{len(tensors)} DFlash 2 tensor(s) ({_names(tensors)})")
@@ -393,13 +421,16 @@ def check_checkpoint_fields(
             Severity.ERROR,
             _INIT,
             "this is a DFlash 2 checkpoint: it holds " + " and ".join(found) + "; "
-            "dflash-recipes trains DFlash 1 drafters and cannot load its convolution and "
-            "candidate-selector modules",
-            "warm-start from a DFlash 1 drafter trained for this base model (in one of the "
+            f"a drafter of the recipe's projector_type {projector_type} cannot load its "
+            "convolution and candidate-selector modules",
+            f"set {ARCH}.projector_type: dflash2 to warm-start the DFlash 2 drafter it is; "
+            "or warm-start from a DFlash 1 drafter trained for this base model (in one of the "
             "known checkpoint layouts of docs/dflash.md), or train without "
             "dflash_init_checkpoint",
         )
         return checker.findings
+    if tensors or fields:
+        checker.causal_stated()
     checker.refusals()
     checker.differences(projector_type, alignment or HeadAlignment())
     checker.positions(training_seq_len)

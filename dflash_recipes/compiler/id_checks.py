@@ -9,13 +9,20 @@ order their findings are reported and returns the :class:`DraftIds` the plan get
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import attrs
 
+from dflash_recipes.checkpoint.kinds.registry import HEAD_FIELD_MEANING, kind_facts
 from dflash_recipes.checkpoint.tensor_layout import default_target_layer_ids
 from dflash_recipes.compiler.codes import (
+    CHECKPOINT_KIND_FIELD_DIFFERS,
     CHECKPOINT_LAYER_TYPES_DIFFER,
     CHECKPOINT_MASK_DIFFERS,
     CHECKPOINT_TAPS_DIFFER,
+    HEAD_FIELD_MISSING,
+    KIND_FIELD_FROM_CHECKPOINT,
     LAYER_TYPES_FROM_CHECKPOINT,
     LAYER_TYPES_FROM_PREVIOUS_RUN,
     MASK_FROM_CHECKPOINT,
@@ -51,13 +58,17 @@ DEFAULT_RMS_NORM_EPS = 1.0e-6
 
 @attrs.frozen(repr=False, eq=False, slots=False)
 class DraftIds(Record):
-    """The drafter's ids as the plan gets them: taps, mask id, attention kinds, rms_norm_eps."""
+    """The drafter's ids as the plan gets them: taps, mask id, attention kinds, rms_norm_eps,
+    and the kind's fields a checkpoint may give (``KindFacts.inherited_fields``)."""
 
     taps: tuple[int, ...] | None
     mask: int | None
     layer_types: tuple[str, ...] | None
     sliding_window: int | None
     rms_norm_eps: float
+    #: Each of the kind's inherited fields -> the recipe's value, else the checkpoint's (None:
+    #: neither states one); empty for a kind without such fields.
+    kind_fields: Mapping[str, object] = attrs.field(factory=dict)
 
 
 def resolve_draft_ids(inputs: CompileInputs, read: WhatWasRead, report: Report) -> DraftIds:
@@ -67,7 +78,120 @@ def resolve_draft_ids(inputs: CompileInputs, read: WhatWasRead, report: Report) 
     mask = resolve_mask(inputs, read, report)
     layer_types, sliding_window = resolve_layer_types(inputs, read, report)
     eps = resolve_rms_norm_eps(inputs, read, report)
-    return DraftIds(taps, mask, layer_types, sliding_window, eps)
+    fields = resolve_kind_fields(inputs, read, report)
+    return DraftIds(taps, mask, layer_types, sliding_window, eps, fields)
+
+
+def _stated_kind_fields(
+    raw: Mapping[str, object], names: tuple[str, ...]
+) -> dict[str, tuple[object, str]]:
+    """name -> (value, dotted key) of each of `names` a config.json states: ``dflash_config``
+    first, then the top level (z-lab's reading)."""
+    nested = raw.get("dflash_config")
+    nested = nested if isinstance(nested, Mapping) else {}
+    stated: dict[str, tuple[object, str]] = {}
+    for name in names:
+        if nested.get(name) is not None:
+            stated[name] = (nested[name], f"dflash_config.{name}")
+        elif raw.get(name) is not None:
+            stated[name] = (raw[name], name)
+    return stated
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal values; floats within a relative 1e-9 (a value read back from JSON)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def resolve_kind_fields(
+    inputs: CompileInputs, read: WhatWasRead, report: Report
+) -> dict[str, object]:
+    """The projector type's inherited fields (``KindFacts.inherited_fields``; DFlash 2's
+    convolution and selector settings): the recipe's, else the resumed run's, else the init
+    checkpoint's (an info each); a recipe value the checkpoint contradicts is an error; a
+    required one that nothing states is ``head-field-missing``. Then the kind's rules
+    (``KindFacts.settings_findings``) on the values the plan gets, when the target is read."""
+    arch = inputs.arch
+    kind = kind_facts(arch.projector_type)
+    if not kind.inherited_fields:
+        return {}
+    previous_plan = read.output.previous_plan
+    config = read.checkpoint.readable_config
+    stated: dict[str, tuple[object, str]] = {}
+    origin = "the init checkpoint's"
+    if read.resume is not None:
+        if previous_plan is not None:
+            previous = previous_plan.draft.architecture
+            origin = "the resumed run's"
+            for name in kind.inherited_fields:
+                value = getattr(previous, name, None)
+                if value is not None:
+                    stated[name] = (value, f"draft.architecture.{name} of its plan.json")
+    elif config is not None:
+        stated = _stated_kind_fields(config.raw, kind.inherited_fields)
+    fields: dict[str, object] = {}
+    for name in kind.inherited_fields:
+        value = getattr(arch, name)
+        path = f"{ARCH_PATH}.{name}"
+        said = stated.get(name)
+        if value is not None:
+            if said is not None and not _same(said[0], value):
+                report.emit(
+                    CHECKPOINT_KIND_FIELD_DIFFERS,
+                    path,
+                    f"{name} {value!r} contradicts {origin} {said[0]!r} ({said[1]}); the "
+                    f"{arch.projector_type} drafter loaded from it was trained with "
+                    f"{said[0]!r}",
+                    f"set dflash_architecture_config.{name}: {said[0]!r} (or delete it to take "
+                    f"{origin}), or warm-start from a checkpoint trained with {value!r}",
+                )
+            fields[name] = value
+        elif said is not None:
+            report.emit(
+                KIND_FIELD_FROM_CHECKPOINT,
+                path,
+                f"{name} not set: using {origin} {said[0]!r} ({said[1]})",
+                f"set dflash_architecture_config.{name}: {said[0]!r} to pin it in the recipe",
+            )
+            fields[name] = said[0]
+        else:
+            fields[name] = None
+    unread = inputs.recipe.dflash.dflash_init_checkpoint is not None and (
+        read.checkpoint.broken or (read is NOTHING_READ)
+    )
+    for name in kind.required_fields:
+        if fields[name] is not None or unread:
+            continue
+        if config is not None and read.resume is None:
+            why = (
+                "and the init checkpoint's config.json does not state it (a DFlash 1 drafter "
+                "warm-starts only the backbone)"
+            )
+        elif read.resume is not None:
+            why = "and the run being resumed has no plan.json stating it"
+        else:
+            why = "and there is no init checkpoint of this kind to take it from"
+        report.emit(
+            HEAD_FIELD_MISSING,
+            f"{ARCH_PATH}.{name}",
+            f"projector_type {arch.projector_type} needs dflash_architecture_config.{name} "
+            f"({HEAD_FIELD_MEANING[name]}), which is not set, {why}",
+            f"set dflash_architecture_config.{name} ({HEAD_FIELD_MEANING[name]})",
+        )
+    facts = read.facts
+    if facts is not None:
+        for finding in kind.settings_findings(
+            fields,
+            hidden=facts.hidden_size,
+            vocab=facts.vocab_size,
+            block_size=inputs.recipe.dflash.dflash_block_size,
+        ):
+            report.emit(finding.code, f"{ARCH_PATH}.{finding.field}", finding.message, finding.hint)
+    return fields
 
 
 def schema_draft_ids(inputs: CompileInputs, report: Report) -> DraftIds:
@@ -78,7 +202,8 @@ def schema_draft_ids(inputs: CompileInputs, report: Report) -> DraftIds:
     if mask is None and dflash.dflash_init_checkpoint is None:
         mask = resolve_mask(inputs, NOTHING_READ, report)
     eps = float(arch.rms_norm_eps) if arch.rms_norm_eps is not None else DEFAULT_RMS_NORM_EPS
-    return DraftIds(arch.target_layer_ids, mask, arch.layer_types, arch.sliding_window, eps)
+    fields = resolve_kind_fields(inputs, NOTHING_READ, report)
+    return DraftIds(arch.target_layer_ids, mask, arch.layer_types, arch.sliding_window, eps, fields)
 
 
 def resolve_rms_norm_eps(inputs: CompileInputs, read: WhatWasRead, report: Report) -> float:
@@ -366,6 +491,7 @@ __all__ = [
     "DraftIds",
     "compare_layer_types",
     "resolve_draft_ids",
+    "resolve_kind_fields",
     "resolve_layer_types",
     "resolve_mask",
     "resolve_rms_norm_eps",

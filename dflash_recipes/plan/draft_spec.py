@@ -55,6 +55,15 @@ class ResolvedDraft(Record):
     pure_draft_prefix_len: int = 1
     #: DSpark: vanilla | gated | rnn.
     markov_head_type: MarkovHeadType = "vanilla"
+    #: DFlash 2 (None for other kinds): convolution taps and channels per coefficient group,
+    #: selector rank and candidates, unary-logit factor and soft cap, query-embedding factor.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
 
     @property
     def label_shift(self) -> int:
@@ -152,6 +161,13 @@ def resolve_draft(draft: DraftPlan, facts: TargetFacts | None) -> ResolvedDraft:
         shift_label=arch.shift_label,
         pure_draft_prefix_len=arch.pure_draft_prefix_len,
         markov_head_type=arch.markov_head_type,
+        conv_kernel_size=arch.conv_kernel_size,
+        conv_group_size=arch.conv_group_size,
+        selector_rank=arch.selector_rank,
+        selector_top_k=arch.selector_top_k,
+        output_multiplier=arch.output_multiplier,
+        final_logit_softcapping=arch.final_logit_softcapping,
+        input_embedding_scale=arch.input_embedding_scale,
     )
 
 

@@ -21,6 +21,7 @@ from dflash_recipes.recipe.choices import (
     MasterDtype,
     ProjectorType,
     SchedulerType,
+    SelectorMissingGold,
     TrackerName,
 )
 from dflash_recipes.records import Record
@@ -130,6 +131,17 @@ class ArchitecturePlan(Record):
     pure_draft_prefix_len: int = 1
     #: DSpark: vanilla | gated | rnn.
     markov_head_type: MarkovHeadType = "vanilla"
+    #: DFlash 2 (the recipe's, else the init checkpoint's; None for other kinds): convolution
+    #: taps and channels per coefficient group, selector rank and candidates per position.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    #: DFlash 2: factor and soft cap on the unary logits, factor on the query embeddings
+    #: (None: 1.0, none, 1.0).
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -145,6 +157,10 @@ class ObjectivePlan(Record):
     domino_backbone_loss_weight: float
     dspark_tv_weight: float
     dspark_confidence_weight: float
+    #: DFlash 2: weight of the selector's cross-entropy, and what a position whose gold token
+    #: is not among the unary top-K does (skip | inject).
+    selector_loss_alpha: float = 1.0
+    selector_missing_gold: SelectorMissingGold = "skip"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -80,8 +80,10 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: the `card` section (the export's model card). 7: the training's `eval_num_prompts` and
 #: `eval_max_new_tokens` (`eval_steps` resolved: every `save_steps` when there is eval data).
 #: 8: the data's `packing`. 9: the data's `eval_holdout`; the training's `tf32` and
-#: `drafter_master_dtype` (precision).
-PLAN_FORMAT_VERSION = 9
+#: `drafter_master_dtype` (precision). 10: the draft's DFlash 2 fields (`conv_kernel_size`,
+#: `conv_group_size`, `selector_rank`, `selector_top_k`, ...) and the objective's selector
+#: loss settings.
+PLAN_FORMAT_VERSION = 10
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the

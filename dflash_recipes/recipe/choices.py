@@ -17,9 +17,13 @@ Dtype = Literal["bfloat16", "float16", "float32"]
 MasterDtype = Literal["float32", "bfloat16"]
 SchedulerType = Literal["cosine", "linear", "constant"]
 LossObjective = Literal["decay", "dpace"]
-ProjectorType = Literal["dflash", "domino", "dspark"]
+ProjectorType = Literal["dflash", "domino", "dspark", "dflash2"]
 #: DSpark's Markov head kinds (ModelOpt's `markov_head_type`).
 MarkovHeadType = Literal["vanilla", "gated", "rnn"]
+#: What DFlash 2's selector loss does at a position whose gold token is not among the unary
+#: top-K candidates: skip it (SpecForge, NeMo; serving never picks it either) or inject it in
+#: place of the last candidate (speculators).
+SelectorMissingGold = Literal["skip", "inject"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ReasoningPolicy = Literal["keep", "drop"]
 #: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
@@ -36,6 +40,7 @@ SCHEDULERS: tuple[str, ...] = get_args(SchedulerType)
 LOSS_OBJECTIVES: tuple[str, ...] = get_args(LossObjective)
 PROJECTOR_TYPES: tuple[str, ...] = get_args(ProjectorType)
 MARKOV_HEAD_TYPES: tuple[str, ...] = get_args(MarkovHeadType)
+SELECTOR_MISSING_GOLD: tuple[str, ...] = get_args(SelectorMissingGold)
 DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
@@ -59,6 +64,7 @@ __all__ = [
     "PROJECTOR_TYPES",
     "REASONING_POLICIES",
     "SCHEDULERS",
+    "SELECTOR_MISSING_GOLD",
     "TRACKERS",
     "TRACKER_LIBRARIES",
     "DeviceChoice",
@@ -70,5 +76,6 @@ __all__ = [
     "ProjectorType",
     "ReasoningPolicy",
     "SchedulerType",
+    "SelectorMissingGold",
     "TrackerName",
 ]

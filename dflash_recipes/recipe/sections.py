@@ -30,6 +30,7 @@ from dflash_recipes.recipe.choices import (
     PROJECTOR_TYPES,
     REASONING_POLICIES,
     SCHEDULERS,
+    SELECTOR_MISSING_GOLD,
     DeviceChoice,
     Dtype,
     LossObjective,
@@ -38,6 +39,7 @@ from dflash_recipes.recipe.choices import (
     ProjectorType,
     ReasoningPolicy,
     SchedulerType,
+    SelectorMissingGold,
     TrackerName,
 )
 from dflash_recipes.records import Record
@@ -462,7 +464,8 @@ class DFlashArchitectureConfig(Record):
     #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]).
     #: null: the checkpoint's taps, else the default formula.
     target_layer_ids: tuple[int, ...] | None = attrs.field(default=None, validator=layer_id_list)
-    #: Head variant: dflash (plain) | domino (GRU correction head) | dspark (Markov bias head).
+    #: Head variant: dflash (plain) | domino (GRU correction head) | dspark (Markov bias head)
+    #: | dflash2 (DFlash 2: grouped dynamic causal convolutions and a candidate selector).
     projector_type: ProjectorType = attrs.field(default="dflash", validator=one_of(PROJECTOR_TYPES))
     #: Domino: width of the correction embedding.
     emb_dim: int | None = attrs.field(default=None, validator=_WIDTH)
@@ -490,6 +493,25 @@ class DFlashArchitectureConfig(Record):
     #: Keys a sliding_attention query sees, itself included (Hugging Face's sliding_window).
     #: null: the init checkpoint's.
     sliding_window: int | None = attrs.field(default=None, validator=positive_int)
+    #: DFlash 2: taps K of the grouped dynamic causal convolution around attention and MLP
+    #: (1..dflash_block_size; it never reaches across a block). null: the init checkpoint's.
+    conv_kernel_size: int | None = attrs.field(default=None, validator=IntRange(1, 128))
+    #: DFlash 2: channels that share one dynamic convolution coefficient; must divide the
+    #: hidden size. null: the init checkpoint's.
+    conv_group_size: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: DFlash 2: rank r of the candidate selector's codebooks (2 x vocab x r parameters).
+    #: null: the init checkpoint's.
+    selector_rank: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: DFlash 2: candidates per block position the selector scores (the unary top-K), in
+    #: 1..vocab_size. null: the init checkpoint's.
+    selector_top_k: int | None = attrs.field(default=None, validator=_WIDTH)
+    #: DFlash 2: factor on the unary (target-head) logits. null: the init checkpoint's, else 1.0.
+    output_multiplier: float | None = attrs.field(default=None, validator=positive_float)
+    #: DFlash 2: tanh soft cap on the unary logits. null: the init checkpoint's, else none.
+    final_logit_softcapping: float | None = attrs.field(default=None, validator=positive_float)
+    #: DFlash 2: factor on the embeddings of the block's query tokens. null: the init
+    #: checkpoint's, else 1.0.
+    input_embedding_scale: float | None = attrs.field(default=None, validator=positive_float)
 
 
 # Paper guidance for the decay gamma, block size -> gamma (docs/dflash.md, "Block size and the
@@ -541,6 +563,16 @@ class DFlashSection(Record):
     dflash_dspark_tv_weight: float = attrs.field(default=1.0, validator=non_negative_float)
     #: DSpark: weight of the confidence-head BCE (needs use_confidence_head).
     dflash_dspark_confidence_weight: float = attrs.field(default=0.1, validator=non_negative_float)
+    #: DFlash 2: weight alpha of the candidate selector's cross-entropy (over the unary top-K,
+    #: with the true previous token) added to the unary loss. speculators found 0.1 better than
+    #: 0.25 or 1.0 for a Qwen3-4B target; SpecForge's recipes use 1.0.
+    dflash_selector_loss_alpha: float = attrs.field(default=1.0, validator=non_negative_float)
+    #: DFlash 2: a position whose gold token is not among the unary top-K: skip (no selector
+    #: loss there, as serving never picks it: SpecForge) | inject (it replaces the last
+    #: candidate: speculators).
+    dflash_selector_missing_gold: SelectorMissingGold = attrs.field(
+        default="skip", validator=one_of(SELECTOR_MISSING_GOLD)
+    )
     #: The drafter's architecture; must match dflash_init_checkpoint when one is given.
     dflash_architecture_config: DFlashArchitectureConfig = attrs.field(
         factory=DFlashArchitectureConfig

@@ -1,9 +1,11 @@
-"""DFlash 2's torch-free layout facts and config checks (issue 37, first step)."""
+"""DFlash 2's torch-free facts: its layout against the released header, the sizes read back from
+it, its config checks and its export config (issue 37)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from testkit.released_layouts import (
     DFLASH2_CONFIG,
     DIMS,
@@ -14,8 +16,17 @@ from testkit.released_layouts import (
 )
 
 from dflash_recipes.checkpoint.kinds import dflash2
+from dflash_recipes.checkpoint.kinds.protocol import JsonValue
+from dflash_recipes.checkpoint.kinds.registry import kind_from_tensors
 from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
-from dflash_recipes.checkpoint.tensor_layout import LayoutSpec, backbone_layout
+from dflash_recipes.checkpoint.tensor_layout import (
+    LayoutSpec,
+    backbone_layout,
+    expected_layout,
+    head_submodules,
+    infer_architecture,
+)
+from dflash_recipes.recipe.sections import DFlashArchitectureConfig
 
 
 def test_muse_layout_matches_the_released_header_shapes() -> None:
@@ -92,3 +103,77 @@ def test_the_layout_facts_account_for_every_tensor_of_the_released_header(tmp_pa
     assert found == expected
     assert dflash2.config_problems(dflash_config, hidden=HIDDEN, vocab=VOCAB, block_size=16) == []
     assert all(info.dtype == "BF16" for info in header.tensors.values())
+
+
+# -- the registered kind (projector_type: dflash2) ------------------------------------------------
+
+
+def _released_spec() -> LayoutSpec:
+    dflash_config = DFLASH2_CONFIG["dflash_config"]
+    assert isinstance(dflash_config, dict)
+    return LayoutSpec(
+        hidden_size=HIDDEN,
+        n_taps=len(TAPS),
+        vocab_size=VOCAB,
+        projector_type="dflash2",
+        conv_kernel_size=dflash_config["conv_kernel_size"],
+        conv_group_size=dflash_config["conv_group_size"],
+        selector_rank=dflash_config["selector_rank"],
+        **DIMS,
+    )
+
+
+def test_the_kinds_layout_is_the_released_header(tmp_path: Path) -> None:
+    write_dflash2_checkpoint(tmp_path)
+    header = read_safetensors_header(tmp_path / "model.safetensors")
+    found = {name: tuple(info.shape) for name, info in header.tensors.items()}
+    assert expected_layout(_released_spec()) == found
+    groups = head_submodules(_released_spec())
+    assert list(groups) == ["attention_conv", "mlp_conv", "candidate_selector"]
+    assert len(groups["attention_conv"]) == len(groups["mlp_conv"]) == 2 * DIMS["num_hidden_layers"]
+    assert kind_from_tensors(found) == "dflash2"
+
+
+def test_the_sizes_are_read_back_from_the_released_tensors(tmp_path: Path) -> None:
+    write_dflash2_checkpoint(tmp_path)
+    header = read_safetensors_header(tmp_path / "model.safetensors")
+    found = {name: tuple(info.shape) for name, info in header.tensors.items()}
+    dims = infer_architecture(found)
+    assert (dims["vocab_size"], dims["selector_rank"]) == (VOCAB, 256)
+    assert (dims["conv_kernel_size"], dims["conv_group_size"]) == (2, 16)
+
+
+def test_a_layout_without_the_dflash2_sizes_cannot_be_built() -> None:
+    with pytest.raises(ValueError, match="needs conv_kernel_size, conv_group_size, selector_rank"):
+        LayoutSpec(hidden_size=HIDDEN, n_taps=5, vocab_size=VOCAB, projector_type="dflash2", **DIMS)
+
+
+def test_the_export_config_nests_every_dflash2_key_and_states_the_architecture() -> None:
+    draft = DFlashArchitectureConfig(
+        projector_type="dflash2",
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=256,
+        selector_top_k=16,
+        final_logit_softcapping=20.0,
+    )
+    common: dict[str, JsonValue] = {
+        "architectures": ["DFlashDraftModel"],
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 2]},
+    }
+    config = dflash2.FACTS.export_config(draft, common)
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
+    assert config["dflash_config"] == {
+        "mask_token_id": 1,
+        "target_layer_ids": [1, 2],
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 256,
+        "selector_top_k": 16,
+        "final_logit_softcapping": 20.0,
+    }
+    assert dflash2.FACTS.describe(draft) == (
+        "dflash2 (conv kernel 2, groups of 16; selector rank 256, top-16)"
+    )
+    assert dflash2.FACTS.serving_warnings(draft) == []

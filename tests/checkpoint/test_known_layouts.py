@@ -235,6 +235,43 @@ def test_the_museglimmer_assistant_with_a_stated_eps_it_contradicts_warns(
     assert result.plan is not None and result.plan.draft.architecture.rms_norm_eps == 1e-6
 
 
+def test_the_released_dflash2_drafter_is_read_whole_under_projector_type_dflash2(
+    tmp_path: Path, make_recipe: RecipeFactory
+) -> None:
+    # z-lab's verbatim Muse-Glimmer-30B-DFlash2 config and 81-tensor header: every tensor and
+    # DFlash 2 field accounted for; only the executor's missing DFlash 2 training stops it
+    write_target(tmp_path / "target")
+    write_dflash2_checkpoint(tmp_path / "released")
+    result = compile_in(tmp_path, _released_recipe(make_recipe, projector_type="dflash2"))
+    assert [d.code for d in result.errors] == ["dflash2-not-yet"]
+    assert not [d for d in result.diagnostics if d.severity is Severity.WARNING]
+    taken = {
+        d.path.rsplit(".", 1)[1]: d.message
+        for d in result.diagnostics
+        if d.code == "kind-field-from-checkpoint"
+    }
+    assert sorted(taken) == [
+        "conv_group_size",
+        "conv_kernel_size",
+        "final_logit_softcapping",
+        "output_multiplier",
+        "selector_rank",
+        "selector_top_k",
+    ]
+    assert "using the init checkpoint's 0.19611613513818404" in taken["output_multiplier"]
+    said = codes(result)
+    for code in ("taps-from-checkpoint", "mask-from-checkpoint", "layer-types-from-checkpoint"):
+        assert code in said, code
+    for code in (
+        "checkpoint-dflash2",
+        "checkpoint-layout-mismatch",
+        "heads-from-scratch",
+        "checkpoint-field-unknown",
+        "checkpoint-causal-unstated",
+    ):
+        assert code not in said, code
+
+
 def test_dflash2_is_still_refused_with_one_clear_error(
     tmp_path: Path, make_recipe: RecipeFactory
 ) -> None:
@@ -248,6 +285,7 @@ def test_dflash2_is_still_refused_with_one_clear_error(
     assert "23 DFlash 2 tensor(s)" in said  # 3 candidate-selector + 5 layers x 4 conv tensors
     assert "architectures" in said and "dflash_config.conv_group_size" in said
     assert "cannot load its convolution and candidate-selector modules" in said
+    assert "projector_type: dflash2" in said  # the fix for a recipe of another kind
     assert "Qwen3-8B" not in said  # no drafter for another target is suggested
     assert "trained for this base model" in said
     assert "checkpoint-layout-mismatch" not in codes(result)

@@ -213,9 +213,10 @@ def test_a_dflash2_checkpoint_gets_one_error(
     assert [d.code for d in result.errors] == ["checkpoint-dflash2"]
     d = result.errors[0]
     assert "this is a DFlash 2 checkpoint" in d.message
-    assert "dflash-recipes trains DFlash 1 drafters" in d.message
+    assert "a drafter of the recipe's projector_type dflash cannot load" in d.message
     assert (tensor or f"dflash_config.{next(iter(config_edit or {}))}") in d.message
     assert "DFlash 1 drafter" in (d.hint or "")
+    assert "set dflash.dflash_architecture_config.projector_type: dflash2" in (d.hint or "")
 
 
 def test_use_swa_true_is_refused_with_the_layer_types_fix(
@@ -531,6 +532,7 @@ FIELD_CASES: dict[str, FieldCase] = {
             "conv_group_size",
             "conv_kernel_size",
             "final_logit_softcapping",
+            "input_embedding_scale",
             "output_multiplier",
             "selector_rank",
             "selector_top_k",
@@ -688,7 +690,7 @@ def test_exactly_four_dflash2_names_are_all_listed(
     write_drafter_checkpoint(tmp_path / "drafter", config=drafter_config(), extra=extra)
     d = only(compile_recipe(make_recipe(), base_dir=tmp_path), "checkpoint-dflash2")
     listed = ", ".join(sorted(extra))
-    assert f"it holds 4 DFlash 2 tensor(s) ({listed}); dflash-recipes" in d.message
+    assert f"it holds 4 DFlash 2 tensor(s) ({listed}); a drafter of" in d.message
 
 
 def test_a_multimodal_config_is_read_through_text_config_first(

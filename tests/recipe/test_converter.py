@@ -189,7 +189,7 @@ def test_literal_of_wrong_type_lists_allowed_values() -> None:
         with_model("dflash:\n  dflash_architecture_config:\n    projector_type: 3\n")
     )
     assert found.code == "wrong-type"
-    assert found.hint == "use one of: dflash, domino, dspark"
+    assert found.hint == "use one of: dflash, domino, dspark, dflash2"
 
 
 def test_unknown_nested_key_has_did_you_mean_and_position() -> None:

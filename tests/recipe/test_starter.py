@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testkit.released_layouts import write_assistant_checkpoint, write_target
+from testkit.released_layouts import (
+    write_assistant_checkpoint,
+    write_dflash2_checkpoint,
+    write_target,
+)
 from testkit.st_fixtures import (
     drafter_config,
     drafter_tensors,
@@ -116,6 +120,21 @@ def test_domino_checkpoint_gives_a_domino_recipe(tmp_path: Path, base_model: Pat
     assert (arch.projector_type, arch.emb_dim, arch.gru_hidden_dim) == ("domino", 16, 8)
     assert result.plan.init_checkpoint is not None
     assert result.plan.init_checkpoint.heads_from_scratch == ()
+
+
+def test_the_released_dflash2_drafter_gives_a_dflash2_recipe_stopped_only_by_not_yet(
+    tmp_path: Path,
+) -> None:
+    # its DFlash 2 fields are left to compile, which takes them from the checkpoint
+    target = write_target(tmp_path / "target")
+    ckpt = write_dflash2_checkpoint(tmp_path / "dflash2")
+    text = render_init_recipe(target, ckpt)
+    assert 'projector_type: "dflash2"' in text and "selector_top_k" not in text
+    result = write_and_compile(tmp_path, text)
+    assert [d.code for d in result.errors] == ["dflash2-not-yet"]
+    said = [d.code for d in result.diagnostics if d.severity is Severity.WARNING]
+    assert said == ["data-path-unset"]
+    assert sum(d.code == "kind-field-from-checkpoint" for d in result.diagnostics) == 6
 
 
 def test_the_museglimmer_assistant_layout_gives_a_recipe_that_compiles(tmp_path: Path) -> None:

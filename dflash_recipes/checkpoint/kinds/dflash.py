@@ -34,6 +34,10 @@ class DFlashFacts:
     marker_prefixes: tuple[str, ...] = ()
     loss_logit_copies = 0
     head_name: str | None = None
+    inherited_fields: tuple[str, ...] = ()
+    required_fields: tuple[str, ...] = ()
+    trains = True
+    fresh_start = "will train from scratch"
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """No tensors beyond the backbone."""
@@ -73,6 +77,12 @@ class DFlashFacts:
         self, nested: Mapping[str, object], recipe: AlignmentSettings
     ) -> list[KindFinding]:
         """No head fields to compare."""
+        return []
+
+    def settings_findings(
+        self, settings: Mapping[str, object], *, hidden: int, vocab: int, block_size: int
+    ) -> list[KindFinding]:
+        """No inherited settings."""
         return []
 
     def trained_for(

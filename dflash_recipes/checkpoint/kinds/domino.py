@@ -59,6 +59,10 @@ class DominoFacts:
     # The corrected logits and their log-softmax: a rough count, not measured.
     loss_logit_copies = 2
     head_name: str | None = "domino"
+    inherited_fields: tuple[str, ...] = ()
+    required_fields: tuple[str, ...] = ()
+    trains = True
+    fresh_start = "will train from scratch"
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """``prefix_gru.weight_{ih,hh}_l0`` and ``embed_proj.{0,2}.weight`` (module doc)."""
@@ -167,6 +171,12 @@ class DominoFacts:
                 )
             )
         return findings
+
+    def settings_findings(
+        self, settings: Mapping[str, object], *, hidden: int, vocab: int, block_size: int
+    ) -> list[KindFinding]:
+        """No inherited settings."""
+        return []
 
     def trained_for(
         self, where: str, nested: Mapping[str, object], draft: HeadSettings

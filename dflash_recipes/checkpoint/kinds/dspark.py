@@ -52,6 +52,10 @@ class DSparkFacts:
     # The biased logits and their log-softmax: a rough count, not measured.
     loss_logit_copies = 2
     head_name: str | None = "dspark"
+    inherited_fields: tuple[str, ...] = ()
+    required_fields: tuple[str, ...] = ()
+    trains = True
+    fresh_start = "will train from scratch"
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """``markov_w{1,2}``, the gated/rnn projection and the confidence head (module doc)."""
@@ -143,6 +147,12 @@ class DSparkFacts:
                 )
             )
         return findings
+
+    def settings_findings(
+        self, settings: Mapping[str, object], *, hidden: int, vocab: int, block_size: int
+    ) -> list[KindFinding]:
+        """No inherited settings."""
+        return []
 
     def trained_for(
         self, where: str, nested: Mapping[str, object], draft: HeadSettings

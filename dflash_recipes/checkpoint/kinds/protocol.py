@@ -1,7 +1,7 @@
 """What a drafter kind declares, torch-free: :class:`KindFacts`, and the settings it reads.
 
-A drafter kind is a ``projector_type`` (``dflash``, ``domino``, ``dspark``). It has two halves,
-each a module named after the kind:
+A drafter kind is a ``projector_type`` (``dflash``, ``domino``, ``dspark``, ``dflash2``). It has
+two halves, each a module named after the kind:
 
 - ``dflash_recipes/checkpoint/kinds/<kind>.py``: its torch-free facts (a :class:`KindFacts`):
   the tensors it adds to the backbone, the recipe fields it needs, its ``config.json`` fields,
@@ -57,6 +57,12 @@ class LayoutSettings(Protocol):
     def use_confidence_head(self) -> bool: ...
     @property
     def markov_head_type(self) -> str: ...
+    @property
+    def conv_kernel_size(self) -> int | None: ...
+    @property
+    def conv_group_size(self) -> int | None: ...
+    @property
+    def selector_rank(self) -> int | None: ...
 
 
 class AlignmentSettings(Protocol):
@@ -82,6 +88,20 @@ class HeadSettings(AlignmentSettings, Protocol):
     def markov_rank(self) -> int | None: ...
     @property
     def use_confidence_head(self) -> bool: ...
+    @property
+    def conv_kernel_size(self) -> int | None: ...
+    @property
+    def conv_group_size(self) -> int | None: ...
+    @property
+    def selector_rank(self) -> int | None: ...
+    @property
+    def selector_top_k(self) -> int | None: ...
+    @property
+    def output_multiplier(self) -> float | None: ...
+    @property
+    def final_logit_softcapping(self) -> float | None: ...
+    @property
+    def input_embedding_scale(self) -> float | None: ...
 
 
 class ObjectiveSettings(Protocol):
@@ -148,6 +168,19 @@ class KindFacts(Protocol):
     #: The name of the head the kind adds to the DFlash backbone (a model card's tag and title),
     #: or None for a drafter without one.
     head_name: str | None
+    #: Recipe fields (under dflash_architecture_config, named as the checkpoint's
+    #: ``dflash_config`` keys) that, left unset, are taken from the init checkpoint's
+    #: ``dflash_config`` (an info each); a recipe value the checkpoint contradicts is an error.
+    inherited_fields: tuple[str, ...]
+    #: Those of :attr:`inherited_fields` that must have a value, from the recipe or the
+    #: checkpoint (``head-field-missing`` otherwise).
+    required_fields: tuple[str, ...]
+    #: Whether this version's executor trains the kind (its torch half is registered). False:
+    #: :meth:`recipe_findings` ends a compile of the kind with one ``<name>-not-yet`` error.
+    trains: bool
+    #: What happens to head submodules the init checkpoint lacks, after their names in the
+    #: ``heads-from-scratch`` warning ("will train from scratch").
+    fresh_start: str
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """The kind's tensors beyond the DFlash backbone: name -> shape (empty for DFlash)."""
@@ -189,6 +222,13 @@ class KindFacts(Protocol):
         self, nested: Mapping[str, object], recipe: AlignmentSettings
     ) -> list[KindFinding]:
         """An init checkpoint's ``dflash_config`` fields against the recipe's head (compile)."""
+        ...
+
+    def settings_findings(
+        self, settings: Mapping[str, object], *, hidden: int, vocab: int, block_size: int
+    ) -> list[KindFinding]:
+        """The rules of the kind's :attr:`inherited_fields` (resolved: the recipe's, else the
+        checkpoint's; None where neither states one) against the target and the block."""
         ...
 
     def trained_for(

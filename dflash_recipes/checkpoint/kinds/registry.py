@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from dflash_recipes.checkpoint.kinds import dflash, domino, dspark
+from dflash_recipes.checkpoint.kinds import dflash, dflash2, domino, dspark
 from dflash_recipes.checkpoint.kinds.protocol import KindFacts, ObjectiveSettings
 
 #: projector_type -> the kind's torch-free facts, in the recipe's order.
@@ -20,6 +20,7 @@ KINDS: Mapping[str, KindFacts] = {
         dflash.FACTS,
         domino.FACTS,
         dspark.FACTS,
+        dflash2.FACTS,
     )
 }
 
@@ -42,10 +43,12 @@ HEAD_FIELD_MEANING: Mapping[str, str] = {
     field: meaning for kind in KINDS.values() for field, meaning in kind.field_meaning.items()
 }
 
-#: Every recipe field only one kind reads (head sizes, then switches) -> that kind.
+#: Every recipe field only one kind reads (head sizes, switches, then fields a checkpoint of
+#: the kind may give) -> that kind.
 KIND_FIELD_OWNERS: Mapping[str, str] = {
     **HEAD_FIELD_OWNERS,
     **{field: name for name, kind in KINDS.items() for field in kind.switch_fields},
+    **{field: name for name, kind in KINDS.items() for field in kind.inherited_fields},
 }
 
 

@@ -1,5 +1,8 @@
 """DFlash 2's torch parts (issue 37, partial; not yet a registered kind).
 
+Its torch-free half (the layout, the recipe fields, the compile checks):
+:mod:`dflash_recipes.checkpoint.kinds.dflash2`.
+
 :class:`GroupedDynamicCausalConv`: the convolution on both sides of a sublayer. From the
 normed input u one projection gives per-position coefficient offsets delta[side, tap, group];
 side 0 filters u before the sublayer, side 1 filters the sublayer output o (still with the
@@ -29,7 +32,6 @@ drafter computes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import attrs
 import torch
@@ -44,12 +46,12 @@ from dflash_recipes.executor.model.draft import (
     KVJoin,
 )
 from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.recipe.choices import SelectorMissingGold
 from dflash_recipes.records import Record
 
-#: What the selector's loss does at a position whose gold token is not in the unary top-K:
-#: ``skip`` it (SpecForge, NeMo; serving never picks it either) or ``inject`` it in place of
-#: the last candidate (speculators).
-MissingGold = Literal["skip", "inject"]
+#: What the selector's loss does at a position whose gold token is not in the unary top-K
+#: (the recipe's enumeration, ``dflash.dflash_selector_missing_gold``).
+MissingGold = SelectorMissingGold
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from dflash_recipes.checkpoint.kinds import alignment, domino
+from dflash_recipes.checkpoint.kinds import alignment, dflash2, domino
 from dflash_recipes.checkpoint.kinds.protocol import ObjectiveTerms
 from dflash_recipes.checkpoint.kinds.registry import (
     HEAD_FIELD_OWNERS,
@@ -33,7 +33,9 @@ def test_the_registry_holds_exactly_the_recipes_projector_types_in_order() -> No
 
 
 def test_an_unknown_projector_type_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="projector_type must be one of dflash, domino, dspark"):
+    with pytest.raises(
+        ValueError, match="projector_type must be one of dflash, domino, dspark, dflash2"
+    ):
         kind_facts("medusa")
 
 
@@ -90,15 +92,22 @@ def test_field_tables_are_derived_from_the_kinds() -> None:
         "dflash": (),
         "domino": ("emb_dim", "gru_hidden_dim"),
         "dspark": ("markov_rank",),
+        "dflash2": (),
     }
     assert HEAD_FIELD_OWNERS == {
         "emb_dim": "domino",
         "gru_hidden_dim": "domino",
         "markov_rank": "dspark",
     }
-    # switches a kind alone reads warn when set for another kind, after the head sizes
-    assert list(KIND_FIELD_OWNERS) == [*HEAD_FIELD_OWNERS, "use_confidence_head"]
+    # switches a kind alone reads warn when set for another kind, after the head sizes, then
+    # the fields a checkpoint of the kind may give (DFlash 2's)
+    assert list(KIND_FIELD_OWNERS) == [
+        *HEAD_FIELD_OWNERS,
+        "use_confidence_head",
+        *dflash2.FACTS.inherited_fields,
+    ]
     assert KIND_FIELD_OWNERS["use_confidence_head"] == "dspark"
+    assert KIND_FIELD_OWNERS["selector_top_k"] == "dflash2"
     fields = attrs.fields_dict(DFlashArchitectureConfig)
     assert set(KIND_FIELD_OWNERS) <= set(fields), "a kind field the recipe cannot set"
 
@@ -110,3 +119,8 @@ def test_the_codes_kind_findings_carry_are_the_compilers() -> None:
     assert alignment.TRAINED_FOR == field_checks.CHECKPOINT_TRAINED_FOR
     assert domino.PURE_DRAFT_PREFIX_RANGE == codes.PURE_DRAFT_PREFIX_RANGE
     assert code_severity(domino.PURE_DRAFT_PREFIX_RANGE) is Severity.ERROR
+    assert dflash2.DFLASH2_NOT_YET == codes.DFLASH2_NOT_YET
+    assert dflash2.DFLASH2_SETTING_INVALID == codes.DFLASH2_SETTING_INVALID
+    assert field_checks.CHECKPOINT_CAUSAL_UNSTATED == codes.CHECKPOINT_CAUSAL_UNSTATED
+    for code in (dflash2.DFLASH2_NOT_YET, dflash2.DFLASH2_SETTING_INVALID):
+        assert code_severity(code) is Severity.ERROR
