@@ -1,6 +1,6 @@
 """Sequence packing (issue 40): supervised tokens per second packed vs padded, same conversations.
 
-    python benchmarks/bench_packing.py [--conversations 48] [--batch-size 2] [--threads 2]
+    python benchmarks/bench_packing.py [--conversations 48] [--batch-size 2 8] [--threads 2]
 
 Lengths are synthetic and long-tailed: log-normal with median 600 tokens and sigma 0.978, so
 about 5% of conversations are over 3,000 tokens (the printed sample says how many were), cut
@@ -9,7 +9,9 @@ fifth of each conversation is an unsupervised prompt. The model is the tests' ti
 target (4 layers, hidden 64, vocabulary 128) with a 2-layer drafter, block size 8, 64 anchors
 per row, on the CPU.
 
-Both arms run the trainer's own code on the same conversations in one process: the epoch's
+Both arms run the trainer's own code on the same conversations in one process, their steps
+interleaved (each arm kept at the same fraction of its epoch, each step timed alone), so a
+machine whose load changes slows both alike: the epoch's
 batches (padded: :func:`~dflash_recipes.executor.data.train_dataset.batches`, each batch as
 long as its longest conversation; packed: :func:`~dflash_recipes.executor.data.packing.
 packed_batches` over :func:`~dflash_recipes.executor.data.packing.pack_epoch`, rows of exactly
@@ -18,6 +20,11 @@ SDPA, with the block-diagonal mask when packed), ``DraftStep`` and backward; no 
 The headline is supervised conversation tokens per second (the same total both ways, so the
 ratio is the ratio of epoch times); also shown: drafter label positions per second and the
 number of distinct step shapes ``[batch, seq_len]`` (packed: 1).
+
+What packing can give depends on how much the padded arm pads, which grows with the batch: a
+padded batch is as long as its longest conversation, so the more rows, the likelier a long one
+is among them. Each ``--batch-size`` is measured as its own pair of arms and printed with the
+padded arm's fill, whose inverse (times the packed fill) bounds the token-count saving.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from testkit.tiny import randomize, tiny_plan, tiny_target
 
 from dflash_recipes.executor.data.packing import example_lengths, pack_epoch, packed_batches
 from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
-from dflash_recipes.executor.data.train_dataset import Batch, TrainDataset, batches
+from dflash_recipes.executor.data.train_dataset import TrainDataset, batches
 from dflash_recipes.executor.dist_env import detect_dist_env
 from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
 from dflash_recipes.executor.training.setup.prefetch import prepare_batch
@@ -59,51 +66,86 @@ def conversations(n: int, seed: int = 0) -> list[TokenizedExample]:
     return out
 
 
-def run_epoch(arm: str, dataset: TrainDataset, batch_size: int, tmp: Path) -> dict[str, float]:
-    plan = tiny_plan(tmp, block_size=BLOCK, training_seq_len=SEQ_LEN, num_anchors=ANCHORS)
-    model = convert(tiny_target(plan), plan)
-    drafter = dflash_module(model)
-    randomize(drafter)
-    spec = plan.resolved_draft()
-    step = DraftStep(drafter, lm_head(model), plan.draft.objective)
-    env = detect_dist_env("cpu", {})
-    stream: list[Batch]
-    if arm == "packed":
-        packing = pack_epoch(example_lengths(dataset.examples), seq_len=SEQ_LEN, seed=0, epoch=0)
-        stream = list(packed_batches(dataset, packing, batch_size=batch_size, epoch=0))
-    else:
-        stream = list(batches(dataset, batch_size=batch_size, seed=0, epoch=0))
-    shapes = {tuple(b.input_ids.shape) for b in stream}
-    supervised = labels = tokens = 0
-    start = time.perf_counter()
-    for batch in stream:
-        prepared = prepare_batch(batch, env=env, seed=0, spec=spec, num_anchors=ANCHORS)
+class Arm:
+    """One arm's model, step and epoch of batches; :meth:`run_step` times one step."""
+
+    def __init__(self, name: str, dataset: TrainDataset, batch_size: int, tmp: Path) -> None:
+        self.name = name
+        self.plan = tiny_plan(tmp, block_size=BLOCK, training_seq_len=SEQ_LEN, num_anchors=ANCHORS)
+        self.model = convert(tiny_target(self.plan), self.plan)
+        self.drafter = dflash_module(self.model)
+        randomize(self.drafter)
+        self.spec = self.plan.resolved_draft()
+        self.step = DraftStep(self.drafter, lm_head(self.model), self.plan.draft.objective)
+        self.env = detect_dist_env("cpu", {})
+        if name == "packed":
+            packing = pack_epoch(
+                example_lengths(dataset.examples), seq_len=SEQ_LEN, seed=0, epoch=0
+            )
+            self.stream = list(packed_batches(dataset, packing, batch_size=batch_size, epoch=0))
+        else:
+            self.stream = list(batches(dataset, batch_size=batch_size, seed=0, epoch=0))
+        self.done = 0
+        self.seconds = 0.0
+        self.supervised = self.labels = 0
+
+    @property
+    def progress(self) -> float:
+        return self.done / len(self.stream)
+
+    def run_step(self) -> None:
+        """The next batch through the trainer's code (anchors and masks, target, drafter,
+        backward), its time added to the arm's."""
+        batch = self.stream[self.done]
+        start = time.perf_counter()
+        prepared = prepare_batch(batch, env=self.env, seed=0, spec=self.spec, num_anchors=ANCHORS)
         inputs = step_inputs(
-            model, spec, plan.draft.objective, batch, prepared.drawn, mask=prepared.mask
+            self.model,
+            self.spec,
+            self.plan.draft.objective,
+            batch,
+            prepared.drawn,
+            mask=prepared.mask,
         )
-        drafter.zero_grad(set_to_none=True)
-        result = step(inputs)
-        result.loss.backward()
-        supervised += int(batch.loss_mask.sum())
-        labels += int(inputs.targets.label_mask.sum())
-        tokens += int(batch.input_ids.numel())
-    seconds = time.perf_counter() - start
-    return {
-        "steps": len(stream),
-        "shapes": len(shapes),
-        "rows": sum(int(b.input_ids.shape[0]) for b in stream),
-        "seconds": seconds,
-        "supervised": supervised,
-        "supervised_per_s": supervised / seconds,
-        "labels_per_s": labels / seconds,
-        "fill": int(sum(int(b.attention_mask.sum()) for b in stream)) / max(1, tokens),
-    }
+        self.drafter.zero_grad(set_to_none=True)
+        self.step(inputs).loss.backward()
+        self.seconds += time.perf_counter() - start
+        self.supervised += int(batch.loss_mask.sum())
+        self.labels += int(inputs.targets.label_mask.sum())
+        self.done += 1
+
+    def figures(self) -> dict[str, float]:
+        tokens = sum(int(b.input_ids.numel()) for b in self.stream)
+        return {
+            "steps": len(self.stream),
+            "shapes": len({tuple(b.input_ids.shape) for b in self.stream}),
+            "rows": sum(int(b.input_ids.shape[0]) for b in self.stream),
+            "seconds": self.seconds,
+            "supervised": self.supervised,
+            "supervised_per_s": self.supervised / self.seconds,
+            "labels_per_s": self.labels / self.seconds,
+            "fill": sum(int(b.attention_mask.sum()) for b in self.stream) / max(1, tokens),
+        }
+
+
+def run_interleaved(
+    dataset: TrainDataset, batch_size: int, tmp: Path
+) -> dict[str, dict[str, float]]:
+    """Both arms' epochs, their steps interleaved so that each arm is at the same fraction of
+    its epoch: a machine whose load changes during the run slows both arms alike."""
+    arms = [Arm(name, dataset, batch_size, tmp / name) for name in ("padded", "packed")]
+    while any(arm.done < len(arm.stream) for arm in arms):
+        behind = min((a for a in arms if a.done < len(a.stream)), key=lambda a: a.progress)
+        behind.run_step()
+    return {arm.name: arm.figures() for arm in arms}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=48)
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument(
+        "--batch-size", type=int, nargs="+", default=[2, 8], help="one pair of arms per size"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,14 +161,18 @@ def main() -> None:
         f"{long} over 3000 ({100 * long / len(lengths):.0f}%), {sum(lengths)} tokens, "
         f"cut at {SEQ_LEN}"
     )
+    for batch_size in args.batch_size:
+        compare(dataset, batch_size, args.threads)
+
+
+def compare(dataset: TrainDataset, batch_size: int, threads: int) -> None:
+    """Both arms at one batch size, printed as a table and the ratio."""
     print(
         f"model: tiny Qwen3 target 4 x 64, drafter 2 x 64, block {BLOCK}, {ANCHORS} anchors per "
-        f"row, batch {args.batch_size}, CPU, {args.threads} threads, training_seq_len {SEQ_LEN}"
+        f"row, batch {batch_size}, CPU, {threads} threads, training_seq_len {SEQ_LEN}"
     )
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in ("padded", "packed"):
-            results[arm] = run_epoch(arm, dataset, args.batch_size, Path(tmp) / arm)
+        results = run_interleaved(dataset, batch_size, Path(tmp))
     print(
         f"{'arm':8} {'steps':>5} {'rows':>5} {'shapes':>6} {'fill':>6} {'seconds':>8} "
         f"{'sup tok/s':>10} {'labels/s':>9}"
@@ -138,10 +184,11 @@ def main() -> None:
         )
     packed, padded = results["packed"], results["padded"]
     print(
-        "packed / padded supervised tokens per second: "
-        f"{packed['supervised_per_s'] / padded['supervised_per_s']:.2f}x "
-        f"(supervised tokens trained: padded {padded['supervised']}, packed "
-        f"{packed['supervised']}; packing drops an incomplete last batch of rows)"
+        f"batch {batch_size}: packed / padded supervised tokens per second: "
+        f"{packed['supervised_per_s'] / padded['supervised_per_s']:.2f}x; fill packed / padded "
+        f"{packed['fill'] / padded['fill']:.2f}x (supervised tokens trained: padded "
+        f"{padded['supervised']}, packed {packed['supervised']}; packing drops an incomplete "
+        "last batch of rows)"
     )
 
 
