@@ -53,7 +53,12 @@ KEY_LR = "lr"
 KEY_ACCURACY_BY_POSITION = "accuracy_by_position"
 
 
-KEY_ACCEPTANCE_LENGTH_ESTIMATE = "acceptance_length_estimate"
+#: The training-batch estimate of the acceptance length (from the window's per-position
+#: accuracies on training batches, not measured by drafting; the eval rows' `tau` is).
+KEY_ACCEPTANCE_LENGTH_ESTIMATE = "train_batch_tau_estimate"
+
+#: The key of that estimate in metrics files written before it was renamed; still read.
+LEGACY_KEY_ACCEPTANCE_LENGTH_ESTIMATE = "acceptance_length_estimate"
 
 
 KEY_TOKENS_PER_SECOND = "tokens_per_second"
@@ -93,8 +98,9 @@ class MetricsRow(TypedDict):
     lr: float
     #: Top-1 accuracy per block position k (index = position); None where k has no loss.
     accuracy_by_position: list[float | None]
-    #: Expected accepted prefix + 1, from the per-position accuracies.
-    acceptance_length_estimate: float | None
+    #: Expected accepted prefix + 1, from the per-position accuracies on the window's training
+    #: batches: the training-batch estimate, not acceptance measured on held-out prompts.
+    train_batch_tau_estimate: float | None
     #: Training tokens per second over the logging window (all ranks).
     tokens_per_second: float
     #: Gradient norm before clipping, when the trainer measures it.
@@ -137,7 +143,7 @@ def train_row(
         "loss": _finite_or_none(loss),
         "lr": float(lr),
         "accuracy_by_position": [_finite_or_none(a) for a in accuracy_by_position],
-        "acceptance_length_estimate": _finite_or_none(acceptance_length_estimate),
+        "train_batch_tau_estimate": _finite_or_none(acceptance_length_estimate),
         "tokens_per_second": float(tokens_per_second),
     }
     if grad_norm is not None:
@@ -251,6 +257,14 @@ def _parse_row(data: object) -> TrainPoint | EvalPoint | None:
         raise _RowError(msg)
     kind = data.get(KEY_KIND, KIND_TRAIN)
     if kind == KIND_TRAIN:
+        if (
+            LEGACY_KEY_ACCEPTANCE_LENGTH_ESTIMATE in data
+            and KEY_ACCEPTANCE_LENGTH_ESTIMATE not in data
+        ):
+            data = {
+                **data,
+                KEY_ACCEPTANCE_LENGTH_ESTIMATE: data[LEGACY_KEY_ACCEPTANCE_LENGTH_ESTIMATE],
+            }
         _require(data, TRAIN_KEYS, kind)
         accuracies = data[KEY_ACCURACY_BY_POSITION]
         if not isinstance(accuracies, list):

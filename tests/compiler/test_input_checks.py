@@ -95,7 +95,7 @@ def test_report_through_a_symlink_and_to_dev_null(tmp_path: Path) -> None:
         "loss": 1.0,
         "lr": 1e-4,
         "accuracy_by_position": [0.0, 0.5],
-        "acceptance_length_estimate": 1.5,
+        "train_batch_tau_estimate": 1.5,
         "tokens_per_second": 1.0,
     }
     (run / "metrics.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")

@@ -70,3 +70,27 @@ def test_row_without_a_required_key_names_line_and_key(tmp_path: Path) -> None:
     assert "metrics.jsonl:5:" in message
     assert "lr" in message and "accuracy_by_position" in message
     assert not (tmp_path / "r.png").exists()
+
+
+def test_the_training_batch_estimate_is_named_as_such_and_the_old_name_still_reads(
+    tmp_path: Path,
+) -> None:
+    """The row (and so every tracker, `train/<key>`) names the estimate from training batches
+    apart from the measured `tau`; a metrics file written under the old key still reads."""
+    from dflash_recipes.files.metrics_rows import metrics_json_line, read_metrics, train_row
+
+    row = train_row(
+        step=1,
+        loss=1.0,
+        lr=1e-4,
+        accuracy_by_position=[None, 0.5],
+        acceptance_length_estimate=1.5,
+        tokens_per_second=10.0,
+    )
+    assert row["train_batch_tau_estimate"] == 1.5
+    assert "acceptance_length_estimate" not in row
+    old = json.loads(metrics_json_line(row))
+    old["acceptance_length_estimate"] = old.pop("train_batch_tau_estimate")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n", encoding="utf-8")
+    (point,) = read_metrics(tmp_path).train
+    assert point.acceptance_length_estimate == 1.5

@@ -20,7 +20,7 @@ def _write_run(run: Path, accuracies: list[float], *, with_eval: bool) -> Path:
                 "loss": 5.0 / step,
                 "lr": 1e-4,
                 "accuracy_by_position": acc,
-                "acceptance_length_estimate": 1.0 + sum(acc[1:]),
+                "train_batch_tau_estimate": 1.0 + sum(acc[1:]),
                 "tokens_per_second": 1000.0,
             }
         )

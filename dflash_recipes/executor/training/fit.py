@@ -87,7 +87,7 @@ from dflash_recipes.executor.training.trackers.protocol import Outcome
 from dflash_recipes.executor.training.trackers.registry import check_tracker_libraries
 from dflash_recipes.files.crashsafe import write_text_atomic
 from dflash_recipes.files.export_target import check_export_target
-from dflash_recipes.files.metrics_rows import last_train_row
+from dflash_recipes.files.metrics_rows import KEY_ACCEPTANCE_LENGTH_ESTIMATE, last_train_row
 from dflash_recipes.files.run_dir import EXPORT_DIR, METRICS_FILE, PLAN_FILE
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RunPlan
@@ -368,7 +368,7 @@ def _log_window(run: Run, window: MetricWindow, progress: Progress, bar: Progres
     progress.tokens += window.tokens
     progress.seconds += window.elapsed()
     bar.show_figures(
-        loss=row_number(row, "loss"), tau=row_number(row, "acceptance_length_estimate")
+        loss=row_number(row, "loss"), tau=row_number(row, KEY_ACCEPTANCE_LENGTH_ESTIMATE)
     )
     window.reset()
 
@@ -393,7 +393,7 @@ def finish(run: Run, progress: Progress) -> TrainSummary:
         resumed_from_step=run.start.resumed_from,
         final_loss=row_number(last_row, "loss"),
         accuracy_by_position=tuple(accuracies(last_row.get("accuracy_by_position"))),
-        acceptance_length_estimate=row_number(last_row, "acceptance_length_estimate", 1.0),
+        acceptance_length_estimate=row_number(last_row, KEY_ACCEPTANCE_LENGTH_ESTIMATE, 1.0),
         tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
         export_dir=str(export_dir) if export_dir is not None else None,
         warm_start=run.models.warm.describe() if run.models.warm is not None else None,

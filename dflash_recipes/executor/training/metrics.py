@@ -30,7 +30,7 @@ from dflash_recipes.executor.training.loss import (
     per_position_accuracy,
 )
 from dflash_recipes.executor.training.trackers.fanout import TrackerSet
-from dflash_recipes.files.metrics_rows import MetricsRow, train_row
+from dflash_recipes.files.metrics_rows import KEY_ACCEPTANCE_LENGTH_ESTIMATE, MetricsRow, train_row
 
 logger = logging.getLogger("dflash_recipes.train")
 
@@ -167,7 +167,7 @@ def progress_line(row: Mapping[str, object]) -> str:
     return (
         f"step {row.get('step')} loss {_figure(row.get('loss'), '.4f')} "
         f"lr {_figure(row.get('lr'), '.3g')} acc[{first}..] {shown} "
-        f"train-batch tau~{_figure(row.get('acceptance_length_estimate'), '.2f')} "
+        f"train-batch tau~{_figure(row.get(KEY_ACCEPTANCE_LENGTH_ESTIMATE), '.2f')} "
         f"tok/s {_figure(row.get('tokens_per_second'), '.0f')}"
     )
 

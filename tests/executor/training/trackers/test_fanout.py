@@ -69,7 +69,7 @@ def test_every_tracker_gets_what_metrics_jsonl_has(
 
     # TensorBoard: under <output_dir>/tensorboard by default; float32 scalars.
     tb = _tensorboard(out / "tensorboard")
-    for key in ("loss", "lr", "grad_norm", "acceptance_length_estimate", "tokens_per_second"):
+    for key in ("loss", "lr", "grad_norm", "train_batch_tau_estimate", "tokens_per_second"):
         got = [(e.step, e.value) for e in tb.Scalars(f"train/{key}")]  # type: ignore[attr-defined]
         assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in train], key
     accuracy = [(e.step, e.value) for e in tb.Scalars("train/accuracy_by_position/3")]  # type: ignore[attr-defined]
