@@ -73,6 +73,18 @@ def test_each_kind_gets_hub_front_matter_and_the_prose(kind: str, tmp_path: Path
     digest = hashlib.sha256(data.read_bytes()).hexdigest()
     assert f"| `train.jsonl` | training | {data.stat().st_size:,} | `{digest}` |" in text
     assert f"`{plan.fingerprint}`" in text
+    objective, training = plan.draft.objective, plan.training
+    assert (
+        "- Objective: cross-entropy with decay position weights "
+        f"exp(-(k-1)/{objective.loss_decay_factor:g}); {objective.num_anchors} blocks per sequence"
+    ) in text
+    head_terms = [f.name for f in attrs.fields(type(objective)) if f.name.startswith(f"{kind}_")]
+    assert all(f"{name} {getattr(objective, name):g}" in text for name in head_terms)
+    assert bool(head_terms) == (kind != "dflash")  # Domino's and DSpark's own loss weights
+    assert (
+        f"- Optimiser: AdamW, learning rate {training.learning_rate:g}, "
+        f"{training.lr_scheduler_type} schedule, warmup ratio {training.warmup_ratio:g}"
+    ) in text
     assert "## What it measured\n\nNot measured." in text
     # the card and its data are part of the export (an earlier export, replaceable)
     marker = json.loads((tmp_path / "export" / EXPORT_MARKER).read_text(encoding="utf-8"))
