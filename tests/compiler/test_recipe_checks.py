@@ -193,6 +193,12 @@ def test_fsdp_with_eval_data_but_no_evaluation_asked_compiles(make_recipe: Recip
     for training in ({"fsdp": True}, {"fsdp": True, "eval_steps": 0}):
         result = lint(make_recipe(training=training, data={"eval_data_path": "t.jsonl"}))
         assert "fsdp-eval" not in codes(result), training
+        # and the plan really never evaluates (a default of every save_steps would hang)
+        compiled = compile_recipe(
+            make_recipe(training=training, data={"eval_data_path": "t.jsonl"}), resolve=False
+        )
+        assert compiled.plan is not None, compiled.diagnostics
+        assert compiled.plan.training.eval_steps is None, training
 
 
 def test_a_held_out_slice_is_eval_data_for_every_eval_rule(make_recipe: RecipeFactory) -> None:

@@ -72,6 +72,12 @@ def test_just_under_half_the_estimate_s_gain_warns() -> None:
     assert held_out_gap_line(_summary(last_eval_tau=4.3)) is not None
 
 
+def test_exactly_half_the_estimate_s_gain_is_not_far_below() -> None:
+    # gain 1.0 against the estimate's 2.0: "far below" starts under half, not at it
+    assert held_out_gap_line(_summary(last_eval_tau=2.0, acceptance_length_estimate=3.0)) is None
+    assert held_out_gap_line(_summary(last_eval_tau=1.99, acceptance_length_estimate=3.0))
+
+
 def _policy(tmp_path: Path, *overrides: str) -> EvalPolicy:
     plan = tiny_scratch_plan(tmp_path / "run", "training.max_steps=60", *overrides)
     unused: Any = None
