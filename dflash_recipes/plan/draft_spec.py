@@ -91,6 +91,12 @@ class ResolvedDraft(Record):
         true)``."""
         return kind_facts(self.projector_type).describe(self)
 
+    @property
+    def sliding_causal(self) -> bool:
+        """Whether ``sliding_attention`` layers are causal inside the block (``KindFacts.
+        sliding_causal``): DFlash 1 kinds yes, DFlash 2 (``is_causal: false``) no."""
+        return kind_facts(self.projector_type).sliding_causal
+
     def layer_type(self, index: int) -> str:
         """``full_attention`` or ``sliding_attention``: the kind of draft layer `index`."""
         return self.layer_types[index] if self.layer_types is not None else "full_attention"

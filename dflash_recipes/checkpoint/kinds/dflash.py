@@ -38,6 +38,8 @@ class DFlashFacts:
     required_fields: tuple[str, ...] = ()
     trains = True
     fresh_start = "will train from scratch"
+    sliding_causal = True
+    eval_without_head = False
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """No tensors beyond the backbone."""

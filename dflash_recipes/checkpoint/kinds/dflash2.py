@@ -195,8 +195,11 @@ class DFlash2Facts:
     head_name: str | None = "dflash2"
     inherited_fields: tuple[str, ...] = (*NEW_CONFIG_KEYS, *OPTIONAL_CONFIG_KEYS)
     required_fields: tuple[str, ...] = NEW_CONFIG_KEYS
-    # Lifting dflash2-not-yet: register the torch half (executor/kinds/registry.py), set this.
-    trains = False
+    trains = True
+    # Every release states is_causal: false: its sliding layers see the whole block.
+    sliding_causal = False
+    # tau of the unary argmax path beside the selector's, so users see what the selector buys.
+    eval_without_head = True
     fresh_start = (
         "are new (identity convolutions and a zero successor codebook, as SpecForge "
         "initialises them, so at step 0 the drafter computes what the DFlash 1 checkpoint "

@@ -63,6 +63,8 @@ class DominoFacts:
     required_fields: tuple[str, ...] = ()
     trains = True
     fresh_start = "will train from scratch"
+    sliding_causal = True
+    eval_without_head = False
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """``prefix_gru.weight_{ih,hh}_l0`` and ``embed_proj.{0,2}.weight`` (module doc)."""

@@ -56,6 +56,8 @@ class DSparkFacts:
     required_fields: tuple[str, ...] = ()
     trains = True
     fresh_start = "will train from scratch"
+    sliding_causal = True
+    eval_without_head = False
 
     def layout(self, spec: LayoutSettings) -> dict[str, Shape]:
         """``markov_w{1,2}``, the gated/rnn projection and the confidence head (module doc)."""

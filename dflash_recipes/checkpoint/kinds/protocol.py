@@ -178,6 +178,14 @@ class KindFacts(Protocol):
     #: Whether this version's executor trains the kind (its torch half is registered). False:
     #: :meth:`recipe_findings` ends a compile of the kind with one ``<name>-not-yet`` error.
     trains: bool
+    #: Whether the kind's ``sliding_attention`` layers are causal inside the block (DFlash 1
+    #: drafters, as engines run them without ``is_causal: false``) or see the whole block
+    #: (DFlash 2, whose releases state ``is_causal: false``); the window cuts the context.
+    sliding_causal: bool
+    #: Whether evaluation also measures tau of the backbone's own greedy proposals, the head
+    #: switched off (DFlash 2: the unary argmax path beside the selector's), so users see what
+    #: the head buys.
+    eval_without_head: bool
     #: What happens to head submodules the init checkpoint lacks, after their names in the
     #: ``heads-from-scratch`` warning ("will train from scratch").
     fresh_start: str

@@ -23,8 +23,8 @@ from dflash_recipes.executor.evaluation.speculative import (
     DFlashBlockDrafter,
     DraftContext,
 )
-from dflash_recipes.executor.model.draft import DraftDecoderLayer
-from dflash_recipes.executor.model.masks import build_dense_block_mask, sliding_window_mask
+from dflash_recipes.executor.model.layers import DraftDecoderLayer
+from dflash_recipes.executor.model.masks import build_dense_block_mask
 
 #: Positions a row's buffer starts with beyond its first fill (it doubles when full).
 _SPARE = 256
@@ -146,10 +146,9 @@ class FusedContext:
         size = spec.block_size
         rows = len(anchors)
         device = model.fc.weight.device
-        dtype = model.fc.weight.dtype
         ids = torch.full((rows, size), spec.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor(list(anchor_tokens), dtype=torch.long, device=device)
-        x = self.drafter.embed_tokens(ids).to(dtype)
+        x = model.block_states(self.drafter.embed_tokens(ids))
         anchor_t = torch.tensor(list(anchors), dtype=torch.long, device=device).unsqueeze(1)
         q_positions = anchor_t + torch.arange(size, device=device).unsqueeze(0)
         ctx_len = max(anchors)
@@ -157,14 +156,10 @@ class FusedContext:
         cos, sin = model.rotary_emb(x, q_positions)
         valid = torch.ones(rows, 1, dtype=torch.bool, device=device)
         full = build_dense_block_mask(anchor_t, size, ctx_len, valid)
-        masks: dict[int | None, Tensor] = {None: full}
+        layer_masks = model.layer_masks(full, q_positions, ctx_positions)
         for index, layer in enumerate(model.layers):
-            window = spec.layer_window(index)
-            if window not in masks:
-                narrowed = sliding_window_mask(full, q_positions, ctx_positions, window or 0)
-                assert isinstance(narrowed, Tensor)
-                masks[window] = narrowed
-            assert isinstance(layer, DraftDecoderLayer)
+            layer_mask = layer_masks[index]
+            assert isinstance(layer, DraftDecoderLayer) and isinstance(layer_mask, Tensor)
             keys, values = self.keys[index], self.values[index]
 
             def join(
@@ -175,7 +170,7 @@ class FusedContext:
             ) -> tuple[Tensor, Tensor]:
                 return keys.view(ctx_len, block_k), values.view(ctx_len, block_v)
 
-            x = layer.forward_cached(x, join, cos, sin, masks[window])
+            x = layer.forward_cached(x, join, cos, sin, layer_mask)
         hidden: Tensor = model.norm(x)
         return hidden
 

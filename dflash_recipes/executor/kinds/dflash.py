@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from dflash_recipes.executor.kinds.protocol import KindHead
+from dflash_recipes.executor.kinds.protocol import KindHead, plain_layer
+from dflash_recipes.executor.model.layers import DraftDecoderLayer
 from dflash_recipes.executor.training.loss import (
     LossOutput,
     ObjectiveInputs,
@@ -67,6 +68,10 @@ class DFlashModules:
     def build_head(self, spec: ResolvedDraft) -> KindHead | None:
         """No head."""
         return None
+
+    def build_layer(self, spec: ResolvedDraft) -> DraftDecoderLayer:
+        """The DFlash decoder layer."""
+        return plain_layer(spec)
 
     def head_inputs(
         self, spec: ResolvedDraft, ids: Tensor, anchors: Tensor, embeddings: nn.Module

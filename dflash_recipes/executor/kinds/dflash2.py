@@ -1,6 +1,7 @@
-"""DFlash 2's torch parts (issue 37, partial; not yet a registered kind).
+"""DFlash 2, its torch half: the convolutions inside every layer, the candidate selector, the
+unary plus selector objective and the selector's greedy path.
 
-Its torch-free half (the layout, the recipe fields, the compile checks):
+Its torch-free half (the layout, the recipe fields, the compile checks, the export config):
 :mod:`dflash_recipes.checkpoint.kinds.dflash2`.
 
 :class:`GroupedDynamicCausalConv`: the convolution on both sides of a sublayer. From the
@@ -11,41 +12,47 @@ only: a tap t reaching before the block start (``pos % block < t``) reads zero, 
 (the anchor) sees zero padding and position 1 sees the anchor. Initialised as the identity
 (tap 0 weight 1, projection 0), so a DFlash 1 backbone computes what it computed before.
 
-:class:`DFlash2DecoderLayer`: a DFlash decoder layer with one convolution around attention
-(``attention_conv``) and one around the MLP (``mlp_conv``).
+:class:`DFlash2DecoderLayer` (:meth:`DFlash2Modules.build_layer`): a DFlash decoder layer with
+one convolution around attention (``attention_conv``) and one around the MLP (``mlp_conv``).
 
-:class:`CandidateSelector`: ``hidden_projection`` W (``[r, H]``) and the two codebooks A
-(``predecessor_codebook``) and B (``successor_codebook``), ``[V, r]`` bare parameters (no
+:class:`CandidateSelector`, the kind's head (:class:`SelectorHead`, registered at the drafter's
+top level as ``candidate_selector``): ``hidden_projection`` W (``[r, H]``) and the two codebooks
+A (``predecessor_codebook``) and B (``successor_codebook``), ``[V, r]`` bare parameters (no
 ``.weight``, as z-lab releases them). The score of the edge p -> c at a slot with draft state h
 is ``U(c) + <A[p] * (W h), B[c]>`` (:func:`edge_scores`), U the unary scores (the target head's
 logits, times ``output_multiplier``, optionally soft-capped: :func:`unary_scores`) over the
-slot's top-K candidates. :func:`select_path`: the single greedy path; :func:`selector_loss`:
-the K-way cross-entropy with the true previous token (docstring there).
+slot's top-K candidates. :func:`select_path`: the single greedy path (the drafter's proposals);
+:func:`selector_loss`: the K-way cross-entropy with the true previous token.
 
-:class:`DFlash2DraftModel`: a :class:`~dflash_recipes.executor.model.draft.DFlashDraftModel`
-whose layers are :class:`DFlash2DecoderLayer` and which holds a ``candidate_selector``;
-:meth:`DFlash2DraftModel.from_dflash` initialises one from a DFlash 1 drafter as SpecForge does
-(identity convolutions, zero successor codebook), so it computes exactly what the DFlash 1
-drafter computes.
+**Objective** (:func:`dflash2_loss`): plain DFlash's weighted cross-entropy of the unary scores
+(block position k predicts anchor + k, the anchor never scored) plus ``selector_loss_alpha``
+times the selector's cross-entropy, both weighted means with the same position weights, so
+chunks combine exactly. A fresh drafter (or one warm-started from DFlash 1) has identity
+convolutions and a zero successor codebook: it computes what the DFlash 1 backbone computes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_recipes.executor.kinds.protocol import INIT_STD
-from dflash_recipes.executor.model.draft import (
-    DFlashDraftModel,
-    DraftDecoderLayer,
-    DraftMask,
-    KVJoin,
+from dflash_recipes.executor.kinds.dflash import dflash_loss
+from dflash_recipes.executor.kinds.protocol import INIT_STD, KindHead
+from dflash_recipes.executor.model.layers import DraftDecoderLayer, KVJoin
+from dflash_recipes.executor.model.masks import DraftMask
+from dflash_recipes.executor.training.anchors import previous_tokens
+from dflash_recipes.executor.training.loss import (
+    LossOutput,
+    ObjectiveInputs,
+    objective_weights,
+    without_anchor,
 )
 from dflash_recipes.plan.draft_spec import ResolvedDraft
+from dflash_recipes.plan.run_plan import ObjectivePlan
 from dflash_recipes.recipe.choices import SelectorMissingGold
 from dflash_recipes.records import Record
 
@@ -130,6 +137,12 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
         )
         self.attention_conv = GroupedDynamicCausalConv(hidden, kernel, group)
         self.mlp_conv = GroupedDynamicCausalConv(hidden, kernel, group)
+
+    def reset_kind_parameters(self) -> None:
+        """Both convolutions back to the identity (the drafter's initialisation drew their
+        projections from a normal like every linear)."""
+        self.attention_conv.reset_parameters()
+        self.mlp_conv.reset_parameters()
 
     def _mlp_part(self, x: Tensor) -> Tensor:
         result: Tensor = x + self.mlp_conv(
@@ -276,6 +289,9 @@ class SelectorLoss:
     correct: Tensor
     #: Positions scored (nonzero weight).
     count: Tensor
+    #: ``[N]`` bool: the position is scored and its greedy choice (as :attr:`correct` counts)
+    #: is the gold token.
+    chosen_correct: Tensor
 
 
 def selector_loss(
@@ -321,85 +337,187 @@ def selector_loss(
     loss = (used * ce).sum() / total.clamp_min(torch.finfo(torch.float32).tiny)
     scored = w != 0
     choice = cands.gather(-1, edges.argmax(-1, keepdim=True)).squeeze(-1)
+    chosen_correct = scored & served & (choice == gold)
     return SelectorLoss(
         loss=loss,
         counted=(scored & found).sum(),
-        correct=(scored & served & (choice == gold)).sum(),
+        correct=chosen_correct.sum(),
         count=scored.sum(),
+        chosen_correct=chosen_correct,
     )
 
 
-class DFlash2DraftModel(DFlashDraftModel):
-    """The DFlash 2 drafter (module doc); ``state_dict()`` holds the 81-tensor z-lab names."""
-
-    def __init__(
-        self,
-        spec: ResolvedDraft,
-        settings: DFlash2Settings,
-        *,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        super().__init__(spec, generator=generator)
-        self.settings = settings
-        self.layers = nn.ModuleList(
-            DFlash2DecoderLayer(spec, settings) for _ in range(spec.num_hidden_layers)
+def settings_of(spec: ResolvedDraft) -> DFlash2Settings:
+    """The DFlash 2 settings of a resolved drafter; ValueError when the plan leaves one unset."""
+    kernel, group = spec.conv_kernel_size, spec.conv_group_size
+    rank, top_k = spec.selector_rank, spec.selector_top_k
+    if kernel is None or group is None or rank is None or top_k is None:
+        msg = (
+            "a dflash2 drafter needs conv_kernel_size, conv_group_size, selector_rank and "
+            "selector_top_k; compile the recipe so they are taken from the init checkpoint or "
+            "set them under dflash_architecture_config"
         )
+        raise ValueError(msg)
+    return DFlash2Settings(
+        conv_kernel_size=kernel,
+        conv_group_size=group,
+        selector_rank=rank,
+        selector_top_k=top_k,
+        output_multiplier=1.0 if spec.output_multiplier is None else spec.output_multiplier,
+        final_logit_softcapping=spec.final_logit_softcapping,
+        input_embedding_scale=(
+            1.0 if spec.input_embedding_scale is None else spec.input_embedding_scale
+        ),
+    )
+
+
+class SelectorHead(KindHead):
+    """DFlash 2's head: the ``candidate_selector`` (registered at the drafter's top level) and
+    the settings its scores read."""
+
+    def __init__(self, spec: ResolvedDraft) -> None:
+        super().__init__()
+        self.settings = settings_of(spec)
         self.candidate_selector = CandidateSelector(
-            spec.hidden_size, spec.vocab_size, settings.selector_rank
+            spec.hidden_size, spec.vocab_size, self.settings.selector_rank
         )
-        self.reset_parameters(generator)
 
-    @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """The backbone as DFlash's; identity convolutions; the selector's initialisation."""
-        super().reset_parameters(generator)
-        for module in self.modules():
-            if isinstance(module, GroupedDynamicCausalConv):
-                module.reset_parameters()
-            elif isinstance(module, CandidateSelector):
-                module.reset_parameters(generator)
+        """The selector's initialisation (:meth:`CandidateSelector.reset_parameters`)."""
+        self.candidate_selector.reset_parameters(generator)
 
-    @classmethod
-    def from_dflash(
-        cls,
-        dflash: DFlashDraftModel,
-        settings: DFlash2Settings,
-        *,
-        generator: torch.Generator | None = None,
-    ) -> DFlash2DraftModel:
-        """A DFlash 2 drafter with `dflash`'s backbone (copied) and new parts initialised so
-        that it computes exactly what `dflash` computes (module doc); ValueError for a drafter
-        with a head (Domino, DSpark), whose head DFlash 2 has no place for."""
-        if dflash.head is not None:
-            msg = (
-                f"the DFlash drafter has a {dflash.spec.head_description} head, whose tensors "
-                "do not fit a DFlash 2 backbone; warm-start DFlash 2 from a plain DFlash drafter"
-            )
-            raise ValueError(msg)
-        model = cls(dflash.spec, settings, generator=generator)
-        model.to(dtype=dflash.fc.weight.dtype, device=dflash.fc.weight.device)
-        missing, unexpected = model.load_state_dict(dflash.state_dict(), strict=False)
-        new = {name for name, _ in model.named_parameters()} - set(dflash.state_dict())
-        if unexpected or set(missing) != new:
-            msg = (
-                f"the DFlash drafter's tensors do not fit a DFlash 2 backbone: unexpected "
-                f"{sorted(unexpected)}, missing {sorted(set(missing) - new)}"
-            )
-            raise ValueError(msg)
-        return model
+
+def selector_head(head: nn.Module | None) -> SelectorHead:
+    """`head` as DFlash 2's; ValueError for any other (a drafter built for another kind)."""
+    if not isinstance(head, SelectorHead):
+        msg = f"a dflash2 objective needs the drafter's SelectorHead, got {type(head).__name__}"
+        raise ValueError(msg)
+    return head
+
+
+def dflash2_loss(
+    head: SelectorHead,
+    hidden: Tensor,
+    logits: Tensor,
+    prev: Tensor,
+    targets: ObjectiveInputs,
+    objective: ObjectivePlan,
+) -> LossOutput:
+    """The unary loss (:func:`~dflash_recipes.executor.kinds.dflash.dflash_loss` of the unary
+    scores) plus ``objective.selector_loss_alpha`` times :func:`selector_loss` (module doc).
+
+    ``hidden [..., K, H]`` final-normed draft states, ``logits [..., K, V]`` the target head's
+    float32 logits, ``prev [..., K]`` the true token before each position's label. Reports the
+    selector's cross-entropy as ``parts["selector_ce"]`` and its greedy choice's per-position
+    hits as ``position_correct["selector"]``.
+    """
+    settings = head.settings
+    unary = unary_scores(logits, settings)
+    labels, label_mask = targets.labels, targets.label_mask
+    teacher = targets.teacher if objective.self_logit_distillation else None
+    unary_out = dflash_loss(unary, labels, label_mask, objective=objective, teacher_logits=teacher)
+    scored = without_anchor(label_mask)
+    weights = objective_weights(unary, labels, scored, objective=objective)
+    weights = torch.broadcast_to(weights, labels.shape) * scored
+    block = labels.shape[-1]
+    flat = labels.numel()
+    selection = selector_loss(
+        head.candidate_selector,
+        hidden.reshape(flat, hidden.shape[-1]),
+        unary.reshape(flat, unary.shape[-1]),
+        prev.reshape(flat),
+        torch.where(scored, labels, torch.zeros_like(labels)).reshape(flat),
+        weights.reshape(flat),
+        settings.selector_top_k,
+        objective.selector_missing_gold,
+    )
+    hits = selection.chosen_correct.view(-1, block).sum(dim=0).long()
+    return LossOutput(
+        loss=unary_out.loss + objective.selector_loss_alpha * selection.loss,
+        ce=unary_out.ce,
+        per_position_correct=unary_out.per_position_correct,
+        per_position_count=unary_out.per_position_count,
+        weight_sum=unary_out.weight_sum,
+        parts={**unary_out.parts, "selector_ce": selection.loss.detach()},
+        position_correct={"selector": hits},
+    )
+
+
+class DFlash2Modules:
+    """DFlash 2 (module doc)."""
+
+    name = "dflash2"
+
+    def build_head(self, spec: ResolvedDraft) -> KindHead | None:
+        """The candidate selector (:class:`SelectorHead`)."""
+        return SelectorHead(spec)
+
+    def build_layer(self, spec: ResolvedDraft) -> DraftDecoderLayer:
+        """A decoder layer with both convolutions (:class:`DFlash2DecoderLayer`)."""
+        return DFlash2DecoderLayer(spec, settings_of(spec))
+
+    def head_inputs(
+        self, spec: ResolvedDraft, ids: Tensor, anchors: Tensor, embeddings: nn.Module
+    ) -> tuple[Tensor, ...]:
+        """The true token before each position's label, ``[B, N, K]`` (the selector's
+        teacher-forced predecessor; index 1 holds the anchor)."""
+        return (previous_tokens(ids, anchors, spec.block_size, shift=0),)
+
+    def objective(
+        self,
+        head: nn.Module | None,
+        hidden: Tensor,
+        logits: Tensor,
+        head_inputs: Sequence[Tensor],
+        targets: ObjectiveInputs,
+        objective: ObjectivePlan,
+    ) -> LossOutput:
+        """:func:`dflash2_loss`."""
+        (prev,) = head_inputs
+        return dflash2_loss(selector_head(head), hidden, logits, prev, targets, objective)
+
+    def propose(
+        self,
+        head: nn.Module | None,
+        hidden: Tensor,
+        base_logits: Tensor,
+        anchor_tokens: Sequence[int],
+        spec: ResolvedDraft,
+        embeddings: nn.Module,
+    ) -> Tensor:
+        """The selector's greedy path over positions ``1 .. B-1`` (:func:`select_path`), the
+        anchor the first predecessor, as vLLM and SGLang draft."""
+        selector = selector_head(head)
+        first = spec.first_drafting_position
+        unary = unary_scores(base_logits[:, first:], selector.settings)
+        anchors = torch.tensor(list(anchor_tokens), dtype=torch.long, device=hidden.device)
+        return select_path(
+            unary,
+            hidden[:, first:],
+            anchors,
+            selector.settings.selector_top_k,
+            selector.candidate_selector,
+        )
+
+
+MODULES = DFlash2Modules()
 
 
 __all__ = [
+    "MODULES",
     "CandidateSelector",
     "DFlash2DecoderLayer",
-    "DFlash2DraftModel",
+    "DFlash2Modules",
     "DFlash2Settings",
     "GroupedDynamicCausalConv",
     "MissingGold",
+    "SelectorHead",
     "SelectorLoss",
+    "dflash2_loss",
     "edge_scores",
     "select_path",
     "selector_loss",
     "selector_path",
+    "settings_of",
     "unary_scores",
 ]

@@ -25,8 +25,10 @@ from dflash_recipes.executor.kinds.protocol import (
     INIT_STD,
     KindHead,
     check_blocks,
+    plain_layer,
     propose_by_position,
 )
+from dflash_recipes.executor.model.layers import DraftDecoderLayer
 from dflash_recipes.executor.training.anchors import previous_tokens
 from dflash_recipes.executor.training.loss import (
     LossOutput,
@@ -232,6 +234,10 @@ class DSparkModules:
             markov_head_type=spec.markov_head_type,
             shift=spec.label_shift,
         )
+
+    def build_layer(self, spec: ResolvedDraft) -> DraftDecoderLayer:
+        """The DFlash decoder layer."""
+        return plain_layer(spec)
 
     def head_inputs(
         self, spec: ResolvedDraft, ids: Tensor, anchors: Tensor, embeddings: nn.Module

@@ -7,6 +7,9 @@ torch parts in ``dflash_recipes/executor/kinds/<kind>.py`` (a :class:`KindModule
 
 - its modules (:meth:`KindModules.build_head`): a :class:`KindHead` whose submodules the
   drafter registers at its top level, so their keys are the export's (``markov_w1.weight``);
+- its decoder layer (:meth:`KindModules.build_layer`): plain DFlash's
+  :class:`~dflash_recipes.executor.model.layers.DraftDecoderLayer`, or a subclass with what the
+  kind adds inside every layer (DFlash 2's convolutions, ``layers.{i}.attention_conv.*``);
 - what the head reads per block beyond the draft states (:meth:`KindModules.head_inputs`);
 - its objective over one chunk of blocks (:meth:`KindModules.objective`);
 - its greedy proposals in evaluation (:meth:`KindModules.propose`).
@@ -33,6 +36,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from dflash_recipes.executor.model.layers import DraftDecoderLayer
 from dflash_recipes.executor.training.loss import LossOutput, ObjectiveInputs
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import ObjectivePlan
@@ -62,6 +66,11 @@ class KindModules(Protocol):
 
     def build_head(self, spec: ResolvedDraft) -> KindHead | None:
         """The kind's head for `spec` (None: the backbone alone); ValueError if unsized."""
+        ...
+
+    def build_layer(self, spec: ResolvedDraft) -> DraftDecoderLayer:
+        """One decoder layer of the kind's drafter (:func:`plain_layer` for a kind that adds
+        nothing inside the layers)."""
         ...
 
     def head_inputs(
@@ -100,6 +109,12 @@ class KindModules(Protocol):
         draft states ``hidden [R, B, H]`` and backbone logits ``base_logits [R, B, V]``, as the
         serving engine drafts them; ``anchor_tokens[r]`` is row r's anchor token."""
         ...
+
+
+def plain_layer(spec: ResolvedDraft) -> DraftDecoderLayer:
+    """A DFlash decoder layer (attention with KV injection, then the MLP): the layer of every
+    kind that adds nothing inside the layers."""
+    return DraftDecoderLayer(spec)
 
 
 def check_blocks(name: str, tensor: Tensor, hidden: Tensor) -> None:
@@ -147,5 +162,6 @@ __all__ = [
     "KindHead",
     "KindModules",
     "check_blocks",
+    "plain_layer",
     "propose_by_position",
 ]

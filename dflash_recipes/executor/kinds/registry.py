@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dflash_recipes.executor.kinds import dflash, domino, dspark
+from dflash_recipes.executor.kinds import dflash, dflash2, domino, dspark
 from dflash_recipes.executor.kinds.protocol import KindModules
 
 #: projector_type -> the kind's torch half, in the recipe's order.
@@ -19,6 +19,7 @@ KIND_MODULES: Mapping[str, KindModules] = {
         dflash.MODULES,
         domino.MODULES,
         dspark.MODULES,
+        dflash2.MODULES,
     )
 }
 

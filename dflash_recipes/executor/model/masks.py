@@ -292,11 +292,13 @@ def build_flex_block_mask(
     )
 
 
-def _window_keep(q_pos: Tensor, kv_pos: Tensor, window: int) -> Tensor:
+def _window_keep(q_pos: Tensor, kv_pos: Tensor, window: int, causal: bool = True) -> Tensor:
     """``[B, Q, K]``: key position ``p`` may be seen from query position ``t`` iff
-    ``p <= t`` and ``t - p < window`` (the query itself included, as Hugging Face counts)."""
+    ``t - p < window`` (the query itself included, as Hugging Face counts) and, when `causal`,
+    ``p <= t``."""
     diff = q_pos.unsqueeze(-1) - kv_pos.unsqueeze(-2)
-    return (diff >= 0) & (diff < window)
+    keep = diff < window
+    return keep & (diff >= 0) if causal else keep
 
 
 def _tile_matrix(num: Tensor, idx: Tensor, kv_tiles: int) -> Tensor:
@@ -309,7 +311,7 @@ def _tile_matrix(num: Tensor, idx: Tensor, kv_tiles: int) -> Tensor:
 
 
 def _windowed_flex_mask(
-    mask: BlockMask, q_positions: Tensor, kv_positions: Tensor, window: int
+    mask: BlockMask, q_positions: Tensor, kv_positions: Tensor, window: int, causal: bool
 ) -> BlockMask:
     q_len, kv_len = mask.seq_lengths
     q_tile, kv_tile = mask.BLOCK_SIZE
@@ -324,7 +326,8 @@ def _windowed_flex_mask(
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         diff = q_pos[b, q_idx] - kv_pos[b, kv_idx]
-        return base(b, h, q_idx, kv_idx) & (diff >= 0) & (diff < window)
+        keep = base(b, h, q_idx, kv_idx) & (diff < window)
+        return keep & (diff >= 0) if causal else keep
 
     # A tile the full-attention mask fills completely may be cut by the window: every visited
     # tile becomes partial, so the mask_mod decides inside it.
@@ -338,11 +341,17 @@ def _windowed_flex_mask(
 
 
 def sliding_window_mask(
-    mask: DraftMask, q_positions: Tensor, ctx_positions: Tensor, window: int
+    mask: DraftMask,
+    q_positions: Tensor,
+    ctx_positions: Tensor,
+    window: int,
+    *,
+    causal: bool = True,
 ) -> DraftMask:
     """The mask of a ``sliding_attention`` layer: `mask` (any of the three forms) narrowed to
     keys whose position ``p`` satisfies ``p <= t`` and ``t - p < window`` for a query at
-    position ``t``.
+    position ``t``; with ``causal=False`` (DFlash 2, ``is_causal: false``) only ``t - p <
+    window``, so the block stays bidirectional and the window cuts the context alone.
 
     Positions are the RoPE positions the drafter gets (context ``j`` at ``j``, block position
     ``k`` of a block anchored at ``a`` at ``a + k``), which are the key indices of the
@@ -355,16 +364,17 @@ def sliding_window_mask(
         raise ValueError(msg)
     kv_positions = torch.cat([ctx_positions, q_positions], dim=1)
     if isinstance(mask, BlockMask):
-        return _windowed_flex_mask(mask, q_positions, kv_positions, window)
+        return _windowed_flex_mask(mask, q_positions, kv_positions, window, causal)
     if isinstance(mask, SplitBlockMask):
         bs = mask.block_size
         masks = []
         for (first, end, visible), chunk_mask in zip(mask.chunks, mask.masks, strict=True):
             q_pos = q_positions[:, first * bs : end * bs]
             kv_pos = torch.cat([ctx_positions[:, :visible], q_pos], dim=1)
-            masks.append(chunk_mask & _window_keep(q_pos, kv_pos, window).unsqueeze(1))
+            keep = _window_keep(q_pos, kv_pos, window, causal)
+            masks.append(chunk_mask & keep.unsqueeze(1))
         return SplitBlockMask(tuple(masks), bs, mask.chunks)
-    return mask & _window_keep(q_positions, kv_positions, window).unsqueeze(1)
+    return mask & _window_keep(q_positions, kv_positions, window, causal).unsqueeze(1)
 
 
 def build_split_block_mask(

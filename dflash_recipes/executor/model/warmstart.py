@@ -43,6 +43,7 @@ from dflash_recipes.checkpoint.tensor_layout import (
     format_layout_diff,
     format_partial_heads,
     head_presence,
+    head_submodules,
     layout_fixes,
     layout_spec_for,
 )
@@ -262,7 +263,11 @@ def load_init_checkpoint(module: nn.Module, plan: RunPlan) -> WarmStartReport:
     weights = _known_layout(read_checkpoint_weights(directory), error=WarmStartError)
     found = weights.shapes
     from_scratch = _heads_from_scratch(plan, lspec, found)
-    wanted = {n: s for n, s in expected.items() if n.split(".", 1)[0] not in from_scratch}
+    # A submodule's tensors by the kind's grouping: DFlash 2's convolutions live inside the
+    # layers (layers.0.attention_conv.base_kernel belongs to attention_conv).
+    groups = head_submodules(lspec)
+    fresh = {name for module in from_scratch for name in groups.get(module, ())}
+    wanted = {n: s for n, s in expected.items() if n not in fresh}
     diff = compare_layout(wanted, found)
     if not diff.is_empty:
         # The compiler's words (its CHECKPOINT_LAYOUT_MISMATCH message), then the fixes.

@@ -80,6 +80,10 @@ class LossOutput:
     #: a weighted mean (DSpark's weighted confidence BCE); None when there is none. Lets
     #: :func:`combine_losses` rebuild the exact loss of a whole batch from its chunks.
     count_normalized: Tensor | None = None
+    #: ``[K]`` long per name: supervised positions where another choice than the top-1 of
+    #: the final logits equals the label (DFlash 2's ``selector``: its greedy choice among the
+    #: unary top-K from the true previous token), for accuracy beside the unary one.
+    position_correct: Mapping[str, Tensor] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)
@@ -225,6 +229,9 @@ def combine_losses(parts: Sequence[LossOutput]) -> LossOutput:
         parts=named("parts", weighted),
         counted_parts=named("counted_parts", counted),
         count_normalized=count_loss,
+        position_correct=named(
+            "position_correct", lambda values: torch.stack(list(values)).sum(dim=0)
+        ),
     )
 
 
