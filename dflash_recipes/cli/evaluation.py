@@ -94,10 +94,12 @@ def eval_command(
     Reports the acceptance length tau pooled over all verification steps and as the mean
     of per-prompt means (z-lab's benchmark figure), the per-position acceptance rate,
     tokens/s, and checks that the output equals plain greedy decoding of the target
-    (lossless). The target keeps a KV cache cropped to the accepted tokens, so long
-    generations (2k-16k tokens) cost linear time. Greedy only: sampling (temperature > 0)
-    is not supported. --json also records what makes tau comparable (block size,
-    max_new_tokens, chat template and prompt file sha256, thinking mode, number of prompts).
+    (lossless). For DFlash 2 it also measures tau with the head off (the unary argmax path
+    beside the selector's, lossless too), so you see what the selector buys. The target
+    keeps a KV cache cropped to the accepted tokens, so long generations (2k-16k tokens)
+    cost linear time. Greedy only: sampling (temperature > 0) is not supported. --json also
+    records what makes tau comparable (block size, max_new_tokens, chat template and prompt
+    file sha256, thinking mode, number of prompts).
 
     --min-tau X makes it a gate: exit 1 with one line (measured against required) when the
     pooled tau is below X, 0 otherwise. --write-card EXPORT_DIR regenerates that export's
@@ -127,7 +129,12 @@ def eval_command(
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
-        _print_report(report, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        from dflash_recipes.checkpoint.kinds.registry import kind_facts
+
+        head_name = kind_facts(plan.draft.architecture.projector_type).head_name
+        _print_report(
+            report, max_new_tokens=max_new_tokens, batch_size=batch_size, head_name=head_name
+        )
     if write_card is not None:
         from dflash_recipes.card.acceptance import measurement_from_report
         from dflash_recipes.card.writer import write_card_measurement
@@ -174,7 +181,9 @@ def _measured_directory(checkpoint: Path | None, write_card: Path | None) -> Pat
     return write_card
 
 
-def _print_report(report: AcceptanceReport, *, max_new_tokens: int, batch_size: int) -> None:
+def _print_report(
+    report: AcceptanceReport, *, max_new_tokens: int, batch_size: int, head_name: str | None
+) -> None:
     rates = " ".join(f"{r:.2f}" for r in report.per_position_acceptance)
     click.echo(
         f"acceptance length tau, pooled over all verification steps: {report.tau_pooled:.3f} "
@@ -185,11 +194,25 @@ def _print_report(report: AcceptanceReport, *, max_new_tokens: int, batch_size: 
         f"{report.tau_per_prompt_mean:.3f}"
     )
     click.echo(f"head measured: {report.head}, as the serving engine applies it")
+    if report.tau_without_head is not None:
+        head = f"the {head_name} head" if head_name else "the head"
+        gain = report.tau_pooled - report.tau_without_head
+        click.echo(
+            f"acceptance length tau without {head} (the backbone's own argmax), pooled: "
+            f"{report.tau_without_head:.3f}; mean of per-prompt means: "
+            f"{report.tau_without_head_per_prompt_mean or 0.0:.3f} ({head} adds {gain:+.3f})"
+        )
     click.echo(f"per-proposal acceptance (k=1..{len(report.per_position_acceptance)}): {rates}")
     click.echo(
         f"{report.num_prompts} prompts, {report.steps} verification steps, "
         f"{report.tokens} tokens; lossless: {report.lossless}"
     )
+    if report.mismatched_prompts_without_head:
+        click.echo(
+            "with the head off, prompts "
+            f"{', '.join(map(str, report.mismatched_prompts_without_head))} differ from greedy "
+            "decoding of the target"
+        )
     click.echo(
         f"{report.tokens_per_second:.1f} tokens/s (max_new_tokens {max_new_tokens}, "
         f"batch size {batch_size})"

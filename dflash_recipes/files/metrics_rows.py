@@ -105,6 +105,10 @@ class MetricsRow(TypedDict):
     tokens_per_second: float
     #: Gradient norm before clipping, when the trainer measures it.
     grad_norm: NotRequired[float | None]
+    #: DFlash 2: accuracy per block position of the candidate selector's greedy choice among
+    #: the unary top-K from the true previous token (as ``accuracy_by_position`` is the unary
+    #: top-1's), over the same positions.
+    selector_accuracy_by_position: NotRequired[list[float | None]]
 
 
 class EvalMetricsRow(TypedDict):
@@ -135,6 +139,7 @@ def train_row(
     acceptance_length_estimate: float | None,
     tokens_per_second: float,
     grad_norm: float | None = None,
+    selector_accuracy_by_position: Sequence[float | None] | None = None,
 ) -> MetricsRow:
     """A training row with exactly the schema's keys; NaN/inf become None (JSON null)."""
     row: MetricsRow = {
@@ -148,6 +153,10 @@ def train_row(
     }
     if grad_norm is not None:
         row["grad_norm"] = _finite_or_none(grad_norm)
+    if selector_accuracy_by_position is not None:
+        row["selector_accuracy_by_position"] = [
+            _finite_or_none(a) for a in selector_accuracy_by_position
+        ]
     return row
 
 

@@ -86,6 +86,13 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "shift_label": True,
             "pure_draft_prefix_len": 1,
             "markov_head_type": "vanilla",
+            "conv_kernel_size": None,
+            "conv_group_size": None,
+            "selector_rank": None,
+            "selector_top_k": None,
+            "output_multiplier": None,
+            "final_logit_softcapping": None,
+            "input_embedding_scale": None,
         },
         "objective": {
             "num_anchors": 4,
@@ -96,6 +103,8 @@ def _defaults(tmp_path: Path) -> dict[str, dict[str, object]]:
             "domino_backbone_loss_weight": 1.0,
             "dspark_tv_weight": 1.0,
             "dspark_confidence_weight": 0.1,
+            "selector_loss_alpha": 1.0,
+            "selector_missing_gold": "skip",
         },
         "training": {
             "output_dir": str(tmp_path / "out"),

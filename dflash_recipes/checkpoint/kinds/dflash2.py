@@ -61,6 +61,9 @@ DFLASH2_SETTING_INVALID = "dflash2-setting-invalid"
 _ARCH = "dflash_architecture_config"
 _CONVS = ("attention_conv", "mlp_conv")
 _SELECTOR = "candidate_selector"
+#: Top-level keys the other kinds' exports write that a DFlash 2 release has not: ``auto_map``
+#: (remote code) and ``block_size`` (only ``dflash_config.block_size``).
+_NOT_RELEASED = frozenset({"auto_map", "block_size"})
 
 
 def extra_layout(
@@ -264,8 +267,17 @@ class DFlash2Facts:
     def export_config(
         self, draft: HeadSettings, config: dict[str, JsonValue]
     ) -> dict[str, JsonValue]:
-        """The z-lab layout: the DFlash 2 architecture, ``is_causal: false`` and its keys nested
-        in ``dflash_config`` (the optional ones only when set)."""
+        """The z-lab layout of the DFlash 2 releases (docs/dflash.md, "DFlash 2"):
+        ``DFlash2DraftModel``, ``is_causal: false``, and every DFlash key in ``dflash_config``
+        (block size, mask id, taps, the four DFlash 2 keys, the optional ones only when set),
+        where vLLM's loader indexes them.
+
+        Left out, as the releases leave them out: ``auto_map`` (engines load DFlash 2 without
+        remote code, so the export writes no ``dflash.py``), the top-level ``block_size``, and
+        ``dflash_config.projector_type`` (the architecture string is the switch, for engines and
+        for the compiler). ``attention_sink_bias`` is written only when true (no release has
+        sinks).
+        """
         nested: dict[str, JsonValue] = {
             "conv_kernel_size": draft.conv_kernel_size,
             "conv_group_size": draft.conv_group_size,
@@ -279,8 +291,17 @@ class DFlash2Facts:
         ):
             if value is not None:
                 nested[key] = value
-        result = with_kind_fields(config, nested=nested)
-        result["architectures"] = [ARCHITECTURE]
+        result = {
+            key: value
+            for key, value in with_kind_fields(config, nested=nested).items()
+            if key not in _NOT_RELEASED
+        }
+        dflash = result.get("dflash_config")
+        if isinstance(dflash, dict):  # a copy (with_kind_fields): the caller's is untouched
+            dflash.pop("projector_type", None)
+            if dflash.get("attention_sink_bias") is not True:
+                dflash.pop("attention_sink_bias", None)
+        pass
         result["is_causal"] = False
         return result
 

@@ -6,7 +6,10 @@
 (pooled: the mean over every verification step of every prompt; per-prompt mean: the mean of
 each prompt's own tau, the figure z-lab's benchmark publishes), the per-position acceptance rate and
 tokens/s, and checks that every output equals the target's plain greedy decoding
-(``lossless``). :func:`run_eval` loads the target, the drafter weights and the prompts from a
+(``lossless``). For a kind whose facts ask for it (``KindFacts.eval_without_head``: DFlash 2)
+it measures the same prompts a second time with the head switched off (the backbone's argmax,
+DFlash 2's unary path beside the selector's), so the report shows what the head buys.
+:func:`run_eval` loads the target, the drafter weights and the prompts from a
 plan and a checkpoint directory, and records what makes its tau comparable
 (:class:`~dflash_recipes.executor.evaluation.eval_settings.EvalSettings`).
 
@@ -31,6 +34,7 @@ import attrs
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.data.conversations import Conversation, read_conversations
 from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError
@@ -47,7 +51,13 @@ from dflash_recipes.executor.evaluation.prompt_files import (
     read_json_prompts,
     read_parquet_prompts,
 )
-from dflash_recipes.executor.evaluation.speculative import BlockDrafter, is_greedy_decoding
+from dflash_recipes.executor.evaluation.speculative import (
+    BlockDrafter,
+    DFlashBlockDrafter,
+    SpecResult,
+    as_block_drafter,
+    is_greedy_decoding,
+)
 from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer, torch_dtype
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.weights import load_drafter_weights
@@ -97,6 +107,16 @@ class AcceptanceReport(Record):
     #: Proposals per verification step (B - 1, or B for a head with shift_label); tau is at
     #: most one more.
     drafted_tokens: int | None = None
+    #: Pooled tau of the same prompts drafted with the head switched off (the backbone's own
+    #: argmax; DFlash 2: the unary argmax path instead of the selector's); ``tau`` minus this is
+    #: what the head buys. None when not measured: the kind's ``eval_without_head`` is false,
+    #: or the drafter was a bare BlockDrafter, whose head cannot be switched off.
+    tau_without_head: float | None = None
+    #: The mean of per-prompt taus of that head-off measurement (None when not measured).
+    tau_without_head_per_prompt_mean: float | None = None
+    #: Indices of prompts whose head-off output differed from greedy (also make ``lossless``
+    #: false); empty when lossless or not measured.
+    mismatched_prompts_without_head: list[int] = attrs.field(factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -136,6 +156,9 @@ class AcceptanceReport(Record):
             "settings": self.settings.to_dict() if self.settings is not None else None,
             "head": self.head,
             "drafted_tokens": self.drafted_tokens,
+            "tau_without_head": self.tau_without_head,
+            "tau_without_head_per_prompt_mean": self.tau_without_head_per_prompt_mean,
+            "mismatched_prompts_without_head": list(self.mismatched_prompts_without_head),
         }
 
 
@@ -175,6 +198,13 @@ def evaluate_acceptance(
     taus do not depend on it. Safe to call during training: modules are put in eval mode for
     the measurement and their previous mode is restored. Pass the bare drafter, not a
     DDP/FSDP wrapper. DataError when a prompt does not fit the target's positions.
+
+    When the kind's ``eval_without_head`` is true and `drafter` is a module (or its
+    :class:`DFlashBlockDrafter`), the prompts run a second time with the head off
+    (``tau_without_head``); ``generation_seconds`` times the head path only. That path must be
+    lossless too: an output equal to the head path's shares its verdict, any other gets its
+    own greedy check, and a mismatch makes ``lossless`` false
+    (``mismatched_prompts_without_head``).
     """
     if not prompts:
         msg = "no prompts to evaluate acceptance on"
@@ -197,29 +227,53 @@ def evaluate_acceptance(
     per_prompt: list[float] = []
     tokens = 0
     mismatched: list[int] = []
-    seconds = 0.0
-    try:
-        results = []
+    headless: _Taus | None = None
+    mismatched_headless: list[int] = []
+
+    def generate(block_drafter: nn.Module | BlockDrafter) -> tuple[list[SpecResult], float]:
+        results: list[SpecResult] = []
+        seconds = 0.0
         for first in range(0, len(prompts), batch_size):
             started = time.perf_counter()
             results += speculative_generate_batch(
                 target,
-                drafter,
+                block_drafter,
                 spec,
                 prompts[first : first + batch_size],
                 max_new_tokens=max_new_tokens,
                 eos_token_id=eos_token_id,
             )
             seconds += time.perf_counter() - started
+        return results, seconds
+
+    def greedy(prompt: Sequence[int], result: SpecResult) -> bool:
+        # One teacher-forced target pass checks the output against greedy decoding.
+        return is_greedy_decoding(target, prompt, result.tokens, max_new_tokens, eos_token_id)
+
+    try:
+        results, seconds = generate(drafter)
         for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
-            # One teacher-forced target pass checks the output against greedy decoding.
-            if not is_greedy_decoding(target, prompt, result.tokens, max_new_tokens, eos_token_id):
+            if not greedy(prompt, result):
                 mismatched.append(index)
             taus.extend(result.accepted_per_step)
             steps = result.accepted_per_step
             if steps:  # a generation that ended at the prefill has no tau
                 per_prompt.append(sum(steps) / len(steps))
             tokens += len(result.tokens)
+        if _measures_without_head(drafter, spec):
+            off, _ = generate(as_block_drafter(drafter, target, spec, use_head=False))
+            for index, (prompt, result, head_result) in enumerate(
+                zip(prompts, off, results, strict=True)
+            ):
+                # Greedy decoding has one output: the head path's verdict holds for the same
+                # tokens, so only an output that differs costs a target pass.
+                if result.tokens == head_result.tokens:
+                    wrong = index in mismatched
+                else:
+                    wrong = not greedy(prompt, result)
+                if wrong:
+                    mismatched_headless.append(index)
+            headless = _Taus.of(off)
     finally:
         for module, mode in modes.items():
             module.training = mode
@@ -230,7 +284,7 @@ def evaluate_acceptance(
         reached_per_position=reached,
         steps=len(taus),
         tokens=tokens,
-        lossless=not mismatched,
+        lossless=not mismatched and not mismatched_headless,
         block_size=spec.block_size,
         num_prompts=len(prompts),
         mismatched_prompts=mismatched,
@@ -240,7 +294,38 @@ def evaluate_acceptance(
         settings=settings,
         head=spec.head_description,
         drafted_tokens=spec.drafted_tokens,
+        tau_without_head=None if headless is None else headless.pooled,
+        tau_without_head_per_prompt_mean=None if headless is None else headless.per_prompt_mean,
+        mismatched_prompts_without_head=mismatched_headless,
     )
+
+
+def _measures_without_head(drafter: nn.Module | BlockDrafter, spec: ResolvedDraft) -> bool:
+    """Whether the kind asks for tau with its head off and `drafter`'s head can be switched off
+    (a module's, not an arbitrary :class:`BlockDrafter`'s)."""
+    switchable = isinstance(drafter, nn.Module | DFlashBlockDrafter)
+    return switchable and kind_facts(spec.projector_type).eval_without_head
+
+
+@attrs.frozen
+class _Taus:
+    """Pooled tau and the mean of per-prompt taus of one measurement's results."""
+
+    pooled: float
+    per_prompt_mean: float
+
+    @classmethod
+    def of(cls, results: Sequence[SpecResult]) -> _Taus:
+        steps = [tau for result in results for tau in result.accepted_per_step]
+        own = [
+            sum(r.accepted_per_step) / len(r.accepted_per_step)
+            for r in results
+            if r.accepted_per_step
+        ]
+        return cls(
+            pooled=sum(steps) / len(steps) if steps else 0.0,
+            per_prompt_mean=sum(own) / len(own) if own else 0.0,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

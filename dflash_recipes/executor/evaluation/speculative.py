@@ -88,6 +88,10 @@ class DFlashBlockDrafter:
     proposed for positions ``< k`` as its prefix, exactly as in training, where the prefix
     holds the real tokens. The drafter must be on the target's device; dtypes may differ (a
     float32 drafter next to a bfloat16 target).
+
+    ``use_head=False`` switches the head off: the proposals are the backbone logits' argmax at
+    the drafting positions, as plain DFlash drafts (DFlash 2: the unary argmax path instead of
+    the selector's), so evaluation can show what the head buys (``KindFacts.eval_without_head``).
     """
 
     def __init__(
@@ -96,11 +100,14 @@ class DFlashBlockDrafter:
         embed_tokens: nn.Module,
         lm_head: nn.Module,
         spec: ResolvedDraft,
+        *,
+        use_head: bool = True,
     ) -> None:
         self.model = model
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.spec = spec
+        self.use_head = use_head
 
     def _dtype(self) -> torch.dtype:
         return self.model.fc.weight.dtype
@@ -165,9 +172,13 @@ class DFlashBlockDrafter:
 
         ``spec.drafted_tokens`` per row: positions ``1 .. B-1`` (plain DFlash, or a head without
         shift_label), positions ``0 .. B-1`` with it. Domino's first ``pure_draft_prefix_len``
-        proposals are the backbone's; the head corrects the rest.
+        proposals are the backbone's; the head corrects the rest. With the head off
+        (``use_head=False``) every proposal is the backbone's argmax.
         """
         base_logits = self._logits(hidden)
+        if not self.use_head:
+            backbone = base_logits[:, self.spec.first_drafting_position :].argmax(dim=-1)
+            return [[int(t) for t in row] for row in backbone.tolist()]
         kind = kind_modules(self.spec.projector_type)
         proposals = kind.propose(
             self.model.head, hidden, base_logits, anchor_tokens, self.spec, self.embed_tokens
@@ -181,13 +192,41 @@ class DFlashBlockDrafter:
 
 
 def as_block_drafter(
-    drafter: nn.Module | BlockDrafter, target: PreTrainedModel, spec: ResolvedDraft
+    drafter: nn.Module | BlockDrafter,
+    target: PreTrainedModel,
+    spec: ResolvedDraft,
+    *,
+    use_head: bool | None = None,
 ) -> BlockDrafter:
     """A :class:`BlockDrafter` as is; a drafter module (or a converted model holding one)
-    wrapped with the target's embeddings and lm_head."""
+    wrapped with the target's embeddings and lm_head, its head on.
+
+    `use_head` True or False switches a module's head on or off (a
+    :class:`DFlashBlockDrafter` is rewrapped, not changed); None leaves a BlockDrafter as it
+    drafts. ValueError for ``use_head=False`` with a BlockDrafter that is not a module's: only a
+    drafter module's head can be switched off.
+    """
+    if isinstance(drafter, DFlashBlockDrafter):
+        if use_head is None or drafter.use_head == use_head:
+            return drafter
+        return DFlashBlockDrafter(
+            drafter.model, drafter.embed_tokens, drafter.lm_head, drafter.spec, use_head=use_head
+        )
     if isinstance(drafter, BlockDrafter):
+        if use_head is False:
+            msg = (
+                f"use_head=False needs a drafter module; {type(drafter).__name__} drafts as it "
+                "does, with no head to switch off"
+            )
+            raise ValueError(msg)
         return drafter
-    return DFlashBlockDrafter(dflash_module(drafter), embed_tokens(target), lm_head(target), spec)
+    return DFlashBlockDrafter(
+        dflash_module(drafter),
+        embed_tokens(target),
+        lm_head(target),
+        spec,
+        use_head=use_head is not False,
+    )
 
 
 def _device_of(module: nn.Module) -> torch.device:

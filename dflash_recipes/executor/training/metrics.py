@@ -59,12 +59,16 @@ class MetricWindow:
         self._count: Tensor | None = None
         self._tokens: Tensor | None = None
         self._grad_norm: Tensor | None = None
+        self._named: dict[str, Tensor] = {}
         self.loss_sum = 0.0
         #: The supervised weight the window's losses were weighted by (loss_sum / weight_sum
         #: is its loss).
         self.weight_sum = 0.0
         self.correct = torch.zeros(self.block_size, dtype=torch.long)
         self.count = torch.zeros(self.block_size, dtype=torch.long)
+        #: Per-position hits of the objective's other choices (``LossOutput.position_correct``:
+        #: DFlash 2's ``selector``), over the same supervised positions as :attr:`count`.
+        self.named_correct: dict[str, Tensor] = {}
         self.tokens = 0
         self.grad_norm: float | None = None
         self.started = self._clock()
@@ -96,6 +100,8 @@ class MetricWindow:
         self._correct = _accumulate(self._correct, out.per_position_correct.detach())
         self._count = _accumulate(self._count, out.per_position_count.detach())
         self._tokens = _accumulate(self._tokens, tokens)
+        for name, hits in out.position_correct.items():
+            self._named[name] = _accumulate(self._named.get(name), hits.detach())
 
     def settle(self) -> None:
         """Bring the accumulated tensors to Python numbers (the one host sync of a window)."""
@@ -105,6 +111,7 @@ class MetricWindow:
         if self._correct is not None and self._count is not None:
             self.correct = self._correct.cpu().long()
             self.count = self._count.cpu().long()
+        self.named_correct = {name: hits.cpu().long() for name, hits in self._named.items()}
         if self._tokens is not None:
             self.tokens = int(self._tokens)
         if self._grad_norm is not None:
@@ -132,6 +139,12 @@ def log_train_window(
     first = 1 - window.shift  # the first drafting position (0 with the label shift)
     tau = estimated_acceptance_length(acc, shift=window.shift)
     tokens_per_second = tokens / max(1e-9, window.elapsed())
+    selector: list[float | None] | None = None
+    hits = window.named_correct.get("selector")
+    if hits is not None:  # DFlash 2's selector (LossOutput.position_correct)
+        reduced = all_reduce_sum(hits.to(env.device).float(), env).cpu()
+        rates = per_position_accuracy(reduced.long(), count.long())
+        selector = [None if k < first else a for k, a in enumerate(rates)]
     row = train_row(
         step=step,
         loss=loss_mean,
@@ -142,6 +155,7 @@ def log_train_window(
         acceptance_length_estimate=tau,
         tokens_per_second=tokens_per_second,
         grad_norm=window.grad_norm,
+        selector_accuracy_by_position=selector,
     )
     if is_main(env):
         trackers.log_row(row)
@@ -155,7 +169,7 @@ def progress_line(row: Mapping[str, object]) -> str:
 
     ``acc[k..]`` lists the accuracy of each drafting position from the first one (1, or 0 for
     a head with the label shift: the row's leading nulls are the positions that draft
-    nothing). ``train-batch tau~`` is the estimate from this window's training batches, not
+    nothing); a DFlash 2 row adds ``selector[1..]``, its selector's accuracy. ``train-batch tau~`` is the estimate from this window's training batches, not
     acceptance measured by drafting on held-out prompts (the ``eval`` rows).
     """
     raw = row.get("accuracy_by_position")
@@ -164,9 +178,14 @@ def progress_line(row: Mapping[str, object]) -> str:
     while first < len(accs) and accs[first] is None:
         first += 1
     shown = " ".join(_figure(a, ".2f") for a in accs[first:])
+    raw_selector = row.get("selector_accuracy_by_position")
+    selector = ""
+    if isinstance(raw_selector, (list, tuple)):
+        picked = " ".join(_figure(a, ".2f") for a in list(raw_selector)[first:])
+        selector = f"selector[{first}..] {picked} "
     return (
         f"step {row.get('step')} loss {_figure(row.get('loss'), '.4f')} "
-        f"lr {_figure(row.get('lr'), '.3g')} acc[{first}..] {shown} "
+        f"lr {_figure(row.get('lr'), '.3g')} acc[{first}..] {shown} {selector}"
         f"train-batch tau~{_figure(row.get(KEY_ACCEPTANCE_LENGTH_ESTIMATE), '.2f')} "
         f"tok/s {_figure(row.get('tokens_per_second'), '.0f')}"
     )

@@ -15,10 +15,12 @@ import torch
 from testkit.tiny import randomize, tiny_plan
 from torch import Tensor
 
+from dflash_recipes.executor.kinds.dflash import dflash_loss
 from dflash_recipes.executor.kinds.dflash2 import (
+    MODULES,
     CandidateSelector,
-    DFlash2DraftModel,
     DFlash2Settings,
+    SelectorHead,
     GroupedDynamicCausalConv,
     edge_scores,
     select_path,
@@ -27,8 +29,12 @@ from dflash_recipes.executor.kinds.dflash2 import (
     unary_scores,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.model.warmstart import load_init_checkpoint
+from dflash_recipes.plan.parts import InitCheckpointPlan
 from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.executor.training.anchors import block_positions
+from dflash_recipes.executor.training.loss import ObjectiveInputs, combine_losses
 
 BLOCK = 4
 CTX = 14
@@ -133,9 +139,19 @@ def _forward(model: DFlashDraftModel, embeds: Tensor, context: Tensor) -> Tensor
     return out
 
 
-def _model(tmp_path: Path, seed: int = 0) -> DFlash2DraftModel:
-    plan = tiny_plan(tmp_path, block_size=BLOCK, rope_theta=10_000.0)
-    model = DFlash2DraftModel(plan.resolved_draft(), SETTINGS)
+#: The tiny plan's DFlash 2 fields (SETTINGS).
+D2_FIELDS: dict[str, object] = {
+    "projector_type": "dflash2",
+    "conv_kernel_size": SETTINGS.conv_kernel_size,
+    "conv_group_size": SETTINGS.conv_group_size,
+    "selector_rank": SETTINGS.selector_rank,
+    "selector_top_k": SETTINGS.selector_top_k,
+}
+
+
+def _model(tmp_path: Path, seed: int = 0) -> DFlashDraftModel:
+    plan = tiny_plan(tmp_path, block_size=BLOCK, rope_theta=10_000.0, **D2_FIELDS)
+    model = DFlashDraftModel(plan.resolved_draft())
     randomize(model, seed)
     return model
 
@@ -273,13 +289,26 @@ def test_unary_scores_multiplier_and_softcap() -> None:
 # --- DFlash 1 -> DFlash 2 at step 0 ------------------------------------------------------------
 
 
-def test_a_dflash2_drafter_from_a_dflash1_one_computes_exactly_the_same(tmp_path: Path) -> None:
-    plan = tiny_plan(tmp_path, block_size=BLOCK, rope_theta=10_000.0)
+def test_a_dflash2_drafter_warm_started_from_a_dflash1_one_computes_exactly_the_same(
+    tmp_path: Path,
+) -> None:
+    """The real warm start: a DFlash 1 export loads into the DFlash 2 backbone, the new parts
+    start as the identity and a zero successor codebook, and the outputs are equal bit for bit."""
+    plan = tiny_plan(tmp_path / "d1", block_size=BLOCK, rope_theta=10_000.0)
     dflash = DFlashDraftModel(plan.resolved_draft())
     randomize(dflash, seed=4)
-    model = DFlash2DraftModel.from_dflash(
-        dflash, SETTINGS, generator=torch.Generator().manual_seed(0)
+    export_drafter(dflash, plan, tmp_path / "export", dtype="float32")
+    init = InitCheckpointPlan(
+        path=str(tmp_path / "export"),
+        heads_from_scratch=("attention_conv", "mlp_conv", "candidate_selector"),
     )
+    plan2 = tiny_plan(
+        tmp_path / "d2", block_size=BLOCK, rope_theta=10_000.0, init_checkpoint=init, **D2_FIELDS
+    )
+    torch.manual_seed(0)
+    model = DFlashDraftModel(plan2.resolved_draft())
+    report = load_init_checkpoint(model, plan2)
+    assert report.tensors_loaded == len(dflash.state_dict())
     for name, tensor in dflash.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
     embeds, context, _, _ = _inputs(dflash.spec.hidden_size)
@@ -291,15 +320,29 @@ def test_a_dflash2_drafter_from_a_dflash1_one_computes_exactly_the_same(tmp_path
     # unary gaps made tiny, so any pair term the fresh selector added would change the path
     unary = unary_scores(slots @ lm_head.T, SETTINGS) * 1e-6
     anchors = torch.arange(slots.shape[0]) % dflash.spec.vocab_size
-    path = select_path(unary, slots, anchors, SETTINGS.selector_top_k, model.candidate_selector)
+    selector = model.candidate_selector
+    assert isinstance(selector, CandidateSelector)
+    path = select_path(unary, slots, anchors, SETTINGS.selector_top_k, selector)
     assert torch.equal(path, unary.argmax(-1))
-    assert not torch.equal(model.candidate_selector.predecessor_codebook, torch.zeros(1))
+    assert not torch.equal(selector.predecessor_codebook, torch.zeros(1))
 
 
-def test_from_dflash_refuses_a_drafter_with_a_head(tmp_path: Path) -> None:
-    plan = tiny_plan(tmp_path, projector_type="dspark", markov_rank=4)
-    with pytest.raises(ValueError, match="do not fit a DFlash 2 backbone"):
-        DFlash2DraftModel.from_dflash(DFlashDraftModel(plan.resolved_draft()), SETTINGS)
+def test_a_fresh_dflash2_drafter_has_identity_convolutions_and_a_zero_successor_codebook(
+    tmp_path: Path,
+) -> None:
+    """The drafter's own initialisation draws every linear from a normal; the kind's layers then
+    reset their convolutions to the identity (a projection left random would not be)."""
+    plan = tiny_plan(tmp_path, block_size=BLOCK, **D2_FIELDS)
+    model = DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(3))
+    state = model.state_dict()
+    for i in range(model.spec.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert not state[f"layers.{i}.{conv}.kernel_projection.weight"].any()
+            base = state[f"layers.{i}.{conv}.base_kernel"]
+            assert base[:, 0].eq(1).all() and not base[:, 1:].any()
+    assert not state["candidate_selector.successor_codebook"].any()
+    assert state["candidate_selector.predecessor_codebook"].std() > 0.01
+    assert state["layers.0.self_attn.q_proj.weight"].std() > 0.01
 
 
 # --- the selector's loss -----------------------------------------------------------------------
@@ -358,3 +401,139 @@ def test_selector_loss_ignores_unweighted_positions_and_trains_the_selector() ->
     assert sel.successor_codebook.grad is not None and sel.successor_codebook.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="skip or inject"):
         selector_loss(sel, hidden, unary, prev, gold, torch.ones(3), 2, "insert")  # type: ignore[arg-type]
+
+
+# --- the kind's objective: unary + alpha x selector ----------------------------------------------
+
+
+def _objective_case(
+    tmp_path: Path, **fields: object
+) -> tuple[SelectorHead, Tensor, Tensor, Tensor, ObjectiveInputs]:
+    """A tiny DFlash 2 head (a random selector, successor codebook included) and one chunk
+    [B 2, n 3, K 4]."""
+    plan = tiny_plan(tmp_path, block_size=BLOCK, **{**D2_FIELDS, **fields})
+    model = DFlashDraftModel(plan.resolved_draft())
+    head = model.head
+    assert isinstance(head, SelectorHead)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # pair terms as large as the unary gaps
+        for param in head.candidate_selector.parameters():
+            param.normal_(std=1.0, generator=gen)
+    spec = model.spec
+    hidden = torch.randn(2, 3, BLOCK, spec.hidden_size, generator=gen)
+    logits = torch.randn(2, 3, BLOCK, spec.vocab_size, generator=gen) * 3
+    ids = torch.randint(0, spec.vocab_size, (2, 20), generator=gen)
+    anchors = torch.tensor([[2, 8, 14], [0, 5, 16]])
+    labels = torch.stack([ids[b, anchors[b, :, None] + torch.arange(BLOCK)] for b in range(2)])
+    label_mask = torch.ones_like(labels, dtype=torch.bool)
+    label_mask[1, 2, 2:] = False  # the end of a sequence
+    labels = torch.where(label_mask, labels, -100)
+    (prev,) = MODULES.head_inputs(spec, ids, anchors, torch.nn.Embedding(1, 1))
+    targets = ObjectiveInputs(labels, label_mask, None, step=0, total_steps=1)
+    return head, hidden, logits, prev, targets
+
+
+def test_the_objective_is_the_unary_loss_plus_alpha_times_the_selector_loss(
+    tmp_path: Path,
+) -> None:
+    head, hidden, logits, prev, targets = _objective_case(
+        tmp_path, output_multiplier=0.5, final_logit_softcapping=4.0
+    )
+    objective = tiny_plan(tmp_path, selector_loss_alpha=0.25).draft.objective
+    out = MODULES.objective(head, hidden, logits, (prev,), targets, objective)
+    # the unary term: plain DFlash's loss of the unary scores (multiplier and soft cap applied)
+    unary = unary_scores(logits, head.settings)
+    plain = dflash_loss(unary, targets.labels, targets.label_mask, objective=objective)
+    assert float(out.ce) == pytest.approx(float(plain.ce))
+    assert not torch.isclose(
+        plain.ce, dflash_loss(logits, targets.labels, targets.label_mask, objective=objective).ce
+    )
+    # the selector term, on the scored positions (k >= 1, supervised), DFlash's decay weights
+    scored = targets.label_mask.clone()
+    scored[..., 0] = False
+    weights = torch.exp(-(torch.arange(BLOCK) - 1) / objective.loss_decay_factor)
+    w = torch.broadcast_to(weights, scored.shape)[scored]
+    # the predecessor of position k is the label of position k - 1 (k = 1: the anchor)
+    assert torch.equal(
+        prev[..., 1:][scored[..., 1:]],
+        targets.labels[..., :-1][scored[..., 1:]],
+    )
+    sel = selector_loss(
+        head.candidate_selector,
+        hidden[scored],
+        unary[scored],
+        prev[scored],
+        targets.labels[scored],
+        w,
+        SETTINGS.selector_top_k,
+    )
+    assert float(out.parts["selector_ce"]) == pytest.approx(float(sel.loss.detach()))
+    assert float(out.loss.detach()) == pytest.approx(float(plain.loss) + 0.25 * float(sel.loss.detach()))
+    assert int(out.position_correct["selector"].sum()) == int(sel.correct)
+    assert int(out.position_correct["selector"][0]) == 0  # the anchor is never scored
+
+
+def test_the_objective_combines_over_chunks_exactly_and_trains_the_selector(
+    tmp_path: Path,
+) -> None:
+    head, hidden, logits, prev, targets = _objective_case(tmp_path)
+    objective = tiny_plan(tmp_path, loss_objective="dpace").draft.objective
+    hidden.requires_grad_(True)
+    whole = MODULES.objective(head, hidden, logits, (prev,), targets, objective)
+    parts = []
+    for first, end in ((0, 1), (1, 3)):
+        chunk = ObjectiveInputs(
+            targets.labels[:, first:end], targets.label_mask[:, first:end], None, 0, 1
+        )
+        parts.append(
+            MODULES.objective(
+                head,
+                hidden[:, first:end],
+                logits[:, first:end],
+                (prev[:, first:end],),
+                chunk,
+                objective,
+            )
+        )
+    combined = combine_losses(parts)
+    torch.testing.assert_close(combined.loss, whole.loss)
+    torch.testing.assert_close(combined.parts["selector_ce"], whole.parts["selector_ce"])
+    assert torch.equal(combined.position_correct["selector"], whole.position_correct["selector"])
+    whole.loss.backward()
+    grad = head.candidate_selector.successor_codebook.grad
+    assert grad is not None and grad.abs().sum() > 0
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_alpha_zero_leaves_the_unary_loss_and_no_selector_gradient(tmp_path: Path) -> None:
+    head, hidden, logits, prev, targets = _objective_case(tmp_path)
+    objective = tiny_plan(tmp_path, selector_loss_alpha=0.0).draft.objective
+    out = MODULES.objective(head, hidden, logits, (prev,), targets, objective)
+    plain = dflash_loss(logits, targets.labels, targets.label_mask, objective=objective)
+    torch.testing.assert_close(out.loss, plain.loss)
+    assert float(out.parts["selector_ce"]) > 0  # still measured
+    out.loss.backward()
+    grad = head.candidate_selector.successor_codebook.grad
+    assert grad is None or not grad.any()
+
+
+def test_proposals_are_the_selectors_greedy_path_from_the_anchor(tmp_path: Path) -> None:
+    head, hidden, logits, _, _ = _objective_case(tmp_path)
+    spec = tiny_plan(tmp_path, block_size=BLOCK, **D2_FIELDS).resolved_draft()
+    rows_hidden, rows_logits = hidden[0], logits[0]  # three blocks as three rows
+    anchors = [7, 11, 2]
+    got = MODULES.propose(head, rows_hidden, rows_logits, anchors, spec, torch.nn.Embedding(1, 1))
+    sel = head.candidate_selector
+    for r in range(3):
+        expected = selector_path(
+            unary_scores(rows_logits[r, 1:], head.settings),
+            rows_hidden[r, 1:],
+            anchors[r],
+            SETTINGS.selector_top_k,
+            sel.hidden_projection.weight,
+            sel.predecessor_codebook,
+            sel.successor_codebook,
+        )
+        assert got[r].tolist() == expected
+    # the random successor codebook changes at least one proposal against the unary argmax
+    assert not torch.equal(got, rows_logits[:, 1:].argmax(-1))

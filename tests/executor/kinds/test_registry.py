@@ -17,7 +17,7 @@ from dflash_recipes.executor.model.warmstart import layout_spec
 from dflash_recipes.recipe.choices import PROJECTOR_TYPES
 
 #: The kinds this version trains: their torch half is registered (a kind whose facts say
-#: ``trains = False``, DFlash 2 today, is refused at compile with ``<name>-not-yet``).
+#: ``trains = False`` is refused at compile with ``<name>-not-yet``; every kind trains today).
 TRAINED = tuple(name for name in PROJECTOR_TYPES if KINDS[name].trains)
 
 #: A tiny drafter of each kind, with every optional part of its head switched on.
@@ -25,6 +25,12 @@ SIZED: dict[str, dict[str, object]] = {
     "dflash": {},
     "domino": {"emb_dim": 16, "gru_hidden_dim": 8},
     "dspark": {"markov_rank": 4, "use_confidence_head": True, "markov_head_type": "rnn"},
+    "dflash2": {
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 4,
+        "selector_top_k": 4,
+    },
 }
 
 
@@ -33,7 +39,7 @@ def test_the_registry_holds_exactly_the_recipes_projector_types_in_order() -> No
     assert tuple(KINDS) == PROJECTOR_TYPES
     assert all(kind.name == name for name, kind in KIND_MODULES.items())
     assert set(SIZED) == set(TRAINED)
-    with pytest.raises(ValueError, match="projector_type must be one of dflash, domino, dspark"):
+    with pytest.raises(ValueError, match="projector_type must be one of dflash, domino, dspark, dflash2"):
         kind_modules("medusa")
 
 
