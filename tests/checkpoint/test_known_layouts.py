@@ -239,11 +239,14 @@ def test_the_released_dflash2_drafter_is_read_whole_under_projector_type_dflash2
     tmp_path: Path, make_recipe: RecipeFactory
 ) -> None:
     # z-lab's verbatim Muse-Glimmer-30B-DFlash2 config and 81-tensor header: every tensor and
-    # DFlash 2 field accounted for; only the executor's missing DFlash 2 training stops it
+    # DFlash 2 field accounted for, the whole drafter warm-starts (nothing from scratch)
     write_target(tmp_path / "target")
     write_dflash2_checkpoint(tmp_path / "released")
     result = compile_in(tmp_path, _released_recipe(make_recipe, projector_type="dflash2"))
-    assert [d.code for d in result.errors] == ["dflash2-not-yet"]
+    assert [d.code for d in result.errors] == []
+    assert result.plan is not None and result.plan.init_checkpoint is not None
+    assert result.plan.init_checkpoint.tensor_count == 81
+    assert result.plan.init_checkpoint.heads_from_scratch == ()
     assert not [d for d in result.diagnostics if d.severity is Severity.WARNING]
     taken = {
         d.path.rsplit(".", 1)[1]: d.message

@@ -145,3 +145,86 @@ def test_write_card_refuses_another_directory_or_an_export_without_card(
     assert f"cannot write the card of {bare}: it has no card data" in refused.stderr
     neither = _eval(exported)
     assert neither.exit_code == 2 and "pass --checkpoint DIR" in neither.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# eval of a DFlash 2 drafter: tau with the selector and without it (the unary argmax path)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported_dflash2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(plan.json, export, prompts) of a tiny random target and DFlash 2 drafter whose
+    successor codebook is not zero (so the selector decides)."""
+    import attrs
+    import torch
+    from testkit.tiny import randomize, tiny_plan, tiny_target
+
+    from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+    from dflash_recipes.executor.model.draft import DFlashDraftModel
+    from dflash_recipes.executor.model.export import export_drafter
+
+    root = tmp_path_factory.mktemp("dflash2")
+    tokenizer = build_tiny_tokenizer(PROMPTS, vocab_size=300)
+    plan = tiny_plan(
+        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
+    )
+    architecture = attrs.evolve(
+        plan.draft.architecture,
+        projector_type="dflash2",
+        conv_kernel_size=2,
+        conv_group_size=8,
+        selector_rank=4,
+        selector_top_k=4,
+    )
+    plan = attrs.evolve(plan, draft=attrs.evolve(plan.draft, architecture=architecture))
+    target = tiny_target(plan)
+    randomize(target, seed=4)
+    target.save_pretrained(plan.base_model.path)
+    tokenizer.save_pretrained(plan.base_model.path)
+    drafter = DFlashDraftModel(plan.resolved_draft())
+    randomize(drafter, 2)
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.normal_(
+            std=1.0, generator=torch.Generator().manual_seed(2)
+        )
+    export_drafter(drafter, plan, root / "export")
+    plan_file = root / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    prompts = root / "bench.json"
+    prompts.write_text(json.dumps(PROMPTS), encoding="utf-8")
+    return plan_file, root / "export", prompts
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eval_of_dflash2_prints_tau_without_the_selector(
+    exported_dflash2: tuple[Path, Path, Path],
+) -> None:
+    export = str(exported_dflash2[1])
+    measured = _eval(exported_dflash2, "--checkpoint", export, "--json")
+    assert measured.exit_code == 0, measured.output
+    report = json.loads(measured.stdout)
+    assert report["lossless"] is True and report["mismatched_prompts_without_head"] == []
+    without = report["tau_without_head"]
+    assert isinstance(without, float) and 1.0 <= without <= report["drafted_tokens"] + 1
+    assert isinstance(report["tau_without_head_per_prompt_mean"], float)
+    shown = _eval(exported_dflash2, "--checkpoint", export)
+    assert shown.exit_code == 0, shown.output
+    line = (
+        "acceptance length tau without the dflash2 head (the backbone's own argmax), pooled: "
+        f"{without:.3f}; mean of per-prompt means: "
+        f"{report['tau_without_head_per_prompt_mean']:.3f} "
+        f"(the dflash2 head adds {report['tau'] - without:+.3f})"
+    )
+    assert line in shown.stdout.splitlines()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eval_of_a_kind_without_the_head_off_figure_prints_no_such_line(
+    exported: tuple[Path, Path, Path],
+) -> None:
+    shown = _eval(exported, "--checkpoint", str(exported[1]))
+    assert shown.exit_code == 0, shown.output
+    assert "without the" not in shown.stdout
+    measured = json.loads(_eval(exported, "--checkpoint", str(exported[1]), "--json").stdout)
+    assert measured["tau_without_head"] is None

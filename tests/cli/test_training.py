@@ -212,3 +212,74 @@ def test_run_prints_the_held_out_tau_first_and_warns_when_far_below_the_estimate
     lines = result.stderr.strip().splitlines()
     assert lines[-2].startswith("done: 300 steps, held-out tau 1.06, loss 0.0300, ")
     assert lines[-1].startswith("warning: the held-out tau 1.06 is far below the training-batch")
+
+
+def test_a_dflash2_drafter_warm_starts_from_dflash1_then_runs_exports_and_evals(
+    tmp_path: Path,
+) -> None:
+    """The tiny DFlash 2 path through the CLI: a DFlash 1 export warm-starts its backbone, it
+    trains (the selector's accuracy logged beside the unary one), exports in the z-lab DFlash 2
+    layout and evaluates losslessly with the selector, tau with and without it reported."""
+    runner = CliRunner()
+    common = ["training.max_steps=2", "training.save_steps=2", *SMALL_BLOCKS, "--no-progress"]
+    plain = tmp_path / "plain"
+    result = runner.invoke(
+        main, ["run", str(TINY_SCRATCH), f"training.output_dir={plain}", *common]
+    )
+    assert result.exit_code == 0, result.output
+    arch = "dflash.dflash_architecture_config"
+    out = tmp_path / "d2"
+    args = [
+        "run",
+        str(TINY_SCRATCH),
+        f"training.output_dir={out}",
+        f"dflash.dflash_init_checkpoint={plain / 'export'}",
+        f"{arch}.projector_type=dflash2",
+        f"{arch}.conv_kernel_size=2",
+        f"{arch}.conv_group_size=8",
+        f"{arch}.selector_rank=4",
+        f"{arch}.selector_top_k=4",
+        "dflash.dflash_selector_loss_alpha=0.5",
+        *common,
+    ]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "done: 2 steps" in result.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train and all(len(r["selector_accuracy_by_position"]) == 4 for r in train)
+    assert all(r["selector_accuracy_by_position"][0] is None for r in train)
+
+    weights = load_file(str(out / "export" / "model.safetensors"))
+    source = load_file(str(plain / "export" / "model.safetensors"))
+    new = set(weights) - set(source)
+    assert set(source) <= set(weights) and len(new) == 2 * 4 + 3
+    assert "candidate_selector.successor_codebook" in new
+    assert "layers.1.mlp_conv.kernel_projection.weight" in new
+    # the new parts trained away from their identity / zero start
+    assert weights["candidate_selector.successor_codebook"].abs().sum() > 0
+    assert weights["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
+    assert config["dflash_config"]["selector_top_k"] == 4
+
+    prompts = REPO / "dflash_recipes" / "demo_data" / "data" / "eval.jsonl"
+    eval_args = [
+        "eval",
+        str(out / "plan.json"),
+        "--checkpoint",
+        str(out / "export"),
+        "--prompts",
+        str(prompts),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
+    result = runner.invoke(main, eval_args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{") :])
+    assert report["lossless"] is True
+    assert 1.0 <= report["tau"] <= 4.0
+    assert 1.0 <= report["tau_without_head"] <= 4.0

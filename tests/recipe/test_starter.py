@@ -122,7 +122,7 @@ def test_domino_checkpoint_gives_a_domino_recipe(tmp_path: Path, base_model: Pat
     assert result.plan.init_checkpoint.heads_from_scratch == ()
 
 
-def test_the_released_dflash2_drafter_gives_a_dflash2_recipe_stopped_only_by_not_yet(
+def test_the_released_dflash2_drafter_gives_a_dflash2_recipe_that_compiles(
     tmp_path: Path,
 ) -> None:
     # its DFlash 2 fields are left to compile, which takes them from the checkpoint
@@ -131,7 +131,7 @@ def test_the_released_dflash2_drafter_gives_a_dflash2_recipe_stopped_only_by_not
     text = render_init_recipe(target, ckpt)
     assert 'projector_type: "dflash2"' in text and "selector_top_k" not in text
     result = write_and_compile(tmp_path, text)
-    assert [d.code for d in result.errors] == ["dflash2-not-yet"]
+    assert [d.code for d in result.errors] == []
     said = [d.code for d in result.diagnostics if d.severity is Severity.WARNING]
     assert said == ["data-path-unset"]
     assert sum(d.code == "kind-field-from-checkpoint" for d in result.diagnostics) == 6

@@ -301,7 +301,7 @@ class DFlash2Facts:
             dflash.pop("projector_type", None)
             if dflash.get("attention_sink_bias") is not True:
                 dflash.pop("attention_sink_bias", None)
-        pass
+        result["architectures"] = [ARCHITECTURE]
         result["is_causal"] = False
         return result
 

@@ -327,6 +327,23 @@ def test_a_dflash2_drafter_warm_started_from_a_dflash1_one_computes_exactly_the_
     assert not torch.equal(selector.predecessor_codebook, torch.zeros(1))
 
 
+def test_a_dflash2_checkpoint_warm_starts_every_tensor_bit_for_bit(tmp_path: Path) -> None:
+    """A DFlash 2 export (bfloat16, as released) loads whole: convolutions and selector too."""
+    plan = tiny_plan(tmp_path / "a", block_size=BLOCK, **D2_FIELDS)
+    source = DFlashDraftModel(plan.resolved_draft())
+    randomize(source, seed=7)
+    export_drafter(source, plan, tmp_path / "export", dtype="bfloat16")
+    init = InitCheckpointPlan(path=str(tmp_path / "export"))
+    plan2 = tiny_plan(tmp_path / "b", block_size=BLOCK, init_checkpoint=init, **D2_FIELDS)
+    model = DFlashDraftModel(plan2.resolved_draft())
+    report = load_init_checkpoint(model, plan2)
+    assert report.tensors_loaded == len(model.state_dict()) and report.dtypes == ("BF16",)
+    assert report.heads_from_scratch == ()
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor.bfloat16().float()), name
+    assert model.state_dict()["candidate_selector.successor_codebook"].any()
+
+
 def test_a_fresh_dflash2_drafter_has_identity_convolutions_and_a_zero_successor_codebook(
     tmp_path: Path,
 ) -> None:
