@@ -179,3 +179,77 @@ def test_eval_drafts_with_the_window_it_was_trained_with(tmp_path: Path) -> None
         mask = build_split_block_mask(anchors, spec.block_size, ctx_len, valid)
         packed = model(block_embeds, model.fuse_context(long_taps), q_pos, c_pos, mask)
     torch.testing.assert_close(eval_hidden[0], packed[0, spec.block_size :], rtol=1e-5, atol=1e-5)
+
+
+# --- DFlash 2: sliding layers with is_causal false -----------------------------------------------
+
+_D2 = {
+    "projector_type": "dflash2",
+    "conv_kernel_size": 2,
+    "conv_group_size": 8,
+    "selector_rank": 4,
+    "selector_top_k": 4,
+}
+
+
+def test_a_non_causal_sliding_mask_by_hand() -> None:
+    """The case of test_sliding_dense_mask_by_hand with causal=False: every block position sees
+    the whole block; the window still cuts the context."""
+    anchors, valid = torch.tensor([[4]]), torch.tensor([[True]])
+    full = build_dense_block_mask(anchors, 3, 6, valid)
+    q_pos, c_pos = _positions(anchors, 3, 6)
+    mask = sliding_window_mask(full, q_pos, c_pos, 3, causal=False)
+    assert isinstance(mask, Tensor)
+    expected = torch.tensor(
+        [
+            [0, 0, 1, 1, 0, 0, 1, 1, 1],
+            [0, 0, 0, 1, 0, 0, 1, 1, 1],
+            [0, 0, 0, 0, 0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask[0, 0], expected)
+
+
+@pytest.mark.parametrize("window", [1, 3, 100])
+def test_non_causal_flex_and_split_sliding_masks_equal_dense(window: int) -> None:
+    q_pos, c_pos = _positions(_ANCHORS, _BLOCK, _CTX)
+    dense = sliding_window_mask(
+        build_dense_block_mask(_ANCHORS, _BLOCK, _CTX, _VALID), q_pos, c_pos, window, causal=False
+    )
+    flex = sliding_window_mask(
+        build_flex_block_mask(_ANCHORS, _BLOCK, _CTX, _VALID, tile_size=(4, 8)),
+        q_pos,
+        c_pos,
+        window,
+        causal=False,
+    )
+    assert isinstance(dense, Tensor) and not isinstance(flex, Tensor)
+    batch, _, q_len, kv_len = dense.shape
+    assert torch.equal(create_mask(flex.mask_mod, batch, 1, q_len, kv_len, device="cpu"), dense)
+    # a window of at least the block (releases: 2048) leaves the block part bidirectional
+    full = build_dense_block_mask(_ANCHORS, _BLOCK, _CTX, _VALID)
+    assert torch.equal(dense[..., _CTX:], full[..., _CTX:]) == (window >= _BLOCK)
+
+
+def test_dflash2_sliding_layers_see_the_whole_block_and_dflash1_ones_do_not(
+    tmp_path: Path,
+) -> None:
+    """The drafter narrows a sliding layer's mask by its kind (ResolvedDraft.sliding_causal):
+    DFlash 2 (is_causal false) keeps the block bidirectional, DFlash 1 makes it causal."""
+    types = ("sliding_attention", "full_attention")
+    q_pos, c_pos = _positions(_ANCHORS, _BLOCK, _CTX)
+    full = build_dense_block_mask(_ANCHORS, _BLOCK, _CTX, _VALID)
+    d2 = DFlashDraftModel(
+        tiny_plan(tmp_path, layer_types=types, sliding_window=5, **_D2).resolved_draft()
+    )
+    d1 = DFlashDraftModel(tiny_plan(tmp_path, layer_types=types, sliding_window=5).resolved_draft())
+    assert d2.spec.sliding_causal is False and d1.spec.sliding_causal is True
+    non_causal = d2.layer_masks(full, q_pos, c_pos)
+    causal = d1.layer_masks(full, q_pos, c_pos)
+    assert torch.equal(non_causal[0], sliding_window_mask(full, q_pos, c_pos, 5, causal=False))
+    assert torch.equal(causal[0], sliding_window_mask(full, q_pos, c_pos, 5))
+    assert non_causal[1] is full and causal[1] is full
+    # block position 0 sees position 1 of its block only without causality
+    first_block = (0, 0, 0, _CTX + 1)
+    assert bool(non_causal[0][first_block]) and not bool(causal[0][first_block])
