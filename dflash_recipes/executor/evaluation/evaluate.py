@@ -223,12 +223,6 @@ def evaluate_acceptance(
     }
     for module in modes:
         module.eval()
-    taus: list[int] = []
-    per_prompt: list[float] = []
-    tokens = 0
-    mismatched: list[int] = []
-    headless: _Taus | None = None
-    mismatched_headless: list[int] = []
 
     def generate(block_drafter: nn.Module | BlockDrafter) -> tuple[list[SpecResult], float]:
         results: list[SpecResult] = []
@@ -250,40 +244,33 @@ def evaluate_acceptance(
         # One teacher-forced target pass checks the output against greedy decoding.
         return is_greedy_decoding(target, prompt, result.tokens, max_new_tokens, eos_token_id)
 
+    off: list[SpecResult] | None = None
+    mismatched_headless: list[int] = []
     try:
         results, seconds = generate(drafter)
-        for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
-            if not greedy(prompt, result):
-                mismatched.append(index)
-            taus.extend(result.accepted_per_step)
-            steps = result.accepted_per_step
-            if steps:  # a generation that ended at the prefill has no tau
-                per_prompt.append(sum(steps) / len(steps))
-            tokens += len(result.tokens)
+        pairs = list(zip(prompts, results, strict=True))
+        mismatched = [index for index, (p, r) in enumerate(pairs) if not greedy(p, r)]
         if _measures_without_head(drafter, spec):
             off, _ = generate(as_block_drafter(drafter, target, spec, use_head=False))
-            for index, (prompt, result, head_result) in enumerate(
-                zip(prompts, off, results, strict=True)
-            ):
-                # Greedy decoding has one output: the head path's verdict holds for the same
-                # tokens, so only an output that differs costs a target pass.
-                if result.tokens == head_result.tokens:
-                    wrong = index in mismatched
-                else:
-                    wrong = not greedy(prompt, result)
-                if wrong:
-                    mismatched_headless.append(index)
-            headless = _Taus.of(off)
+            # Greedy decoding has one output: the head path's verdict holds for the same tokens,
+            # so only an output that differs costs a target pass.
+            mismatched_headless = [
+                index
+                for index, ((p, r), o) in enumerate(zip(pairs, off, strict=True))
+                if (index in mismatched if o.tokens == r.tokens else not greedy(p, o))
+            ]
     finally:
         for module, mode in modes.items():
             module.training = mode
+    taus, per_prompt = _taus(results)
+    headless = _taus(off) if off is not None else None
     rates, reached = acceptance_from_steps(taus, spec.drafted_tokens + 1)
     return AcceptanceReport(
-        tau=sum(taus) / len(taus) if taus else 0.0,
+        tau=_mean(taus),
         per_position_acceptance=rates,
         reached_per_position=reached,
         steps=len(taus),
-        tokens=tokens,
+        tokens=sum(len(result.tokens) for result in results),
         lossless=not mismatched and not mismatched_headless,
         block_size=spec.block_size,
         num_prompts=len(prompts),
@@ -294,8 +281,8 @@ def evaluate_acceptance(
         settings=settings,
         head=spec.head_description,
         drafted_tokens=spec.drafted_tokens,
-        tau_without_head=None if headless is None else headless.pooled,
-        tau_without_head_per_prompt_mean=None if headless is None else headless.per_prompt_mean,
+        tau_without_head=None if headless is None else _mean(headless[0]),
+        tau_without_head_per_prompt_mean=None if headless is None else _mean(headless[1]),
         mismatched_prompts_without_head=mismatched_headless,
     )
 
@@ -307,25 +294,16 @@ def _measures_without_head(drafter: nn.Module | BlockDrafter, spec: ResolvedDraf
     return switchable and kind_facts(spec.projector_type).eval_without_head
 
 
-@attrs.frozen
-class _Taus:
-    """Pooled tau and the mean of per-prompt taus of one measurement's results."""
+def _taus(results: Sequence[SpecResult]) -> tuple[list[int], list[float]]:
+    """Every verification step's tau, and each prompt's own tau (mean over its steps; a
+    generation that ended at the prefill has none and is left out)."""
+    steps = [tau for result in results for tau in result.accepted_per_step]
+    own = [_mean(result.accepted_per_step) for result in results if result.accepted_per_step]
+    return steps, own
 
-    pooled: float
-    per_prompt_mean: float
 
-    @classmethod
-    def of(cls, results: Sequence[SpecResult]) -> _Taus:
-        steps = [tau for result in results for tau in result.accepted_per_step]
-        own = [
-            sum(r.accepted_per_step) / len(r.accepted_per_step)
-            for r in results
-            if r.accepted_per_step
-        ]
-        return cls(
-            pooled=sum(steps) / len(steps) if steps else 0.0,
-            per_prompt_mean=sum(own) / len(own) if own else 0.0,
-        )
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,19 +126,18 @@ def test_the_sink_flag_is_written_only_when_true(tmp_path: Path, sink: bool) -> 
 
 
 def _rename_kernel_projection(drafter: DFlashDraftModel) -> None:
-    conv = drafter.layers[0].attention_conv
-    projection = conv.kernel_projection
+    conv = drafter.get_submodule("layers.0.attention_conv")
+    projection = conv.get_submodule("kernel_projection")
     del conv.kernel_projection
     conv.add_module("kernel_proj", projection)
 
 
 def _codebook_as_embedding(drafter: DFlashDraftModel) -> None:
     # z-lab's HF class holds the codebooks as nn.Embedding: `....predecessor_codebook.weight`
-    selector = drafter.candidate_selector
-    assert selector is not None
-    codebook = selector.predecessor_codebook
+    selector = drafter.get_submodule("candidate_selector")
+    vocab, rank = selector.get_parameter("predecessor_codebook").shape
     del selector.predecessor_codebook
-    selector.add_module("predecessor_codebook", nn.Embedding(*codebook.shape))
+    selector.add_module("predecessor_codebook", nn.Embedding(vocab, rank))
 
 
 @pytest.mark.parametrize(
@@ -176,9 +175,7 @@ def test_a_dflash2_recipe_warm_starts_from_a_dflash2_export_and_inherits_its_fie
     tmp_path: Path, make_recipe: RecipeFactory
 ) -> None:
     config = dflash2_config(output_multiplier=0.5)
-    config.update(
-        layer_types=["sliding_attention"] * 2, sliding_window=64, use_sliding_window=True
-    )
+    config.update(layer_types=["sliding_attention"] * 2, sliding_window=64, use_sliding_window=True)
     write_tiny_dflash2_checkpoint(tmp_path / "d2", config=config)
     first = compile_in(tmp_path, make_recipe(init="d2", arch={"projector_type": "dflash2"}))
     assert first.plan is not None, [(d.code, d.message) for d in first.diagnostics]

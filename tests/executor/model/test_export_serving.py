@@ -236,7 +236,7 @@ def dflash2_loader_problems(
     for key in _DFLASH2_NESTED:
         if key not in nested:
             problems.append(f"dflash_config.{key} is missing (KeyError at load)")
-    sizes = {k: nested.get(k) for k in _DFLASH2_NESTED[3:]}
+    sizes: dict[str, Any] = {k: nested.get(k) for k in _DFLASH2_NESTED[3:]}
     for key, value in sizes.items():
         if key in nested and (type(value) is not int or value <= 0):
             problems.append(f"dflash_config.{key} is not a positive int")
@@ -256,7 +256,9 @@ def dflash2_loader_problems(
     known = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     known |= {f"layers.{i}.{n}" for i in range(layers) for n in _DFLASH2_LAYER}
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
-    kernel, group, rank = sizes["conv_kernel_size"], sizes["conv_group_size"], sizes["selector_rank"]
+    kernel, group, rank = (
+        sizes[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank")
+    )
     new_shapes: dict[str, tuple[Any, ...]] = {
         "candidate_selector.hidden_projection.weight": (rank, hidden),
         "candidate_selector.predecessor_codebook": (vocab, rank),
@@ -265,7 +267,7 @@ def dflash2_loader_problems(
     for i in range(layers):
         for conv in ("attention_conv", "mlp_conv"):
             new_shapes[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, hidden)
-            rows = 2 * kernel * (hidden // group) if isinstance(hidden, int) else None
+            rows = 2 * kernel * (hidden // group) if type(hidden) is int and group else None
             new_shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (rows, hidden)
     known |= set(new_shapes)
     problems += [f"unknown tensor {n}" for n in sorted(shapes) if n not in known]
