@@ -20,8 +20,6 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import attrs
-
 from dflash_recipes import __version__
 from dflash_recipes.card.acceptance import file_name, last_training_measurement
 from dflash_recipes.card.facts import (
@@ -34,13 +32,14 @@ from dflash_recipes.card.facts import (
     TrainingFacts,
     parse_card_data,
 )
+from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
 from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
 from dflash_recipes.data.sources import content_sha256, resolve_source
 from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.files.run_dir import TRAINER_STATE, checkpoint_step, latest_complete_checkpoint
-from dflash_recipes.plan.run_plan import ObjectivePlan, RunPlan
+from dflash_recipes.plan.run_plan import RunPlan
 
 #: Data files are hashed up to this many bytes in all (an export waits for the hashing; past
 #: the limit a file is listed with its size and a note instead of its sha256).
@@ -243,10 +242,10 @@ def _objective(plan: RunPlan) -> str:
     parts = [f"cross-entropy with {weights}", f"{objective.num_anchors} blocks per sequence"]
     if objective.self_logit_distillation:
         parts.append("plus soft cross-entropy against the target's distribution")
-    # The head's own loss terms are the objective fields named after the projector type.
-    for field in attrs.fields(ObjectivePlan):
-        if field.name.startswith(f"{kind}_"):
-            parts.append(f"{field.name} {getattr(objective, field.name):g}")
+    # The kind's own loss terms (Domino's and DSpark's weights, DFlash 2's selector settings).
+    for name in kind_facts(kind).objective_fields:
+        value = getattr(objective, name)
+        parts.append(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
     return "; ".join(parts)
 
 

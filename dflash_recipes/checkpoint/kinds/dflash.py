@@ -38,6 +38,7 @@ class DFlashFacts:
     required_fields: tuple[str, ...] = ()
     trains = True
     fresh_start = "will train from scratch"
+    objective_fields: tuple[str, ...] = ()
     sliding_causal = True
     eval_without_head = False
 

@@ -199,6 +199,7 @@ class DFlash2Facts:
     inherited_fields: tuple[str, ...] = (*NEW_CONFIG_KEYS, *OPTIONAL_CONFIG_KEYS)
     required_fields: tuple[str, ...] = NEW_CONFIG_KEYS
     trains = True
+    objective_fields: tuple[str, ...] = ("selector_loss_alpha", "selector_missing_gold")
     # Every release states is_causal: false: its sliding layers see the whole block.
     sliding_causal = False
     # tau of the unary argmax path beside the selector's, so users see what the selector buys.

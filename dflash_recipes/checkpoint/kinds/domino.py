@@ -63,6 +63,7 @@ class DominoFacts:
     required_fields: tuple[str, ...] = ()
     trains = True
     fresh_start = "will train from scratch"
+    objective_fields: tuple[str, ...] = ("domino_backbone_loss_weight",)
     sliding_causal = True
     eval_without_head = False
 

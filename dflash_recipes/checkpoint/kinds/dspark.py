@@ -56,6 +56,7 @@ class DSparkFacts:
     required_fields: tuple[str, ...] = ()
     trains = True
     fresh_start = "will train from scratch"
+    objective_fields: tuple[str, ...] = ("dspark_tv_weight", "dspark_confidence_weight")
     sliding_causal = True
     eval_without_head = False
 

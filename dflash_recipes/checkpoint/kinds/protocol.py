@@ -178,6 +178,9 @@ class KindFacts(Protocol):
     #: Whether this version's executor trains the kind (its torch half is registered). False:
     #: :meth:`recipe_findings` ends a compile of the kind with one ``<name>-not-yet`` error.
     trains: bool
+    #: The objective's settings (``ObjectivePlan`` fields) that only this kind's loss reads,
+    #: named with their values on a model card's Objective line.
+    objective_fields: tuple[str, ...]
     #: Whether the kind's ``sliding_attention`` layers are causal inside the block (DFlash 1
     #: drafters, as engines run them without ``is_causal: false``) or see the whole block
     #: (DFlash 2, whose releases state ``is_causal: false``); the window cuts the context.

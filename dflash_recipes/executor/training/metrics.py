@@ -169,8 +169,9 @@ def progress_line(row: Mapping[str, object]) -> str:
 
     ``acc[k..]`` lists the accuracy of each drafting position from the first one (1, or 0 for
     a head with the label shift: the row's leading nulls are the positions that draft
-    nothing); a DFlash 2 row adds ``selector[1..]``, its selector's accuracy. ``train-batch tau~`` is the estimate from this window's training batches, not
-    acceptance measured by drafting on held-out prompts (the ``eval`` rows).
+    nothing); a DFlash 2 row adds ``selector[1..]``, its selector's accuracy. ``train-batch
+    tau~`` is the estimate from this window's training batches, not acceptance measured by
+    drafting on held-out prompts (the ``eval`` rows).
     """
     raw = row.get("accuracy_by_position")
     accs = list(raw) if isinstance(raw, (list, tuple)) else []

@@ -20,8 +20,8 @@ from dflash_recipes.executor.kinds.dflash2 import (
     MODULES,
     CandidateSelector,
     DFlash2Settings,
-    SelectorHead,
     GroupedDynamicCausalConv,
+    SelectorHead,
     edge_scores,
     select_path,
     selector_loss,
@@ -30,11 +30,11 @@ from dflash_recipes.executor.kinds.dflash2 import (
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.export import export_drafter
-from dflash_recipes.executor.model.warmstart import load_init_checkpoint
-from dflash_recipes.plan.parts import InitCheckpointPlan
 from dflash_recipes.executor.model.masks import build_dense_block_mask
+from dflash_recipes.executor.model.warmstart import load_init_checkpoint
 from dflash_recipes.executor.training.anchors import block_positions
 from dflash_recipes.executor.training.loss import ObjectiveInputs, combine_losses
+from dflash_recipes.plan.parts import InitCheckpointPlan
 
 BLOCK = 4
 CTX = 14
@@ -485,7 +485,9 @@ def test_the_objective_is_the_unary_loss_plus_alpha_times_the_selector_loss(
         SETTINGS.selector_top_k,
     )
     assert float(out.parts["selector_ce"]) == pytest.approx(float(sel.loss.detach()))
-    assert float(out.loss.detach()) == pytest.approx(float(plain.loss) + 0.25 * float(sel.loss.detach()))
+    assert float(out.loss.detach()) == pytest.approx(
+        float(plain.loss) + 0.25 * float(sel.loss.detach())
+    )
     assert int(out.position_correct["selector"].sum()) == int(sel.correct)
     assert int(out.position_correct["selector"][0]) == 0  # the anchor is never scored
 

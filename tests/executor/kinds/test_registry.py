@@ -39,7 +39,9 @@ def test_the_registry_holds_exactly_the_recipes_projector_types_in_order() -> No
     assert tuple(KINDS) == PROJECTOR_TYPES
     assert all(kind.name == name for name, kind in KIND_MODULES.items())
     assert set(SIZED) == set(TRAINED)
-    with pytest.raises(ValueError, match="projector_type must be one of dflash, domino, dspark, dflash2"):
+    with pytest.raises(
+        ValueError, match="projector_type must be one of dflash, domino, dspark, dflash2"
+    ):
         kind_modules("medusa")
 
 
