@@ -571,7 +571,7 @@ def checkpoint_config_from_mapping(
         if value in PROJECTOR_TYPES:
             projector = str(value)
         else:
-            dflash.bad(code, severity, where, "one of dflash, domino, dspark", value)
+            dflash.bad(code, severity, where, "one of " + ", ".join(PROJECTOR_TYPES), value)
 
     flags: dict[str, bool | None] = {}
     # The sink flag is `attention_sink_bias` (what vLLM and SGLang read); exports written before

@@ -321,3 +321,15 @@ def test_a_megabyte_value_is_echoed_clipped() -> None:
     assert problem.message == (
         f"`hidden_size` must be an integer >= 1, got {'x' * 120!r}... (2999880 more characters)"
     )
+
+
+def test_an_unknown_projector_type_names_every_kind_it_could_be() -> None:
+    config = drafter_config(variant={"projector_type": "medusa"})
+    facts = checkpoint_config_from_mapping(config, "config.json")
+    assert facts.projector_type is None
+    (problem,) = [p for p in facts.problems if p.key == "dflash_config.projector_type"]
+    assert "one of dflash, domino, dspark, dflash2" in problem.message
+    dflash2 = checkpoint_config_from_mapping(
+        drafter_config(variant={"projector_type": "dflash2"}), "config.json"
+    )
+    assert dflash2.projector_type == "dflash2"

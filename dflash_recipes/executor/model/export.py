@@ -5,9 +5,11 @@
 5-layer plain drafter; no embeddings, no ``lm_head``, no rotary buffers) and ``config.json``
 describes it, with RoPE settings and vocabulary taken from the target (the plan), never from
 class defaults, and the attention kind of every layer (``layer_types``, ``sliding_window``).
-``dflash.py`` (the package's ``remote_code/dflash.py``) is copied next to them and named by the
-config's ``auto_map``, so ``AutoModel.from_pretrained(export, trust_remote_code=True)`` builds
-the drafter itself rather than a plain ``Qwen3Model``.
+For the DFlash 1 kinds ``dflash.py`` (the package's ``remote_code/dflash.py``) is copied next
+to them and named by the config's ``auto_map``, so ``AutoModel.from_pretrained(export,
+trust_remote_code=True)`` builds the drafter itself rather than a plain ``Qwen3Model``; a
+DFlash 2 export has neither (the z-lab layout engines load without remote code: its kind's
+``export_config``).
 
 The export is atomic: everything is written into a temporary sibling directory, flushed, and
 renamed into place; an existing export is replaced only once the new one is complete. A crash

@@ -458,3 +458,34 @@ def test_an_epoch_counts_optimiser_steps_not_micro_batches(tmp_path: Path) -> No
     steps_two = run_plan(two, progress=False, stop_after=1).planned_steps
     assert steps_one >= 2
     assert steps_two == steps_one // 2
+
+
+def test_a_dflash2_drafter_trains_from_scratch_and_resumes_to_identical_weights(
+    tmp_path: Path,
+) -> None:
+    """DFlash 2 without an init checkpoint: every part from its initialisation; a run stopped
+    at step 2 and resumed ends with the uninterrupted run's weights, selector included."""
+    arch = "dflash.dflash_architecture_config"
+    fields = (
+        f"{arch}.projector_type=dflash2",
+        f"{arch}.conv_kernel_size=2",
+        f"{arch}.conv_group_size=8",
+        f"{arch}.selector_rank=4",
+        f"{arch}.selector_top_k=4",
+        "dflash.dflash_selector_missing_gold=inject",
+    )
+    straight = _plan(tmp_path, "straight", *fields)
+    assert straight.init_checkpoint is None
+    run_plan(straight, progress=False)
+    half = _plan(tmp_path, "halves", *fields)
+    run_plan(half, progress=False, stop_after=2)
+    resumed = _plan(tmp_path, "halves", *fields)
+    assert resumed.resume is not None and resumed.resume.step == 2
+    run_plan(resumed, progress=False)
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "halves")
+    assert a.keys() == b.keys() and "candidate_selector.successor_codebook" in a
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert a["candidate_selector.successor_codebook"].abs().sum() > 0  # trained from zero
+    rows = _rows(tmp_path / "straight", "train")
+    assert all(math.isfinite(float(str(r["loss"]))) for r in rows)
+    assert all("selector_accuracy_by_position" in r for r in rows)
