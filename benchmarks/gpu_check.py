@@ -8,7 +8,8 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
 
 - ``flex``: the drafter's forward and backward under the flex-attention block mask
   (:func:`build_flex_block_mask`, the compiled ``flex_attention`` kernel the CUDA path uses),
-  with and without attention sinks, against the dense-mask eager forward on the CPU in float32;
+  with and without attention sinks, and a DFlash 2 drafter (its convolutions, a non-causal
+  sliding layer), against the dense-mask eager forward on the CPU in float32;
   the graph is the trainer's (raw taps through ``fuse_context``, so ``fc`` and ``hidden_norm``
   are in it), and gradients are compared for exactly the parameters that get one in both
   graphs: a parameter with a gradient on one side only, or a trainable one with none on
@@ -440,24 +441,51 @@ def check_flex(setup: Setup, report: Report) -> None:
     else:
         report.note("dry run: eager flex_attention on the CPU (torch.compile is the CUDA path)")
         tile = (16, 16)
-    for sink in (False, True):
+    # DFlash 2: convolutions in every layer (made non-identity below) and a non-causal
+    # sliding layer next to a full one; its selector is not in the draft states' graph.
+    dflash2 = {
+        "projector_type": "dflash2",
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+        "layer_types": ("sliding_attention",) + ("full_attention",) * (dims.layers - 1),
+        "sliding_window": dims.seq // 3,
+    }
+    variants: tuple[tuple[str, dict[str, object]], ...] = (
+        ("no sinks", {}),
+        ("with attention sinks", {"attention_sink": True}),
+        ("dflash2, non-causal sliding layer", dflash2),
+    )
+    for label, changes in variants:
+        sink = bool(changes.get("attention_sink"))
         plan = make_plan(dims, setup.workdir)
         plan = attrs.evolve(
             plan,
             draft=attrs.evolve(
                 plan.draft,
-                architecture=attrs.evolve(plan.draft.architecture, attention_sink=sink),
+                architecture=attrs.evolve(plan.draft.architecture, **changes),
             ),
         )
         drafter = DFlashDraftModel(
             plan.resolved_draft(), generator=torch.Generator().manual_seed(7)
         )
+        outside: frozenset[str] = frozenset()
         if sink:
             with torch.no_grad():
                 for layer in drafter.layers:
                     bias = layer.get_submodule("self_attn").attention_sink_bias
                     assert isinstance(bias, Tensor)
                     bias.copy_(torch.linspace(-2.0, 2.0, bias.numel()))
+        if changes is dflash2:
+            conv_gen = torch.Generator().manual_seed(8)
+            with torch.no_grad():
+                for name, param in drafter.named_parameters():
+                    if "_conv." in name:
+                        param.add_(0.1 * torch.randn(param.shape, generator=conv_gen))
+            outside = frozenset(
+                n for n, _ in drafter.named_parameters() if n.startswith("candidate_selector.")
+            )
         batch = make_batch(dims, seed=11)
         gen = torch.Generator().manual_seed(12)
         q_len = batch.anchors.shape[1] * dims.block
@@ -481,11 +509,12 @@ def check_flex(setup: Setup, report: Report) -> None:
             warnings.simplefilter("ignore")  # eager flex_attention warns on the CPU
             context = tested.fuse_context(taps.to(device))
             out = tested(embeds.to(device), context, q_pos.to(device), c_pos.to(device), mask)
-        label = "with attention sinks" if sink else "no sinks"
         report.close(f"draft states, {label}", out, ref_out, atol=1e-4, rtol=1e-3)
         if device.type == "cuda":
             (out * probe.to(device)).sum().backward()
-            report.grads(f"drafter gradients, {label}", tested, reference, tol=1e-3)
+            report.grads(
+                f"drafter gradients, {label}", tested, reference, tol=1e-3, outside=outside
+            )
         else:
             report.note(f"gradients, {label}: not checked (flex_attention has no CPU backward)")
 
