@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 from testkit.fixture_8b import make_fixture
+from testkit.released_layouts import write_dflash2_checkpoint, write_target
 from testkit.st_fixtures import (
     QWEN3_MASK_TOKEN_ID,
     base_model_config,
@@ -44,6 +45,7 @@ def test_the_documented_example_recipes_exist() -> None:
         f"{QWEN3_8B}/hf_online_dspark_warmstart.yaml",
         "recipes/Qwen/Qwen3-4B/hf_online_dflash_finetune.yaml",
         "recipes/meta-llama/Llama-3.1-8B-Instruct/hf_online_dflash_b10.yaml",
+        "recipes/meta-models/Muse-Glimmer-30B/hf_online_dflash2_finetune.yaml",
     ):
         assert name in RECIPE_IDS
 
@@ -314,3 +316,31 @@ def test_tiny_finetune_compiles_against_a_stage_one_export(tmp_path: Path) -> No
     assert result.plan.init_checkpoint is not None
     assert result.plan.init_checkpoint.tensor_count == 25
     assert result.plan.draft.block_size == 16
+
+
+def test_muse_glimmer_dflash2_recipe_warm_starts_the_whole_released_drafter(
+    tmp_path: Path,
+) -> None:
+    """z-lab's verbatim DFlash 2 config and 81-tensor header behind a matching target."""
+    target = write_target(tmp_path / "base")
+    released = write_dflash2_checkpoint(tmp_path / "released")
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n', encoding="utf-8")
+    result = _compile_with(
+        ROOT / "recipes/meta-models/Muse-Glimmer-30B/hf_online_dflash2_finetune.yaml",
+        tmp_path,
+        model__model_name_or_path=target,
+        dflash__dflash_init_checkpoint=released,
+    )
+    assert result.errors == ()
+    assert _codes(result, Severity.WARNING) == []
+    plan = result.plan
+    assert plan is not None and plan.init_checkpoint is not None
+    assert plan.init_checkpoint.tensor_count == 81
+    assert plan.init_checkpoint.heads_from_scratch == ()
+    arch = plan.draft.architecture
+    assert (arch.projector_type, arch.conv_kernel_size, arch.selector_top_k) == ("dflash2", 2, 16)
+    assert arch.layer_types == ("sliding_attention",) * 5 and arch.sliding_window == 2048
+    assert plan.draft.mask_token_id == 201818
+    assert plan.draft.target_layer_ids == (1, 13, 25, 37, 49)
