@@ -19,6 +19,24 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _eval_args(run_dir: Path) -> list[str]:
+    """`dflash-recipe eval` of a run's export on 2 demo prompts, 12 new tokens, JSON out."""
+    prompts = REPO / "dflash_recipes" / "demo_data" / "data" / "eval.jsonl"
+    return [
+        "eval",
+        str(run_dir / "plan.json"),
+        "--checkpoint",
+        str(run_dir / "export"),
+        "--prompts",
+        str(prompts),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
+
+
 def test_run_then_export_and_eval(tmp_path: Path) -> None:
     out = tmp_path / "run"
     runner = CliRunner()
@@ -47,20 +65,7 @@ def test_run_then_export_and_eval(tmp_path: Path) -> None:
     config = json.loads((exported / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [1, 3]
 
-    prompts = REPO / "dflash_recipes" / "demo_data" / "data" / "eval.jsonl"
-    result_args = [
-        "eval",
-        str(out / "plan.json"),
-        "--checkpoint",
-        str(out / "export"),
-        "--prompts",
-        str(prompts),
-        "--num-prompts",
-        "2",
-        "--max-new-tokens",
-        "12",
-        "--json",
-    ]
+    result_args = _eval_args(out)
     result = runner.invoke(main, result_args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{") :])
@@ -263,21 +268,7 @@ def test_a_dflash2_drafter_warm_starts_from_dflash1_then_runs_exports_and_evals(
     assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
     assert config["dflash_config"]["selector_top_k"] == 4
 
-    prompts = REPO / "dflash_recipes" / "demo_data" / "data" / "eval.jsonl"
-    eval_args = [
-        "eval",
-        str(out / "plan.json"),
-        "--checkpoint",
-        str(out / "export"),
-        "--prompts",
-        str(prompts),
-        "--num-prompts",
-        "2",
-        "--max-new-tokens",
-        "12",
-        "--json",
-    ]
-    result = runner.invoke(main, eval_args)
+    result = runner.invoke(main, _eval_args(out))
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{") :])
     assert report["lossless"] is True

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_recipes.executor.kinds.dflash import dflash_loss
-from dflash_recipes.executor.kinds.protocol import INIT_STD, KindHead
+from dflash_recipes.executor.kinds.protocol import INIT_STD, KindHead, expect_head
 from dflash_recipes.executor.model.layers import DraftDecoderLayer, KVJoin
 from dflash_recipes.executor.model.masks import DraftMask
 from dflash_recipes.executor.training.anchors import previous_tokens
@@ -388,11 +388,8 @@ class SelectorHead(KindHead):
 
 
 def selector_head(head: nn.Module | None) -> SelectorHead:
-    """`head` as DFlash 2's; ValueError for any other (a drafter built for another kind)."""
-    if not isinstance(head, SelectorHead):
-        msg = f"a dflash2 objective needs the drafter's SelectorHead, got {type(head).__name__}"
-        raise ValueError(msg)
-    return head
+    """`head` as DFlash 2's :class:`SelectorHead`; TypeError otherwise."""
+    return expect_head(head, SelectorHead, "a DFlash 2 head (SelectorHead)")
 
 
 def dflash2_loss(

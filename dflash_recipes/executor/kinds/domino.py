@@ -25,6 +25,7 @@ from dflash_recipes.executor.kinds.protocol import (
     INIT_STD,
     KindHead,
     check_blocks,
+    expect_head,
     plain_layer,
     propose_by_position,
 )
@@ -108,10 +109,7 @@ class DominoHead(KindHead):
 
 def domino_head(head: nn.Module | None) -> DominoHead:
     """`head` as a :class:`DominoHead` (a Domino drafter's ``.head``); TypeError otherwise."""
-    if not isinstance(head, DominoHead):
-        msg = f"expected a Domino head, got {type(head).__name__}"
-        raise TypeError(msg)
-    return head
+    return expect_head(head, DominoHead, "a Domino head")
 
 
 def domino_backbone_weight(step: int, total_steps: int, initial: float) -> float:

@@ -25,6 +25,7 @@ from dflash_recipes.executor.kinds.protocol import (
     INIT_STD,
     KindHead,
     check_blocks,
+    expect_head,
     plain_layer,
     propose_by_position,
 )
@@ -139,10 +140,7 @@ class DSparkHead(KindHead):
 
 def dspark_head(head: nn.Module | None) -> DSparkHead:
     """`head` as a :class:`DSparkHead` (a DSpark drafter's ``.head``); TypeError otherwise."""
-    if not isinstance(head, DSparkHead):
-        msg = f"expected a DSpark head, got {type(head).__name__}"
-        raise TypeError(msg)
-    return head
+    return expect_head(head, DSparkHead, "a DSpark head")
 
 
 def dspark_loss(

@@ -31,7 +31,7 @@ anchor; with ``shift = 0`` index 1 is, and index 0 is unused). Head inputs are p
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -111,6 +111,18 @@ class KindModules(Protocol):
         ...
 
 
+HeadT = TypeVar("HeadT", bound=KindHead)
+
+
+def expect_head(head: nn.Module | None, kind: type[HeadT], name: str) -> HeadT:
+    """`head` as the kind's head class `kind` (a drafter's ``.head``); TypeError naming `name`
+    (``a Domino head``) for anything else: a drafter built for another kind."""
+    if not isinstance(head, kind):
+        msg = f"expected {name}, got {type(head).__name__}"
+        raise TypeError(msg)
+    return head
+
+
 def plain_layer(spec: ResolvedDraft) -> DraftDecoderLayer:
     """A DFlash decoder layer (attention with KV injection, then the MLP): the layer of every
     kind that adds nothing inside the layers."""
@@ -162,6 +174,7 @@ __all__ = [
     "KindHead",
     "KindModules",
     "check_blocks",
+    "expect_head",
     "plain_layer",
     "propose_by_position",
 ]

@@ -556,3 +556,10 @@ def test_proposals_are_the_selectors_greedy_path_from_the_anchor(tmp_path: Path)
         assert got[r].tolist() == expected
     # the random successor codebook changes at least one proposal against the unary argmax
     assert not torch.equal(got, rows_logits[:, 1:].argmax(-1))
+
+
+def test_the_objective_of_a_drafter_built_for_another_kind_is_refused(tmp_path: Path) -> None:
+    _, hidden, logits, prev, targets = _objective_case(tmp_path)
+    objective = tiny_plan(tmp_path).draft.objective
+    with pytest.raises(TypeError, match="expected a DFlash 2 head"):
+        MODULES.objective(None, hidden, logits, (prev,), targets, objective)
