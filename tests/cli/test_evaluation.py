@@ -156,7 +156,6 @@ def test_write_card_refuses_another_directory_or_an_export_without_card(
 def exported_dflash2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """(plan.json, export, prompts) of a tiny random target and DFlash 2 drafter whose
     successor codebook is not zero (so the selector decides)."""
-    import attrs
     import torch
     from testkit.tiny import randomize, tiny_plan, tiny_target
 
@@ -167,17 +166,15 @@ def exported_dflash2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     root = tmp_path_factory.mktemp("dflash2")
     tokenizer = build_tiny_tokenizer(PROMPTS, vocab_size=300)
     plan = tiny_plan(
-        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
-    )
-    architecture = attrs.evolve(
-        plan.draft.architecture,
+        root,
+        target_vocab_size=len(tokenizer),
+        mask_token_id=spare_token_ids(tokenizer)[0],
         projector_type="dflash2",
         conv_kernel_size=2,
         conv_group_size=8,
         selector_rank=4,
         selector_top_k=4,
     )
-    plan = attrs.evolve(plan, draft=attrs.evolve(plan.draft, architecture=architecture))
     target = tiny_target(plan)
     randomize(target, seed=4)
     target.save_pretrained(plan.base_model.path)

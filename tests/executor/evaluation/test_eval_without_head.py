@@ -42,9 +42,7 @@ DFLASH2: dict[str, object] = {
 
 def dflash2_plan(tmp_path: Path, **overrides: object) -> RunPlan:
     """A tiny DFlash 2 plan (block size 4): ``tiny_plan`` with the kind's fields set."""
-    plan = tiny_plan(tmp_path, block_size=4, **overrides)
-    architecture = attrs.evolve(plan.draft.architecture, **DFLASH2)  # type: ignore[arg-type]
-    return attrs.evolve(plan, draft=attrs.evolve(plan.draft, architecture=architecture))
+    return tiny_plan(tmp_path, block_size=4, **DFLASH2, **overrides)
 
 
 def dflash2_drafter(spec: ResolvedDraft, codebook_std: float, seed: int = 5) -> DFlashDraftModel:
