@@ -162,6 +162,21 @@ VARIANTS: list[dict[str, object]] = [
     {"block_size": 5, "projector_type": "dspark", "markov_rank": 8, "markov_head_type": "gated"},
     {"block_size": 5, "projector_type": "dspark", "markov_rank": 8, "markov_head_type": "rnn"},
     {"block_size": 4, "projector_type": "dspark", "markov_rank": 8, "shift_label": False},
+    # DFlash 2: random convolutions and selector, a non-causal sliding layer, every optional
+    # factor set (the kept context must give the full recompute with all of them)
+    {
+        "block_size": 4,
+        "projector_type": "dflash2",
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 8,
+        "selector_top_k": 3,
+        "output_multiplier": 0.5,
+        "final_logit_softcapping": 5.0,
+        "input_embedding_scale": 1.7,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "sliding_window": 6,
+    },
     {"block_size": 4, "layer_types": ("sliding_attention", "full_attention"), "sliding_window": 6},
     {"block_size": 6, "attention_sink": True},
 ]

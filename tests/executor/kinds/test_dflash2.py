@@ -563,3 +563,21 @@ def test_the_objective_of_a_drafter_built_for_another_kind_is_refused(tmp_path: 
     objective = tiny_plan(tmp_path).draft.objective
     with pytest.raises(TypeError, match="expected a DFlash 2 head"):
         MODULES.objective(None, hidden, logits, (prev,), targets, objective)
+
+
+def test_input_embedding_scale_multiplies_the_block_embeddings(tmp_path: Path) -> None:
+    scaled = DFlashDraftModel(
+        tiny_plan(
+            tmp_path, block_size=BLOCK, rope_theta=10_000.0, input_embedding_scale=1.7, **D2_FIELDS
+        ).resolved_draft()
+    )
+    randomize(scaled, seed=2)
+    plain = DFlashDraftModel(
+        tiny_plan(tmp_path, block_size=BLOCK, rope_theta=10_000.0, **D2_FIELDS).resolved_draft()
+    )
+    plain.load_state_dict(scaled.state_dict())
+    embeds, context, _, _ = _inputs(scaled.spec.hidden_size)
+    torch.testing.assert_close(
+        _forward(scaled, embeds, context), _forward(plain, embeds * 1.7, context)
+    )
+    assert not torch.allclose(_forward(scaled, embeds, context), _forward(plain, embeds, context))
