@@ -97,9 +97,10 @@ def render_slurm_script(
         f"{plan} --nproc-per-node {gpus_per_node} --nnodes {nodes} "
         f'--rdzv-endpoint "$HEAD_NODE:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" --no-progress &',
         "SRUN_PID=$!",
-        "# A trap interrupts `wait`: wait again until srun has ended, and exit as it did.",
-        'while true; do wait "$SRUN_PID" && exit 0 || STATUS=$?; '
-        'kill -0 "$SRUN_PID" 2>/dev/null || exit "$STATUS"; done',
+        "# A trap interrupts `wait` (status 138): wait again while srun runs, then once more for",
+        "# its own status (bash keeps it), so the job ends as srun did, never as the signal.",
+        'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID" || true; done',
+        'STATUS=0; wait "$SRUN_PID" || STATUS=$?; exit "$STATUS"',
         "",
     ]
     return "\n".join(lines)
