@@ -176,13 +176,12 @@ class DFlashBlockDrafter:
         (``use_head=False``) every proposal is the backbone's argmax.
         """
         base_logits = self._logits(hidden)
-        if not self.use_head:
-            backbone = base_logits[:, self.spec.first_drafting_position :].argmax(dim=-1)
-            return [[int(t) for t in row] for row in backbone.tolist()]
-        kind = kind_modules(self.spec.projector_type)
-        proposals = kind.propose(
-            self.model.head, hidden, base_logits, anchor_tokens, self.spec, self.embed_tokens
-        )
+        if self.use_head:
+            proposals = kind_modules(self.spec.projector_type).propose(
+                self.model.head, hidden, base_logits, anchor_tokens, self.spec, self.embed_tokens
+            )
+        else:
+            proposals = base_logits[:, self.spec.first_drafting_position :].argmax(dim=-1)
         return [[int(t) for t in row] for row in proposals.tolist()]
 
     def propose(self, context: DraftContext) -> list[int]:

@@ -35,12 +35,15 @@ def dflash_loss(
     *,
     objective: ObjectivePlan,
     teacher_logits: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> LossOutput:
     """Weighted cross-entropy of a plain DFlash drafter, plus optional self-distillation
     (``parts["distill"]``; docs in :mod:`~dflash_recipes.executor.training.loss`).
 
     `teacher_logits` (same shape as `logits`) is required exactly when
-    ``objective.self_logit_distillation`` is on.
+    ``objective.self_logit_distillation`` is on. `weights`: the position weights of `objective`
+    when the caller already computed them for these logits (``objective_weights``; D-PACE's
+    are a cross-entropy over the vocabulary), else computed here.
     """
     check_shapes(logits, labels, label_mask)
     label_mask = without_anchor(label_mask)
@@ -50,7 +53,8 @@ def dflash_loss(
     if not objective.self_logit_distillation and teacher_logits is not None:
         msg = "teacher_logits were passed but self_logit_distillation is off"
         raise ValueError(msg)
-    weights = objective_weights(logits, labels, label_mask, objective=objective)
+    if weights is None:
+        weights = objective_weights(logits, labels, label_mask, objective=objective)
     ce = weighted_mean(token_ce(logits, labels, label_mask), weights, label_mask)
     loss = ce
     distill: Tensor | None = None

@@ -206,8 +206,11 @@ class CandidateSelector(nn.Module):
 
 def unary_scores(logits: Tensor, settings: DFlash2Settings) -> Tensor:
     """The unary scores U in float32: logits times ``output_multiplier``, then, with
-    ``final_logit_softcapping`` c, ``c * tanh(U / c)``."""
-    scores = logits.float() * settings.output_multiplier
+    ``final_logit_softcapping`` c, ``c * tanh(U / c)``. float32 logits with neither (the
+    defaults) are returned as they are: no copy of the step's largest tensor."""
+    scores = logits.float()
+    if settings.output_multiplier != 1.0:
+        scores = scores * settings.output_multiplier
     cap = settings.final_logit_softcapping
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)
@@ -284,14 +287,16 @@ class SelectorLoss:
     loss: Tensor
     #: Positions scored (nonzero weight) whose gold token was in the top-K (all, with inject).
     counted: Tensor
-    #: Positions scored whose greedy choice from the true previous token, among the unary
-    #: top-K as served (never an injected token), is the gold token.
-    correct: Tensor
     #: Positions scored (nonzero weight).
     count: Tensor
-    #: ``[N]`` bool: the position is scored and its greedy choice (as :attr:`correct` counts)
-    #: is the gold token.
+    #: ``[N]`` bool: the position is scored and its greedy choice from the true previous token,
+    #: among the unary top-K as served (never an injected token), is the gold token.
     chosen_correct: Tensor
+
+    @property
+    def correct(self) -> Tensor:
+        """Positions whose greedy choice is the gold token (:attr:`chosen_correct`'s count)."""
+        return self.chosen_correct.sum()
 
 
 def selector_loss(
@@ -341,7 +346,6 @@ def selector_loss(
     return SelectorLoss(
         loss=loss,
         counted=(scored & found).sum(),
-        correct=chosen_correct.sum(),
         count=scored.sum(),
         chosen_correct=chosen_correct,
     )
@@ -412,10 +416,18 @@ def dflash2_loss(
     unary = unary_scores(logits, settings)
     labels, label_mask = targets.labels, targets.label_mask
     teacher = targets.teacher if objective.self_logit_distillation else None
-    unary_out = dflash_loss(unary, labels, label_mask, objective=objective, teacher_logits=teacher)
     scored = without_anchor(label_mask)
-    weights = objective_weights(unary, labels, scored, objective=objective)
-    weights = torch.broadcast_to(weights, labels.shape) * scored
+    # One computation of the position weights serves both terms (D-PACE's read the vocabulary).
+    position_weights = objective_weights(unary, labels, scored, objective=objective)
+    unary_out = dflash_loss(
+        unary,
+        labels,
+        label_mask,
+        objective=objective,
+        teacher_logits=teacher,
+        weights=position_weights,
+    )
+    weights = torch.broadcast_to(position_weights, labels.shape) * scored
     block = labels.shape[-1]
     flat = labels.numel()
     selection = selector_loss(

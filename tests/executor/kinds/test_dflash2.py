@@ -281,6 +281,9 @@ def test_unary_scores_multiplier_and_softcap() -> None:
     logits = torch.tensor([10.0, -4.0], dtype=torch.bfloat16)
     plain = unary_scores(logits, SETTINGS)
     assert plain.dtype == torch.float32 and plain.tolist() == [10.0, -4.0]
+    # float32 logits with the defaults are the unary scores themselves: no logits-sized copy
+    as_float = logits.float()
+    assert unary_scores(as_float, SETTINGS) is as_float
     capped = DFlash2Settings(2, 16, 8, 4, output_multiplier=0.5, final_logit_softcapping=2.0)
     got = unary_scores(logits, capped).tolist()
     assert got == pytest.approx([2 * math.tanh(2.5), 2 * math.tanh(-1.0)])
