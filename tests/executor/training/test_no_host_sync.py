@@ -123,6 +123,32 @@ def test_no_host_sync_between_logging_steps(
     assert counter.at_logging > 0  # the counter does see the logging step's reads
 
 
+def test_a_dflash2_drafter_trains_without_a_host_sync_either(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DFlash 2's objective (unary top-K, selector loss, its per-position hits) and its
+    convolutions read nothing back between logging steps, in chunks too."""
+    arch = "dflash.dflash_architecture_config"
+    original = fit_module.setup
+
+    def small_chunks(plan: Any, env: Any, max_chunk_logits: int | None, **kwargs: Any) -> Any:
+        return original(plan, env, 3000, **kwargs)
+
+    monkeypatch.setattr(fit_module, "setup", small_chunks)
+    counter = _count_syncs(
+        monkeypatch,
+        tmp_path / "run",
+        f"{arch}.projector_type=dflash2",
+        f"{arch}.conv_kernel_size=2",
+        f"{arch}.conv_group_size=8",
+        f"{arch}.selector_rank=4",
+        f"{arch}.selector_top_k=4",
+        "dflash.dflash_selector_missing_gold=inject",
+    )
+    assert counter.between == [], "\n".join(counter.between)
+    assert counter.at_logging > 0
+
+
 def test_chunked_loss_makes_no_host_sync_either(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
