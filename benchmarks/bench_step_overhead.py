@@ -271,6 +271,7 @@ class Shape:
                 models=SimpleNamespace(target=self.model, step=timed_step),
                 optimization=SimpleNamespace(total_steps=1000),
                 accumulation=GradientAccumulation(1, [], self.env),
+                scaler=None,  # float32 on the CPU: no loss scaling (fit's run.scaler)
             )
             # The loop prepares batches on its prefetch thread; here on this one, in the step.
             prepared = prepare_batch(
