@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel, Qwen3Config, Qwen3ForCau
 
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.evaluation.cached_decoding import (
+    _cache_argument,
     has_windowed_layers,
     speculative_generate,
     speculative_generate_batch,
@@ -346,7 +347,9 @@ class CacheRecorder:
 
 def fresh_cache(target: PreTrainedModel, tokens: Sequence[int]) -> DynamicCache:
     cache = DynamicCache(config=target.config)
-    target(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, use_cache=True)
+    # the same forward argument as the product's (``cache`` where transformers has it)
+    argument = _cache_argument(target)
+    target(input_ids=torch.tensor([list(tokens)]), use_cache=True, **{argument: cache})
     return cache
 
 
