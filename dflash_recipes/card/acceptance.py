@@ -91,7 +91,21 @@ def measurement_from_report(
         lossless=lossless if isinstance(lossless, bool) else None,
         source=source,
         step=step,
+        decoding=_decoding(found),
     )
+
+
+def _decoding(settings: Mapping[str, object]) -> str | None:
+    """``greedy`` or ``sampling at temperature T (drafts D, seed S)`` from a report's settings
+    (None when they do not say)."""
+    decoding = _text(settings, "decoding")
+    if decoding != "sampling":
+        return decoding
+    temperature = _number(settings, "temperature")
+    shown = f"{temperature:g}" if temperature is not None else "?"
+    drafts = _text(settings, "draft_sampling") or "?"
+    seed = _int(settings, "seed")
+    return f"sampling at temperature {shown} (drafts {drafts}, seed {seed})"
 
 
 def last_training_measurement(run_dir: Path, up_to_step: int | None = None) -> Measurement | None:

@@ -184,11 +184,19 @@ def _measured(m: Measurement | None) -> list[str]:
         ("prompts sha256", f"`{m.prompts_sha256}`" if m.prompts_sha256 else "-"),
         ("chat template", f"{m.chat_template or '-'}, sha256 `{m.chat_template_sha256 or '-'}`"),
         ("head drafted with", m.head or "-"),
+        ("decoding", m.decoding or "greedy"),
         ("output equals greedy decoding", "-" if m.lossless is None else str(m.lossless).lower()),
     ]
+    sampled = m.decoding is not None and m.decoding.startswith("sampling")
+    how = (
+        "Speculative sampling against the target, the verification accepting each proposal by "
+        "the rejection rule that keeps the target's distribution"
+        if sampled
+        else "Greedy speculative decoding against the target, the verification keeping the "
+        "longest correct prefix plus one token"
+    )
     return [
-        "Greedy speculative decoding against the target, the verification keeping the longest "
-        "correct prefix plus one token; tau is comparable only at the same settings:",
+        f"{how}; tau is comparable only at the same settings:",
         "",
         "| | |",
         "|---|---|",

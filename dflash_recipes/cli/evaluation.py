@@ -61,6 +61,29 @@ if TYPE_CHECKING:
     default=None,
     help="Pass enable_thinking to the chat template (Qwen3-style); default: not passed.",
 )
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Sampling temperature of the verification (0: greedy). Above 0 the target samples, "
+    "and the rejection rule keeps its distribution whatever the drafter proposes.",
+)
+@click.option(
+    "--draft-sampling",
+    type=click.Choice(["sampled", "greedy"]),
+    default="sampled",
+    show_default=True,
+    help="With --temperature > 0: draw each proposal from the drafter's distribution at that "
+    "temperature, or propose its argmax (what engines without draft probabilities do).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --temperature > 0: the seed of every draw (same seed, same device: same tau).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
     "--min-tau",
@@ -85,11 +108,14 @@ def eval_command(
     num_prompts: int,
     batch_size: int,
     enable_thinking: bool | None,
+    temperature: float,
+    draft_sampling: str,
+    seed: int,
     as_json: bool,
     min_tau: float | None,
     write_card: Path | None,
 ) -> None:
-    """Measure real acceptance: block drafting + greedy verification by the target.
+    """Measure real acceptance: block drafting + verification by the target.
 
     Reports the acceptance length tau pooled over all verification steps and as the mean
     of per-prompt means (z-lab's benchmark figure), the per-position acceptance rate,
@@ -97,9 +123,12 @@ def eval_command(
     (lossless). For DFlash 2 it also measures tau with the head off (the unary argmax path
     beside the selector's, lossless too), so you see what the selector buys. The target
     keeps a KV cache cropped to the accepted tokens, so long generations (2k-16k tokens)
-    cost linear time. Greedy only: sampling (temperature > 0) is not supported. --json also
-    records what makes tau comparable (block size, max_new_tokens, chat template and prompt
-    file sha256, thinking mode, number of prompts).
+    cost linear time. --temperature T > 0 measures tau when the target samples at T: proposals
+    are accepted by the rejection rule (lossless in distribution, so no greedy check), each
+    drawn from the drafter at T (--draft-sampling greedy: its argmax), with --seed fixing the
+    draws; only the temperature shapes the distributions (no top-k or top-p). --json also
+    records what makes tau comparable (block size, max_new_tokens, decoding and temperature,
+    chat template and prompt file sha256, thinking mode, number of prompts).
 
     --min-tau X makes it a gate: exit 1 with one line (measured against required) when the
     pooled tau is below X, 0 otherwise. --write-card EXPORT_DIR regenerates that export's
@@ -110,12 +139,25 @@ def eval_command(
     Examples:
       dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --prompts heldout.jsonl
       dflash-recipe eval recipe.yaml --write-card outputs/run/export --min-tau 3.0
+      dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --temperature 1.0
     """
+    if temperature == 0 and (draft_sampling != "sampled" or seed != 0):
+        _fail(
+            "--draft-sampling and --seed apply to sampled verification only; pass "
+            "--temperature T (> 0) with them, or drop them for greedy verification",
+            EXIT_USAGE,
+        )
     checkpoint = _measured_directory(checkpoint, write_card)
     plan = load_plan_or_recipe(plan_or_recipe, overrides)
     _setup_logging(False)
     from dflash_recipes.executor.evaluation.evaluate import run_eval
+    from dflash_recipes.executor.evaluation.sampling import Sampling
 
+    sampling = (
+        Sampling(temperature=temperature, seed=seed, drafts=draft_sampling)
+        if temperature > 0
+        else None
+    )
     report = run_eval(
         plan,
         checkpoint,
@@ -125,6 +167,7 @@ def eval_command(
         batch_size=batch_size,
         enable_thinking=enable_thinking,
         prompt_column=prompt_column,
+        sampling=sampling,
     )
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
@@ -203,9 +246,17 @@ def _print_report(
             f"{report.tau_without_head_per_prompt_mean or 0.0:.3f} ({head} adds {gain:+.3f})"
         )
     click.echo(f"per-proposal acceptance (k=1..{len(report.per_position_acceptance)}): {rates}")
+    settings = report.settings
+    if settings is not None and settings.decoding == "sampling":
+        checked = (
+            f"sampled at temperature {settings.temperature:g} (drafts {settings.draft_sampling}, "
+            f"seed {settings.seed}): lossless in distribution, no greedy check"
+        )
+    else:
+        checked = f"lossless: {report.lossless}"
     click.echo(
         f"{report.num_prompts} prompts, {report.steps} verification steps, "
-        f"{report.tokens} tokens; lossless: {report.lossless}"
+        f"{report.tokens} tokens; {checked}"
     )
     if report.mismatched_prompts_without_head:
         click.echo(
@@ -217,8 +268,7 @@ def _print_report(
         f"{report.tokens_per_second:.1f} tokens/s (max_new_tokens {max_new_tokens}, "
         f"batch size {batch_size})"
     )
-    if report.settings is not None:
-        settings = report.settings
+    if settings is not None:
         template = settings.chat_template_sha256 or "none"
         click.echo(
             f"thinking mode: {settings.thinking_mode}; chat template "

@@ -252,8 +252,8 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
         scratch_estimate=scratch.acceptance_length_estimate,
         warm_tau=warm_eval.tau,
         scratch_tau=scratch_eval.tau,
-        warm_lossless=warm_eval.lossless,
-        scratch_lossless=scratch_eval.lossless,
+        warm_lossless=warm_eval.lossless is True,  # greedy: always checked
+        scratch_lossless=scratch_eval.lossless is True,
         tensors_checked=checked,
         tensors_equal=equal,
         seconds=time.perf_counter() - started,

@@ -1,4 +1,4 @@
-"""Block speculative decoding with KV caches: a DFlash drafter, greedy verification by the target.
+"""Block speculative decoding with KV caches: a DFlash drafter, verification by the target.
 
 An *evaluation harness* that measures real acceptance at the lengths people measure it (2k-16k
 new tokens): each verification step costs one drafter pass and one target pass over the new
@@ -6,7 +6,10 @@ block only, so the time per generated token does not grow with the length (beyon
 itself). Every committed token is the target's own greedy token given everything before it, so
 the output equals greedy decoding
 (:func:`~dflash_recipes.executor.evaluation.speculative.greedy_generate`) whatever the drafter
-proposes. Greedy only: sampling (temperature > 0) is out of scope.
+proposes. With a :class:`~dflash_recipes.executor.evaluation.sampling.Sampling` the
+verification samples at its temperature instead, by the rejection rule that keeps the target's
+sampling distribution (:mod:`~dflash_recipes.executor.evaluation.sampling`; step 2 below then
+accepts by that rule and draws the token after the accepted ones).
 
 One step, with ``B`` the block size and ``a`` the position of the last committed token (the
 anchor):
@@ -49,8 +52,10 @@ from transformers import DynamicCache, PreTrainedModel
 
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.evaluation.draft_context import context_store
+from dflash_recipes.executor.evaluation.sampling import DraftRecorder, Sampling
 from dflash_recipes.executor.evaluation.speculative import (
     BlockDrafter,
+    DFlashBlockDrafter,
     SpecResult,
     as_block_drafter,
     check_prompt,
@@ -175,8 +180,8 @@ def _forward(
     keep_logits: int,
     taps: Sequence[int],
 ) -> tuple[Tensor, Tensor]:
-    """One target pass on top of ``cache``: greedy tokens of the last ``keep_logits`` inputs
-    ``[R, keep_logits]`` and tapped states of every input ``[R, n, n_taps * H]``."""
+    """One target pass on top of ``cache``: logits of the last ``keep_logits`` inputs
+    ``[R, keep_logits, V]`` and tapped states of every input ``[R, n, n_taps * H]``."""
     mask = None if bool(slot_valid.all()) else slot_valid.long()
     out = target(
         input_ids=input_ids,
@@ -187,8 +192,34 @@ def _forward(
         logits_to_keep=keep_logits,
         **{cache_argument: cache},
     )
-    greedy: Tensor = out.logits.argmax(dim=-1)
-    return greedy, taps_from_hidden_states(out.hidden_states, taps)
+    logits: Tensor = out.logits
+    return logits, taps_from_hidden_states(out.hidden_states, taps)
+
+
+def _verify(
+    proposals: Sequence[Sequence[int]], logits: Tensor, recorder: DraftRecorder | None
+) -> list[tuple[int, list[int]]]:
+    """Each row's verdict on its proposals: (accepted proposals, the tokens to commit: the
+    accepted ones and the target's next token). Greedy: proposals are kept while they equal
+    the target's argmax, then its argmax is committed; sampled (`recorder`, which drew the
+    proposals): the rejection rule."""
+    if recorder is None:
+        verified = logits.argmax(dim=-1).tolist()
+        verdicts: list[tuple[int, list[int]]] = []
+        for drafted, target in zip(proposals, verified, strict=True):
+            accepted = 0
+            while accepted < len(drafted) and drafted[accepted] == target[accepted]:
+                accepted += 1
+            verdicts.append((accepted, target[: accepted + 1]))
+        return verdicts
+    drafts = torch.tensor([list(p) for p in proposals], dtype=torch.long, device=logits.device)
+    accepted_t, next_t = recorder.verify(drafts, logits)
+    return [
+        (accepted, [*row_proposals[:accepted], next_token])
+        for row_proposals, accepted, next_token in zip(
+            proposals, accepted_t.tolist(), next_t.tolist(), strict=True
+        )
+    ]
 
 
 @torch.no_grad()
@@ -200,12 +231,18 @@ def speculative_generate_batch(
     *,
     max_new_tokens: int,
     eos_token_id: int | None,
+    sampling: Sampling | None = None,
 ) -> list[SpecResult]:
     """Speculative generation of every prompt as one batch; one result per prompt, in order.
 
     Each row stops after eos or ``max_new_tokens``; its tokens equal greedy decoding's and its
-    taus are what the row would measure alone. DataError when a prompt plus
-    ``max_new_tokens`` does not fit the target's positions.
+    taus are what the row would measure alone. With `sampling` the verification samples at
+    its temperature instead (:mod:`~dflash_recipes.executor.evaluation.sampling`): every token
+    has the target's sampling distribution, and ``sampling.seed`` fixes the draws (the rows of
+    a batch draw from one generator, so a row's tokens depend on the batch it ran in).
+    DataError when a prompt plus ``max_new_tokens`` does not fit the target's positions;
+    ValueError for sampling with a drafter that proposes tokens without their distributions
+    (a bare :class:`BlockDrafter`).
     """
     for prompt in prompts:
         check_prompt(prompt)
@@ -222,11 +259,20 @@ def speculative_generate_batch(
                 [prompt],
                 max_new_tokens=max_new_tokens,
                 eos_token_id=eos_token_id,
+                sampling=sampling,
             )[0]
             for prompt in prompts
         ]
     block_drafter = as_block_drafter(drafter, target, spec)
+    if sampling is not None and not isinstance(block_drafter, DFlashBlockDrafter):
+        msg = (
+            f"{type(block_drafter).__name__} proposes tokens only; sampled verification needs "
+            "the draft distributions: pass the drafter module"
+        )
+        raise ValueError(msg)
     device = _device_of(target)
+    generator = None if sampling is None else sampling.generator(device)
+    recorder: DraftRecorder | None = None
     state = _Rows(prompts, max_new_tokens, eos_token_id)
     store = context_store(block_drafter, len(prompts), size)
     taps = spec.target_layer_ids
@@ -247,11 +293,15 @@ def speculative_generate_batch(
     if callable(activate):
         activate()
     cache_argument = _cache_argument(target)
-    greedy, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
+    logits, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
     _crop(cache, width)  # nothing to roll back; a prompt longer than a window is cut to it
+    if sampling is None or generator is None:
+        first_tokens = logits[:, -1].argmax(dim=-1).tolist()
+    else:
+        first_tokens = sampling.sample(logits[:, -1], generator).tolist()
     for row in range(len(prompts)):
         store.extend(row, tapped[row, pads[row] :])
-        state.commit(row, [int(greedy[row, -1])])
+        state.commit(row, [int(first_tokens[row])])
 
     active = list(range(len(prompts)))  # the prompt index of each cache row
     drafted = spec.drafted_tokens  # proposals per block; the verified block is one longer
@@ -267,7 +317,9 @@ def speculative_generate_batch(
             store.keep(still)
             active = [active[i] for i in still]
         committed = [state.committed[p] for p in active]
-        proposals = store.propose(committed)
+        if sampling is not None and generator is not None:  # a fresh record per step
+            recorder = DraftRecorder(sampling, generator)
+        proposals = store.propose(committed, recorder)
         for row_proposals in proposals:
             if len(row_proposals) != drafted:
                 msg = (
@@ -282,18 +334,16 @@ def speculative_generate_batch(
         )
         anchors = torch.tensor([len(c) - 1 for c in committed], device=device).unsqueeze(1)
         valid = torch.cat([slot_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
-        greedy, tapped = _forward(
+        logits, tapped = _forward(
             target, cache_argument, cache, block, anchors + offsets, valid, drafted + 1, taps
         )
-        # greedy[r, j] is the target's token for position anchor + j + 1 (proposal j).
-        verified = greedy.tolist()
+        # logits[r, j] are the target's for position anchor + j + 1 (proposal j).
+        verdicts = _verify(proposals, logits, recorder)
         accepted_rows: list[int] = []
         for row, prompt_index in enumerate(active):
-            accepted = 0
-            while accepted < drafted and proposals[row][accepted] == verified[row][accepted]:
-                accepted += 1
+            accepted, tokens = verdicts[row]
             state.taus[prompt_index].append(accepted + 1)
-            state.commit(prompt_index, verified[row][: accepted + 1])
+            state.commit(prompt_index, tokens)
             store.extend(row, tapped[row, : accepted + 1])
             accepted_rows.append(accepted)
         # Keep the anchor and the accepted proposals of the longest acceptance; a row that
@@ -317,6 +367,7 @@ def speculative_generate(
     *,
     max_new_tokens: int,
     eos_token_id: int | None,
+    sampling: Sampling | None = None,
 ) -> SpecResult:
     """Generate up to ``max_new_tokens`` tokens (stopping after eos) by block drafting.
 
@@ -333,6 +384,7 @@ def speculative_generate(
         [prompt_ids],
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
+        sampling=sampling,
     )[0]
 
 

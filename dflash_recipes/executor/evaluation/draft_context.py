@@ -23,6 +23,7 @@ from dflash_recipes.executor.evaluation.speculative import (
     DFlashBlockDrafter,
     DraftContext,
 )
+from dflash_recipes.executor.kinds.protocol import Chooser, greedy_choice
 from dflash_recipes.executor.model.layers import DraftDecoderLayer
 from dflash_recipes.executor.model.masks import build_dense_block_mask
 
@@ -102,9 +103,12 @@ class DraftContextStore(Protocol):
         """Keep only ``rows`` (in that order); the others finished."""
         ...
 
-    def propose(self, committed: Sequence[Sequence[int]]) -> list[list[int]]:
+    def propose(
+        self, committed: Sequence[Sequence[int]], choose: Chooser | None = None
+    ) -> list[list[int]]:
         """``spec.drafted_tokens`` proposals per row; ``committed[r]`` is row r's prompt + tokens,
-        and its context covers every position before its last token."""
+        and its context covers every position before its last token. `choose` picks each
+        token (None: the drafter's greedy proposals)."""
         ...
 
 
@@ -174,10 +178,13 @@ class FusedContext:
         hidden: Tensor = model.norm(x)
         return hidden
 
-    def propose(self, committed: Sequence[Sequence[int]]) -> list[list[int]]:
+    def propose(
+        self, committed: Sequence[Sequence[int]], choose: Chooser | None = None
+    ) -> list[list[int]]:
         anchors = [len(c) - 1 for c in committed]
         tokens = [c[-1] for c in committed]
-        return self.drafter.propose_from_hidden(self.hidden(anchors, tokens), tokens)
+        hidden = self.hidden(anchors, tokens)
+        return self.drafter.propose_from_hidden(hidden, tokens, choose or greedy_choice)
 
 
 class TapsContext:
@@ -194,7 +201,15 @@ class TapsContext:
     def keep(self, rows: Sequence[int]) -> None:
         self.rows.keep(rows)
 
-    def propose(self, committed: Sequence[Sequence[int]]) -> list[list[int]]:
+    def propose(
+        self, committed: Sequence[Sequence[int]], choose: Chooser | None = None
+    ) -> list[list[int]]:
+        if choose is not None:
+            msg = (
+                f"{type(self.drafter).__name__} proposes tokens only; sampled verification "
+                "needs the draft distributions: pass the drafter module"
+            )
+            raise ValueError(msg)
         taps = self.rows.view()
         proposals: list[list[int]] = []
         for row, tokens in enumerate(committed):

@@ -15,8 +15,8 @@ import attrs
 
 from dflash_recipes.records import Record
 
-#: How the verification decides: the target's greedy token (the only mode; sampling with
-#: temperature > 0 is out of scope, see docs/dflash.md "Measuring acceptance").
+#: How the verification decides by default: the target's greedy token. ``sampling`` when it
+#: samples at a temperature (docs/dflash.md "Measuring acceptance").
 DECODING = "greedy"
 
 
@@ -68,6 +68,13 @@ class EvalSettings(Record):
     #: The first stop token id (None: generation runs to max_new_tokens).
     eos_token_id: int | None
     decoding: str = DECODING
+    #: The sampling temperature (0.0: greedy).
+    temperature: float = 0.0
+    #: How proposals were drawn at temperature > 0, ``sampled`` or ``greedy`` (None: greedy
+    #: decoding).
+    draft_sampling: str | None = None
+    #: The seed of the sampled draws (None: greedy decoding draws nothing).
+    seed: int | None = None
     #: The prompts are the data.eval_holdout slice of prompt_file (training held them out),
     #: e.g. "4 conversations, seed 0"; None: the file's first num_prompts.
     held_out_slice: str | None = None

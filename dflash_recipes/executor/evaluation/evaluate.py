@@ -30,7 +30,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -44,13 +43,20 @@ from dflash_recipes.executor.evaluation.cached_decoding import (
     check_positions,
     speculative_generate_batch,
 )
-from dflash_recipes.executor.evaluation.eval_settings import EvalSettings, sha256_text
+from dflash_recipes.executor.evaluation.eval_settings import DECODING, EvalSettings, sha256_text
 from dflash_recipes.executor.evaluation.prompt_files import (
     UNITS,
     prompt_format,
     read_json_prompts,
     read_parquet_prompts,
 )
+from dflash_recipes.executor.evaluation.report import (
+    AcceptanceReport,
+    acceptance_from_steps,
+    mean_of,
+    step_taus,
+)
+from dflash_recipes.executor.evaluation.sampling import Sampling
 from dflash_recipes.executor.evaluation.speculative import (
     BlockDrafter,
     DFlashBlockDrafter,
@@ -63,122 +69,8 @@ from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.weights import load_drafter_weights
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RunPlan
-from dflash_recipes.records import Record
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class AcceptanceReport(Record):
-    """Measured acceptance of a drafter over a set of prompts."""
-
-    #: Pooled tau: mean acceptance length over all verification steps of all prompts together
-    #: (accepted drafts + 1), in [1, drafted_tokens + 1]. Long generations weigh more.
-    tau: float
-    #: For the k-th proposal, k = 1 .. drafted_tokens (index k - 1): accepted / reached, where a
-    #: proposal is reached when every one before it was accepted. 0.0 where never reached.
-    per_position_acceptance: list[float]
-    #: How often each draft position was reached (the denominators of the rates above).
-    reached_per_position: list[int]
-    #: Verification steps (target passes after each prompt's prefill), all prompts together.
-    steps: int
-    #: Generated tokens, all prompts together.
-    tokens: int
-    #: True when every output equals the target's plain greedy decoding.
-    lossless: bool
-    block_size: int
-    num_prompts: int
-    #: Indices of prompts whose speculative output differed from greedy (empty when lossless).
-    mismatched_prompts: list[int] = attrs.field(factory=list)
-    #: Each prompt's own tau (mean over its verification steps), in prompt order; prompts whose
-    #: generation ended at the prefill (no verification step) have none and are left out.
-    tau_per_prompt: list[float] = attrs.field(factory=list)
-    #: The max_new_tokens the prompts were generated with (None: not recorded).
-    max_new_tokens: int | None = None
-    #: Wall-clock seconds of speculative generation (the losslessness check excluded); not
-    #: compared by ``==`` (two runs of the same measurement take different times).
-    generation_seconds: float = attrs.field(default=0.0, eq=False)
-    #: What makes this tau comparable (prompt file, chat template, thinking mode, ...).
-    settings: EvalSettings | None = None
-    #: The head the proposals were drafted with, as the serving engine applies it
-    #: (``ResolvedDraft.head_description``, e.g. ``domino (shift_label true,
-    #: pure_draft_prefix_len 1)``).
-    head: str = "dflash (no head)"
-    #: Proposals per verification step (B - 1, or B for a head with shift_label); tau is at
-    #: most one more.
-    drafted_tokens: int | None = None
-    #: Pooled tau of the same prompts drafted with the head switched off (the backbone's own
-    #: argmax; DFlash 2: the unary argmax path instead of the selector's); ``tau`` minus this is
-    #: what the head buys. None when not measured: the kind's ``eval_without_head`` is false,
-    #: or the drafter was a bare BlockDrafter, whose head cannot be switched off.
-    tau_without_head: float | None = None
-    #: The mean of per-prompt taus of that head-off measurement (None when not measured).
-    tau_without_head_per_prompt_mean: float | None = None
-    #: Indices of prompts whose head-off output differed from greedy (also make ``lossless``
-    #: false); empty when lossless or not measured.
-    mismatched_prompts_without_head: list[int] = attrs.field(factory=list)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second of speculative generation (0.0 when not timed)."""
-        return self.tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
-
-    @property
-    def tau_pooled(self) -> float:
-        """The pooled tau (same as ``tau``): all verification steps together."""
-        return self.tau
-
-    @property
-    def tau_per_prompt_mean(self) -> float:
-        """Mean of the per-prompt taus: every prompt weighs the same (z-lab's benchmark figure)."""
-        if not self.tau_per_prompt:
-            return 0.0
-        return sum(self.tau_per_prompt) / len(self.tau_per_prompt)
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-compatible dict of every field (``tau`` is the pooled tau, as before)."""
-        return {
-            "tau": self.tau,
-            "tau_pooled": self.tau_pooled,
-            "tau_per_prompt_mean": self.tau_per_prompt_mean,
-            "tau_per_prompt": list(self.tau_per_prompt),
-            "per_position_acceptance": list(self.per_position_acceptance),
-            "reached_per_position": list(self.reached_per_position),
-            "steps": self.steps,
-            "tokens": self.tokens,
-            "lossless": self.lossless,
-            "block_size": self.block_size,
-            "num_prompts": self.num_prompts,
-            "mismatched_prompts": list(self.mismatched_prompts),
-            "max_new_tokens": self.max_new_tokens,
-            "generation_seconds": self.generation_seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "settings": self.settings.to_dict() if self.settings is not None else None,
-            "head": self.head,
-            "drafted_tokens": self.drafted_tokens,
-            "tau_without_head": self.tau_without_head,
-            "tau_without_head_per_prompt_mean": self.tau_without_head_per_prompt_mean,
-            "mismatched_prompts_without_head": list(self.mismatched_prompts_without_head),
-        }
-
-
-def acceptance_from_steps(
-    accepted_per_step: Sequence[int], block_size: int
-) -> tuple[list[float], list[int]]:
-    """Per-position acceptance rates and reach counts from the taus of verification steps.
-
-    ``block_size`` is one more than the proposals per step (``spec.drafted_tokens + 1``)."""
-    reached = [0] * (block_size - 1)
-    accepted = [0] * (block_size - 1)
-    for tau in accepted_per_step:
-        drafts_accepted = tau - 1
-        for k in range(1, block_size):
-            if drafts_accepted >= k - 1:
-                reached[k - 1] += 1
-            if drafts_accepted >= k:
-                accepted[k - 1] += 1
-    rates = [a / r if r else 0.0 for a, r in zip(accepted, reached, strict=True)]
-    return rates, reached
 
 
 def evaluate_acceptance(
@@ -191,8 +83,13 @@ def evaluate_acceptance(
     eos_token_id: int | None,
     batch_size: int = 1,
     settings: EvalSettings | None = None,
+    sampling: Sampling | None = None,
 ) -> AcceptanceReport:
     """Speculative decoding on every prompt: tau, per-position acceptance, losslessness.
+
+    Greedy verification by default. With `sampling` the target samples at its temperature
+    (:mod:`~dflash_recipes.executor.evaluation.sampling`); no output is compared with greedy
+    decoding then, and ``lossless`` is None.
 
     ``batch_size`` prompts run at a time as rows of one KV cache (1: one at a time); tokens and
     taus do not depend on it. Safe to call during training: modules are put in eval mode for
@@ -236,12 +133,16 @@ def evaluate_acceptance(
                 prompts[first : first + batch_size],
                 max_new_tokens=max_new_tokens,
                 eos_token_id=eos_token_id,
+                sampling=sampling,
             )
             seconds += time.perf_counter() - started
         return results, seconds
 
     def greedy(prompt: Sequence[int], result: SpecResult) -> bool:
-        # One teacher-forced target pass checks the output against greedy decoding.
+        # One teacher-forced target pass checks the output against greedy decoding; a sampled
+        # output has nothing to equal (never counted as a mismatch).
+        if sampling is not None:
+            return True
         return is_greedy_decoding(target, prompt, result.tokens, max_new_tokens, eos_token_id)
 
     off: list[SpecResult] | None = None
@@ -262,16 +163,16 @@ def evaluate_acceptance(
     finally:
         for module, mode in modes.items():
             module.training = mode
-    taus, per_prompt = _taus(results)
-    headless = _taus(off) if off is not None else None
+    taus, per_prompt = step_taus(results)
+    headless = step_taus(off) if off is not None else None
     rates, reached = acceptance_from_steps(taus, spec.drafted_tokens + 1)
     return AcceptanceReport(
-        tau=_mean(taus),
+        tau=mean_of(taus),
         per_position_acceptance=rates,
         reached_per_position=reached,
         steps=len(taus),
         tokens=sum(len(result.tokens) for result in results),
-        lossless=not mismatched and not mismatched_headless,
+        lossless=None if sampling is not None else not mismatched and not mismatched_headless,
         block_size=spec.block_size,
         num_prompts=len(prompts),
         mismatched_prompts=mismatched,
@@ -281,8 +182,8 @@ def evaluate_acceptance(
         settings=settings,
         head=spec.head_description,
         drafted_tokens=spec.drafted_tokens,
-        tau_without_head=None if headless is None else _mean(headless[0]),
-        tau_without_head_per_prompt_mean=None if headless is None else _mean(headless[1]),
+        tau_without_head=None if headless is None else mean_of(headless[0]),
+        tau_without_head_per_prompt_mean=None if headless is None else mean_of(headless[1]),
         mismatched_prompts_without_head=mismatched_headless,
     )
 
@@ -292,18 +193,6 @@ def _measures_without_head(drafter: nn.Module | BlockDrafter, spec: ResolvedDraf
     (a module's, not an arbitrary :class:`BlockDrafter`'s)."""
     switchable = isinstance(drafter, nn.Module | DFlashBlockDrafter)
     return switchable and kind_facts(spec.projector_type).eval_without_head
-
-
-def _taus(results: Sequence[SpecResult]) -> tuple[list[int], list[float]]:
-    """Every verification step's tau, and each prompt's own tau (mean over its steps; a
-    generation that ended at the prefill has none and is left out)."""
-    steps = [tau for result in results for tau in result.accepted_per_step]
-    own = [_mean(result.accepted_per_step) for result in results if result.accepted_per_step]
-    return steps, own
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +325,7 @@ def eval_settings(
     enable_thinking: bool | None,
     eos_token_id: int | None,
     held_out_slice: str | None = None,
+    sampling: Sampling | None = None,
 ) -> EvalSettings:
     """The :class:`EvalSettings` of a measurement (file hashes read here)."""
     template = chat_template if chat_template is not None else tokenizer.chat_template
@@ -459,6 +349,10 @@ def eval_settings(
         template_reads_enable_thinking=text is not None and "enable_thinking" in text,
         eos_token_id=eos_token_id,
         held_out_slice=held_out_slice,
+        decoding=DECODING if sampling is None else "sampling",
+        temperature=0.0 if sampling is None else sampling.temperature,
+        draft_sampling=None if sampling is None else sampling.drafts,
+        seed=None if sampling is None else sampling.seed,
     )
 
 
@@ -558,6 +452,7 @@ def _measure(
     prompt_column: str | None = None,
     prompts: Sequence[Sequence[int]] | None = None,
     held_out_slice: str | None = None,
+    sampling: Sampling | None = None,
 ) -> AcceptanceReport:
     spec = plan.resolved_draft()
     chat_template = read_chat_template(plan.data.chat_template)
@@ -585,6 +480,7 @@ def _measure(
         enable_thinking=enable_thinking,
         eos_token_id=eos_id,
         held_out_slice=held_out_slice,
+        sampling=sampling,
     )
     return evaluate_acceptance(
         target,
@@ -595,6 +491,7 @@ def _measure(
         eos_token_id=eos_id,
         batch_size=batch_size,
         settings=settings,
+        sampling=sampling,
     )
 
 
@@ -608,6 +505,7 @@ def run_eval(
     batch_size: int = 1,
     enable_thinking: bool | None = None,
     prompt_column: str | None = None,
+    sampling: Sampling | None = None,
 ) -> AcceptanceReport:
     """Measure a saved drafter's acceptance with the plan's target, taps, mask and block size.
 
@@ -616,8 +514,8 @@ def run_eval(
     JSONL, a JSON list or a Parquet ``prompt_column``), rendered with ``data.chat_template``
     or the base model's tokenizer's template (``enable_thinking`` passed to it when not None).
     Generation stops at the tokenizer's eos token; ``batch_size`` prompts run at a time. Runs
-    on the CPU in the plan's dtype. The report's ``settings`` record what makes its tau
-    comparable.
+    on the CPU in the plan's dtype, greedy unless `sampling` says otherwise. The report's
+    ``settings`` record what makes its tau comparable.
     """
     spec = plan.resolved_draft()
     source = prompts_file
@@ -668,6 +566,7 @@ def run_eval(
         prompt_column=prompt_column,
         prompts=prompts,
         held_out_slice=held_out_slice(plan) if holdout else None,
+        sampling=sampling,
     )
 
 

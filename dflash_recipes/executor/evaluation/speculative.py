@@ -26,6 +26,11 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from dflash_recipes.executor.kinds.protocol import (
+    Chooser,
+    greedy_choice,
+    propose_each_position,
+)
 from dflash_recipes.executor.kinds.registry import kind_modules
 from dflash_recipes.executor.model.convert import dflash_module, embed_tokens, lm_head
 from dflash_recipes.executor.model.draft import DFlashDraftModel
@@ -166,22 +171,32 @@ class DFlashBlockDrafter:
         hidden = self.draft_hidden_fused(fused, anchors, anchor_tokens)
         return self.propose_from_hidden(hidden, anchor_tokens)
 
-    def propose_from_hidden(self, hidden: Tensor, anchor_tokens: Sequence[int]) -> list[list[int]]:
-        """Greedy proposals of every row from its draft states ``[R, B, H]`` (lm_head, then the
-        head variant position by position, as the serving engine applies it).
+    def propose_from_hidden(
+        self, hidden: Tensor, anchor_tokens: Sequence[int], choose: Chooser = greedy_choice
+    ) -> list[list[int]]:
+        """Proposals of every row from its draft states ``[R, B, H]`` (lm_head, then the head
+        variant position by position, as the serving engine applies it).
 
         ``spec.drafted_tokens`` per row: positions ``1 .. B-1`` (plain DFlash, or a head without
         shift_label), positions ``0 .. B-1`` with it. Domino's first ``pure_draft_prefix_len``
         proposals are the backbone's; the head corrects the rest. With the head off
-        (``use_head=False``) every proposal is the backbone's argmax.
+        (``use_head=False``) every proposal is the backbone's own. `choose` picks each token
+        (greedy: the argmax; a sampled draft records what it drew from).
         """
         base_logits = self._logits(hidden)
         if self.use_head:
             proposals = kind_modules(self.spec.projector_type).propose(
-                self.model.head, hidden, base_logits, anchor_tokens, self.spec, self.embed_tokens
+                self.model.head,
+                hidden,
+                base_logits,
+                anchor_tokens,
+                self.spec,
+                self.embed_tokens,
+                choose,
             )
         else:
-            proposals = base_logits[:, self.spec.first_drafting_position :].argmax(dim=-1)
+            first = self.spec.first_drafting_position
+            proposals = propose_each_position(base_logits, first, choose)
         return [[int(t) for t in row] for row in proposals.tolist()]
 
     def propose(self, context: DraftContext) -> list[int]:

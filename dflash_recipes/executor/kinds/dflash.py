@@ -11,7 +11,13 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from dflash_recipes.executor.kinds.protocol import KindHead, plain_layer
+from dflash_recipes.executor.kinds.protocol import (
+    Chooser,
+    KindHead,
+    greedy_choice,
+    plain_layer,
+    propose_each_position,
+)
 from dflash_recipes.executor.model.layers import DraftDecoderLayer
 from dflash_recipes.executor.training.loss import (
     LossOutput,
@@ -106,9 +112,10 @@ class DFlashModules:
         anchor_tokens: Sequence[int],
         spec: ResolvedDraft,
         embeddings: nn.Module,
+        choose: Chooser = greedy_choice,
     ) -> Tensor:
-        """The backbone's argmax at the drafting positions."""
-        return base_logits[:, spec.first_drafting_position :].argmax(dim=-1)
+        """The backbone's choice at each drafting position (the argmax by default)."""
+        return propose_each_position(base_logits, spec.first_drafting_position, choose)
 
 
 MODULES = DFlashModules()

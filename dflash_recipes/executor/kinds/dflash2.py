@@ -41,7 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_recipes.executor.kinds.dflash import dflash_loss
-from dflash_recipes.executor.kinds.protocol import INIT_STD, KindHead, expect_head
+from dflash_recipes.executor.kinds.protocol import (
+    INIT_STD,
+    Chooser,
+    KindHead,
+    expect_head,
+    greedy_choice,
+)
 from dflash_recipes.executor.model.layers import DraftDecoderLayer, KVJoin
 from dflash_recipes.executor.model.masks import DraftMask
 from dflash_recipes.executor.training.anchors import previous_tokens
@@ -239,21 +245,27 @@ def edge_scores(
 
 
 def select_path(
-    unary: Tensor, hidden: Tensor, anchors: Tensor, top_k: int, selector: CandidateSelector
+    unary: Tensor,
+    hidden: Tensor,
+    anchors: Tensor,
+    top_k: int,
+    selector: CandidateSelector,
+    choose: Chooser = greedy_choice,
 ) -> Tensor:
-    """``[R, S]`` greedy single paths of R blocks over their S proposal slots.
+    """``[R, S]`` single paths of R blocks over their S proposal slots.
 
     ``unary [R, S, V]`` (:func:`unary_scores`), ``hidden [R, S, H]`` the slots' draft states,
     ``anchors [R]`` the verified anchor tokens (slot 0's predecessor; slot j's is the token
-    chosen at j-1). At each slot: the top-K of the unary scores, then the argmax of the edge
-    scores from the predecessor.
+    chosen at j-1). At each slot: the top-K of the unary scores, then `choose` over the edge
+    scores from the predecessor (the argmax; a sampled draft draws from their softmax, its
+    distribution zero outside the candidates, as vLLM and SGLang sample at T > 0).
     """
     prev = anchors
     chosen: list[Tensor] = []
     for j in range(unary.shape[1]):
         scores, cands = unary[:, j].float().topk(top_k, dim=-1)
         edges = selector.edge_scores(scores, cands, prev, hidden[:, j])
-        prev = cands.gather(-1, edges.argmax(-1, keepdim=True)).squeeze(-1)
+        prev = choose(edges, cands)
         chosen.append(prev)
     return torch.stack(chosen, dim=1)
 
@@ -493,9 +505,11 @@ class DFlash2Modules:
         anchor_tokens: Sequence[int],
         spec: ResolvedDraft,
         embeddings: nn.Module,
+        choose: Chooser = greedy_choice,
     ) -> Tensor:
-        """The selector's greedy path over positions ``1 .. B-1`` (:func:`select_path`), the
-        anchor the first predecessor, as vLLM and SGLang draft."""
+        """The selector's path over positions ``1 .. B-1`` (:func:`select_path`), the anchor
+        the first predecessor, as vLLM and SGLang draft; `choose` picks among each slot's
+        top-K candidates by their edge scores."""
         selector = selector_head(head)
         first = spec.first_drafting_position
         unary = unary_scores(base_logits[:, first:], selector.settings)
@@ -506,6 +520,7 @@ class DFlash2Modules:
             anchors,
             selector.settings.selector_top_k,
             selector.candidate_selector,
+            choose,
         )
 
 

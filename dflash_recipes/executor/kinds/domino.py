@@ -23,9 +23,11 @@ from torch import Tensor, nn
 
 from dflash_recipes.executor.kinds.protocol import (
     INIT_STD,
+    Chooser,
     KindHead,
     check_blocks,
     expect_head,
+    greedy_choice,
     plain_layer,
     propose_by_position,
 )
@@ -235,6 +237,7 @@ class DominoModules:
         anchor_tokens: Sequence[int],
         spec: ResolvedDraft,
         embeddings: nn.Module,
+        choose: Chooser = greedy_choice,
     ) -> Tensor:
         """Position by position: the first ``pure_draft_prefix_len`` proposals are the
         backbone's (uncorrected, as served), the head corrects the rest."""
@@ -242,10 +245,10 @@ class DominoModules:
 
         def next_token(k: int, prev: Tensor) -> Tensor:
             if k < domino.pure_draft_prefix_len:
-                return base_logits[:, k].argmax(dim=-1)
+                return choose(base_logits[:, k])
             prev_embeds = embeddings(prev).to(hidden.dtype)
             logits: Tensor = domino(hidden[:, : k + 1], prev_embeds, base_logits[:, : k + 1])
-            return logits[:, k].argmax(dim=-1)
+            return choose(logits[:, k])
 
         return propose_by_position(hidden, anchor_tokens, spec, next_token)
 

@@ -23,9 +23,11 @@ from torch import Tensor, nn
 
 from dflash_recipes.executor.kinds.protocol import (
     INIT_STD,
+    Chooser,
     KindHead,
     check_blocks,
     expect_head,
+    greedy_choice,
     plain_layer,
     propose_by_position,
 )
@@ -284,13 +286,14 @@ class DSparkModules:
         anchor_tokens: Sequence[int],
         spec: ResolvedDraft,
         embeddings: nn.Module,
+        choose: Chooser = greedy_choice,
     ) -> Tensor:
         """Position by position: each proposal biased by the one before it."""
         dspark = dspark_head(head)
 
         def next_token(k: int, prev: Tensor) -> Tensor:
             logits: Tensor = dspark(hidden[:, : k + 1], prev, base_logits[:, : k + 1])[0]
-            return logits[:, k].argmax(dim=-1)
+            return choose(logits[:, k])
 
         return propose_by_position(hidden, anchor_tokens, spec, next_token)
 

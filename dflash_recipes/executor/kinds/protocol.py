@@ -12,7 +12,9 @@ torch parts in ``dflash_recipes/executor/kinds/<kind>.py`` (a :class:`KindModule
   kind adds inside every layer (DFlash 2's convolutions, ``layers.{i}.attention_conv.*``);
 - what the head reads per block beyond the draft states (:meth:`KindModules.head_inputs`);
 - its objective over one chunk of blocks (:meth:`KindModules.objective`);
-- its greedy proposals in evaluation (:meth:`KindModules.propose`).
+- its proposals in evaluation (:meth:`KindModules.propose`): at every drafting position a
+  :class:`Chooser` picks the token from the kind's scores, the argmax (:func:`greedy_choice`)
+  or, for sampled verification, a draw that records the draft distribution.
 
 The training step, the drafter and the evaluation call these by the plan's projector type
 (:mod:`~dflash_recipes.executor.kinds.registry`) and never name a kind.
@@ -56,6 +58,28 @@ class KindHead(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """The head's initialisation (output layers at zero: a fresh head changes nothing)."""
         raise NotImplementedError
+
+
+class Chooser(Protocol):
+    """Picks each row's token at one drafting position from its scores."""
+
+    def __call__(self, scores: Tensor, ids: Tensor | None = None) -> Tensor:
+        """``[R]`` tokens from ``scores [R, N]``; ``ids [R, N]`` is the token of each column
+        (None: column ``n`` is token ``n``, scores over the whole vocabulary)."""
+        ...
+
+
+def greedy_choice(scores: Tensor, ids: Tensor | None = None) -> Tensor:
+    """The :class:`Chooser` of greedy drafting: each row's highest-scoring token."""
+    best = scores.argmax(dim=-1)
+    return best if ids is None else ids.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+
+
+def propose_each_position(base_logits: Tensor, first: int, choose: Chooser) -> Tensor:
+    """``[R, B - first]`` proposals of the backbone alone: `choose` over its logits
+    ``[R, B, V]`` at every drafting position ``first .. B-1`` (no head, nothing between them)."""
+    size = base_logits.shape[1]
+    return torch.stack([choose(base_logits[:, k]) for k in range(first, size)], dim=1)
 
 
 class KindModules(Protocol):
@@ -104,10 +128,12 @@ class KindModules(Protocol):
         anchor_tokens: Sequence[int],
         spec: ResolvedDraft,
         embeddings: nn.Module,
+        choose: Chooser = greedy_choice,
     ) -> Tensor:
-        """Greedy proposals ``[R, spec.drafted_tokens]`` of R blocks from their final-normed
-        draft states ``hidden [R, B, H]`` and backbone logits ``base_logits [R, B, V]``, as the
-        serving engine drafts them; ``anchor_tokens[r]`` is row r's anchor token."""
+        """Proposals ``[R, spec.drafted_tokens]`` of R blocks from their final-normed draft
+        states ``hidden [R, B, H]`` and backbone logits ``base_logits [R, B, V]``, as the
+        serving engine drafts them; ``anchor_tokens[r]`` is row r's anchor token. `choose` picks
+        the token at every drafting position, in position order (the argmax by default)."""
         ...
 
 
@@ -145,7 +171,7 @@ def propose_by_position(
     spec: ResolvedDraft,
     next_token: Callable[[int, Tensor], Tensor],
 ) -> Tensor:
-    """``[R, drafted]`` greedy proposals of a head, one block position at a time.
+    """``[R, drafted]`` proposals of a head, one block position at a time.
 
     Position ``k`` sees the tokens proposed for the positions before it as its prefix, as in
     training, where the prefix holds the real tokens: ``next_token(k, prev)`` gets ``prev [R,
@@ -171,10 +197,13 @@ def propose_by_position(
 
 __all__ = [
     "INIT_STD",
+    "Chooser",
     "KindHead",
     "KindModules",
     "check_blocks",
     "expect_head",
+    "greedy_choice",
     "plain_layer",
     "propose_by_position",
+    "propose_each_position",
 ]

@@ -1,0 +1,150 @@
+"""Sampled verification (temperature > 0): draft distributions and the rejection rule.
+
+Speculative sampling keeps the target's own sampling distribution whatever the drafter
+proposes (Leviathan et al. 2023; Chen et al. 2023). At temperature ``T`` the target's
+distribution at a position is ``p = softmax(logits / T)``. A proposal ``x`` drawn from a draft
+distribution ``q`` is accepted with probability ``min(1, p(x) / q(x))``; at the first rejection
+the committed token is drawn from ``max(0, p - q)`` (renormalised), and after a fully accepted
+block the bonus token is drawn from ``p`` at the position after the block. Every committed
+token then has exactly the target's distribution given the tokens before it, so the measured
+tau is the one an engine sampling at ``T`` with this drafter sees. A DFlash block's proposals
+come from one drafter pass, position ``k``'s distribution conditioned on the context and (for a
+head or the DFlash 2 selector) the proposals before it, which is all the rule needs: a
+proposal's ``q`` is known before the target judges it.
+
+Two ways to draft at ``T > 0`` (:attr:`Sampling.drafts`):
+
+- ``sampled``: each proposal is drawn from ``softmax(scores / T)`` of what the kind chooses by
+  (the backbone's logits, a head's, or DFlash 2's edge scores over its top-K candidates, ``q``
+  zero outside them, as vLLM and SGLang sample the selector);
+- ``greedy``: each proposal is the argmax, ``q`` the point mass on it (accepted with
+  probability ``p(x)``; at a rejection the token is drawn from ``p`` without ``x``), as engines
+  do that pass no draft probabilities to their rejection sampler.
+
+Only the temperature shapes ``p`` and ``q`` here (no top-k, top-p or penalties): a tau
+measured here matches an engine run with those off. Draws come from one seeded
+``torch.Generator`` on the target's device, so a measurement repeats on the same device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch import Tensor
+
+from dflash_recipes.executor.kinds.protocol import greedy_choice
+
+#: How proposals are drawn at T > 0 (see the module doc).
+DRAFT_MODES = ("sampled", "greedy")
+
+
+@attrs.frozen
+class Sampling:
+    """Sampled verification: the temperature, the seed of every draw, how drafts are made."""
+
+    temperature: float
+    seed: int = 0
+    drafts: str = "sampled"
+
+    def __attrs_post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            msg = f"temperature must be a finite number > 0 for sampling, got {self.temperature}"
+            raise ValueError(msg)
+        if self.drafts not in DRAFT_MODES:
+            msg = f"drafts must be one of {', '.join(DRAFT_MODES)}, got {self.drafts!r}"
+            raise ValueError(msg)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A generator on `device` seeded with :attr:`seed` (one per generation)."""
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+    def probabilities(self, scores: Tensor) -> Tensor:
+        """``softmax(scores / T)`` in float32 over the last dimension."""
+        return torch.softmax(scores.float() / self.temperature, dim=-1)
+
+    def sample(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+        """``[R]`` tokens drawn from ``softmax(logits / T)`` of ``logits [R, V]``."""
+        probs = self.probabilities(logits)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class DraftRecorder:
+    """A :class:`~dflash_recipes.executor.kinds.protocol.Chooser` that draws each proposal as
+    :attr:`Sampling.drafts` says and records the distribution it was drawn from, position by
+    position (one recorder per verification step)."""
+
+    def __init__(self, sampling: Sampling, generator: torch.Generator) -> None:
+        self.sampling = sampling
+        self.generator = generator
+        self._rows: list[tuple[Tensor, Tensor | None]] = []
+
+    def __call__(self, scores: Tensor, ids: Tensor | None = None) -> Tensor:
+        if self.sampling.drafts == "greedy":  # the point mass on the argmax
+            token = greedy_choice(scores, ids)
+            column = token.unsqueeze(-1)
+            self._rows.append((torch.ones(column.shape, device=token.device), column))
+            return token
+        probs = self.sampling.probabilities(scores)
+        pick = torch.multinomial(probs, 1, generator=self.generator)
+        self._rows.append((probs, ids))
+        return pick.squeeze(-1) if ids is None else ids.gather(-1, pick).squeeze(-1)
+
+    def distributions(self, vocab_size: int) -> Tensor:
+        """``[R, D, V]`` float32: the distribution of every proposal drawn so far, in order."""
+        rows: list[Tensor] = []
+        for probs, ids in self._rows:
+            if ids is None:  # scores over the whole vocabulary
+                if probs.shape[-1] != vocab_size:
+                    msg = f"draft scores over {probs.shape[-1]} tokens, the target's {vocab_size}"
+                    raise ValueError(msg)
+                rows.append(probs)
+            else:  # scores over candidates: zero elsewhere
+                rows.append(probs.new_zeros(probs.shape[0], vocab_size).scatter_(-1, ids, probs))
+        return torch.stack(rows, dim=1)
+
+    def verify(self, proposals: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`verify_sampled` of the proposals drawn by this recorder, with its generator."""
+        distributions = self.distributions(target_logits.shape[-1])
+        return verify_sampled(
+            proposals, distributions, target_logits, self.sampling, self.generator
+        )
+
+
+def verify_sampled(
+    proposals: Tensor,
+    draft_probs: Tensor,
+    target_logits: Tensor,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    """The rejection rule over R blocks at once: ``(accepted [R], next_token [R])``.
+
+    ``proposals [R, D]`` the drafted tokens, ``draft_probs [R, D, V]`` their distributions,
+    ``target_logits [R, D + 1, V]`` the target's logits at the block's positions (index ``j``
+    the distribution of proposal ``j``; index ``D`` the one after the block). ``accepted[r]``
+    is how many proposals row ``r`` keeps (a prefix); ``next_token[r]`` is the token committed
+    after them: drawn from the residual ``max(0, p - q)`` at the first rejection, or from ``p``
+    after a fully accepted block.
+    """
+    rows, drafted = proposals.shape
+    p = sampling.probabilities(target_logits)
+    index = proposals.unsqueeze(-1)
+    p_x = p[:, :drafted].gather(-1, index).squeeze(-1)
+    q_x = draft_probs.gather(-1, index).squeeze(-1)
+    draws = torch.rand(rows, drafted, device=p.device, generator=generator)
+    keep = draws * q_x < p_x  # u < p(x) / q(x), without dividing by a zero q(x)
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    at = accepted.view(rows, 1, 1).expand(rows, 1, p.shape[-1])
+    p_at = p.gather(1, at).squeeze(1)
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(rows, 1, p.shape[-1])], dim=1)
+    residual = (p_at - q_padded.gather(1, at).squeeze(1)).clamp(min=0)
+    # A residual with no mass left (p == q up to rounding) cannot follow a rejection; keep p.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_at, residual)
+    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return accepted, next_token
+
+
+__all__ = ["DRAFT_MODES", "DraftRecorder", "Sampling", "verify_sampled"]
