@@ -272,3 +272,25 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
 #: Prompts and a generation length for the greedy / speculative decoding tests.
 MAX_NEW = 14
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 17, 3, 99, 42, 7), (64, 2, 2, 81), (11,))
+
+
+def saved_eval_setup(root: Path, texts: list[str]) -> tuple[RunPlan, Path]:
+    """What `eval` reads from disk: a tiny target (random, seed 4) saved with a tokenizer
+    trained on `texts` (vocabulary 300), and a random drafter (seed 2) exported to
+    ``root/export``; returns the plan and the export directory."""
+    from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+    from dflash_recipes.executor.model.draft import DFlashDraftModel
+    from dflash_recipes.executor.model.export import export_drafter
+
+    tokenizer = build_tiny_tokenizer(texts, vocab_size=300)
+    plan = tiny_plan(
+        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
+    )
+    model = tiny_target(plan)
+    randomize(model, seed=4)
+    model.save_pretrained(plan.base_model.path)
+    tokenizer.save_pretrained(plan.base_model.path)
+    drafter = DFlashDraftModel(plan.resolved_draft())
+    randomize(drafter, 2)
+    export_drafter(drafter.eval(), plan, root / "export")
+    return plan, root / "export"

@@ -55,7 +55,6 @@ from dflash_recipes.executor.evaluation.draft_context import context_store
 from dflash_recipes.executor.evaluation.sampling import DraftRecorder, Sampling
 from dflash_recipes.executor.evaluation.speculative import (
     BlockDrafter,
-    DFlashBlockDrafter,
     SpecResult,
     as_block_drafter,
     check_prompt,
@@ -264,12 +263,6 @@ def speculative_generate_batch(
             for prompt in prompts
         ]
     block_drafter = as_block_drafter(drafter, target, spec)
-    if sampling is not None and not isinstance(block_drafter, DFlashBlockDrafter):
-        msg = (
-            f"{type(block_drafter).__name__} proposes tokens only; sampled verification needs "
-            "the draft distributions: pass the drafter module"
-        )
-        raise ValueError(msg)
     device = _device_of(target)
     generator = None if sampling is None else sampling.generator(device)
     recorder: DraftRecorder | None = None

@@ -12,15 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from testkit.cli_runner import cli
-from testkit.tiny import randomize, tiny_plan, tiny_target
+from testkit.tiny import saved_eval_setup
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_recipes.errors import DataError
-from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer
 from dflash_recipes.executor.evaluation.evaluate import load_prompts, run_eval
 from dflash_recipes.executor.evaluation.prompt_files import read_json_prompts, read_parquet_prompts
-from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.plan.run_plan import RunPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,19 +48,7 @@ def tokenizer() -> PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="module")
 def eval_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunPlan, Path]:
-    root = tmp_path_factory.mktemp("eval_prompts")
-    tokenizer = build_tiny_tokenizer(TEXTS, vocab_size=300)
-    plan = tiny_plan(
-        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
-    )
-    model = tiny_target(plan)
-    randomize(model, seed=4)
-    model.save_pretrained(plan.base_model.path)
-    tokenizer.save_pretrained(plan.base_model.path)
-    drafter = DFlashDraftModel(plan.resolved_draft())
-    randomize(drafter, 2)
-    export_drafter(drafter, plan, root / "export")
-    return plan, root / "export"
+    return saved_eval_setup(tmp_path_factory.mktemp("eval_prompts"), TEXTS)
 
 
 def write_json(path: Path, value: object) -> Path:

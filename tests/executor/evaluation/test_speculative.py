@@ -11,12 +11,12 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
+from testkit.tiny import MAX_NEW, PROMPTS, randomize, saved_eval_setup, tiny_plan, tiny_target
 from transformers import AutoTokenizer, PreTrainedModel
 
 from dflash_recipes.data.conversations import Conversation, Message, read_conversations
 from dflash_recipes.errors import CheckpointError, DataError
-from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
+from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer
 from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate
 from dflash_recipes.executor.evaluation.evaluate import (
     acceptance_from_steps,
@@ -41,7 +41,6 @@ from dflash_recipes.executor.model.convert import (
     load_base_model,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
-from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.model.masks import build_dense_block_mask
 from dflash_recipes.executor.model.weights import load_drafter_weights
 from dflash_recipes.executor.training.anchors import block_positions
@@ -425,17 +424,7 @@ def write_jsonl(path: Path, lines: Sequence[object]) -> Path:
 @pytest.fixture(scope="module")
 def eval_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunPlan, Path]:
     """A saved tiny target with a tiny tokenizer, and an exported random drafter."""
-    root = tmp_path_factory.mktemp("eval")
-    tokenizer = build_tiny_tokenizer(TEXTS, vocab_size=300)
-    plan = tiny_plan(
-        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
-    )
-    model = tiny_target(plan)
-    randomize(model, seed=4)
-    model.save_pretrained(plan.base_model.path)
-    tokenizer.save_pretrained(plan.base_model.path)
-    export_drafter(make_drafter(plan.resolved_draft()), plan, root / "export")
-    return plan, root / "export"
+    return saved_eval_setup(tmp_path_factory.mktemp("eval"), TEXTS)
 
 
 def test_prompt_is_the_conversation_before_the_first_assistant_turn() -> None:
