@@ -10,7 +10,7 @@ two halves, each a module named after the kind:
   the run directory's files and ``dflash-recipe init`` read these (never torch).
 - ``dflash_recipes/executor/kinds/<kind>.py``: its torch parts (a
   :class:`~dflash_recipes.executor.kinds.protocol.KindModules`): head modules, objective,
-  greedy eval decoding.
+  eval proposals (greedy, or drawn for sampled verification).
 
 Each half is registered by name in its registry (:mod:`~dflash_recipes.checkpoint.kinds.
 registry`, :mod:`~dflash_recipes.executor.kinds.registry`); nothing else compares a

@@ -1,4 +1,4 @@
-"""Domino, its torch half: the GRU correction head, its objective and its greedy proposals.
+"""Domino, its torch half: the GRU correction head, its objective and its proposals.
 
 The head (as ModelOpt computes it; alignment: :mod:`~dflash_recipes.executor.kinds.protocol`):
 a bias-free GRU runs over the target embeddings of ``prev``; position ``k >= prefix`` adds

@@ -1,4 +1,4 @@
-"""DSpark, its torch half: the low-rank Markov bias head, its objective and greedy proposals.
+"""DSpark, its torch half: the low-rank Markov bias head, its objective and proposals.
 
 The head (as ModelOpt computes it; alignment: :mod:`~dflash_recipes.executor.kinds.protocol`)
 adds ``markov_w2(z_k)`` to the backbone logits with, by ``markov_head_type``, ``z_k = e_k =
