@@ -66,8 +66,22 @@ class Sampling:
 
     def sample(self, logits: Tensor, generator: torch.Generator) -> Tensor:
         """``[R]`` tokens drawn from ``softmax(logits / T)`` of ``logits [R, V]``."""
-        probs = self.probabilities(logits)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return draw(self.probabilities(logits), generator)
+
+
+def draw(weights: Tensor, generator: torch.Generator) -> Tensor:
+    """``[R]`` column indices drawn in proportion to ``weights [R, N]`` (non-negative, not
+    necessarily normalised; every row with some mass), by the inverse of the cumulative sum.
+
+    One uniform draw per row (``torch.multinomial`` draws an exponential per column: over a
+    150k vocabulary that is most of a sampled step's time on the CPU). A column of zero weight
+    is never drawn: the uniform point stays strictly below the row's total.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    point = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator)
+    point = torch.minimum(point * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1)
 
 
 class DraftRecorder:
@@ -87,9 +101,9 @@ class DraftRecorder:
             self._rows.append((torch.ones(column.shape, device=token.device), column))
             return token
         probs = self.sampling.probabilities(scores)
-        pick = torch.multinomial(probs, 1, generator=self.generator)
+        pick = draw(probs, self.generator)
         self._rows.append((probs, ids))
-        return pick.squeeze(-1) if ids is None else ids.gather(-1, pick).squeeze(-1)
+        return pick if ids is None else ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
     def distributions(self, vocab_size: int) -> Tensor:
         """``[R, D, V]`` float32: the distribution of every proposal drawn so far, in order."""
@@ -143,8 +157,8 @@ def verify_sampled(
     # A residual with no mass left (p == q up to rounding) cannot follow a rejection; keep p.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_at, residual)
-    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    next_token = draw(residual, generator)
     return accepted, next_token
 
 
-__all__ = ["DRAFT_MODES", "DraftRecorder", "Sampling", "verify_sampled"]
+__all__ = ["DRAFT_MODES", "DraftRecorder", "Sampling", "draw", "verify_sampled"]

@@ -17,7 +17,12 @@ from dflash_recipes.card.acceptance import measurement_from_report
 from dflash_recipes.card.render import _measured
 from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate_batch
 from dflash_recipes.executor.evaluation.evaluate import evaluate_acceptance
-from dflash_recipes.executor.evaluation.sampling import DraftRecorder, Sampling, verify_sampled
+from dflash_recipes.executor.evaluation.sampling import (
+    DraftRecorder,
+    Sampling,
+    draw,
+    verify_sampled,
+)
 from dflash_recipes.executor.evaluation.speculative import (
     DFlashBlockDrafter,
     DraftContext,
@@ -39,7 +44,7 @@ def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(tokens, minlength=vocab).double() / len(tokens)
 
 
-def draw(probs: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+def proposals_from(probs: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.multinomial(probs.expand(rows, -1), 1, generator=generator).squeeze(-1)
 
@@ -50,7 +55,7 @@ def test_the_first_committed_token_has_the_target_s_distribution(temperature: fl
     vocab = len(P_LOGITS)
     p = torch.softmax(P_LOGITS / temperature, -1)
     q = torch.softmax(Q_LOGITS / temperature, -1)
-    proposals = draw(q, ROWS, seed=1).unsqueeze(1)  # D = 1
+    proposals = proposals_from(q, ROWS, seed=1).unsqueeze(1)  # D = 1
     logits = torch.stack([P_LOGITS, P_LOGITS.flip(0)]).expand(ROWS, -1, -1)  # [R, 2, V]
     accepted, after = verify_sampled(
         proposals, q.expand(ROWS, 1, -1), logits, sampling, sampling.generator(torch.device("cpu"))
@@ -75,7 +80,9 @@ def test_a_later_position_is_judged_with_the_target_s_distribution_after_the_acc
     vocab = len(P_LOGITS)
     q = torch.softmax(Q_LOGITS, -1)
     table = torch.stack([P_LOGITS.roll(k) for k in range(vocab)])  # logits after token k
-    proposals = torch.stack([draw(q, ROWS, seed=4), draw(q.flip(0), ROWS, seed=5)], dim=1)
+    proposals = torch.stack(
+        [proposals_from(q, ROWS, seed=4), proposals_from(q.flip(0), ROWS, seed=5)], dim=1
+    )
     draft = torch.stack([q, q.flip(0)]).expand(ROWS, -1, -1)
     logits = torch.stack(
         [P_LOGITS.expand(ROWS, -1), table[proposals[:, 0]], table[0].expand(ROWS, -1)], 1
@@ -129,6 +136,20 @@ def test_the_recorder_draws_among_candidates_and_records_zero_elsewhere() -> Non
     assert (distributions[:, 1].gather(-1, full.unsqueeze(-1)) > 0).all()
     with pytest.raises(ValueError, match="draft scores over 12 tokens, the target's 13"):
         recorder.distributions(13)
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero_weight_column(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weights = torch.tensor([[0.0, 3.0, 1.0, 0.0], [5.0, 0.0, 0.0, 5.0]])  # not normalised
+    generator = torch.Generator().manual_seed(0)
+    picks = draw(weights.repeat(ROWS // 2, 1), generator).view(-1, 2)
+    first, second = frequencies(picks[:, 0], 4), frequencies(picks[:, 1], 4)
+    assert (first - torch.tensor([0.0, 0.75, 0.25, 0.0], dtype=torch.float64)).abs().max() < 0.01
+    assert (second - torch.tensor([0.5, 0.0, 0.0, 0.5], dtype=torch.float64)).abs().max() < 0.01
+    # A uniform point at the very top of its range still lands on a column with weight.
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    assert draw(torch.tensor([[1.0, 2.0, 0.0, 0.0]]), generator).tolist() == [1]
 
 
 @pytest.mark.parametrize(
