@@ -264,8 +264,7 @@ def speculative_generate_batch(
         ]
     block_drafter = as_block_drafter(drafter, target, spec)
     device = _device_of(target)
-    generator = None if sampling is None else sampling.generator(device)
-    recorder: DraftRecorder | None = None
+    recorder = None if sampling is None else DraftRecorder(sampling, sampling.generator(device))
     state = _Rows(prompts, max_new_tokens, eos_token_id)
     store = context_store(block_drafter, len(prompts), size)
     taps = spec.target_layer_ids
@@ -288,10 +287,8 @@ def speculative_generate_batch(
     cache_argument = _cache_argument(target)
     logits, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
     _crop(cache, width)  # nothing to roll back; a prompt longer than a window is cut to it
-    if sampling is None or generator is None:
-        first_tokens = logits[:, -1].argmax(dim=-1).tolist()
-    else:
-        first_tokens = sampling.sample(logits[:, -1], generator).tolist()
+    last = logits[:, -1]
+    first_tokens = (last.argmax(dim=-1) if recorder is None else recorder.sample(last)).tolist()
     for row in range(len(prompts)):
         store.extend(row, tapped[row, pads[row] :])
         state.commit(row, [int(first_tokens[row])])
@@ -310,9 +307,7 @@ def speculative_generate_batch(
             store.keep(still)
             active = [active[i] for i in still]
         committed = [state.committed[p] for p in active]
-        if sampling is not None and generator is not None:  # a fresh record per step
-            recorder = DraftRecorder(sampling, generator)
-        proposals = store.propose(committed, recorder)
+        proposals = store.propose(committed, None if recorder is None else recorder.new_block())
         for row_proposals in proposals:
             if len(row_proposals) != drafted:
                 msg = (

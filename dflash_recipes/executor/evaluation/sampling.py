@@ -87,12 +87,22 @@ def draw(weights: Tensor, generator: torch.Generator) -> Tensor:
 class DraftRecorder:
     """A :class:`~dflash_recipes.executor.kinds.protocol.Chooser` that draws each proposal as
     :attr:`Sampling.drafts` says and records the distribution it was drawn from, position by
-    position (one recorder per verification step)."""
+    position; one per generation, every draw from its `generator` (:meth:`new_block` forgets
+    the last block's record)."""
 
     def __init__(self, sampling: Sampling, generator: torch.Generator) -> None:
         self.sampling = sampling
         self.generator = generator
         self._rows: list[tuple[Tensor, Tensor | None]] = []
+
+    def new_block(self) -> DraftRecorder:
+        """This recorder with no proposal recorded (before drafting a block)."""
+        self._rows = []
+        return self
+
+    def sample(self, logits: Tensor) -> Tensor:
+        """``[R]`` tokens drawn from the target's ``softmax(logits / T)`` (``logits [R, V]``)."""
+        return self.sampling.sample(logits, self.generator)
 
     def __call__(self, scores: Tensor, ids: Tensor | None = None) -> Tensor:
         if self.sampling.drafts == "greedy":  # the point mass on the argmax
