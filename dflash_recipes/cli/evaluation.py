@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from dflash_recipes.cli.group import (
     _ANY_PATH_STR,
@@ -141,10 +143,18 @@ def eval_command(
       dflash-recipe eval recipe.yaml --write-card outputs/run/export --min-tau 3.0
       dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --temperature 1.0
     """
-    if temperature == 0 and (draft_sampling != "sampled" or seed != 0):
+    if not math.isfinite(temperature):
+        _fail(f"--temperature must be a finite number >= 0, got {temperature}", EXIT_USAGE)
+    context = click.get_current_context()
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("draft_sampling", "seed")
+        if context.get_parameter_source(name) is not ParameterSource.DEFAULT
+    ]
+    if temperature == 0 and given:
         _fail(
-            "--draft-sampling and --seed apply to sampled verification only; pass "
-            "--temperature T (> 0) with them, or drop them for greedy verification",
+            f"{' and '.join(given)} apply to sampled verification only; pass --temperature T "
+            "(> 0) with them, or drop them for greedy verification",
             EXIT_USAGE,
         )
     checkpoint = _measured_directory(checkpoint, write_card)

@@ -360,11 +360,15 @@ def test_the_eval_command_samples_at_a_temperature_and_records_it(
     greedy = json.loads(cli(*args, "--json").stdout)
     assert greedy["settings"]["decoding"] == "greedy" and greedy["settings"]["seed"] is None
 
-    for flag in (["--seed", "1"], ["--draft-sampling", "greedy"]):
+    for flag in (["--seed", "0"], ["--draft-sampling", "sampled"]):  # even at their defaults
         refused = cli(*args, *flag)
         assert refused.exit_code == 2
-        assert "--draft-sampling and --seed apply to sampled verification only" in refused.output
+        assert f"{flag[0]} apply to sampled verification only" in refused.output
         assert "Traceback" not in refused.output
+    for value in ("nan", "inf"):
+        refused = cli(*args, "--temperature", value)
+        assert refused.exit_code == 2
+        assert f"--temperature must be a finite number >= 0, got {value}" in refused.output
 
 
 @pytest.fixture(scope="module")
