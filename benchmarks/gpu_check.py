@@ -85,6 +85,7 @@ from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
 from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
 from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate_batch
 from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport, evaluate_acceptance
+from dflash_recipes.executor.evaluation.sampling import Sampling
 from dflash_recipes.executor.model.convert import (
     convert,
     dflash_module,
@@ -1190,6 +1191,24 @@ def check_eval(setup: Setup, report: Report) -> None:
         f"tokens/s: {got.tokens_per_second:,.0f} on {device.type} (bf16 target), "
         f"{ref.tokens_per_second:,.0f} on the CPU (float32); {got.tokens} tokens each"
     )
+    # Sampled verification (eval --temperature): its draws (a generator on the device, the
+    # inverse-CDF draw, the rejection rule) run there; the CPU's draws are another stream, so
+    # only the range and the length are checked.
+    sampled = evaluate_acceptance(
+        tested, tested_drafter, spec, prompts, max_new_tokens=new_tokens, eos_token_id=None,
+        batch_size=n_prompts, sampling=Sampling(temperature=1.0, seed=0),
+    )  # fmt: skip
+    ok_sampled = (
+        1.0 <= sampled.tau <= spec.drafted_tokens + 1
+        and sampled.tokens == n_prompts * new_tokens
+        and sampled.lossless is None
+    )
+    report.note(
+        f"{'ok  ' if ok_sampled else 'BAD '} sampled at temperature 1 on {device.type}: tau "
+        f"{sampled.tau:.3f} over {sampled.steps} steps, {sampled.tokens} tokens, "
+        f"{sampled.tokens_per_second:,.0f} tokens/s"
+    )
+    report.failed |= not ok_sampled
 
 
 #: The run check's recipe, resized small: 2 steps of 1 sequence x 64 tokens, 4 blocks of 4.
