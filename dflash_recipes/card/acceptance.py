@@ -91,21 +91,27 @@ def measurement_from_report(
         lossless=lossless if isinstance(lossless, bool) else None,
         source=source,
         step=step,
-        decoding=_decoding(found),
+        decoding=decoding_description(found),
     )
 
 
-def _decoding(settings: Mapping[str, object]) -> str | None:
-    """``greedy`` or ``sampling at temperature T (drafts D, seed S)`` from a report's settings
-    (None when they do not say)."""
+def decoding_description(settings: Mapping[str, object]) -> str | None:
+    """``greedy`` or ``sampling at temperature T (top-k K, top-p P, drafts D, seed S)`` (the
+    cuts only when set) from a report's settings (None when they do not say)."""
     decoding = _text(settings, "decoding")
     if decoding != "sampling":
         return decoding
     temperature = _number(settings, "temperature")
     shown = f"{temperature:g}" if temperature is not None else "?"
+    cuts = []
+    top_k, top_p = _int(settings, "top_k"), _number(settings, "top_p")
+    if top_k:
+        cuts.append(f"top-k {top_k}")
+    if top_p is not None and top_p < 1:
+        cuts.append(f"top-p {top_p:g}")
     drafts = _text(settings, "draft_sampling") or "?"
-    seed = _int(settings, "seed")
-    return f"sampling at temperature {shown} (drafts {drafts}, seed {seed})"
+    cuts += [f"drafts {drafts}", f"seed {_int(settings, 'seed')}"]
+    return f"sampling at temperature {shown} ({', '.join(cuts)})"
 
 
 def last_training_measurement(run_dir: Path, up_to_step: int | None = None) -> Measurement | None:
@@ -203,6 +209,7 @@ def eval_step_gate_note(plan: RunPlan, tau: float, step: int) -> str | None:
 
 __all__ = [
     "acceptance_shortfall",
+    "decoding_description",
     "eval_step_gate_note",
     "file_name",
     "last_training_measurement",

@@ -139,8 +139,9 @@ class Measurement(Record):
     source: str
     #: The training step of the weights measured (None: the export itself, by `eval`).
     step: int | None = None
-    #: How the target verified: ``greedy``, or ``sampling at temperature T (drafts sampled,
-    #: seed S)`` (None: not recorded; every measurement before sampling existed was greedy).
+    #: How the target verified: ``greedy``, or ``sampling at temperature T (top-k K, top-p P,
+    #: drafts sampled, seed S)`` (None: not recorded; every measurement before sampling existed
+    #: was greedy).
     decoding: str | None = None
 
 

@@ -80,6 +80,22 @@ if TYPE_CHECKING:
     "temperature, or propose its argmax (what engines without draft probabilities do).",
 )
 @click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --temperature > 0: keep the k most likely tokens of every distribution, the "
+    "target's and the drafter's (0: all).",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --temperature > 0: keep the most likely tokens whose probabilities reach P, "
+    "after --top-k (1: all).",
+)
+@click.option(
     "--seed",
     type=click.IntRange(min=0),
     default=0,
@@ -112,6 +128,8 @@ def eval_command(
     enable_thinking: bool | None,
     temperature: float,
     draft_sampling: str,
+    top_k: int,
+    top_p: float,
     seed: int,
     as_json: bool,
     min_tau: float | None,
@@ -128,7 +146,8 @@ def eval_command(
     cost linear time. --temperature T > 0 measures tau when the target samples at T: proposals
     are accepted by the rejection rule (lossless in distribution, so no greedy check), each
     drawn from the drafter at T (--draft-sampling greedy: its argmax), with --seed fixing the
-    draws; only the temperature shapes the distributions (no top-k or top-p). --json also
+    draws; --top-k and --top-p cut the target's and the drafter's distributions alike (the
+    DFlash 2 blog measured at T 1.0, top-k 20, top-p 0.95). --json also
     records what makes tau comparable (block size, max_new_tokens, decoding and temperature,
     chat template and prompt file sha256, thinking mode, number of prompts).
 
@@ -141,14 +160,15 @@ def eval_command(
     Examples:
       dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --prompts heldout.jsonl
       dflash-recipe eval recipe.yaml --write-card outputs/run/export --min-tau 3.0
-      dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --temperature 1.0
+      dflash-recipe eval recipe.yaml --checkpoint outputs/run/export --temperature 1.0 \\
+          --top-k 20 --top-p 0.95
     """
     if not math.isfinite(temperature):
         _fail(f"--temperature must be a finite number >= 0, got {temperature}", EXIT_USAGE)
     context = click.get_current_context()
     given = [
         f"--{name.replace('_', '-')}"
-        for name in ("draft_sampling", "seed")
+        for name in ("draft_sampling", "top_k", "top_p", "seed")
         if context.get_parameter_source(name) is not ParameterSource.DEFAULT
     ]
     if temperature == 0 and given:
@@ -164,7 +184,9 @@ def eval_command(
     from dflash_recipes.executor.evaluation.sampling import Sampling
 
     sampling = (
-        Sampling(temperature=temperature, seed=seed, drafts=draft_sampling)
+        Sampling(
+            temperature=temperature, seed=seed, drafts=draft_sampling, top_k=top_k, top_p=top_p
+        )
         if temperature > 0
         else None
     )
@@ -258,10 +280,10 @@ def _print_report(
     click.echo(f"per-proposal acceptance (k=1..{len(report.per_position_acceptance)}): {rates}")
     settings = report.settings
     if settings is not None and settings.decoding == "sampling":
-        checked = (
-            f"sampled at temperature {settings.temperature:g} (drafts {settings.draft_sampling}, "
-            f"seed {settings.seed}): lossless in distribution, no greedy check"
-        )
+        from dflash_recipes.card.acceptance import decoding_description
+
+        decoding = decoding_description(settings.to_dict())
+        checked = f"{decoding}: lossless in distribution, no greedy check"
     else:
         checked = f"lossless: {report.lossless}"
     click.echo(

@@ -75,6 +75,9 @@ class EvalSettings(Record):
     draft_sampling: str | None = None
     #: The seed of the sampled draws (None: greedy decoding draws nothing).
     seed: int | None = None
+    #: The top-k and top-p cuts of sampled decoding (0 and 1.0: off; None: greedy decoding).
+    top_k: int | None = None
+    top_p: float | None = None
     #: The prompts are the data.eval_holdout slice of prompt_file (training held them out),
     #: e.g. "4 conversations, seed 0"; None: the file's first num_prompts.
     held_out_slice: str | None = None

@@ -353,6 +353,8 @@ def eval_settings(
         temperature=0.0 if sampling is None else sampling.temperature,
         draft_sampling=None if sampling is None else sampling.drafts,
         seed=None if sampling is None else sampling.seed,
+        top_k=None if sampling is None else sampling.top_k,
+        top_p=None if sampling is None else sampling.top_p,
     )
 
 

@@ -2,7 +2,8 @@
 
 Speculative sampling keeps the target's own sampling distribution whatever the drafter
 proposes (Leviathan et al. 2023; Chen et al. 2023). At temperature ``T`` the target's
-distribution at a position is ``p = softmax(logits / T)``. A proposal ``x`` drawn from a draft
+distribution at a position is ``p = softmax(logits / T)`` (cut to its top-k and top-p when
+those are set). A proposal ``x`` drawn from a draft
 distribution ``q`` is accepted with probability ``min(1, p(x) / q(x))``; at the first rejection
 the committed token is drawn from ``max(0, p - q)`` (renormalised), and after a fully accepted
 block the bonus token is drawn from ``p`` at the position after the block. Every committed
@@ -21,8 +22,9 @@ Two ways to draft at ``T > 0`` (:attr:`Sampling.drafts`):
   probability ``p(x)``; at a rejection the token is drawn from ``p`` without ``x``), as engines
   do that pass no draft probabilities to their rejection sampler.
 
-Only the temperature shapes ``p`` and ``q`` here (no top-k, top-p or penalties): a tau
-measured here matches an engine run with those off. Draws come from one seeded
+The temperature, then top-k, then top-p (:meth:`Sampling.probabilities`) shape ``p`` and ``q``
+alike; no penalties: a tau measured here matches an engine run with the same settings and no
+penalties. Draws come from one seeded
 ``torch.Generator`` on the target's device, so a measurement repeats on the same device.
 """
 
@@ -42,11 +44,16 @@ DRAFT_MODES = ("sampled", "greedy")
 
 @attrs.frozen
 class Sampling:
-    """Sampled verification: the temperature, the seed of every draw, how drafts are made."""
+    """Sampled verification: the temperature, the truncation (top-k, top-p), the seed of
+    every draw, how drafts are made."""
 
     temperature: float
     seed: int = 0
     drafts: str = "sampled"
+    #: Keep the k most likely tokens of every distribution (0: all).
+    top_k: int = 0
+    #: Keep the most likely tokens whose probabilities reach this total (1.0: all).
+    top_p: float = 1.0
 
     def __attrs_post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -55,17 +62,34 @@ class Sampling:
         if self.drafts not in DRAFT_MODES:
             msg = f"drafts must be one of {', '.join(DRAFT_MODES)}, got {self.drafts!r}"
             raise ValueError(msg)
+        if self.top_k < 0:
+            msg = f"top_k must be 0 (off) or a number of tokens, got {self.top_k}"
+            raise ValueError(msg)
+        if not 0 < self.top_p <= 1:
+            msg = f"top_p must be in (0, 1] (1: off), got {self.top_p}"
+            raise ValueError(msg)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """A generator on `device` seeded with :attr:`seed` (one per generation)."""
         return torch.Generator(device=device).manual_seed(self.seed)
 
     def probabilities(self, scores: Tensor) -> Tensor:
-        """``softmax(scores / T)`` in float32 over the last dimension."""
-        return torch.softmax(scores.float() / self.temperature, dim=-1)
+        """The sampling distribution (float32, over the last dimension) of `scores`: divided
+        by the temperature, then cut to the top-k, then to the top-p, as vLLM and Hugging Face
+        apply them; a cut token has probability 0, the most likely is always kept."""
+        logits = scores.float() / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if self.top_p < 1:
+            ascending, order = logits.sort(dim=-1)
+            below = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            below[..., -1] = False  # the most likely token stays
+            logits = logits.masked_fill(below.scatter(-1, order, below), -math.inf)
+        return torch.softmax(logits, dim=-1)
 
     def sample(self, logits: Tensor, generator: torch.Generator) -> Tensor:
-        """``[R]`` tokens drawn from ``softmax(logits / T)`` of ``logits [R, V]``."""
+        """``[R]`` tokens drawn from :meth:`probabilities` of ``logits [R, V]``."""
         return draw(self.probabilities(logits), generator)
 
 

@@ -49,12 +49,21 @@ def proposals_from(probs: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     return torch.multinomial(probs.expand(rows, -1), 1, generator=generator).squeeze(-1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_the_first_committed_token_has_the_target_s_distribution(temperature: float) -> None:
-    sampling = Sampling(temperature=temperature, seed=0)
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(temperature=1.0),
+        Sampling(temperature=0.6),
+        Sampling(temperature=1.0, top_k=3),
+        Sampling(temperature=1.0, top_k=4, top_p=0.8),
+    ],
+    ids=["t1", "t0.6", "top-k", "top-k-top-p"],
+)
+def test_the_first_committed_token_has_the_target_s_distribution(sampling: Sampling) -> None:
+    temperature = sampling.temperature
     vocab = len(P_LOGITS)
-    p = torch.softmax(P_LOGITS / temperature, -1)
-    q = torch.softmax(Q_LOGITS / temperature, -1)
+    p = sampling.probabilities(P_LOGITS)  # cut to its top-k and top-p, when set
+    q = torch.softmax(Q_LOGITS / temperature, -1)  # the draft's: any distribution will do
     proposals = proposals_from(q, ROWS, seed=1).unsqueeze(1)  # D = 1
     logits = torch.stack([P_LOGITS, P_LOGITS.flip(0)]).expand(ROWS, -1, -1)  # [R, 2, V]
     accepted, after = verify_sampled(
@@ -66,7 +75,7 @@ def test_the_first_committed_token_has_the_target_s_distribution(temperature: fl
     assert abs(accepted.double().mean() - torch.minimum(p, q).sum()) < 0.005
     # After a fully accepted block the bonus comes from the position after it.
     bonus = frequencies(after[accepted == 1], vocab)
-    assert (bonus - torch.softmax(P_LOGITS.flip(0) / temperature, -1).double()).abs().max() < 0.01
+    assert (bonus - sampling.probabilities(P_LOGITS.flip(0)).double()).abs().max() < 0.01
     # The proposal's distribution is not the target's: accepting everything would show.
     assert (frequencies(proposals[:, 0], vocab) - p.double()).abs().max() > 0.2
 
@@ -138,6 +147,28 @@ def test_the_recorder_draws_among_candidates_and_records_zero_elsewhere() -> Non
         recorder.distributions(13)
 
 
+def test_top_k_then_top_p_cut_the_distribution_as_engines_do() -> None:
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    full = torch.softmax(logits, -1)  # 0.636 0.234 0.086 0.032 0.012
+
+    def kept(top: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.cat([top[:k] / top[:k].sum(), torch.zeros(len(top) - k)])
+
+    assert torch.allclose(Sampling(temperature=1.0, top_k=3).probabilities(logits), kept(full, 3))
+    # top-p 0.8: 0.636 alone falls short, with 0.234 it reaches 0.87
+    assert torch.allclose(Sampling(temperature=1.0, top_p=0.8).probabilities(logits), kept(full, 2))
+    assert torch.allclose(Sampling(temperature=1.0, top_p=0.5).probabilities(logits), kept(full, 1))
+    # however small top-p, the most likely token stays (float32's 1 - 1e-9 is 1.0)
+    assert torch.equal(Sampling(temperature=1.0, top_p=1e-9).probabilities(logits), kept(full, 1))
+    # top-k first, then top-p of what is left: 0.665 0.245 0.090, so 0.9 needs two
+    both = Sampling(temperature=1.0, top_k=3, top_p=0.9).probabilities(logits)
+    assert torch.allclose(both, kept(full, 2))
+    # the temperature first: at T = 2 the top token holds 0.45 and top-p 0.8 keeps three
+    hot = Sampling(temperature=2.0, top_p=0.8).probabilities(logits)
+    assert torch.allclose(hot, kept(torch.softmax(logits / 2, -1), 3))
+    assert torch.equal(Sampling(temperature=1.0, top_k=9).probabilities(logits), full)
+
+
 def test_draw_follows_the_weights_and_never_draws_a_zero_weight_column(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -158,6 +189,9 @@ def test_draw_follows_the_weights_and_never_draws_a_zero_weight_column(
         ({"temperature": 0.0}, "temperature must be a finite number > 0"),
         ({"temperature": float("nan")}, "temperature must be a finite number > 0"),
         ({"temperature": 1.0, "drafts": "beam"}, "drafts must be one of sampled, greedy"),
+        ({"temperature": 1.0, "top_k": -1}, "top_k must be 0 .off. or a number of tokens"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ],
 )
 def test_sampling_settings_are_checked(settings: dict[str, object], message: str) -> None:
@@ -319,6 +353,13 @@ def test_a_sampled_report_is_not_called_lossless_and_the_card_says_how_it_decode
     measured = measurement_from_report(row, source="eval")
     assert measured is not None
     assert measured.decoding == "sampling at temperature 0.9 (drafts greedy, seed 1)"
+    cut = measurement_from_report(
+        {**row, "settings": {**row["settings"], "top_k": 20, "top_p": 0.95}}, source="eval"
+    )
+    assert cut is not None
+    assert cut.decoding == (
+        "sampling at temperature 0.9 (top-k 20, top-p 0.95, drafts greedy, seed 1)"
+    )
     card = "\n".join(_measured(measured))
     assert "| decoding | sampling at temperature 0.9 (drafts greedy, seed 1) |" in card
     assert card.startswith("Speculative sampling against the target")
@@ -354,13 +395,20 @@ def test_the_eval_command_samples_at_a_temperature_and_records_it(
     console = cli(*args, "--temperature", "0.7", "--draft-sampling", "greedy")
     assert console.exit_code == 0, console.output
     assert (
-        "sampled at temperature 0.7 (drafts greedy, seed 0): lossless in distribution, "
+        "sampling at temperature 0.7 (drafts greedy, seed 0): lossless in distribution, "
         "no greedy check" in console.output
     )
+    cut = cli(*args, "--temperature", "1", "--top-k", "20", "--top-p", "0.95", "--json")
+    cut_settings = json.loads(cut.stdout)["settings"]
+    assert cut_settings["top_k"] == 20 and cut_settings["top_p"] == 0.95
+    assert settings["top_k"] == 0 and settings["top_p"] == 1.0
     greedy = json.loads(cli(*args, "--json").stdout)
     assert greedy["settings"]["decoding"] == "greedy" and greedy["settings"]["seed"] is None
+    assert greedy["settings"]["top_k"] is None and greedy["settings"]["top_p"] is None
 
-    for flag in (["--seed", "0"], ["--draft-sampling", "sampled"]):  # even at their defaults
+    defaults = (["--seed", "0"], ["--draft-sampling", "sampled"], ["--top-k", "0"])
+    defaults += (["--top-p", "1"],)
+    for flag in defaults:  # even at their defaults
         refused = cli(*args, *flag)
         assert refused.exit_code == 2
         assert f"{flag[0]} apply to sampled verification only" in refused.output
