@@ -269,17 +269,19 @@ def _print_report(
         f"{report.tau_per_prompt_mean:.3f}"
     )
     click.echo(f"head measured: {report.head}, as the serving engine applies it")
+    settings = report.settings
+    sampled = settings is not None and settings.decoding == "sampling"
     if report.tau_without_head is not None:
         head = f"the {head_name} head" if head_name else "the head"
         gain = report.tau_pooled - report.tau_without_head
+        own = "draws" if sampled else "argmax"
         click.echo(
-            f"acceptance length tau without {head} (the backbone's own argmax), pooled: "
+            f"acceptance length tau without {head} (the backbone's own {own}), pooled: "
             f"{report.tau_without_head:.3f}; mean of per-prompt means: "
             f"{report.tau_without_head_per_prompt_mean or 0.0:.3f} ({head} adds {gain:+.3f})"
         )
     click.echo(f"per-proposal acceptance (k=1..{len(report.per_position_acceptance)}): {rates}")
-    settings = report.settings
-    if settings is not None and settings.decoding == "sampling":
+    if settings is not None and sampled:
         from dflash_recipes.card.acceptance import decoding_description
 
         decoding = decoding_description(settings.to_dict())

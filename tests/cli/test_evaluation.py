@@ -214,6 +214,10 @@ def test_eval_of_dflash2_prints_tau_without_the_selector(
         f"(the dflash2 head adds {report['tau'] - without:+.3f})"
     )
     assert line in shown.stdout.splitlines()
+    # Sampled, the head-off figure is the backbone's own draws (the same seed's).
+    sampled = _eval(exported_dflash2, "--checkpoint", export, "--temperature", "1")
+    assert sampled.exit_code == 0, sampled.output
+    assert "without the dflash2 head (the backbone's own draws), pooled: " in sampled.stdout
 
 
 @pytest.mark.usefixtures("one_thread")

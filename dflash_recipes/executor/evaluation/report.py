@@ -55,7 +55,8 @@ class AcceptanceReport(Record):
     #: most one more.
     drafted_tokens: int | None = None
     #: Pooled tau of the same prompts drafted with the head switched off (the backbone's own
-    #: argmax; DFlash 2: the unary argmax path instead of the selector's); ``tau`` minus this is
+    #: argmax, or its draws when sampled; DFlash 2: the unary path instead of the selector's,
+    #: the same seed's draws); ``tau`` minus this is
     #: what the head buys. None when not measured: the kind's ``eval_without_head`` is false,
     #: or the drafter was a bare BlockDrafter, whose head cannot be switched off.
     tau_without_head: float | None = None
