@@ -37,13 +37,14 @@ import torch
 from torch import Tensor
 
 from dflash_recipes.executor.kinds.protocol import greedy_choice
+from dflash_recipes.records import Record
 
 #: How proposals are drawn at T > 0 (see the module doc).
 DRAFT_MODES = ("sampled", "greedy")
 
 
-@attrs.frozen
-class Sampling:
+@attrs.frozen(repr=False, eq=False, slots=False)
+class Sampling(Record):
     """Sampled verification: the temperature, the truncation (top-k, top-p), the seed of
     every draw, how drafts are made."""
 
