@@ -53,24 +53,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """(plan.json, export, prompts) of a tiny random target and drafter."""
-    from testkit.tiny import randomize, tiny_plan, tiny_target
-
-    from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
-    from dflash_recipes.executor.model.draft import DFlashDraftModel
-    from dflash_recipes.executor.model.export import export_drafter
+    from testkit.tiny import saved_eval_setup
 
     root = tmp_path_factory.mktemp("gate")
-    tokenizer = build_tiny_tokenizer(PROMPTS, vocab_size=300)
-    plan = tiny_plan(
-        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
-    )
-    target = tiny_target(plan)
-    randomize(target, seed=4)
-    target.save_pretrained(plan.base_model.path)
-    tokenizer.save_pretrained(plan.base_model.path)
-    drafter = DFlashDraftModel(plan.resolved_draft())
-    randomize(drafter, 2)
-    export_drafter(drafter, plan, root / "export")
+    plan, _ = saved_eval_setup(root, PROMPTS)
     plan_file = root / "plan.json"
     plan_file.write_text(plan.to_json(), encoding="utf-8")
     prompts = root / "bench.json"
