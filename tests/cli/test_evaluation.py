@@ -14,6 +14,7 @@ from testkit.cli_runner import cli
 from testkit.metrics_runs import PNG_SIGNATURE, _write_run
 
 from dflash_recipes.errors import DFlashRecipeError
+from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.report import render_report
 
 
@@ -50,6 +51,15 @@ PROMPTS = [
 ]
 
 
+def _eval_files(root: Path, plan: RunPlan) -> tuple[Path, Path, Path]:
+    """(plan.json, export, prompts) of a plan saved by ``saved_eval_setup`` under `root`."""
+    plan_file = root / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    prompts = root / "bench.json"
+    prompts.write_text(json.dumps(PROMPTS), encoding="utf-8")
+    return plan_file, root / "export", prompts
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """(plan.json, export, prompts) of a tiny random target and drafter."""
@@ -57,11 +67,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path
 
     root = tmp_path_factory.mktemp("gate")
     plan, _ = saved_eval_setup(root, PROMPTS)
-    plan_file = root / "plan.json"
-    plan_file.write_text(plan.to_json(), encoding="utf-8")
-    prompts = root / "bench.json"
-    prompts.write_text(json.dumps(PROMPTS), encoding="utf-8")
-    return plan_file, root / "export", prompts
+    return _eval_files(root, plan)
 
 
 def _eval(exported: tuple[Path, Path, Path], *args: str) -> Result:
@@ -143,40 +149,18 @@ def exported_dflash2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     """(plan.json, export, prompts) of a tiny random target and DFlash 2 drafter whose
     successor codebook is not zero (so the selector decides)."""
     import torch
-    from testkit.tiny import randomize, tiny_plan, tiny_target
+    from testkit.dflash2_fixtures import TINY_DFLASH2
+    from testkit.tiny import saved_eval_setup
 
-    from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
-    from dflash_recipes.executor.model.draft import DFlashDraftModel
-    from dflash_recipes.executor.model.export import export_drafter
+    def codebook(drafter: torch.nn.Module) -> None:
+        successor = drafter.candidate_selector.successor_codebook
+        successor.normal_(std=1.0, generator=torch.Generator().manual_seed(2))
 
     root = tmp_path_factory.mktemp("dflash2")
-    tokenizer = build_tiny_tokenizer(PROMPTS, vocab_size=300)
-    plan = tiny_plan(
-        root,
-        target_vocab_size=len(tokenizer),
-        mask_token_id=spare_token_ids(tokenizer)[0],
-        projector_type="dflash2",
-        conv_kernel_size=2,
-        conv_group_size=8,
-        selector_rank=4,
-        selector_top_k=4,
+    plan, _ = saved_eval_setup(
+        root, PROMPTS, drafter_init=codebook, projector_type="dflash2", **TINY_DFLASH2
     )
-    target = tiny_target(plan)
-    randomize(target, seed=4)
-    target.save_pretrained(plan.base_model.path)
-    tokenizer.save_pretrained(plan.base_model.path)
-    drafter = DFlashDraftModel(plan.resolved_draft())
-    randomize(drafter, 2)
-    with torch.no_grad():
-        drafter.candidate_selector.successor_codebook.normal_(
-            std=1.0, generator=torch.Generator().manual_seed(2)
-        )
-    export_drafter(drafter, plan, root / "export")
-    plan_file = root / "plan.json"
-    plan_file.write_text(plan.to_json(), encoding="utf-8")
-    prompts = root / "bench.json"
-    prompts.write_text(json.dumps(PROMPTS), encoding="utf-8")
-    return plan_file, root / "export", prompts
+    return _eval_files(root, plan)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -20,6 +20,7 @@ base-model path so :func:`load_base_model` can read it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -274,17 +275,27 @@ MAX_NEW = 14
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 17, 3, 99, 42, 7), (64, 2, 2, 81), (11,))
 
 
-def saved_eval_setup(root: Path, texts: list[str]) -> tuple[RunPlan, Path]:
+def saved_eval_setup(
+    root: Path,
+    texts: list[str],
+    *,
+    drafter_init: Callable[[torch.nn.Module], None] | None = None,
+    **overrides: object,
+) -> tuple[RunPlan, Path]:
     """What `eval` reads from disk: a tiny target (random, seed 4) saved with a tokenizer
-    trained on `texts` (vocabulary 300), and a random drafter (seed 2) exported to
-    ``root/export``; returns the plan and the export directory."""
+    trained on `texts` (vocabulary 300), and a random drafter (seed 2, then `drafter_init`)
+    exported to ``root/export``; `overrides` go to :func:`tiny_plan`. Returns the plan and the
+    export directory."""
     from dflash_recipes.executor.demo.tiny_tokenizer import build_tiny_tokenizer, spare_token_ids
     from dflash_recipes.executor.model.draft import DFlashDraftModel
     from dflash_recipes.executor.model.export import export_drafter
 
     tokenizer = build_tiny_tokenizer(texts, vocab_size=300)
     plan = tiny_plan(
-        root, target_vocab_size=len(tokenizer), mask_token_id=spare_token_ids(tokenizer)[0]
+        root,
+        target_vocab_size=len(tokenizer),
+        mask_token_id=spare_token_ids(tokenizer)[0],
+        **overrides,
     )
     model = tiny_target(plan)
     randomize(model, seed=4)
@@ -292,5 +303,8 @@ def saved_eval_setup(root: Path, texts: list[str]) -> tuple[RunPlan, Path]:
     tokenizer.save_pretrained(plan.base_model.path)
     drafter = DFlashDraftModel(plan.resolved_draft())
     randomize(drafter, 2)
+    if drafter_init is not None:
+        with torch.no_grad():
+            drafter_init(drafter)
     export_drafter(drafter.eval(), plan, root / "export")
     return plan, root / "export"
