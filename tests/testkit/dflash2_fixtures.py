@@ -25,6 +25,12 @@ TINY_DFLASH2: dict[str, int] = {
     "selector_top_k": 4,
 }
 
+#: The same drafter as recipe overrides (``dflash.dflash_architecture_config.*``).
+TINY_DFLASH2_OVERRIDES: tuple[str, ...] = (
+    "dflash.dflash_architecture_config.projector_type=dflash2",
+    *(f"dflash.dflash_architecture_config.{key}={value}" for key, value in TINY_DFLASH2.items()),
+)
+
 #: The parameters DFlash 2 adds to the tiny drafter, counted by hand: per convolution a base
 #: kernel 2 x 2 x 32 and a projection (2 * 2 * 4) x 32; two per layer, two layers; then the
 #: selector's projection 4 x 32 and two codebooks 256 x 4.

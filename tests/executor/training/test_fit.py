@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from testkit.compiling import tiny_scratch_plan
+from testkit.dflash2_fixtures import TINY_DFLASH2_OVERRIDES
 
 from dflash_recipes.errors import DataError, PlanError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
@@ -465,15 +466,7 @@ def test_a_dflash2_drafter_trains_from_scratch_and_resumes_to_identical_weights(
 ) -> None:
     """DFlash 2 without an init checkpoint: every part from its initialisation; a run stopped
     at step 2 and resumed ends with the uninterrupted run's weights, selector included."""
-    arch = "dflash.dflash_architecture_config"
-    fields = (
-        f"{arch}.projector_type=dflash2",
-        f"{arch}.conv_kernel_size=2",
-        f"{arch}.conv_group_size=8",
-        f"{arch}.selector_rank=4",
-        f"{arch}.selector_top_k=4",
-        "dflash.dflash_selector_missing_gold=inject",
-    )
+    fields = (*TINY_DFLASH2_OVERRIDES, "dflash.dflash_selector_missing_gold=inject")
     straight = _plan(tmp_path, "straight", *fields)
     assert straight.init_checkpoint is None
     run_plan(straight, progress=False)

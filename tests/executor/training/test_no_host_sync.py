@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from testkit.compiling import tiny_scratch_plan
+from testkit.dflash2_fixtures import TINY_DFLASH2_OVERRIDES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dflash_recipes.executor.training.fit as fit_module
@@ -128,7 +129,6 @@ def test_a_dflash2_drafter_trains_without_a_host_sync_either(
 ) -> None:
     """DFlash 2's objective (unary top-K, selector loss, its per-position hits) and its
     convolutions read nothing back between logging steps, in chunks too."""
-    arch = "dflash.dflash_architecture_config"
     original = fit_module.setup
 
     def small_chunks(plan: Any, env: Any, max_chunk_logits: int | None, **kwargs: Any) -> Any:
@@ -138,11 +138,7 @@ def test_a_dflash2_drafter_trains_without_a_host_sync_either(
     counter = _count_syncs(
         monkeypatch,
         tmp_path / "run",
-        f"{arch}.projector_type=dflash2",
-        f"{arch}.conv_kernel_size=2",
-        f"{arch}.conv_group_size=8",
-        f"{arch}.selector_rank=4",
-        f"{arch}.selector_top_k=4",
+        *TINY_DFLASH2_OVERRIDES,
         "dflash.dflash_selector_missing_gold=inject",
     )
     assert counter.between == [], "\n".join(counter.between)
