@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from testkit.dflash2_fixtures import TINY_DFLASH2
 from testkit.tiny import MAX_NEW, PROMPTS, randomize, tiny_plan, tiny_target
 from transformers import PreTrainedModel
 
@@ -31,13 +32,7 @@ from dflash_recipes.plan.run_plan import RunPlan
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: The tiny DFlash 2 drafter's own fields (hidden 64: 8 coefficient groups of 8 channels).
-DFLASH2: dict[str, object] = {
-    "projector_type": "dflash2",
-    "conv_kernel_size": 2,
-    "conv_group_size": 8,
-    "selector_rank": 4,
-    "selector_top_k": 4,
-}
+DFLASH2: dict[str, object] = {"projector_type": "dflash2", **TINY_DFLASH2}
 
 
 def dflash2_plan(tmp_path: Path, **overrides: object) -> RunPlan:
