@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import hypothesis
 import pytest
 import yaml
 from testkit.compiling import RecipeFactory
+from testkit.fuzzing import ACTIVE_PROFILE, PROFILE_ENV
 from testkit.st_fixtures import write_base_model, write_drafter_checkpoint
 
 from dflash_recipes.compiler.compilation import compile_recipe
@@ -33,11 +33,13 @@ from dflash_recipes.recipe.sections import (
 
 _SESSION_CACHE = pytest.StashKey[str]()
 
-# `.ci/run` sets DFLASH_HYPOTHESIS_PROFILE=ci: every property test draws the same examples on
-# every CI run (a landing is not decided by a fresh random draw) and no example database is
-# read or written. Runs elsewhere draw fresh examples; what they find is pinned with `@example`.
-hypothesis.settings.register_profile("ci", derandomize=True, database=None)
-hypothesis.settings.load_profile(os.environ.get("DFLASH_HYPOTHESIS_PROFILE", "default"))
+
+def pytest_report_header() -> str:
+    """Property tests draw the same examples on every run (profile `fixed`, no example
+    database) unless DFLASH_HYPOTHESIS_PROFILE=explore says otherwise: a landing, or a
+    newcomer's first run, is not decided by a fresh random draw. Importing testkit.fuzzing
+    loaded the profile; `.ci/run` explores in a leg of its own."""
+    return f"{PROFILE_ENV}: {ACTIVE_PROFILE}"
 
 
 def pytest_configure(config: pytest.Config) -> None:

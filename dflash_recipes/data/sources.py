@@ -236,19 +236,43 @@ def arrow_schema(path: Path, fmt: FileFormat) -> pa.Schema:
 
     try:
         if fmt == "parquet":
-            return pq.read_schema(path)
-        with pa.memory_map(str(path)) as source:
-            return _open_arrow(source).schema
-    # ValueError: a column name in a damaged footer that is not UTF-8 (UnicodeDecodeError)
+            schema = pq.read_schema(path)
+        else:
+            with pa.memory_map(str(path)) as source:
+                schema = _open_arrow(source).schema
+        # pyarrow decodes a field's name when it is asked for it, not when it reads the schema:
+        # a damaged name that is not UTF-8 is found here, not in a caller reading `.names`
+        _decode_field_names(schema)
+    except UnicodeDecodeError as exc:
+        raise _unreadable(path, fmt, exc, what="a column name is not UTF-8") from None
     except (OSError, ValueError, pa.ArrowException) as exc:
         raise _unreadable(path, fmt, exc) from None
+    return schema
 
 
-def _unreadable(path: Path, fmt: str, exc: Exception) -> DataError:
-    name = "Parquet" if fmt == "parquet" else "Arrow"
+def _decode_field_names(schema: pa.Schema) -> None:
+    """Read every field's name, nested ones included (UnicodeDecodeError when one is not
+    UTF-8)."""
+    import pyarrow as pa
+
+    pending = list(schema)
+    while pending:
+        field = pending.pop()
+        _ = field.name
+        kind = field.type
+        if isinstance(kind, pa.StructType):
+            pending.extend(kind)
+        for child in ("value_field", "key_field", "item_field"):
+            if hasattr(kind, child):
+                pending.append(getattr(kind, child))
+
+
+def _unreadable(path: Path, fmt: str, exc: Exception, what: str | None = None) -> DataError:
+    name = "a Parquet" if fmt == "parquet" else "an Arrow"
     reason = " ".join(str(exc).split())[:300]
+    reason = f"{what}: {reason}" if what else reason
     return DataError(
-        f"{path} cannot be read as a {name} file ({reason}); the file is truncated or "
+        f"{path} cannot be read as {name} file ({reason}); the file is truncated or "
         "corrupt: write or download it again"
     )
 

@@ -187,6 +187,29 @@ def test_a_truncated_parquet_file_is_a_compile_error(
     assert "cannot be read as a Parquet file" in d.message and "\n" not in d.message
 
 
+def test_an_arrow_file_whose_column_name_is_not_utf8_is_a_compile_error(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    table = pa.Table.from_pylist(rows)
+    with (
+        pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    raw = bytearray((tmp_path / "t.arrow").read_bytes())
+    raw[raw.rindex(b"messages")] = 0x80  # the footer's schema: pyarrow decodes names lazily
+    (tmp_path / "t.arrow").write_bytes(bytes(raw))
+    result = compile_in(tmp_path, make_recipe(data={"data_path": "t.arrow"}))
+    d = only(result, "data-unreadable")
+    assert d.path == "data.data_path"
+    assert "t.arrow cannot be read as an Arrow file (a column name is not UTF-8: " in d.message
+    assert d.message.endswith("the file is truncated or corrupt: write or download it again")
+    assert d.hint == (
+        "point data.data_path at a readable JSONL, Parquet or Arrow file, or a folder of them"
+    )
+
+
 def test_the_columns_finding_names_the_file_and_says_how_to_fix_it(
     tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
 ) -> None:

@@ -98,7 +98,7 @@ def test_truncated_parquet_and_arrow_are_one_line_errors(tmp_path: Path) -> None
     datasets.Dataset.from_list(ROWS * 50).save_to_disk(str(tmp_path / "saved"))
     arrow = next((tmp_path / "saved").glob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:300])
-    with pytest.raises(DataError, match=r"cannot be read as a Arrow file") as info:
+    with pytest.raises(DataError, match=r"cannot be read as an Arrow file") as info:
         read_conversations(tmp_path / "saved")
     assert "\n" not in str(info.value)
 

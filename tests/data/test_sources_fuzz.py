@@ -159,6 +159,9 @@ TABLES = {kind: _table_bytes(kind) for kind in ("parquet", "arrow")}
 )
 # found by CI: a column name in the Parquet footer made not UTF-8 (pyarrow: UnicodeDecodeError)
 @example(kind="parquet", flips=[(380885, 128)], cut=0)
+# found in a fresh clone: a column name in the Arrow schema made not UTF-8 (pyarrow decodes it
+# only when `Schema.names` is read: UnicodeDecodeError)
+@example(kind="arrow", flips=[(1894, 128)], cut=0)
 def test_columnar_readers_raise_only_data_errors(
     tmp_path: Path, kind: str, flips: list[tuple[int, int]], cut: int
 ) -> None:
@@ -217,3 +220,18 @@ def test_a_parquet_footer_whose_column_name_is_not_utf8_is_a_data_error(tmp_path
     path.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=r"cannot be read as a Parquet file .*write or download"):
         source_columns(resolve_source(path, setting="data.data_path"))
+
+
+def test_an_arrow_schema_whose_column_name_is_not_utf8_is_a_data_error(tmp_path: Path) -> None:
+    raw = bytearray(TABLES["arrow"])
+    name_at = raw.rindex(b"messages")  # the footer's schema, which the file reader reads
+    raw[name_at] = 0x80
+    path = tmp_path / "d.arrow"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError) as info:
+        source_columns(resolve_source(path, setting="data.data_path"))
+    assert str(info.value) == (
+        f"{path} cannot be read as an Arrow file (a column name is not UTF-8: 'utf-8' codec "
+        "can't decode byte 0x80 in position 0: invalid start byte); the file is truncated or "
+        "corrupt: write or download it again"
+    )
