@@ -324,7 +324,7 @@ def schema_command(output: Path | None) -> None:
     "--mask-token-id",
     type=click.IntRange(min=0),
     help="dflash_mask_token_id (default: the checkpoint's; without one, the tokenizer's mask "
-    "token or first unused embedding row).",
+    "token, its first unused embedding row, or its first reserved special token).",
 )
 @click.option("--output-dir", "run_output_dir", help="training.output_dir of the new recipe.")
 @click.option("--data-path", help="data.data_path of the new recipe (JSONL conversations).")

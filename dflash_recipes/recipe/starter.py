@@ -7,12 +7,20 @@ checkpoint that does not state its taps or mask id is an error naming what to pa
 Without one, the recipe describes a new drafter. Only then are the target's attention and MLP
 sizes used, as *defaults written into the recipe* where the user can see and change them
 (compile never fills draft dims from the base model). The mask id is the tokenizer's mask
-token, else its first unused embedding row (Qwen3: 151669), read from the tokenizer files.
+token, else its first unused embedding row (Qwen3: 151669), else, when every row is a token, its
+first reserved special token (Llama 3's <|reserved_special_token_0|>), read from the tokenizer
+files: only what they assign as token ids counts (tokenizer_config.json's `model_max_length` is
+not one).
+
+``training_seq_len`` is 4096, or less when the target's (or the checkpoint's)
+``max_position_embeddings`` is smaller, so the recipe never trains past the positions they
+were built for.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,6 +47,7 @@ from dflash_recipes.checkpoint.tensor_layout import (
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.diagnostics import Severity
 from dflash_recipes.errors import CheckpointError, DFlashRecipeError
+from dflash_recipes.files.jsonio import FileReadProblem, read_regular_file
 from dflash_recipes.recipe.sections import DFlashArchitectureConfig, default_loss_decay_factor
 from dflash_recipes.records import Record
 
@@ -46,6 +55,10 @@ from dflash_recipes.records import Record
 NEW_DRAFT_LAYERS = 5
 #: Block size of a new drafter (and of a checkpoint that does not state one).
 DEFAULT_BLOCK_SIZE = 16
+#: training_seq_len of a new recipe, when the target and the checkpoint allow as many positions.
+DEFAULT_TRAINING_SEQ_LEN = 4096
+#: Special tokens whose name says no text holds them: a mask id when no embedding row is unused.
+_RESERVED_TOKEN = re.compile(r"reserved|unused|spare", re.IGNORECASE)
 #: Peak learning rates, fine-tuning a released drafter vs from scratch (docs/dflash.md,
 #: "Learning rate").
 FINETUNE_LEARNING_RATE = 1.0e-4
@@ -61,7 +74,7 @@ class _Choice(Record):
     """A value written into the recipe and the comment that says where it came from."""
 
     value: object
-    why: str
+    why: str | None
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -73,6 +86,8 @@ class _Draft(Record):
     mask: _Choice
     block_size: _Choice
     learning_rate: _Choice
+    #: The init checkpoint's max_position_embeddings, when its config.json states one.
+    max_positions: int | None = None
 
 
 def _fail(message: str, hint: str) -> CheckpointError:
@@ -174,7 +189,7 @@ def _from_checkpoint(value: Path, target: TargetConfig, mask_token_id: int | Non
     learning_rate = _Choice(
         FINETUNE_LEARNING_RATE, "fine-tuning a released drafter (about 6e-4 from scratch)"
     )
-    return _Draft(arch, taps, mask, block, learning_rate)
+    return _Draft(arch, taps, mask, block, learning_rate, config.max_position_embeddings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,25 +259,97 @@ def _new_draft(base_model_dir: Path, target: TargetConfig, mask_token_id: int | 
     )
 
 
-def _token_ids(document: Mapping[str, object]) -> list[int]:
-    """Every token id a tokenizer.json / tokenizer_config.json / vocab.json assigns."""
+def _token_ids(name: str, document: Mapping[str, object]) -> list[int]:
+    """The token ids the tokenizer file `name` assigns, and nothing else it holds.
+
+    tokenizer.json: its model's vocabulary and `added_tokens`; tokenizer_config.json: the keys
+    of `added_tokens_decoder` (transformers 5 writes the file without it: no ids then, and
+    `model_max_length` or any other number in it is never one); vocab.json: token -> id.
+    """
     ids: list[int] = []
+    if name == "vocab.json":
+        return [v for v in document.values() if type(v) is int]
+    if name == "tokenizer_config.json":
+        decoder = document.get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            ids += [i for i in map(_token_key, decoder) if i is not None]
+        return ids
     model = document.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if isinstance(vocab, dict):
         ids += [v for v in vocab.values() if type(v) is int]
     elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
         ids += list(range(len(vocab)))
-    added = document.get("added_tokens")
-    for entry in added if isinstance(added, list) else []:
-        if isinstance(entry, dict) and type(entry.get("id")) is int:
-            ids.append(entry["id"])
-    decoder = document.get("added_tokens_decoder")
-    if isinstance(decoder, dict):
-        ids += [i for i in map(_token_key, decoder) if i is not None]
-    if model is None and "added_tokens_decoder" not in document:  # vocab.json: token -> id
-        ids += [v for v in document.values() if type(v) is int]
+    ids += list(_added_tokens(name, document))
     return ids
+
+
+def _added_tokens(name: str, document: Mapping[str, object]) -> dict[int, tuple[str, bool]]:
+    """id -> (content, special) of the added tokens tokenizer.json or tokenizer_config.json
+    declares."""
+    found: dict[int, tuple[str, bool]] = {}
+    if name == "tokenizer.json":
+        added = document.get("added_tokens")
+        for entry in added if isinstance(added, list) else []:
+            if isinstance(entry, dict) and type(entry.get("id")) is int:
+                found[entry["id"]] = (str(entry.get("content")), entry.get("special") is True)
+    elif name == "tokenizer_config.json":
+        decoder = document.get("added_tokens_decoder")
+        for key, entry in decoder.items() if isinstance(decoder, dict) else ():
+            token = _token_key(key)
+            if token is not None and isinstance(entry, dict):
+                found[token] = (str(entry.get("content")), entry.get("special") is True)
+    return found
+
+
+def _special_token_ids(config: Mapping[str, object]) -> list[int]:
+    """The bos/eos/pad/unk ids a config.json states (an id or a list of ids each)."""
+    ids: list[int] = []
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        value = config.get(key)
+        values = value if isinstance(value, list) else [value]
+        ids += [v for v in values if type(v) is int]
+    return ids
+
+
+def _reserved_token(
+    directory: Path, added: Mapping[int, tuple[str, bool]], vocab_size: int
+) -> tuple[int, str] | None:
+    """The lowest (id, content) of a special token whose name says it is reserved (Llama 3's
+    <|reserved_special_token_0|>, Gemma's <unused0>), that the chat template never writes and
+    that is not the tokenizer's bos/eos/pad/unk token; None when there is none."""
+    template = ""
+    named: set[str] = set()
+    path = directory / "tokenizer_config.json"
+    config = read_json_config(path, max_bytes=_TOKENIZER_MAX_BYTES) if path.is_file() else {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            named.add(value)
+    templates = config.get("chat_template")
+    if isinstance(templates, str):
+        template += templates
+    elif isinstance(templates, list):
+        template += "".join(str(t.get("template")) for t in templates if isinstance(t, dict))
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            template += read_regular_file(jinja, max_bytes=_TOKENIZER_MAX_BYTES).decode(
+                "utf-8", "replace"
+            )
+        except FileReadProblem as exc:
+            raise CheckpointError(f"{jinja} cannot be read: {exc.reason}") from None
+    for token, (content, special) in sorted(added.items()):
+        if (
+            special
+            and token < vocab_size
+            and _RESERVED_TOKEN.search(content)
+            and content not in named
+            and content not in template
+        ):
+            return token, content
+    return None
 
 
 def _named_mask_token(directory: Path) -> int | None:
@@ -301,10 +388,16 @@ def _mask_from_tokenizer(directory: Path, vocab_size: int) -> _Choice:
         if named is not None and named < vocab_size:
             return _Choice(named, "the tokenizer's own mask token")
         ids: list[int] = []
+        added: dict[int, tuple[str, bool]] = {}
         for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
             path = directory / name
             if path.is_file():
-                ids += _token_ids(read_json_config(path, max_bytes=_TOKENIZER_MAX_BYTES))
+                document = read_json_config(path, max_bytes=_TOKENIZER_MAX_BYTES)
+                ids += _token_ids(name, document)
+                added.update(_added_tokens(name, document))
+        if ids and (directory / "config.json").is_file():
+            ids += _special_token_ids(read_json_config(directory / "config.json"))
+        reserved = _reserved_token(directory, added, vocab_size) if ids else None
     except DFlashRecipeError as exc:
         raise _fail(
             f"cannot read the tokenizer files to find a mask id: {exc}",
@@ -317,21 +410,39 @@ def _mask_from_tokenizer(directory: Path, vocab_size: int) -> _Choice:
             "pass the mask id explicitly (Qwen3: 151669, the first unused embedding row)",
         )
     first_unused = max(ids) + 1
-    if first_unused >= vocab_size:
-        raise _fail(
-            f"the tokenizer uses every embedding row (ids up to {max(ids)}, vocab_size "
-            f"{vocab_size}) and declares no mask token",
-            "pass a mask id explicitly, e.g. a reserved special token of this tokenizer",
+    if first_unused < vocab_size:
+        return _Choice(
+            first_unused,
+            f"first unused embedding row (token ids end at {max(ids)}; no mask token)",
         )
-    return _Choice(
-        first_unused,
-        f"first unused embedding row (token ids end at {max(ids)}; no mask token)",
+    if reserved is not None:
+        token, content = reserved
+        return _Choice(
+            token,
+            f"{content}: a reserved special token the chat template never writes (every "
+            "embedding row is a token; no mask token)",
+        )
+    raise _fail(
+        f"the tokenizer uses every embedding row (ids up to {max(ids)}, vocab_size "
+        f"{vocab_size}) and declares no mask token and no reserved special token",
+        "pass a mask id explicitly, e.g. a special token of this tokenizer that no text holds",
     )
 
 
 # ---------------------------------------------------------------------------------------------
 # rendering
 # ---------------------------------------------------------------------------------------------
+
+
+def _training_seq_len(target_positions: int, checkpoint_positions: int | None) -> _Choice:
+    """4096, or the fewer positions the target (or the init checkpoint) was built for."""
+    limits = [(target_positions, "the target's max_position_embeddings")]
+    if checkpoint_positions is not None:
+        limits.append((checkpoint_positions, "the init checkpoint's max_position_embeddings"))
+    positions, source = min(limits, key=lambda limit: limit[0])
+    if positions >= DEFAULT_TRAINING_SEQ_LEN:
+        return _Choice(DEFAULT_TRAINING_SEQ_LEN, None)
+    return _Choice(positions, f"{source} (no longer sequences than it was built for)")
 
 
 def _scalar(value: object) -> str:
@@ -393,6 +504,7 @@ def render_init_recipe(
     if output_dir is not None:
         output_dir = str(resolve_local_path(output_dir, base_dir=None))
     recipe = recipe_path or "recipe.yaml"
+    seq_len = _training_seq_len(facts.max_position_embeddings, draft.max_positions)
     block = draft.block_size.value
     assert isinstance(block, int)
 
@@ -440,7 +552,7 @@ def render_init_recipe(
         _line(1, "num_train_epochs", 1),
         _line(1, "warmup_ratio", 0.04, "linear warmup over the first 4% of steps"),
         _line(1, "lr_scheduler_type", "cosine"),
-        _line(1, "training_seq_len", 4096),
+        _line(1, "training_seq_len", seq_len.value, seq_len.why),
         _line(1, "save_steps", 500),
         "dflash:",
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,107 @@ def test_from_scratch_without_tokenizer_refuses_to_guess_the_mask(
     assert "151669" in str(caught.value)
     text = render_init_recipe(base_model, None, mask_token_id=255)
     assert_clean(write_and_compile(tmp_path, text))
+
+
+DEMO_TARGET = Path(__file__).resolve().parents[2] / "dflash_recipes" / "demo_data" / "target"
+
+
+def test_init_on_the_demo_target_writes_a_recipe_that_compiles_without_a_warning(
+    tmp_path: Path,
+) -> None:
+    # the package's own target: transformers 5 wrote its tokenizer_config.json without
+    # added_tokens_decoder, and with model_max_length 1048576, which is not a token id
+    config = json.loads((DEMO_TARGET / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert "added_tokens_decoder" not in config and config["model_max_length"] == 1048576
+    text = render_init_recipe(DEMO_TARGET, None)
+    # every one of its 392 rows is a token (ids 0..391): the mask is its first spare token
+    assert (
+        "dflash_mask_token_id: 384  # <|spare_0|>: a reserved special token the chat template "
+        "never writes (every embedding row is a token; no mask token)"
+    ) in text
+    # its max_position_embeddings is 512: no longer rows than that
+    assert (
+        "training_seq_len: 512  # the target's max_position_embeddings (no longer sequences "
+        "than it was built for)"
+    ) in text
+    result = write_and_compile(tmp_path, text)
+    assert_clean(result)
+    assert result.plan is not None
+    assert result.plan.training.training_seq_len == 512
+
+
+def test_only_token_ids_count_toward_the_first_unused_row(tmp_path: Path) -> None:
+    base = write_base_model(tmp_path / "base", vocab=256)
+    write_json(
+        base / "tokenizer.json",
+        {
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 199}},
+            "added_tokens": [{"id": 200, "content": "<|end|>", "special": True}],
+        },
+    )
+    # numbers that are not token ids: a length, a config's own sizes
+    write_json(
+        base / "tokenizer_config.json",
+        {"model_max_length": 131072, "eos_token": "<|end|>", "extra": {"n": 4096}},
+    )
+    text = render_init_recipe(base, None)
+    assert "dflash_mask_token_id: 201  # first unused embedding row (token ids end at 200" in text
+    assert_clean(write_and_compile(tmp_path, text))
+
+
+def test_a_full_vocabulary_takes_the_first_reserved_token_the_template_never_writes(
+    tmp_path: Path,
+) -> None:
+    base = write_base_model(tmp_path / "base", vocab=256)
+    names = {250: "<|eot_id|>", 251: "<|reserved_special_token_0|>", 252: "<|reserved_1|>"}
+    write_json(
+        base / "tokenizer.json",
+        {
+            "model": {"type": "BPE", "vocab": {"a": 0, "z": 249}},
+            "added_tokens": [
+                {"id": i, "content": names.get(i, f"<|reserved_{i}|>"), "special": True}
+                for i in range(250, 256)
+            ],
+        },
+    )
+    # the template writes reserved_special_token_0 (so it is text), and eos is reserved_1
+    write_json(
+        base / "tokenizer_config.json",
+        {"eos_token": "<|reserved_1|>", "chat_template": "{{ '<|reserved_special_token_0|>' }}"},
+    )
+    text = render_init_recipe(base, None)
+    assert "dflash_mask_token_id: 253  # <|reserved_253|>: a reserved special token" in text
+    assert_clean(write_and_compile(tmp_path, text))
+    (base / "tokenizer_config.json").unlink()
+    write_json(
+        base / "tokenizer.json",
+        {"model": {"type": "BPE", "vocab": {"a": 0, "z": 255}}, "added_tokens": []},
+    )
+    with pytest.raises(CheckpointError) as caught:
+        render_init_recipe(base, None)
+    assert str(caught.value) == (
+        "the tokenizer uses every embedding row (ids up to 255, vocab_size 256) and declares no "
+        "mask token and no reserved special token\nfix: pass a mask id explicitly, e.g. a "
+        "special token of this tokenizer that no text holds"
+    )
+
+
+def test_training_seq_len_stays_within_the_target_and_the_checkpoint(tmp_path: Path) -> None:
+    base = write_base_model(tmp_path / "base", max_position_embeddings=2048)
+    text = render_init_recipe(base, None, mask_token_id=255)
+    assert "training_seq_len: 2048  # the target's max_position_embeddings" in text
+    assert_clean(write_and_compile(tmp_path, text))
+    roomy = write_base_model(tmp_path / "roomy", max_position_embeddings=32768)
+    assert "  training_seq_len: 4096\n" in render_init_recipe(roomy, None, mask_token_id=255)
+    # a drafter built for 512 positions: compile would warn checkpoint-positions-short at 4096
+    ckpt = write_drafter_checkpoint(
+        tmp_path / "drafter", config=drafter_config(max_position_embeddings=512)
+    )
+    text = render_init_recipe(roomy, ckpt)
+    assert "training_seq_len: 512  # the init checkpoint's max_position_embeddings" in text
+    result = write_and_compile(tmp_path, text)
+    assert_clean(result)
+    assert result.plan is not None and result.plan.training.training_seq_len == 512
 
 
 def test_shallow_target_gets_fewer_draft_layers(
