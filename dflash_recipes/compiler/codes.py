@@ -109,6 +109,12 @@ DATA_COLUMNS_MISSING = _code(
 OUTPUT_DIR_UNUSABLE = _code(
     "output-dir-unusable", _E, "training.output_dir is a file or cannot be listed"
 )
+OUTPUT_DIR_HOLDS_EXPORT = _code(
+    "output-dir-holds-export",
+    _E,
+    "training.output_dir holds a drafter export (model.safetensors + config.json): the run would "
+    "make it a run directory that export can never replace",
+)
 TRACKER_LIBRARY_MISSING = _code(
     "tracker-library-missing",
     _E,
@@ -315,6 +321,7 @@ __all__ = [
     "MASK_FROM_PREVIOUS_RUN",
     "MASK_TOKEN_MISSING",
     "MASK_TOKEN_OUT_OF_RANGE",
+    "OUTPUT_DIR_HOLDS_EXPORT",
     "OUTPUT_DIR_UNUSABLE",
     "PURE_DRAFT_PREFIX_RANGE",
     "RESOURCES_EXCEED_DEVICE",

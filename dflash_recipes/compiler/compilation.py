@@ -46,6 +46,7 @@ from dflash_recipes.compiler.input_checks import (
     resolve_base_model,
     resolve_output,
 )
+from dflash_recipes.compiler.output_checks import check_output_not_export
 from dflash_recipes.compiler.recipe_checks import (
     check_dims_set,
     check_schema,
@@ -145,6 +146,7 @@ def compile_recipe(
         facts = resolve_base_model(inputs, report)
         check_data(inputs, report)
         output = resolve_output(inputs, report)
+        check_output_not_export(inputs, report)
         checkpoint = read_init_checkpoint(inputs, output.resume, report)
         read = WhatWasRead(facts=facts, output=output, checkpoint=checkpoint)
     # 2. the recipe on its own (hints name the checkpoint's dims when it was read)

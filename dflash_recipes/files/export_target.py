@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
+from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from dflash_recipes.errors import ReplaceRefusedError
 from dflash_recipes.files.locking import LOCK_FILE
 from dflash_recipes.files.run_dir import (
@@ -76,6 +76,40 @@ def is_earlier_export(directory: Path) -> bool:
         return False
     config = _read_json(directory / CONFIG_FILE, _MAX_CONFIG_BYTES)
     return isinstance(config, dict) and config.get("architectures") == [_ARCHITECTURE]
+
+
+def export_evidence(directory: Path) -> str | None:
+    """Why `directory` holds a drafter export (None if it does not): this tool's marker, or a
+    drafter's config.json (its `dflash_config`, or an ``architectures`` entry naming a
+    ``...DraftModel``) beside its weights, whatever else the folder holds.
+
+    Such a folder is never a training run's output_dir: the run would write its plan,
+    checkpoints and metrics beside the export, and :func:`check_export_target` would then
+    refuse to replace it as a run directory.
+    """
+    try:
+        names = {child.name for child in directory.iterdir()}
+    except OSError:
+        return None
+    if EXPORT_MARKER in names:
+        return f"its {EXPORT_MARKER}"
+    weights = next((n for n in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE) if n in names), None)
+    if weights is None or CONFIG_FILE not in names:
+        return None
+    config = _read_json(directory / CONFIG_FILE, _MAX_CONFIG_BYTES)
+    if not isinstance(config, dict):
+        return None
+    architectures = config.get("architectures")
+    drafters = [
+        name
+        for name in (architectures if isinstance(architectures, list) else [])
+        if isinstance(name, str) and name.endswith("DraftModel")
+    ]
+    if drafters:
+        return f"{weights} and a {CONFIG_FILE} of architectures {drafters[0]}"
+    if isinstance(config.get("dflash_config"), dict):
+        return f"{weights} and a {CONFIG_FILE} with a dflash_config"
+    return None
 
 
 def run_directory_evidence(directory: Path) -> str | None:
@@ -164,6 +198,7 @@ def check_export_target(
 __all__ = [
     "EXPORT_MARKER",
     "check_export_target",
+    "export_evidence",
     "export_marker_text",
     "is_earlier_export",
     "run_directory_evidence",
