@@ -62,10 +62,9 @@ from dflash_recipes.executor.model.convert import (
     embed_tokens,
     lm_head,
     load_base_model,
-    target_forward,
 )
-from dflash_recipes.executor.model.draft import taps_from_hidden_states
 from dflash_recipes.executor.model.masks import build_dense_block_mask, build_split_block_mask
+from dflash_recipes.executor.model.target_states import target_states
 from dflash_recipes.executor.training import loss as loss_module
 from dflash_recipes.executor.training import metrics as metrics_module
 from dflash_recipes.executor.training import step as step_module
@@ -114,10 +113,10 @@ class Timer:
 _current: list[Timer] = []
 
 
-def _timed_target_forward(*args: object, **kwargs: object) -> object:
-    """The trainer's target_forward, timed as the ``target forward`` phase."""
+def _timed_target_states(*args: object, **kwargs: object) -> object:
+    """The trainer's target_states, timed as the ``target forward`` phase."""
     with _current[-1].phase("target forward"):
-        return target_forward(*args, **kwargs)  # type: ignore[arg-type]
+        return target_states(*args, **kwargs)  # type: ignore[arg-type]
 
 
 def _make_target(directory: Path, width: int, layers: int, heads: int) -> None:
@@ -345,8 +344,8 @@ class Shape:
         drafter = self.drafters["plain"]
         with torch.no_grad():
             with timer.phase("target forward"):
-                states = target_forward(self.model, ids, attention, with_logits=False)
-            tapped = taps_from_hidden_states(states.hidden_states, spec.target_layer_ids)
+                taps = spec.target_layer_ids
+                tapped = target_states(self.model, ids, attention, taps, with_logits=False).tapped
             # Anchors: one torch.rand + topk over the eligible positions (all of them here).
             seq = ids.shape[1]
             keys = torch.rand(ids.shape[0], seq - block)
@@ -452,7 +451,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    step_module.target_forward = _timed_target_forward  # type: ignore[assignment]
+    step_module.target_states = _timed_target_states  # type: ignore[assignment]
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:

@@ -43,9 +43,8 @@ from dflash_recipes.executor.model.convert import (
     embed_tokens,
     lm_head,
     load_base_model,
-    target_forward,
 )
-from dflash_recipes.executor.model.draft import taps_from_hidden_states
+from dflash_recipes.executor.model.target_states import target_states
 from dflash_recipes.executor.training.anchors import block_labels, sample_anchors
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
 
@@ -110,8 +109,8 @@ def main() -> None:
     def target_taps() -> torch.Tensor:
         # The trainer's target forward (the default objective needs no target logits).
         with torch.no_grad():
-            out = target_forward(model, ids, attention, with_logits=False)
-            return taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+            taps = spec.target_layer_ids
+            return target_states(model, ids, attention, taps, with_logits=False).tapped.float()
 
     step_module = DraftStep(drafter, head, objective)
 

@@ -24,9 +24,9 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   single-process step on the whole batch;
 - ``fsdp``: FSDP2 (``fully_shard``): the sharded frozen target (``shard_target_fsdp2``, what
   ``training.fsdp`` does), run through the trainer's own ``step_inputs`` (taps captured by
-  forward hooks, the forward stopped after the deepest tap: ``convert.capture_taps``), gives
+  forward hooks, the forward stopped after the deepest tap: ``target_states``), gives
   the plain target's ``output_hidden_states`` taps, and so does a teacher objective's path
-  (``target_forward`` with logits) on the sharded target; one AdamW step of a sharded drafter
+  (``target_states`` with logits) on the sharded target; one AdamW step of a sharded drafter
   (not something the trainer does; checked for use) equals the plain one;
 - ``step``: a timed training step at real proportions (CUDA; tiny dims in a dry run): the
   drafter of Qwen3-8B (hidden 4096, 5 layers, 32 heads / 8 kv heads x 128, intermediate 12288,
@@ -91,8 +91,6 @@ from dflash_recipes.executor.model.convert import (
     dflash_module,
     lm_head,
     load_base_model,
-    stop_after_layer,
-    target_forward,
 )
 from dflash_recipes.executor.model.draft import (
     DFlashDraftModel,
@@ -100,6 +98,7 @@ from dflash_recipes.executor.model.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.model.masks import build_dense_block_mask, build_flex_block_mask
+from dflash_recipes.executor.model.target_states import stop_after_layer, target_states
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
@@ -698,10 +697,12 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
     sharded = shard_target_fsdp2(copy.deepcopy(model), env)
     # The reference: the unsharded target's Hugging Face hidden states (output_hidden_states).
     with torch.no_grad():
-        states = target_forward(plain, batch.ids, batch.attention, with_logits=False)
+        states = plain(
+            input_ids=batch.ids, attention_mask=batch.attention, output_hidden_states=True
+        )
         expected = taps_from_hidden_states(states.hidden_states, spec.target_layer_ids).float()
     # The trainer's own path on the sharded target: step_inputs (forward hooks on the taps,
-    # the forward stopped after the deepest one: convert.capture_taps), as training.fsdp runs it.
+    # the forward stopped after the deepest one: target_states), as training.fsdp runs it.
     stop = stop_after_layer(spec.target_layer_ids, needs_logits=False)
     report.note(
         f"taps {list(spec.target_layer_ids)} of {dims.target_layers} layers: the trainer's "
@@ -716,13 +717,14 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
         atol=1e-5,
         rtol=1e-5,
     )
-    # A teacher objective's path (logits wanted: the whole forward with output_hidden_states).
+    # A teacher objective's path (logits wanted: the whole causal LM, taps by the same hooks).
+    taps = spec.target_layer_ids
     with torch.no_grad():
-        teacher = target_forward(sharded, batch.ids, batch.attention, with_logits=True)
+        teacher = target_states(sharded, batch.ids, batch.attention, taps, with_logits=True)
     report.close(
-        "target taps, output_hidden_states on the sharded target (a teacher objective's path) "
+        "target taps, the whole causal LM on the sharded target (a teacher objective's path) "
         "vs plain",
-        taps_from_hidden_states(teacher.hidden_states, spec.target_layer_ids),
+        teacher.tapped,
         expected,
         atol=1e-5,
         rtol=1e-5,

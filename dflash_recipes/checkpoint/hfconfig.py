@@ -30,6 +30,7 @@ from dflash_recipes.checkpoint.config_bounds import (
 from dflash_recipes.checkpoint.config_json import read_json_config
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.checkpoint.target_facts import RopePlan, RopeValue, TargetFacts
+from dflash_recipes.checkpoint.target_layers import TargetLayers, read_target_layers
 from dflash_recipes.checkpoint.tensor_layout import ARCHITECTURE_FIELDS, SHAPE_FIELDS
 from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DFlashRecipeError
@@ -108,6 +109,8 @@ class TargetConfig(Record):
     intermediate_size: int | None = None
     #: True when the language-model fields came from a multimodal config's `text_config`.
     from_text_config: bool = False
+    #: The family, declared layer types and attention implementation (packing and taps).
+    layers: TargetLayers = attrs.field(factory=TargetLayers)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -481,6 +484,7 @@ def target_config_from_mapping(config: Mapping[str, object], path: str) -> Targe
         head_dim=head_dim,
         intermediate_size=intermediate,
         from_text_config=bool(prefix),
+        layers=read_target_layers(config),
     )
 
 

@@ -103,6 +103,27 @@ DATA_UNREADABLE = _code(
 PACKING_OFFLINE = _code(
     "packing-offline", _E, "data.packing is on with offline training (data.hidden_states_path)"
 )
+PACKING_RECURRENT_LAYERS = _code(
+    "packing-recurrent-layers",
+    _E,
+    "data.packing with a target whose layers carry a state across tokens (linear attention, "
+    "state-space layers): no mask keeps its documents apart",
+)
+TARGET_LAYER_TYPE_UNKNOWN = _code(
+    "target-layer-type-unknown",
+    _W,
+    "the target declares a layer type dflash-recipes does not know; a packed run checks it",
+)
+TARGET_ATTN_IMPLEMENTATION = _code(
+    "target-attn-implementation",
+    _E,
+    "the target's config.json asks for an attention implementation that cannot load offline",
+)
+TARGET_NO_DECODER = _code(
+    "target-no-decoder",
+    _E,
+    "the target has no decoder stack to tap (reported by `run`, `capture` and `eval`)",
+)
 DATA_COLUMNS_MISSING = _code(
     "data-columns-missing", _E, "a data input has no 'messages' or 'conversations' column"
 )

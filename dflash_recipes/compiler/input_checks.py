@@ -1,5 +1,6 @@
-"""The compile's inputs on disk: base model directory, data files, captured hidden states, and
-the output directory (a usable one, and a resume when it holds a complete checkpoint).
+"""The compile's inputs on disk: base model directory (and what its config.json says of its
+layers: packing, attention implementation), data files, captured hidden states, and the output
+directory (a usable one, and a resume when it holds a complete checkpoint).
 
 The reading phase's :func:`resolve_base_model` and :func:`resolve_output` return what they read
 (the base model's facts, the output directory's resume); :func:`check_capture` needs the taps the
@@ -14,9 +15,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_recipes.checkpoint.hfconfig import read_target_config
+from dflash_recipes.checkpoint.hfconfig import TargetConfig, read_target_config
 from dflash_recipes.checkpoint.model_paths import inspect_model_dir
 from dflash_recipes.checkpoint.target_facts import TargetFacts
+from dflash_recipes.checkpoint.target_layers import (
+    ATTENTION_LAYER_TYPES,
+    KNOWN_ATTENTION_IMPLEMENTATIONS,
+)
 from dflash_recipes.compiler.codes import (
     DATA_COLUMNS_MISSING,
     DATA_FILE_MISSING,
@@ -26,7 +31,10 @@ from dflash_recipes.compiler.codes import (
     INIT_CHECKPOINT_IGNORED,
     OUTPUT_DIR_UNUSABLE,
     PACKING_OFFLINE,
+    PACKING_RECURRENT_LAYERS,
     RESUME_FROM_CHECKPOINT,
+    TARGET_ATTN_IMPLEMENTATION,
+    TARGET_LAYER_TYPE_UNKNOWN,
     TRACKER_LIBRARY_MISSING,
 )
 from dflash_recipes.compiler.state import (
@@ -56,7 +64,56 @@ def resolve_base_model(inputs: CompileInputs, report: Report) -> TargetFacts | N
     read = read_target_config(inputs.absolute(value))
     for item in read.problems:
         report.emit_problem(item, MODEL_PATH, f"base model {read.path}")
+    check_target_layers(inputs, read, report)
     return read.facts
+
+
+# The target's layers: a packed row's conversations are kept apart by per-document attention
+# masks; a layer that carries a state across tokens (linear attention, state-space layers)
+# cannot be, so packing is refused for such a target (the family and the layer type named). A
+# layer type this project does not know is a warning (the run's start-up isolation check
+# decides for it); an attention implementation in config.json that cannot load offline (a hub
+# kernel, or a name transformers does not have) is an error: the target would not load at `run`.
+def check_target_layers(inputs: CompileInputs, read: TargetConfig, report: Report) -> None:
+    """Refuse packing for a recurrent target and an attention implementation that cannot load;
+    warn about layer types this project does not know."""
+    layers = read.layers
+    family = layers.model_type or "this target"
+    data = inputs.recipe.data
+    blockers = layers.packing_blockers()
+    if data.packing and data.hidden_states_path is None and blockers:
+        report.emit(
+            PACKING_RECURRENT_LAYERS,
+            "data.packing",
+            f"data.packing is true, but the target ({family}, {read.path}) has "
+            f"{' and '.join(blockers)}: their state runs from one token to the next across "
+            "a packed row's document boundary, so every conversation after the first would be "
+            "trained on states the target never produces when it serves",
+            "set data.packing=false (one conversation per row, padded)",
+        )
+    unknown = layers.unknown_layer_types()
+    if unknown:
+        report.emit(
+            TARGET_LAYER_TYPE_UNKNOWN,
+            MODEL_PATH,
+            f"the target's config.json ({read.path}) declares layer types "
+            f"{', '.join(map(repr, unknown))} in `{layers.where}`; dflash-recipes knows "
+            f"{', '.join(ATTENTION_LAYER_TYPES)} and the recurrent kinds",
+            "a packed run checks at start-up that each conversation gets the states it gets "
+            "alone and stops if not; data.packing=false needs no check",
+        )
+    implementation = layers.attn_implementation
+    if implementation is not None and implementation not in KNOWN_ATTENTION_IMPLEMENTATIONS:
+        report.emit(
+            TARGET_ATTN_IMPLEMENTATION,
+            MODEL_PATH,
+            f"the target's config.json ({read.path}) asks for attention implementation "
+            f"{implementation!r}, a kernel fetched from the Hub or a name transformers does "
+            "not have; dflash-recipes never downloads code, so the target cannot load",
+            "delete `attn_implementation` from the target's config.json: transformers then "
+            f"runs the family's default ({', '.join(KNOWN_ATTENTION_IMPLEMENTATIONS)} load "
+            "as named)",
+        )
 
 
 def check_data(inputs: CompileInputs, report: Report) -> None:
@@ -318,6 +375,7 @@ def _read_previous_plan(path: Path) -> RunPlan | None:
 __all__ = [
     "check_capture",
     "check_data",
+    "check_target_layers",
     "check_tracker_libraries",
     "output_dir_problem",
     "resolve_base_model",

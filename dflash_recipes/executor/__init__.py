@@ -39,6 +39,12 @@ if TYPE_CHECKING:
         build_dense_block_mask,
         build_flex_block_mask,
     )
+    from dflash_recipes.executor.model.target_states import (
+        IsolationReport,
+        TargetStates,
+        check_packed_isolation,
+        target_states,
+    )
     from dflash_recipes.executor.model.warmstart import WarmStartReport, load_init_checkpoint
     from dflash_recipes.executor.training.anchors import block_positions
     from dflash_recipes.executor.training.checkpoints import (
@@ -63,6 +69,10 @@ _HOMES = {
     "export_drafter": "model.export",
     "DSparkHead": "kinds.dspark",
     "DominoHead": "kinds.domino",
+    "IsolationReport": "model.target_states",
+    "TargetStates": "model.target_states",
+    "check_packed_isolation": "model.target_states",
+    "target_states": "model.target_states",
     "DraftMask": "model.masks",
     "build_dense_block_mask": "model.masks",
     "build_flex_block_mask": "model.masks",
@@ -84,10 +94,13 @@ __all__ = [
     "DSparkHead",
     "DominoHead",
     "DraftMask",
+    "IsolationReport",
+    "TargetStates",
     "WarmStartReport",
     "block_positions",
     "build_dense_block_mask",
     "build_flex_block_mask",
+    "check_packed_isolation",
     "convert",
     "dflash_module",
     "embed_tokens",
@@ -98,4 +111,5 @@ __all__ = [
     "restore_training_checkpoint",
     "save_training_checkpoint",
     "taps_from_hidden_states",
+    "target_states",
 ]

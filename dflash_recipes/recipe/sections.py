@@ -461,8 +461,9 @@ class DFlashArchitectureConfig(Record):
     intermediate_size: int | None = attrs.field(default=None, validator=_WIDTH)
     #: RMSNorm epsilon. null: the init checkpoint's (or the resumed run's), else 1e-6.
     rms_norm_eps: float | None = attrs.field(default=None, validator=positive_float)
-    #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]).
-    #: null: the checkpoint's taps, else the default formula.
+    #: 0-based target decoder layers whose outputs are tapped (hidden_states[k + 1]; for the
+    #: last layer its output before the final norm). null: the checkpoint's taps, else the
+    #: default formula.
     target_layer_ids: tuple[int, ...] | None = attrs.field(default=None, validator=layer_id_list)
     #: Head variant: dflash (plain) | domino (GRU correction head) | dspark (Markov bias head)
     #: | dflash2 (DFlash 2: grouped dynamic causal convolutions and a candidate selector).

@@ -445,6 +445,21 @@ def _training_seq_len(target_positions: int, checkpoint_positions: int | None) -
     return _Choice(positions, f"{source} (no longer sequences than it was built for)")
 
 
+def _packing_line(target: TargetConfig) -> str:
+    """`packing: true`, or false with the reason for a target whose layers carry a state
+    across tokens (no mask keeps a packed row's conversations apart there)."""
+    blockers = target.layers.packing_blockers()
+    if blockers:
+        why = f"{' and '.join(blockers)} carry state across a packed row's conversations"
+        return _line(1, "packing", False, why)
+    return _line(
+        1,
+        "packing",
+        True,
+        "whole conversations packed into full training_seq_len rows (per-document attention)",
+    )
+
+
 def _scalar(value: object) -> str:
     """A YAML scalar the strict loader reads back as the same value."""
     if value is None:
@@ -535,12 +550,7 @@ def render_init_recipe(
         ),
         _line(1, "chat_template", None, "null: the tokenizer's own template"),
         _line(1, "answer_only_loss", True, "supervise assistant tokens only"),
-        _line(
-            1,
-            "packing",
-            True,
-            "whole conversations packed into full training_seq_len rows (per-document attention)",
-        ),
+        _packing_line(target),
         "training:",
         _line(
             1,

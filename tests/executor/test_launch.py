@@ -302,13 +302,14 @@ import torch
 
 from dflash_recipes.executor.training import step as _step
 
-_capture = _step.capture_taps
+_capture = _step.target_states
 
 
 def _recorded(model, input_ids, attention_mask, target_layer_ids, *, stop_after, **more):
-    tapped = _capture(
+    states = _capture(
         model, input_ids, attention_mask, target_layer_ids, stop_after=stop_after, **more
     )
+    tapped = states.tapped
     out = Path(os.environ["DFLASH_TEST_TAPS"]) / f"rank{os.environ.get('RANK', '-')}.pt"
     if not out.exists():
         from torch.distributed.tensor import DTensor
@@ -321,10 +322,10 @@ def _recorded(model, input_ids, attention_mask, target_layer_ids, *, stop_after,
             "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
         }
         torch.save(report, out)
-    return tapped
+    return states
 
 
-_step.capture_taps = _recorded
+_step.target_states = _recorded
 """
 
 
@@ -334,7 +335,7 @@ def _unsharded_taps(plan_overrides: tuple[str, ...], report: dict[str, object]) 
     from testkit.compiling import TINY_SCRATCH
 
     from dflash_recipes.compiler.compilation import compile_file
-    from dflash_recipes.executor.model.convert import load_base_model, target_forward
+    from dflash_recipes.executor.model.convert import load_base_model
     from dflash_recipes.executor.model.draft import taps_from_hidden_states
 
     result = compile_file(TINY_SCRATCH, overrides=plan_overrides)
@@ -343,7 +344,7 @@ def _unsharded_taps(plan_overrides: tuple[str, ...], report: dict[str, object]) 
     ids, attention = report["input_ids"], report["attention_mask"]
     assert isinstance(ids, torch.Tensor) and isinstance(attention, torch.Tensor)
     with torch.no_grad():
-        states = target_forward(target, ids, attention, with_logits=False)
+        states = target(input_ids=ids, attention_mask=attention, output_hidden_states=True)
     taps = result.plan.resolved_draft().target_layer_ids
     return taps_from_hidden_states(states.hidden_states, taps).float()
 

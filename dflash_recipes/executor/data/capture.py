@@ -45,12 +45,8 @@ from dflash_recipes.executor.dist_env import (
     is_main,
     shutdown_distributed,
 )
-from dflash_recipes.executor.model.convert import (
-    final_norm,
-    load_base_model,
-    load_tokenizer,
-    target_forward,
-)
+from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer
+from dflash_recipes.executor.model.target_states import final_norm, target_states
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, stopped_capture
 from dflash_recipes.files.capture_manifest import (
     MANIFEST_FILE,
@@ -394,23 +390,26 @@ class _Capture:
         seen: list[Tensor] = []
         hook = None
         if manifest.last_hidden_state:
-            norm = final_norm(model)  # type: ignore[arg-type]
+            norm = final_norm(model)
             hook = norm.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+        taps_per_layer = len(manifest.target_layer_ids)
         try:
             with torch.no_grad():
-                out = target_forward(
+                tapped = target_states(
                     model,  # type: ignore[arg-type]
                     ids.to(device),
                     attention.to(device),
+                    manifest.target_layer_ids,
                     with_logits=False,
-                )
+                ).tapped
         finally:
             if hook is not None:
                 hook.remove()
-        layers = [out.hidden_states[k + 1] for k in manifest.target_layer_ids]
+        # [B, S, n_taps * H] -> [B, S, n_taps, H]: tap j is target layer target_layer_ids[j]
+        layered = tapped.view(*tapped.shape[:-1], taps_per_layer, -1)
         for row, example in enumerate(rows):
             n = len(example.input_ids)
-            taps = torch.stack([h[row, :n] for h in layers], dim=1).contiguous().cpu()
+            taps = layered[row, :n].contiguous().cpu()
             parts = [
                 torch.tensor(example.input_ids, dtype=torch.int32),
                 torch.tensor(example.loss_mask, dtype=torch.uint8),

@@ -65,7 +65,8 @@ class DraftContext:
     #: Prompt + generated tokens so far; the last one is the block's anchor token.
     committed: tuple[int, ...]
     #: [1, len(committed) - 1, n_taps * H]: the target's tapped states at positions before the
-    #: anchor (``output_hidden_states[k + 1]`` for each tap ``k``, concatenated).
+    #: anchor (the output of decoder layer ``k`` for each tap ``k``, before any final norm,
+    #: concatenated).
     taps: Tensor
     block_size: int
 

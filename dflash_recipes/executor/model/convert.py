@@ -13,7 +13,6 @@ or device move, so the loaded values are the checkpoint's, bit for bit.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -25,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.model.masks import document_causal_mask, document_starts
+from dflash_recipes.executor.model.target_states import final_norm
 from dflash_recipes.executor.model.warmstart import warm_start
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -205,162 +204,15 @@ def dflash_module(model: nn.Module) -> DFlashDraftModel:
 
 
 @attrs.frozen(eq=False)
-class TargetStates:
-    """What one frozen target forward gives the trainer."""
-
-    #: Hugging Face's ``output_hidden_states`` tuple (index 0 is the embedding output).
-    hidden_states: tuple[torch.Tensor, ...]
-    #: ``[B, S, V]`` next-token logits, only when asked for (None otherwise).
-    logits: torch.Tensor | None
-
-
-def target_forward(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    with_logits: bool,
-    document_ids: torch.Tensor | None = None,
-) -> TargetStates:
-    """Run the frozen target for its hidden states, and its logits only when asked.
-
-    Without logits only the decoder runs (``model.get_decoder()``): the ``lm_head`` product
-    over every position, ``[B, S, vocab]`` (about a tenth of an 8B target's forward at a
-    152k vocabulary), is skipped. Taps are the same either way. With logits, or for a model
-    whose decoder cannot be told apart, the whole causal LM runs, so the logits are exactly
-    the model's (including any scaling or soft-capping its forward applies). Call it under
-    ``torch.no_grad()``.
-
-    A packed row passes `document_ids` (``[B, S]``, the document number of each token): the
-    position ids restart at 0 per document and the mask handed to the model is the 4-D
-    block-diagonal causal boolean mask (:func:`~dflash_recipes.executor.model.masks.
-    document_causal_mask`), which transformers passes as-is to the model's attention (SDPA,
-    the implementation the targets are loaded with; the eager path takes the same mask).
-    """
-    runner: nn.Module = model
-    if not with_logits:
-        get_decoder = getattr(model, "get_decoder", None)
-        decoder = get_decoder() if callable(get_decoder) else None
-        if isinstance(decoder, nn.Module) and decoder is not model:
-            runner = decoder
-    extra: dict[str, torch.Tensor] = {}
-    if document_ids is not None:
-        attention_mask = document_causal_mask(document_ids)
-        extra["position_ids"] = document_position_ids(document_ids)
-    out = runner(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        output_hidden_states=True,
-        use_cache=False,
-        **extra,
-    )
-    hidden = tuple(out.hidden_states)
-    return TargetStates(hidden, out.logits if with_logits else None)
-
-
-class _StopTarget(Exception):
-    """Raised by the deepest tap's hook to end a target forward early (private)."""
-
-
-def stop_after_layer(target_layer_ids: Sequence[int], *, needs_logits: bool) -> int | None:
-    """The one rule for stopping the target early: after the deepest tapped layer, unless
-    something needs the later layers (logits for a teacher or KL objective); None = run to
-    the end."""
-    if needs_logits or not target_layer_ids:
-        return None
-    return max(target_layer_ids)
-
-
-def capture_taps(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    target_layer_ids: Sequence[int],
-    *,
-    stop_after: int | None,
-    document_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The taps (``[B, S, n_taps * H]``, in ``target_layer_ids`` order) captured by forward
-    hooks on the tapped decoder layers, without ``output_hidden_states``; with ``stop_after``
-    the forward ends once that layer has run, so later layers are never computed.
-
-    The early end is a private exception raised from the deepest tap's hook and caught here:
-    the model's own forward runs unchanged (works for any wrapper that keeps the layer
-    modules, e.g. FSDP2's ``fully_shard``, whose hooks are module hooks too). A tap on the
-    last layer goes through the final norm, as Hugging Face's ``hidden_states[-1]`` does.
-    Call it under ``torch.no_grad()``. A packed row passes `document_ids`: positions restart
-    per document and the mask is block-diagonal causal, as in :func:`target_forward`.
-    """
-    decoder = model.get_decoder()  # type: ignore[no-untyped-call]
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        msg = f"{type(model).__name__} has no decoder layers at get_decoder().layers"
-        raise CheckpointError(msg)
-    bad = [k for k in target_layer_ids if not 0 <= k < len(layers)]
-    if bad:
-        msg = f"target_layer_ids {bad} are outside the target's {len(layers)} decoder layers"
-        raise ValueError(msg)
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook_for(k: int) -> Callable[[nn.Module, object, object], None]:
-        def hook(_module: nn.Module, _args: object, output: object) -> None:
-            out = output[0] if isinstance(output, tuple) else output
-            assert isinstance(out, torch.Tensor)
-            captured[k] = out
-            if k == stop_after:
-                raise _StopTarget
-
-        return hook
-
-    extra: dict[str, torch.Tensor] = {}
-    if document_ids is not None:
-        attention_mask = document_causal_mask(document_ids)
-        extra["position_ids"] = document_position_ids(document_ids)
-    handles = [layers[k].register_forward_hook(hook_for(k)) for k in set(target_layer_ids)]
-    try:
-        model.get_decoder()(  # type: ignore[no-untyped-call]
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
-        )
-    except _StopTarget:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    last = len(layers) - 1
-    if last in captured:  # as ``hidden_states[-1]``: the last layer's output after the norm
-        captured[last] = final_norm(model)(captured[last])
-    return torch.cat([captured[k] for k in target_layer_ids], dim=-1)
-
-
-def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` positions restarting at 0 where the document number changes."""
-    seq_len = document_ids.shape[1]
-    index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
-    return index - document_starts(document_ids)
-
-
-@attrs.frozen(eq=False)
 class CapturedStates:
     """What an offline capture gives the trainer in place of a target forward: a micro-batch's
     captured states, padded like the batch (zeros past each row)."""
 
-    #: ``[B, T, n_taps * H]`` float32: the fused-in-order taps, as ``taps_from_hidden_states``.
+    #: ``[B, T, n_taps * H]`` float32: the taps in ``target_layer_ids`` order, as
+    #: :func:`~dflash_recipes.executor.model.target_states.target_states` gives them.
     tapped: torch.Tensor
     #: ``[B, T, H]`` in the target dtype: the input of the final norm, or None.
     last_hidden: torch.Tensor | None
-
-
-def final_norm(model: PreTrainedModel) -> nn.Module:
-    """The target's final norm (``model.get_decoder().norm``), applied before ``lm_head``."""
-    decoder = model.get_decoder()  # type: ignore[no-untyped-call]
-    norm = getattr(decoder, "norm", None)
-    if not isinstance(norm, nn.Module):
-        msg = (
-            f"{type(model).__name__} has no final norm at get_decoder().norm; offline "
-            "self-distillation needs it to recompute the teacher logits"
-        )
-        raise CheckpointError(msg)
-    return norm
 
 
 def teacher_logits(
@@ -391,17 +243,12 @@ __all__ = [
     "DRAFT_ATTRIBUTE",
     "CapturedStates",
     "ConvertedModel",
-    "TargetStates",
-    "capture_taps",
     "convert",
     "dflash_module",
     "embed_tokens",
-    "final_norm",
     "lm_head",
     "load_base_model",
     "load_tokenizer",
-    "stop_after_layer",
-    "target_forward",
     "teacher_logits",
     "torch_dtype",
 ]

@@ -104,7 +104,11 @@ def taps_from_hidden_states(
     """Concatenate the outputs of target layers ``target_layer_ids`` on the feature axis.
 
     ``hidden_states`` is Hugging Face's ``output_hidden_states`` tuple (index 0 is the
-    embedding output), so layer ``k``'s output is ``hidden_states[k + 1]``.
+    embedding output), so layer ``k``'s output is ``hidden_states[k + 1]``, except the last
+    layer's: Hugging Face's last entry is after the final norm, while a DFlash tap is the
+    layer's own output (what serving engines feed the drafter). A tap on the last layer is
+    refused here; :func:`~dflash_recipes.executor.model.target_states.target_states` takes
+    every tap as training does.
     """
     n_layers = len(hidden_states) - 1
     bad = [k for k in target_layer_ids if not 0 <= k < n_layers]
@@ -112,6 +116,13 @@ def taps_from_hidden_states(
         msg = (
             f"target_layer_ids {list(target_layer_ids)} reach outside the target's {n_layers} "
             f"decoder layers (ids {bad}); valid ids are 0..{n_layers - 1}"
+        )
+        raise ValueError(msg)
+    if n_layers - 1 in target_layer_ids:
+        msg = (
+            f"tap {n_layers - 1} is the target's last layer: output_hidden_states[{n_layers}] "
+            "is after the final norm, not the layer's output that training and serving engines "
+            "use; take the taps with dflash_recipes.executor.model.target_states.target_states"
         )
         raise ValueError(msg)
     return torch.cat([hidden_states[k + 1] for k in target_layer_ids], dim=-1)

@@ -23,19 +23,20 @@ from dflash_recipes.executor.kinds.registry import kind_modules
 from dflash_recipes.executor.model.convert import (
     CapturedStates,
     ConvertedModel,
-    capture_taps,
-    document_position_ids,
     embed_tokens,
     lm_head,
-    stop_after_layer,
-    target_forward,
     teacher_logits,
 )
-from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
+from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.masks import (
     anchor_starts,
     build_flex_block_mask,
     build_split_block_mask,
+)
+from dflash_recipes.executor.model.target_states import (
+    document_position_ids,
+    stop_after_layer,
+    target_states,
 )
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
@@ -220,8 +221,9 @@ def step_inputs(
     it is built here.
 
     A packed batch (:attr:`Batch.document_ids`) keeps its conversations apart: the target runs
-    with per-document positions and a block-diagonal causal mask, a block's context is its own
-    document before the anchor, and the drafter's positions restart per document, so each
+    with per-document positions and its own per-layer-type masks built from them
+    (:func:`~dflash_recipes.executor.model.target_states.packed_attention`), a block's context
+    is its own document before the anchor, and the drafter's positions restart per document, so each
     conversation's blocks get what they would get alone in a row.
     """
     ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
@@ -234,16 +236,18 @@ def step_inputs(
     device = ids.device
     teacher = needs_teacher(spec.projector_type, objective)
     with torch.no_grad():
-        if captured is None and not teacher:  # hooks on the taps; stops after the deepest
+        if captured is None:  # hooks on the taps; without a teacher, stops after the deepest
             taps = spec.target_layer_ids
-            stop = stop_after_layer(taps, needs_logits=teacher)
-            tapped = capture_taps(
-                target, ids, attention, taps, stop_after=stop, document_ids=docs
-            ).float()
-            target_logits = None
-        elif captured is None:
-            out = target_forward(target, ids, attention, with_logits=teacher, document_ids=docs)
-            tapped = taps_from_hidden_states(out.hidden_states, spec.target_layer_ids).float()
+            out = target_states(
+                target,
+                ids,
+                attention,
+                taps,
+                with_logits=teacher,
+                stop_after=stop_after_layer(taps, needs_logits=teacher),
+                document_ids=docs,
+            )
+            tapped = out.tapped.float()
             # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
             target_logits = out.logits
             del out

@@ -412,11 +412,12 @@ def estimate_resources(
     # Backward frees what each op saved as it goes: the transient is about the gradients of
     # the widest op's inputs and output (the SwiGLU's [Q, I] tensors).
     backward_transient = 3 * b * q * max(inter, h) * f32
-    # Target forward (no grad). Without a teacher, hooks keep the tapped layers' outputs only
-    # and the forward stops after the deepest tap (convert.capture_taps): the kept outputs, the
-    # running layer's input and transients, then their concatenation made float32. With a
-    # teacher: every hidden state it returns, one layer's transients, the tapped states being
-    # concatenated and the teacher logits. FSDP adds its gathered layers.
+    # Target forward (no grad). Hooks keep the tapped layers' outputs only
+    # (target_states.target_states); without a teacher the forward stops after the deepest
+    # tap: the kept outputs, the running layer's input and transients, then their
+    # concatenation made float32. With a teacher: the same kept outputs, one layer's
+    # transients, the tapped states being concatenated and the teacher logits. FSDP adds its
+    # gathered layers.
     bth = b * t * target.hidden_size
     if decoder_loaded and not offline:
         layer_tmp = (
@@ -430,11 +431,10 @@ def estimate_resources(
                 + 2 * target.num_key_value_heads * target.head_dim
             )
         )
+        kept = (n_taps + 1) * bth * pd
         if needs_teacher:
-            states = (target.num_hidden_layers + 1) * bth * pd
-            target_peak = states + layer_tmp + tapped + b * t * target.vocab_size * pd
+            target_peak = kept + layer_tmp + tapped + b * t * target.vocab_size * pd
         else:
-            kept = (n_taps + 1) * bth * pd
             target_peak = max(kept + layer_tmp, n_taps * bth * (pd + f32))
         if fsdp:
             target_peak += 2 * layer_numel * pd  # the layer running and the one prefetched

@@ -73,7 +73,7 @@ def test_offline_training_equals_online(
     def no_decoder(*args: object, **kwargs: object) -> object:
         raise AssertionError("offline training ran the target's decoder")
 
-    monkeypatch.setattr(step_module, "target_forward", no_decoder)
+    monkeypatch.setattr(step_module, "target_states", no_decoder)
     offline_summary = run_plan(offline, progress=False)
     assert offline_summary.data_summary.startswith(str(tmp_path / "capture"))
 

@@ -11,7 +11,6 @@ from testkit.tiny import tiny_plan, tiny_target
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
-from dflash_recipes.executor.model.convert import document_position_ids, target_forward
 from dflash_recipes.executor.model.masks import (
     SplitBlockMask,
     anchor_starts,
@@ -21,6 +20,7 @@ from dflash_recipes.executor.model.masks import (
     document_causal_mask,
     document_context_mask,
 )
+from dflash_recipes.executor.model.target_states import document_position_ids, target_states
 from dflash_recipes.executor.training.anchors import (
     IGNORE_INDEX,
     block_labels,
@@ -78,24 +78,21 @@ def test_a_block_sees_only_its_own_document_before_its_anchor() -> None:
 def test_packed_target_forward_equals_each_document_alone(tmp_path: Path) -> None:
     plan = tiny_plan(tmp_path)
     model = tiny_target(plan)
-    assert model.config._attn_implementation == "sdpa"  # the implementation the mask goes to
     gen = torch.Generator().manual_seed(1)
     lengths = [7, 4, 5]
     vocab = model.config.vocab_size
     docs = [torch.randint(0, vocab, (1, n), generator=gen) for n in lengths]
     ids = torch.cat(docs, dim=1)
     doc_ids = torch.cat([torch.full((1, n), d) for d, n in enumerate(lengths)], dim=1)
+    every = list(range(model.config.num_hidden_layers))
     with torch.no_grad():
-        packed = target_forward(
-            model, ids, torch.ones_like(ids), with_logits=True, document_ids=doc_ids
-        )
+        packed = target_states(model, ids, None, every, with_logits=True, document_ids=doc_ids)
         start = 0
         for d, tokens in enumerate(docs):
-            alone = target_forward(model, tokens, torch.ones_like(tokens), with_logits=True)
+            alone = target_states(model, tokens, torch.ones_like(tokens), every, with_logits=True)
             part = slice(start, start + lengths[d])
-            pairs = zip(packed.hidden_states, alone.hidden_states, strict=True)
-            for layer, (p, a) in enumerate(pairs):
-                assert_equal_up_to_rounding(p[:, part], a, what=f"doc {d} layer {layer}")
+            p, a = packed.tapped[:, part], alone.tapped
+            assert_equal_up_to_rounding(p, a, what=f"doc {d}, every layer")
             assert packed.logits is not None and alone.logits is not None
             assert_equal_up_to_rounding(packed.logits[:, part], alone.logits, what="logits")
             start += lengths[d]
@@ -107,15 +104,12 @@ def test_a_token_of_one_document_changes_nothing_in_another(tmp_path: Path) -> N
     doc_ids = torch.tensor([[0] * 6 + [1] * 6])
     changed = ids.clone()
     changed[0, 2] = (changed[0, 2] + 1) % model.config.vocab_size
+    last = [model.config.num_hidden_layers - 1]
     with torch.no_grad():
-        a = target_forward(
-            model, ids, torch.ones_like(ids), with_logits=False, document_ids=doc_ids
-        )
-        b = target_forward(
-            model, changed, torch.ones_like(ids), with_logits=False, document_ids=doc_ids
-        )
-    assert torch.equal(a.hidden_states[-1][:, 6:], b.hidden_states[-1][:, 6:])
-    assert not torch.equal(a.hidden_states[-1][:, 2:6], b.hidden_states[-1][:, 2:6])
+        a = target_states(model, ids, None, last, with_logits=False, document_ids=doc_ids)
+        b = target_states(model, changed, None, last, with_logits=False, document_ids=doc_ids)
+    assert torch.equal(a.tapped[:, 6:], b.tapped[:, 6:])
+    assert not torch.equal(a.tapped[:, 2:6], b.tapped[:, 2:6])
 
 
 def test_position_ids_restart_at_every_document() -> None:

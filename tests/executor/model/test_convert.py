@@ -10,14 +10,11 @@ from testkit.tiny import TINY_MASK_TOKEN_ID, TINY_VOCAB, tiny_plan, tiny_target
 
 from dflash_recipes.errors import CheckpointError, PlanError
 from dflash_recipes.executor.model.convert import (
-    capture_taps,
     convert,
     dflash_module,
     embed_tokens,
     lm_head,
     load_base_model,
-    stop_after_layer,
-    target_forward,
 )
 from dflash_recipes.executor.model.draft import taps_from_hidden_states
 from dflash_recipes.executor.model.masks import build_dense_block_mask
@@ -114,63 +111,3 @@ def test_load_base_model_without_a_local_directory_says_how_to_stage_it(tmp_path
     plan = tiny_plan(tmp_path)
     with pytest.raises(CheckpointError, match="hf download"):
         load_base_model(plan)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_target_forward_skips_the_lm_head_unless_logits_are_asked_for(
-    tmp_path: Path, family: str
-) -> None:
-    plan = tiny_plan(tmp_path, target_model_type=family)
-    model = convert(tiny_target(plan), plan)
-    head_calls: list[int] = []
-    lm_head(model).register_forward_hook(lambda *_: head_calls.append(1))
-    ids = torch.randint(0, 100, (2, 12))
-    attention = torch.ones_like(ids)
-    attention[1, :3] = 0  # left padding is passed through
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
-        head_calls.clear()
-        states = target_forward(model, ids, attention, with_logits=False)
-        assert head_calls == []  # no [B, S, vocab] product
-        assert states.logits is None
-        assert len(states.hidden_states) == len(full.hidden_states)
-        for ours, theirs in zip(states.hidden_states, full.hidden_states, strict=True):
-            assert torch.equal(ours, theirs)
-        with_logits = target_forward(model, ids, attention, with_logits=True)
-        assert head_calls == [1]
-        assert with_logits.logits is not None
-        assert torch.equal(with_logits.logits, full.logits)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_capture_taps_equals_hidden_states_and_stops_after_the_deepest_tap(
-    tmp_path: Path, family: str
-) -> None:
-    plan = tiny_plan(tmp_path, target_model_type=family)
-    model = convert(tiny_target(plan), plan)
-    layers = model.get_decoder().layers
-    n = len(layers)
-    taps = [n - 2, 0] if n > 2 else [0]
-    calls: list[int] = []
-    for k, layer in enumerate(layers):
-        layer.register_forward_hook(lambda *_, k=k: calls.append(k))
-    ids = torch.randint(0, 100, (2, 12))
-    attention = torch.ones_like(ids)
-    attention[1, :3] = 0
-    with torch.no_grad():
-        reference = taps_from_hidden_states(
-            target_forward(model, ids, attention, with_logits=False).hidden_states, taps
-        )
-        calls.clear()
-        stop = stop_after_layer(taps, needs_logits=False)
-        ours = capture_taps(model, ids, attention, taps, stop_after=stop)
-    assert torch.equal(ours, reference)
-    assert calls == list(range(max(taps) + 1))  # layers after the deepest tap never ran
-    assert stop_after_layer(taps, needs_logits=True) is None  # logits need the whole target
-    with torch.no_grad():  # a tap on the last layer is after the final norm, as hidden_states[-1]
-        every = list(range(n))
-        full = target_forward(model, ids, attention, with_logits=False).hidden_states
-        assert torch.equal(
-            capture_taps(model, ids, attention, every, stop_after=None),
-            taps_from_hidden_states(full, every),
-        )

@@ -33,7 +33,7 @@ ANCHORS = ((3, 5, 7), (5, 6, 9, 11), (2, 4))
 
 VARIANTS = {
     "dflash": {},
-    # the teacher's logits come from target_forward (the whole causal LM), not the taps' hooks
+    # the teacher's logits come from the whole causal LM (target_states with logits)
     "dflash-dpace-distill": {
         "loss_objective": "dpace",
         "dpace_alpha": 0.7,

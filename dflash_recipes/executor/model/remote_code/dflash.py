@@ -5,7 +5,8 @@ Written by dflash-recipes next to an exported drafter (`model.safetensors` + `co
 transformers. It computes what the dflash-recipes drafter computes, tensor for tensor:
 
 - `fc` fuses the concatenated tapped target states (`dflash_config.target_layer_ids`; id `k` is
-  `output_hidden_states[k + 1]`), then `hidden_norm`;
+  decoder layer `k`'s output, `output_hidden_states[k + 1]`, before the final norm for the last
+  layer), then `hidden_norm`;
 - every layer: queries from the block, keys and values over `[context ; block]` with its own
   projections, per-head `q_norm` / `k_norm`, RoPE (the target's settings), grouped-query
   attention, an optional learnable sink per head, then the SwiGLU MLP; pre-norm residuals;

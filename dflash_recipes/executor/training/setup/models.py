@@ -3,18 +3,22 @@
 :func:`build_models` checks that the plan fits the device, loads the target (without its
 decoder when training offline and nothing needs it), attaches the drafter, warm-starts it from
 ``dflash_init_checkpoint`` on a fresh run (a resume restores it later), shards the target over
-the ranks (``training.fsdp``) or moves it to the device, and builds the
+the ranks (``training.fsdp``) or moves it to the device, proves on it that a packed row keeps
+its conversations apart (``data.packing``: one short forward, logged; a target that leaks
+stops the run here, before any step), and builds the
 :class:`~dflash_recipes.executor.training.step.DraftStep` the loop calls. The step is wrapped in
 DDP after the resume (:meth:`Models.wrap_for_ranks`), so a restored drafter is the one wrapped.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 
 import attrs
 from torch import nn
 
+from dflash_recipes.checkpoint.kinds.registry import needs_teacher
 from dflash_recipes.executor.data.offline import load_target_without_decoder
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.model.convert import (
@@ -25,12 +29,15 @@ from dflash_recipes.executor.model.convert import (
     load_base_model,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.target_states import check_packed_isolation
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.training.device_memory import check_device_memory
 from dflash_recipes.executor.training.setup.precision import master_dtype
 from dflash_recipes.executor.training.step import DraftStep
 from dflash_recipes.plan.run_plan import RunPlan
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
@@ -94,6 +101,17 @@ def build_models(
         shard_target_fsdp2(target, env)
     else:
         nn.Module.to(target, env.device)
+    if plan.data.packing and not offline:
+        # Before any step: a packed row of two conversations must give each the states it gets
+        # alone, on this very target (every rank runs it: a sharded target forwards together).
+        isolation = check_packed_isolation(
+            target,
+            plan.resolved_draft().target_layer_ids,
+            with_logits=needs_teacher(drafter.spec.projector_type, plan.draft.objective),
+            limit=training.training_seq_len,
+        )
+        if is_main(env):
+            logger.info("%s", isolation.describe())
     # The drafter's master weights in training.drafter_master_dtype (float32 by default); the
     # frozen target keeps the plan dtype.
     drafter.to(master_dtype(plan))
