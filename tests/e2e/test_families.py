@@ -48,6 +48,9 @@ from testkit.families import (
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.executor.evaluation.speculative import DraftContext
+from dflash_recipes.executor.model import target_states as target_states_module
+from dflash_recipes.executor.model.masks import document_causal_mask
+from dflash_recipes.executor.model.target_states import document_position_ids
 from dflash_recipes.plan.run_plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -560,3 +563,46 @@ def test_the_docs_row_is_what_the_family_does(
         "eval": observed_eval(model, plan, prompts),
     }
     assert observed == docs_rows()[family.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the start-up isolation check of a packed run
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaking_packing(
+    model: torch.nn.Module, document_ids: torch.Tensor, *, dtype: torch.dtype
+) -> tuple[object, torch.Tensor]:
+    """What packing did before issue 48: one 4-D boolean block-diagonal mask for every layer
+    (eager attention adds it, a sliding-window layer loses its window)."""
+    del model, dtype
+    return document_causal_mask(document_ids), document_position_ids(document_ids)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "mistral"])
+def test_a_packed_run_that_would_leak_stops_before_its_first_step(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    family = next(f for f in FAMILIES if f.name == name)
+    reason = missing_reason(family)
+    if reason is not None:
+        pytest.skip(reason)
+    target = write_target(family, tmp_path / "target")
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    out, recipe, plan = tmp_path / "run", tmp_path / "recipe.yaml", tmp_path / "plan.json"
+    _init(target, data, out, recipe)
+    code, errors, result = _compile(recipe, plan, *RUN_OVERRIDES, "data.packing=true")
+    assert (code, errors) == (0, []), result.output
+
+    monkeypatch.setattr(target_states_module, "packed_attention", _leaking_packing)
+    refused = cli("run", str(plan), "--no-progress")
+    assert refused.exit_code == 1, refused.output
+    assert "packing would train on states the target never produces" in refused.output
+    assert "Set data.packing=false" in refused.output
+    assert not list(out.glob("checkpoint-*"))  # stopped before any step
+    assert not (out / "metrics.jsonl").exists() or _train_rows(out) == []
+
+    monkeypatch.undo()
+    done = _ok(cli("run", str(plan), "--no-progress"), "run")
+    assert re.search(r"packing isolation check: a packed row of \d+ \+ \d+ tokens", done.output)
+    assert _train_rows(out)  # the same plan trains once the isolation holds
