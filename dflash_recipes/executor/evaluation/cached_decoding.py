@@ -20,16 +20,20 @@ anchor):
    pass (``spec.drafted_tokens``: ``B - 1`` from block positions ``1 .. B-1``, or ``B`` from
    positions ``0 .. B-1`` for a Domino/DSpark head with shift_label, as SGLang drafts them;
    the head applied position by position, Domino's prefix uncorrected);
-2. the target runs once over the block (anchor + proposals) on top of its KV cache
-   (``transformers.DynamicCache``, which holds every committed position before the anchor);
+2. the target runs once over the block (anchor + proposals) on top of its cache
+   (``transformers.DynamicCache``, which holds every committed position before the anchor:
+   keys and values, a window of them, or a linear-attention layer's recurrent state);
    proposals are accepted while they equal the target's greedy token, then the target's token
    at the first mismatch (or after a fully accepted block) is committed as a bonus. The step's
    acceptance length tau is accepted proposals + 1, so ``1 <= tau <= D + 1``;
-3. the cache is cropped to the accepted positions (anchor + accepted proposals), after every
-   pass (the prefill and a fully accepted block too: that crop cuts sliding-window layers back
-   to their window): the bonus token is the next anchor and enters the cache with the next
-   block. The same pass gave the
-   tapped states of those positions, which join the drafter's context.
+3. the cache is rolled back to the accepted positions (anchor + accepted proposals) after
+   every verification pass (a fully accepted block too: that crop cuts sliding-window layers
+   back to their window), each kind of layer its own way
+   (:mod:`~dflash_recipes.executor.evaluation.target_cache`: a crop of keys and values, the
+   recurrent state recorded after the last accepted input, or, where the cache records none,
+   the pass taken back and its accepted inputs run again): the bonus token is the next anchor
+   and enters the cache with the next block. The same pass gave the tapped states of those
+   positions, which join the drafter's context.
 
 A batch of prompts runs as rows of one cache, each row accepting its own number of tokens.
 Prompts are left-padded; a row that accepts fewer tokens than the batch's longest acceptance
@@ -37,13 +41,13 @@ keeps the slots of its rejected proposals as holes, masked out of every later at
 cache is cropped to the longest acceptance). Positions are given explicitly, so a row sees
 exactly the positions and tokens it would see alone. A finished row leaves the batch. With one
 prompt there are no holes and the cache is cropped to exactly the accepted length. A target
-with sliding-window (or chunked) attention layers, whose windows count cache slots, verifies
-the prompts of a batch one at a time.
+with sliding-window, chunked or linear-attention layers (a window counts cache slots; a
+recurrent state has no slot to mask) verifies the prompts of a batch one at a time
+(:func:`~dflash_recipes.executor.evaluation.target_cache.holds_holes`).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +63,7 @@ from dflash_recipes.executor.evaluation.speculative import (
     as_block_drafter,
     check_prompt,
 )
+from dflash_recipes.executor.evaluation.target_cache import TargetCache, holds_holes
 from dflash_recipes.executor.model.draft import taps_from_hidden_states
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 
@@ -104,46 +109,6 @@ def check_positions(
 
 def _device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
-
-
-def _cache_argument(target: PreTrainedModel) -> str:
-    """The forward argument that takes the cache: ``cache`` in newer transformers 5 releases
-    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
-    forward = getattr(target, "forward", None)
-    try:
-        parameters = inspect.signature(forward).parameters if forward is not None else {}
-    except (TypeError, ValueError):
-        parameters = {}
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
-def has_windowed_layers(target: PreTrainedModel) -> bool:
-    """Whether some target layer attends over a window (``sliding_attention`` / ``chunked``).
-
-    A window counts cache slots, so the holes and left padding of a batch would change what
-    such a layer sees: those targets verify one prompt at a time.
-    """
-    config = getattr(target, "config", None)
-    text_config = getattr(config, "get_text_config", None)
-    if callable(text_config):
-        config = text_config()
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types):
-        return True
-    return bool(getattr(config, "use_sliding_window", False))
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer (transformers 5 crops by a negative
-    count), after every target pass, even when nothing was rejected.
-
-    A sliding-window layer recording its past keeps every state a pass added until the next
-    crop, which rolls it back and brings it down to the ``window - 1`` states the next pass
-    attends to: ``crop(0)`` is not a no-op there. Without it, transformers 5.17 hands the next
-    pass every recorded state while the mask counts ``window - 1`` (the pass fails on a shape
-    mismatch); later releases slice what they hand on, but the layer still grows without end.
-    """
-    cache.crop(-max(cache.get_seq_length() - length, 0))
 
 
 class _Rows:
@@ -249,7 +214,7 @@ def speculative_generate_batch(
     if max_new_tokens <= 0 or not prompts:
         return [SpecResult(tokens=[], accepted_per_step=[], block_size=size) for _ in prompts]
     check_positions(target, prompts, max_new_tokens)
-    if len(prompts) > 1 and has_windowed_layers(target):
+    if len(prompts) > 1 and not holds_holes(target):
         return [
             speculative_generate_batch(
                 target,
@@ -279,14 +244,11 @@ def speculative_generate_batch(
     slots = torch.arange(width, device=device).unsqueeze(0)
     slot_valid = slots >= pad_t
     positions = (slots - pad_t).clamp(min=0)
-    cache = DynamicCache(config=target.config)
-    # Sliding-window layers drop old states unless told to keep them until the next crop.
-    activate = getattr(cache, "activate_past_recording", None)
-    if callable(activate):
-        activate()
-    cache_argument = _cache_argument(target)
+    drafted = spec.drafted_tokens  # proposals per block; the verified block is one longer
+    target_cache = TargetCache(target)
+    cache_argument, cache = target_cache.argument, target_cache.cache
     logits, tapped = _forward(target, cache_argument, cache, ids, positions, slot_valid, 1, taps)
-    _crop(cache, width)  # nothing to roll back; a prompt longer than a window is cut to it
+    target_cache.start_recording(drafted + 1)  # after the prefill: nothing of it to roll back
     last = logits[:, -1]
     first_tokens = (last.argmax(dim=-1) if recorder is None else recorder.sample(last)).tolist()
     for row in range(len(prompts)):
@@ -294,7 +256,6 @@ def speculative_generate_batch(
         state.commit(row, [int(first_tokens[row])])
 
     active = list(range(len(prompts)))  # the prompt index of each cache row
-    drafted = spec.drafted_tokens  # proposals per block; the verified block is one longer
     offsets = torch.arange(drafted + 1, device=device).unsqueeze(0)
     while True:
         still = [i for i, prompt_index in enumerate(active) if not state.done[prompt_index]]
@@ -322,8 +283,10 @@ def speculative_generate_batch(
         )
         anchors = torch.tensor([len(c) - 1 for c in committed], device=device).unsqueeze(1)
         valid = torch.cat([slot_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
+        block_positions = anchors + offsets
+        target_cache.before_pass()
         logits, tapped = _forward(
-            target, cache_argument, cache, block, anchors + offsets, valid, drafted + 1, taps
+            target, cache_argument, cache, block, block_positions, valid, drafted + 1, taps
         )
         # logits[r, j] are the target's for position anchor + j + 1 (proposal j).
         verdicts = _verify(proposals, logits, recorder)
@@ -337,10 +300,9 @@ def speculative_generate_batch(
         # Keep the anchor and the accepted proposals of the longest acceptance; a row that
         # accepted fewer keeps its rejected slots as holes, masked from now on.
         kept = max(accepted_rows) + 1
-        start = slot_valid.shape[1]
         accepted_t = torch.tensor(accepted_rows, device=device).unsqueeze(1)
         slot_valid = torch.cat([slot_valid, offsets[:, :kept] <= accepted_t], dim=1)
-        _crop(cache, start + kept)
+        target_cache.keep(kept, block, block_positions)
     return [
         SpecResult(tokens=state.generated[i], accepted_per_step=state.taus[i], block_size=size)
         for i in range(len(prompts))
@@ -378,7 +340,6 @@ def speculative_generate(
 
 __all__ = [
     "check_positions",
-    "has_windowed_layers",
     "max_positions",
     "speculative_generate",
     "speculative_generate_batch",

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from testkit.greedy_oracle import hf_greedy, oracle_for
 from testkit.reference_loop import uncached_speculative_generate
 from testkit.tiny import (
     MAX_NEW,
@@ -25,8 +26,6 @@ from transformers import DynamicCache, PreTrainedModel, Qwen3Config, Qwen3ForCau
 
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.evaluation.cached_decoding import (
-    _cache_argument,
-    has_windowed_layers,
     speculative_generate,
     speculative_generate_batch,
 )
@@ -37,6 +36,7 @@ from dflash_recipes.executor.evaluation.speculative import (
     DraftContext,
     is_greedy_decoding,
 )
+from dflash_recipes.executor.evaluation.target_cache import cache_argument, holds_holes
 from dflash_recipes.executor.model.convert import embed_tokens, lm_head
 from dflash_recipes.executor.model.draft import DFlashDraftModel, taps_from_hidden_states
 from dflash_recipes.plan.draft_spec import ResolvedDraft
@@ -63,52 +63,6 @@ def random_drafter(spec: ResolvedDraft, seed: int = 2) -> DFlashDraftModel:
     drafter = DFlashDraftModel(spec)
     randomize(drafter, seed)
     return drafter.eval()
-
-
-def hf_greedy(target: PreTrainedModel, prompt: Sequence[int], n: int) -> list[int]:
-    out = target.generate(  # type: ignore[operator]
-        torch.tensor([list(prompt)]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, len(prompt) :].tolist()]
-
-
-class CyclingOracle:
-    """Knows the greedy continuations; step ``i`` of a prompt proposes its first
-    ``pattern[i % len(pattern)]`` tokens right and the rest wrong, so the rejection moves
-    through every block position."""
-
-    def __init__(
-        self, continuations: dict[tuple[int, ...], list[int]], pattern: Sequence[int]
-    ) -> None:
-        self.continuations = continuations
-        self.pattern = list(pattern)
-        self.steps: dict[tuple[int, ...], int] = {}
-
-    def propose(self, context: DraftContext) -> list[int]:
-        committed = list(context.committed)
-        prompt = next(p for p in self.continuations if committed[: len(p)] == list(p))
-        full = [*prompt, *self.continuations[prompt]]
-        assert committed == full[: len(committed)], "the loop committed a non-greedy token"
-        assert context.taps.shape[:2] == (1, len(committed) - 1)
-        step = self.steps.get(prompt, 0)
-        self.steps[prompt] = step + 1
-        # Prompts are offset so that rows of a batch reject at different positions.
-        good = self.pattern[(step + len(prompt)) % len(self.pattern)]
-        right = full[len(committed) : len(committed) + context.block_size - 1]
-        right += [0] * (context.block_size - 1 - len(right))
-        return [t if k < good else (t + 1) % 128 for k, t in enumerate(right)]
-
-
-def oracle_for(
-    target: PreTrainedModel, prompts: Sequence[Sequence[int]], n: int, block_size: int
-) -> CyclingOracle:
-    continuations = {tuple(p): hf_greedy(target, p, n + block_size) for p in prompts}
-    return CyclingOracle(continuations, list(range(block_size)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +302,7 @@ class CacheRecorder:
 def fresh_cache(target: PreTrainedModel, tokens: Sequence[int]) -> DynamicCache:
     cache = DynamicCache(config=target.config)
     # the same forward argument as the product's (``cache`` where transformers has it)
-    argument = _cache_argument(target)
+    argument = cache_argument(target)
     target(input_ids=torch.tensor([list(tokens)]), use_cache=True, **{argument: cache})
     return cache
 
@@ -450,7 +404,7 @@ def test_sliding_window_target_is_lossless_and_batches_one_at_a_time(tmp_path: P
     """A target whose windows count cache slots: crops past the window keep working (the
     cache records past states), and a batch runs its prompts one at a time."""
     target = sliding_target(8)
-    assert has_windowed_layers(target)
+    assert not holds_holes(target)
     spec = spec_for(tmp_path, block_size=4)
     prompts = [list(p) for p in PROMPTS]
     n = 60  # well past the window of 8
@@ -494,11 +448,11 @@ def sliding_target(window: int) -> PreTrainedModel:
 
 
 def test_sliding_window_layers_are_cut_to_the_window_after_every_pass(tmp_path: Path) -> None:
-    """Every pass, the prefill and fully accepted blocks included, is followed by a crop: a
+    """Every verification pass, fully accepted blocks included, is followed by a crop: a
     sliding-window layer recording its past keeps what a pass added until the next crop, and
     transformers 5.17 hands all of it to the next pass while the mask counts ``window - 1``
-    states (the pass fails on a shape mismatch; later releases slice, the layer grows). A
-    prompt longer than the window is cut to it after the prefill."""
+    states (the pass fails on a shape mismatch; later releases slice, the layer grows). The
+    prefill records nothing, so a prompt longer than the window leaves only the window."""
     window = 8
     target = sliding_target(window)
     spec = spec_for(tmp_path, block_size=4)
