@@ -18,7 +18,11 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
      ├── TrackerError             a tracker in training.report_to cannot start (library missing)
      ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
-     └── RegenerateError          `regenerate` cannot start: unusable server, settings or output
+     ├── RegenerateError          `regenerate` cannot start: unusable server, settings or output
+     └── TargetServerError        a served target (vLLM) cannot give the tap states a run needs
+          ├── TargetServerUnavailable   no server answered (each host:port and what it did)
+          └── ServedStatesError         an answer differs from what was asked (token ids, layer
+                                        count, hidden size, dtype, NaN/Inf): never retried
 """
 
 from __future__ import annotations
@@ -95,6 +99,24 @@ class RegenerateError(DFlashRecipeError):
     """`dflash-recipe regenerate` cannot start or go on: the server, its settings or the output."""
 
 
+class TargetServerError(DFlashRecipeError):
+    """A served target (vLLM with the hidden-states connector) cannot give the tap states a run
+    needs: a server refused the request, answered with something that is not vLLM's answer, or
+    its hidden-states file or lock could not be read. The message names the server as host:port
+    and the file or lock involved."""
+
+
+class TargetServerUnavailable(TargetServerError):
+    """No server answered a request, after the retries on each: the message names every server
+    as host:port and what each did (refused the connection, timed out, failed to write)."""
+
+
+class ServedStatesError(TargetServerError):
+    """A server answered with other states than were asked: other token ids (a chat-template or
+    BOS drift), another layer count or hidden size (a server started for other taps), another
+    dtype, or NaN/Inf. Never retried: the same request would get the same answer."""
+
+
 class DirectoryLockedError(DFlashRecipeError):
     """Another process holds the lock of an output directory (one writer per directory)."""
 
@@ -143,6 +165,9 @@ __all__ = [
     "ResourceError",
     "RunIOError",
     "SafetensorsHeaderError",
+    "ServedStatesError",
+    "TargetServerError",
+    "TargetServerUnavailable",
     "TrackerError",
     "WarmStartError",
 ]
