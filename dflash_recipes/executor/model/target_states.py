@@ -152,26 +152,31 @@ def packed_attention(
                 "take a per-document mask; set data.packing=false"
             )
             raise PlanError(msg)
-        if layer_type == "chunked_attention" and not hasattr(
-            masking_utils, "remap_positions_for_packed_sequence"
-        ):
-            # older masks place chunk borders by index in the row, not within the document
-            msg = (
-                f"packing cannot keep documents apart in the target's chunked-attention layers "
-                f"with transformers {_transformers_version()}: its masks count chunks from the "
-                "row's start, not each document's; upgrade transformers or set "
-                "data.packing=false"
-            )
-            raise PlanError(msg)
         build: Callable[..., object] = getattr(masking_utils, builder_name)
-        mapping[layer_type] = build(config, stub, None, None, position_ids=positions)
+        extra: dict[str, object] = {}
+        chunk = getattr(config, "attention_chunk_size", None)
+        if layer_type == "chunked_attention" and isinstance(chunk, int) and chunk > 0:
+            extra = _document_chunks(positions, chunk)
+        mapping[layer_type] = build(config, stub, None, None, position_ids=positions, **extra)
     return mapping, positions
 
 
-def _transformers_version() -> str:
-    import transformers
+def _document_chunks(positions: Tensor, chunk: int) -> dict[str, object]:
+    """Mask functions that make a chunked-attention mask count chunks from each document's
+    start: ``(causal and chunk by index) or (causal and same chunk by position)``, then ``and
+    same chunk by position`` leaves exactly causal-within-the-document's-chunk. Releases whose
+    masks count chunks from the row's start (no remapping of packed positions) need it; on the
+    others it changes nothing."""
 
-    return str(transformers.__version__)
+    def same_chunk(batch: Tensor, head: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        del head
+        same: Tensor = positions[batch, q] // chunk == positions[batch, kv] // chunk
+        return same
+
+    def causal_same_chunk(batch: Tensor, head: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (kv <= q) & same_chunk(batch, head, q, kv)
+
+    return {"or_mask_function": causal_same_chunk, "and_mask_function": same_chunk}
 
 
 @attrs.frozen(eq=False)

@@ -14,7 +14,6 @@ import torch
 from testkit.families import FAMILIES, Family, build_target, missing_reason
 from testkit.tiny import tiny_plan, tiny_target
 from torch import Tensor, nn
-from transformers import masking_utils
 
 from dflash_recipes.compiler.codes import TARGET_NO_DECODER
 from dflash_recipes.diagnostics import Severity, code_severity
@@ -173,10 +172,6 @@ def _packed_vs_alone(model: nn.Module, lengths: tuple[int, ...], taps: list[int]
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.name not in RECURRENT])
 def test_a_packed_row_gives_each_document_the_states_it_gets_alone(name: str) -> None:
     model = build_target(_family(name))
-    if name == "llama4_text" and not hasattr(masking_utils, "remap_positions_for_packed_sequence"):
-        with pytest.raises(PlanError, match="chunked-attention layers with transformers"):
-            check_packed_isolation(model, [0, 1], with_logits=False)
-        return
     last = len(decoder_layers(model)) - 1
     # documents longer than the windows and chunks (8 tokens), three of them, one very short
     errors = _packed_vs_alone(model, (21, 3, 17), [0, 1, last])
