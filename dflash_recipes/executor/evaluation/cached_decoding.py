@@ -64,7 +64,7 @@ from dflash_recipes.executor.evaluation.speculative import (
     check_prompt,
 )
 from dflash_recipes.executor.evaluation.target_cache import TargetCache, holds_holes
-from dflash_recipes.executor.model.draft import taps_from_hidden_states
+from dflash_recipes.executor.model.target_states import TapRecorder
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 
 
@@ -147,17 +147,18 @@ def _forward(
     """One target pass on top of ``cache``: logits of the last ``keep_logits`` inputs
     ``[R, keep_logits, V]`` and tapped states of every input ``[R, n, n_taps * H]``."""
     mask = None if bool(slot_valid.all()) else slot_valid.long()
-    out = target(
-        input_ids=input_ids,
-        position_ids=positions,
-        attention_mask=mask,
-        use_cache=True,
-        output_hidden_states=True,
-        logits_to_keep=keep_logits,
-        **{cache_argument: cache},
-    )
+    # the taps as training takes them: the tapped decoder layers' outputs, before any final norm
+    with TapRecorder(target, taps) as recorder:
+        out = target(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=keep_logits,
+            **{cache_argument: cache},
+        )
     logits: Tensor = out.logits
-    return logits, taps_from_hidden_states(out.hidden_states, taps)
+    return logits, recorder.tapped()
 
 
 def _verify(
@@ -321,8 +322,8 @@ def speculative_generate(
 ) -> SpecResult:
     """Generate up to ``max_new_tokens`` tokens (stopping after eos) by block drafting.
 
-    ``target`` is a Hugging Face causal LM (called with a ``DynamicCache`` and
-    ``output_hidden_states=True``); ``drafter`` a :class:`DFlashDraftModel` (wrapped with the
+    ``target`` is a Hugging Face causal LM (called with a ``DynamicCache``, its taps recorded
+    by hooks on the decoder layers); ``drafter`` a :class:`DFlashDraftModel` (wrapped with the
     target's embeddings and lm_head) or any :class:`BlockDrafter`. The tokens equal
     :func:`~dflash_recipes.executor.evaluation.speculative.greedy_generate`'s.
     """

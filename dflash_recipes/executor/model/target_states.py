@@ -156,7 +156,10 @@ def packed_attention(
         extra: dict[str, object] = {}
         chunk = getattr(config, "attention_chunk_size", None)
         if layer_type == "chunked_attention" and isinstance(chunk, int) and chunk > 0:
-            extra = _document_chunks(positions, chunk)
+            # releases that remap packed positions already count chunks per document (and
+            # hand these functions positions, not indices)
+            if not hasattr(masking_utils, "remap_positions_for_packed_sequence"):
+                extra = _document_chunks(positions, chunk)
         mapping[layer_type] = build(config, stub, None, None, position_ids=positions, **extra)
     return mapping, positions
 
@@ -164,9 +167,8 @@ def packed_attention(
 def _document_chunks(positions: Tensor, chunk: int) -> dict[str, object]:
     """Mask functions that make a chunked-attention mask count chunks from each document's
     start: ``(causal and chunk by index) or (causal and same chunk by position)``, then ``and
-    same chunk by position`` leaves exactly causal-within-the-document's-chunk. Releases whose
-    masks count chunks from the row's start (no remapping of packed positions) need it; on the
-    others it changes nothing."""
+    same chunk by position`` leaves exactly causal-within-the-document's-chunk. For releases
+    whose masks count chunks from the row's start (no remapping of packed positions, 5.17)."""
 
     def same_chunk(batch: Tensor, head: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         del head
