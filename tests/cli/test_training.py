@@ -216,7 +216,10 @@ def test_run_prints_the_held_out_tau_first_and_warns_when_far_below_the_estimate
     assert result.exit_code == 0, result.output
     lines = result.stderr.strip().splitlines()
     assert lines[-2].startswith("done: 300 steps, held-out tau 1.06, loss 0.0300, ")
-    assert lines[-1].startswith("warning: the held-out tau 1.06 is far below the training-batch")
+    assert lines[-1].startswith(
+        "warning: the held-out tau 1.06 gains only 1% of what the training-batch estimate 7.65 "
+        "gains over 1: the drafter predicts its training conversations far better than new ones"
+    )
 
 
 def test_a_dflash2_drafter_warm_starts_from_dflash1_then_runs_exports_and_evals(

@@ -4,7 +4,7 @@
 (also written as the last row of metrics.jsonl); :func:`summary_line` is the one line the CLI
 prints from it: finished, resumed-finished, or stopped, the held-out tau first when the run
 measured one, then which trackers missed rows; :func:`held_out_gap_line` is the warning `run`
-adds when the held-out tau is far below the training-batch estimate.
+adds when the held-out tau says the drafter memorised its training conversations.
 """
 
 from __future__ import annotations
@@ -49,26 +49,44 @@ def summary_line(summary: TrainSummary) -> str:
     return line
 
 
-#: A held-out tau whose gain over 1 is below this share of the training-batch estimate's gain
-#: is "far below" it (:func:`held_out_gap_line`).
-HELD_OUT_GAP_SHARE = 0.5
+# The training-batch estimate is above the held-out tau on a healthy run too: it counts
+# teacher-forced positions of text the drafter trains on, as if independent, where decoding
+# starts each block right after a rejected draft. Measured on the demo's tiny target (the
+# held-out tau's gain over 1 as a share of the estimate's): healthy runs on its 60 training
+# conversations 0.21 (the warm-start fine-tune, 3.94 against 1.61) to 0.48 (the shipped
+# tiny_scratch recipe, 1.83 against 1.40); runs that memorised 2 or 4 conversations 0.02
+# (8.00 against 1.15; 16.00 against 1.27) to 0.05 (3.73 against 1.15).
+#: The held-out tau says "memorised" when its gain over 1 is below this share of the
+#: training-batch estimate's gain (:func:`held_out_gap_line`) ...
+MEMORISED_GAIN_SHARE = 0.1
+#: ... and the estimate is at least this: below it, the drafter has learned too little for the
+#: two figures to disagree about anything.
+MEMORISED_MIN_ESTIMATE = 2.0
+
+
+def held_out_gain_share(summary: TrainSummary) -> float | None:
+    """The held-out tau's gain over 1 as a share of the training-batch estimate's (None when
+    no held-out tau was measured, or the estimate shows no gain)."""
+    tau, estimate = summary.last_eval_tau, summary.acceptance_length_estimate
+    if tau is None or not math.isfinite(tau) or not math.isfinite(estimate) or estimate <= 1.0:
+        return None
+    return (tau - 1.0) / (estimate - 1.0)
 
 
 def held_out_gap_line(summary: TrainSummary) -> str | None:
-    """One warning line when the held-out tau is far below the training-batch estimate (its
-    gain over 1 less than :data:`HELD_OUT_GAP_SHARE` of the estimate's); None otherwise or
-    when nothing was measured."""
-    tau, estimate = summary.last_eval_tau, summary.acceptance_length_estimate
-    if tau is None or not math.isfinite(tau) or not math.isfinite(estimate):
-        return None
-    if tau - 1.0 >= HELD_OUT_GAP_SHARE * (estimate - 1.0):
+    """One warning line when the held-out tau says the drafter memorised its training
+    conversations: the estimate at least :data:`MEMORISED_MIN_ESTIMATE` and the held-out gain
+    below :data:`MEMORISED_GAIN_SHARE` of it. None otherwise, or when nothing was measured."""
+    share = held_out_gain_share(summary)
+    estimate = summary.acceptance_length_estimate
+    if share is None or estimate < MEMORISED_MIN_ESTIMATE or share >= MEMORISED_GAIN_SHARE:
         return None
     return (
-        f"warning: the held-out tau {tau:.2f} is far below the training-batch estimate "
-        f"{estimate:.2f}: the drafter predicts its training conversations much better than new "
-        "ones, which usually means it memorised them (too few distinct conversations for the "
-        "steps trained); add conversations or train fewer steps, and judge the drafter by the "
-        "held-out tau (what serving sees)"
+        f"warning: the held-out tau {summary.last_eval_tau:.2f} gains only {share:.0%} of what "
+        f"the training-batch estimate {estimate:.2f} gains over 1: the drafter predicts its "
+        "training conversations far better than new ones, so it memorised them (too few "
+        "distinct conversations for the steps trained); add conversations or train fewer "
+        "steps, and judge the drafter by the held-out tau (what serving sees)"
     )
 
 
@@ -94,4 +112,11 @@ def _outcome_line(summary: TrainSummary) -> str:
     return f"done: {summary.steps} steps, {figures}, export {summary.export_dir}"
 
 
-__all__ = ["HELD_OUT_GAP_SHARE", "TrainSummary", "held_out_gap_line", "summary_line"]
+__all__ = [
+    "MEMORISED_GAIN_SHARE",
+    "MEMORISED_MIN_ESTIMATE",
+    "TrainSummary",
+    "held_out_gain_share",
+    "held_out_gap_line",
+    "summary_line",
+]

@@ -10,14 +10,21 @@ from typing import Any
 
 import attrs
 import pytest
-from testkit.compiling import tiny_scratch_plan
+from testkit.compiling import TINY_SCRATCH, tiny_scratch_plan
 
+from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.training.eval_policy import EvalPolicy
 from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.executor.training.summary import (
     TrainSummary,
+    held_out_gain_share,
     held_out_gap_line,
     summary_line,
+)
+from dflash_recipes.plan.run_plan import RunPlan
+
+DOMAIN = (
+    Path(__file__).resolve().parents[3] / "dflash_recipes" / "demo_data" / "data" / "domain.jsonl"
 )
 
 
@@ -55,27 +62,85 @@ def test_without_a_measurement_the_summary_line_says_so() -> None:
     )
 
 
-def test_a_held_out_tau_far_below_the_estimate_gets_one_warning() -> None:
-    line = held_out_gap_line(_summary(last_eval_tau=1.06))
-    assert line is not None and "\n" not in line
-    assert line.startswith("warning: the held-out tau 1.06 is far below the training-batch")
-    assert "memorised" in line and "add conversations or train fewer steps" in line
+def test_a_memorised_run_gets_one_warning_with_the_share_it_gains() -> None:
+    # the figures of a run that memorised 2 conversations (estimate 8.00, held out 1.15)
+    line = held_out_gap_line(_summary(acceptance_length_estimate=8.0, last_eval_tau=1.15))
+    assert line == (
+        "warning: the held-out tau 1.15 gains only 2% of what the training-batch estimate 8.00 "
+        "gains over 1: the drafter predicts its training conversations far better than new "
+        "ones, so it memorised them (too few distinct conversations for the steps trained); "
+        "add conversations or train fewer steps, and judge the drafter by the held-out tau "
+        "(what serving sees)"
+    )
 
 
-@pytest.mark.parametrize("tau", [None, 6.0, 4.4, float("nan")])
-def test_a_held_out_tau_near_the_estimate_or_none_gets_no_warning(tau: float | None) -> None:
-    # 4.4: its gain over 1 (3.4) is more than half the estimate's (6.65 / 2 = 3.325)
-    assert held_out_gap_line(_summary(last_eval_tau=tau)) is None
+@pytest.mark.parametrize(
+    ("estimate", "tau"),
+    [
+        (3.94, 1.61),  # the demo's warm-start fine-tune: 21% of the estimate's gain
+        (1.83, 1.40),  # the shipped tiny_scratch recipe: 48%
+        (7.65, None),  # nothing measured
+        (7.65, float("nan")),
+        (float("nan"), 1.2),
+        (1.9, 1.0),  # an estimate under 2.0: too little learned for the figures to disagree
+        (1.0, 1.0),
+    ],
+)
+def test_healthy_or_unmeasured_runs_get_no_warning(estimate: float, tau: float | None) -> None:
+    summary = _summary(acceptance_length_estimate=estimate, last_eval_tau=tau)
+    assert held_out_gap_line(summary) is None
 
 
-def test_just_under_half_the_estimate_s_gain_warns() -> None:
-    assert held_out_gap_line(_summary(last_eval_tau=4.3)) is not None
+def test_the_bounds_a_tenth_of_the_gain_and_an_estimate_of_2() -> None:
+    # a tenth of the estimate's gain is not memorised; just under it is
+    assert held_out_gap_line(_summary(acceptance_length_estimate=11.0, last_eval_tau=2.0)) is None
+    assert held_out_gap_line(_summary(acceptance_length_estimate=11.0, last_eval_tau=1.99))
+    # an estimate of 2.0 counts, one just under it does not
+    assert held_out_gap_line(_summary(acceptance_length_estimate=2.0, last_eval_tau=1.0))
+    assert held_out_gap_line(_summary(acceptance_length_estimate=1.99, last_eval_tau=1.0)) is None
+    assert held_out_gain_share(_summary(acceptance_length_estimate=3.0, last_eval_tau=2.0)) == 0.5
+    assert held_out_gain_share(_summary(acceptance_length_estimate=1.0, last_eval_tau=1.5)) is None
 
 
-def test_exactly_half_the_estimate_s_gain_is_not_far_below() -> None:
-    # gain 1.0 against the estimate's 2.0: "far below" starts under half, not at it
-    assert held_out_gap_line(_summary(last_eval_tau=2.0, acceptance_length_estimate=3.0)) is None
-    assert held_out_gap_line(_summary(last_eval_tau=1.99, acceptance_length_estimate=3.0))
+def _trained(plan: RunPlan) -> TrainSummary:
+    summary = run_plan(plan, progress=False)
+    assert summary.last_eval_tau is not None and summary.steps == plan.training.max_steps
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_the_shipped_tiny_run_is_not_called_memorised(tmp_path: Path) -> None:
+    # the tiny_scratch recipe as shipped: 60 steps over the demo's 60 training conversations,
+    # measured on held-out cities: about 0.48 of its estimate's gain (1.83 against 1.40), under
+    # the old bar of a half, far above the tenth that says memorised
+    result = compile_file(TINY_SCRATCH, overrides=(f"training.output_dir={tmp_path / 'run'}",))
+    assert result.plan is not None
+    summary = _trained(result.plan)
+    share = held_out_gain_share(summary)
+    assert share is not None and share > 0.2, summary
+    assert held_out_gap_line(summary) is None
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_that_memorised_two_conversations_is_called_memorised(tmp_path: Path) -> None:
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(DOMAIN.read_text(encoding="utf-8").splitlines(True)[:2]))
+    plan = tiny_scratch_plan(
+        tmp_path / "run",
+        f"data.data_path={two}",
+        "dflash.dflash_block_size=8",
+        "training.logging_steps=10",
+        "training.eval_steps=60",
+        "training.eval_max_new_tokens=16",
+    )
+    summary = _trained(plan)
+    assert summary.acceptance_length_estimate > 7.0, summary  # every training block drafted
+    share = held_out_gain_share(summary)
+    assert share is not None and share < 0.05, summary
+    line = held_out_gap_line(summary)
+    assert line is not None and "so it memorised them" in line
 
 
 def _policy(tmp_path: Path, *overrides: str) -> EvalPolicy:
