@@ -46,6 +46,14 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   shipped tiny target in bf16 with a random float32 drafter on the device, against both in
   float32 on the CPU: the CPU's output equals greedy decoding, the device's pooled tau is
   within 10% of the CPU's; tokens/s of both printed;
+- ``packing``: packed rows keep their documents apart on the device, in the target's bf16
+  (float32 in a dry run): targets with sliding-window (Gemma 3, SDPA), eager-with-sinks
+  (gpt-oss) and chunked (Llama 4) layers, built from their transformers configs at small
+  width (random weights), each a packed row of two documents longer than its window against
+  each document alone (``target_states``, taps of the first and last layers and the logits),
+  within the run-start check's tolerance for the dtype (``ISOLATION_TOLERANCE``); then the
+  product's ``check_packed_isolation`` itself passes. A family this transformers lacks is
+  skipped with the reason;
 - ``run``: ``dflash-recipe run`` of the tiny from-scratch recipe through ``--nproc-per-node 1``
   (torchrun; ``training.device=cuda``, NCCL; the CPU and gloo in a dry run): it completes its 2
   steps and writes an export (``model.safetensors``, ``config.json``).
@@ -81,6 +89,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.errors import PlanError
 from dflash_recipes.executor.data.train_dataset import Batch as TokenBatch
 from dflash_recipes.executor.dist_env import DistEnv, init_distributed, shutdown_distributed
 from dflash_recipes.executor.evaluation.cached_decoding import speculative_generate_batch
@@ -98,7 +107,13 @@ from dflash_recipes.executor.model.draft import (
     taps_from_hidden_states,
 )
 from dflash_recipes.executor.model.masks import build_dense_block_mask, build_flex_block_mask
-from dflash_recipes.executor.model.target_states import stop_after_layer, target_states
+from dflash_recipes.executor.model.target_states import (
+    ISOLATION_TOLERANCE,
+    check_packed_isolation,
+    decoder_layers,
+    stop_after_layer,
+    target_states,
+)
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
@@ -107,7 +122,7 @@ from dflash_recipes.plan.resources.estimate import estimate_resources, target_di
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "run")
+CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "packing", "run")
 #: H200 (and H100 SXM) dense bf16 tensor-core peak, TFLOP/s.
 DEFAULT_PEAK_TFLOPS = 989.0
 
@@ -1224,6 +1239,102 @@ RUN_OVERRIDES = (
 )
 
 
+#: Families whose layers packing must keep apart by something else than one causal mask:
+#: (name, transformers config class, its own settings), each window or chunk 16 tokens.
+_PACKING_FAMILIES: tuple[tuple[str, str, dict[str, object]], ...] = (
+    ("gemma3_text", "Gemma3TextConfig", {"sliding_window": 16, "num_hidden_layers": 6}),
+    (
+        "gpt_oss",
+        "GptOssConfig",
+        {"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    (
+        "llama4_text",
+        "Llama4TextConfig",
+        {"attention_chunk_size": 16, "num_local_experts": 4, "intermediate_size_mlp": 512},
+    ),
+)
+
+
+def check_packing(setup: Setup, report: Report) -> None:
+    """Packed rows against each document alone, on the device in bf16, for windowed, eager and
+    chunked targets; then the run-start check itself."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if setup.dry_run else torch.bfloat16
+    tolerance = ISOLATION_TOLERANCE[dtype]
+    report.note(f"target dtype {dtype}, tolerance {tolerance:g} (the run-start check's)")
+    width = 64 if setup.dry_run else 512
+    ran = 0
+    for name, class_name, own in _PACKING_FAMILIES:
+        config_class = getattr(transformers, class_name, None)
+        if config_class is None:
+            report.note(f"{name}: skipped, transformers {transformers.__version__} lacks it")
+            continue
+        config = config_class(
+            **{
+                "vocab_size": 1024,
+                "hidden_size": width,
+                "intermediate_size": 2 * width,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": width // 8,
+                "max_position_embeddings": 4096,
+                "pad_token_id": 0,
+                "eos_token_id": 2,
+                "bos_token_id": None,
+                **own,
+            }
+        )
+        torch.manual_seed(81)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(setup.device).eval()
+        last = len(decoder_layers(model)) - 1
+        lengths = (40, 29)  # both past the 16-token windows and chunks
+        gen = torch.Generator().manual_seed(83)
+        docs = [torch.randint(3, 1000, (1, n), generator=gen).to(setup.device) for n in lengths]
+        document_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1).to(
+            setup.device
+        )
+        with torch.no_grad():
+            packed = target_states(
+                model,
+                torch.cat(docs, dim=1),
+                None,
+                [0, last],
+                with_logits=True,
+                document_ids=document_ids,
+            )
+            start = 0
+            for number, ids in enumerate(docs):
+                alone = target_states(model, ids, torch.ones_like(ids), [0, last], with_logits=True)
+                part = slice(start, start + ids.shape[1])
+                report.rel(
+                    f"{name} ({config._attn_implementation}) document {number + 1}: taps",
+                    packed.tapped[:, part],
+                    alone.tapped,
+                    tol=tolerance,
+                )
+                assert packed.logits is not None and alone.logits is not None
+                report.rel(
+                    f"{name} document {number + 1}: logits",
+                    packed.logits[:, part],
+                    alone.logits,
+                    tol=tolerance,
+                )
+                start += ids.shape[1]
+        try:
+            line = check_packed_isolation(model, [0, last], with_logits=True).describe()
+            report.note(f"{name}: {line}")
+        except PlanError as exc:
+            report._line(f"{name}: check_packed_isolation", False, str(exc))
+        ran += 1
+        del model
+    if not ran:
+        report.skipped = "no packing family in this transformers"
+
+
 def check_run(setup: Setup, report: Report) -> None:
     """``dflash-recipe run`` end to end through ``--nproc-per-node 1`` (torchrun: NCCL on CUDA,
     gloo in a dry run) on the tiny from-scratch recipe: it completes and writes an export."""
@@ -1285,6 +1396,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Setup, Report], None]] = {
     "fsdp": check_fsdp,
     "step": check_step,
     "eval": check_eval,
+    "packing": check_packing,
     "run": check_run,
 }
 

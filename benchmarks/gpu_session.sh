@@ -14,7 +14,7 @@
 # What runs, in order (each under its own `timeout`, a failure does not stop the others):
 #   1. the environment: nvidia-smi, torch / transformers / attrs / cattrs versions;
 #   2. python benchmarks/gpu_check.py --steps 5: every check (flex, bf16, chunked, nccl, fsdp,
-#      step, eval, run);
+#      step, eval, packing, run);
 #   3. python benchmarks/gpu_check.py --only step --profile: the step's phases and the top
 #      CUDA kernels, with the Chrome trace;
 #   4. the trainer through torchrun on one GPU with training.fsdp (the CLI's FSDP path; the

@@ -17,7 +17,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "run")
+CHECKS = ("flex", "bf16", "chunked", "nccl", "fsdp", "step", "eval", "packing", "run")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
