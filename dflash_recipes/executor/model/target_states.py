@@ -155,11 +155,16 @@ def packed_attention(
         build: Callable[..., object] = getattr(masking_utils, builder_name)
         extra: dict[str, object] = {}
         chunk = getattr(config, "attention_chunk_size", None)
-        if layer_type == "chunked_attention" and isinstance(chunk, int) and chunk > 0:
-            # releases that remap packed positions already count chunks per document (and
-            # hand these functions positions, not indices)
-            if not hasattr(masking_utils, "remap_positions_for_packed_sequence"):
-                extra = _document_chunks(positions, chunk)
+        # releases that remap packed positions already count chunks per document (and hand
+        # these functions positions, not indices)
+        remaps = hasattr(masking_utils, "remap_positions_for_packed_sequence")
+        if (
+            layer_type == "chunked_attention"
+            and isinstance(chunk, int)
+            and chunk > 0
+            and not remaps
+        ):
+            extra = _document_chunks(positions, chunk)
         mapping[layer_type] = build(config, stub, None, None, position_ids=positions, **extra)
     return mapping, positions
 
