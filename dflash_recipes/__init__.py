@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         ModelSection,
         Recipe,
         RegenerateSection,
+        TargetServerSection,
         TrainingSection,
     )
 
@@ -84,6 +85,7 @@ _HOMES = {
     "ModelSection": "recipe.sections",
     "Recipe": "recipe.sections",
     "RegenerateSection": "recipe.sections",
+    "TargetServerSection": "recipe.sections",
     "TrainingSection": "recipe.sections",
     "recipe_json_schema": "recipe.json_schema",
 }
@@ -118,6 +120,7 @@ __all__ = [
     "RunPlan",
     "SafetensorsHeaderError",
     "Severity",
+    "TargetServerSection",
     "TrackerError",
     "TrainingSection",
     "WarmStartError",

@@ -61,7 +61,7 @@ CODE_MODULES: tuple[str, ...] = (
     "dflash_recipes.compiler.field_checks",
     "dflash_recipes.compiler.capture_checks",
     "dflash_recipes.plan.regenerate_settings",
-    "dflash_recipes.compiler.regenerate_checks",
+    "dflash_recipes.compiler.server_checks",
     "dflash_recipes.compiler.codes",
     "dflash_recipes.cli.group",
 )

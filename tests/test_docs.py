@@ -106,7 +106,7 @@ def _leaf_paths(schema: dict[str, object], prefix: str = "") -> list[str]:
     properties = schema.get("properties")
     assert isinstance(properties, dict)
     for name, field in properties.items():
-        if field.get("type") == "object":
+        if gen_docs.is_section_schema(field):  # target_server is an object or null
             paths += _leaf_paths(field, f"{prefix}{name}.")
         else:
             paths.append(f"{prefix}{name}")

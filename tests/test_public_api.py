@@ -141,4 +141,5 @@ def test_recipe_json_schema_from_the_top_level_import_is_valid() -> None:
         "dflash",
         "regenerate",
         "card",
+        "target_server",
     }

@@ -128,13 +128,19 @@ def _type_text(schema: JsonObject) -> str:
 def _default_text(name: str, schema: JsonObject, required: object) -> str:
     if isinstance(required, list) and name in required:
         return "**required**"
-    if schema.get("type") == "object":
+    if is_section_schema(schema):
         return ""
     if "default" not in schema:
         return ""
     default = schema["default"]
     # Strings as a recipe writes them (no JSON quotes); everything else as JSON/YAML spells it.
     return f"`{default}`" if isinstance(default, str) else f"`{json.dumps(default)}`"
+
+
+def is_section_schema(field: JsonObject) -> bool:
+    """Whether a field's schema is a section: an object, or an object or null (target_server)."""
+    kind = field.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
 def _sections(
@@ -149,7 +155,7 @@ def _sections(
     for name, field in properties.items():
         if not isinstance(field, Mapping):
             continue
-        if field.get("type") == "object":
+        if is_section_schema(field):
             nested.append((f"{prefix}{name}", field))
         else:
             rows.append((name, field, schema.get("required")))

@@ -66,7 +66,7 @@ _COMPILE_TESTS = (
             "id_checks",
             "input_checks",
             "recipe_checks",
-            "regenerate_checks",
+            "server_checks",
             "field_checks",
             "compilation",
             "codes",
@@ -89,7 +89,7 @@ GROUPS: tuple[Group, ...] = (
     ),
     *(
         Group(f"{name}-checks", (f"{_PKG}compiler/{name}_checks.py",), _COMPILE_TESTS)
-        for name in ("checkpoint", "id", "recipe", "regenerate")
+        for name in ("checkpoint", "id", "recipe", "server")
     ),
     # the capture cross-check's inputs are gathered here: its tests capture once per run
     Group(
@@ -106,7 +106,17 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "regenerate-settings",
         (_PKG + "plan/regenerate_settings.py",),
-        ("tests/plan/test_regenerate_settings.py", "tests/compiler/test_regenerate_checks.py"),
+        ("tests/plan/test_regenerate_settings.py", "tests/compiler/test_server_checks.py"),
+    ),
+    # the URL rules, vLLM layer ids and `vllm serve` line `compile` and `serve-target` share
+    Group(
+        "target-server-settings",
+        (_PKG + "plan/target_server_settings.py",),
+        (
+            "tests/plan/test_target_server_settings.py",
+            "tests/compiler/test_server_checks.py",
+            "tests/cli/test_serving.py",
+        ),
     ),
     Group(
         "crashsafe",

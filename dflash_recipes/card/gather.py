@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from dflash_recipes.card.facts import (
 )
 from dflash_recipes.checkpoint.kinds.registry import kind_facts
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
+from dflash_recipes.checkpoint.model_paths import hub_id_from_cache_path
 from dflash_recipes.checkpoint.safetensors_header import read_safetensors_header
 from dflash_recipes.data.sources import content_sha256, resolve_source
 from dflash_recipes.errors import DFlashRecipeError
@@ -49,20 +49,6 @@ HASH_LIMIT_BYTES = 16 * 2**30
 CACHE_META_FILE = "meta.json"
 #: Small JSON files read here (trainer_state.json, config.json, cache meta) stay under this.
 _JSON_LIMIT = 4 * 2**20
-#: A Hugging Face cache folder names its repository: models--OWNER--NAME, datasets--OWNER--NAME.
-_CACHE_REPO = re.compile(r"^(models|datasets)--([A-Za-z0-9][\w.-]*)--([\w.-]+)$")
-
-
-def hub_id_from_cache_path(path: str | None, kind: str) -> str | None:
-    """``OWNER/NAME`` when `path` lies in a Hugging Face cache folder of `kind` (models,
-    datasets), e.g. ``.../hub/models--Qwen--Qwen3-8B/snapshots/<sha>``; else None."""
-    if path is None:
-        return None
-    for part in reversed(Path(path).parts):
-        match = _CACHE_REPO.match(part)
-        if match and match.group(1) == kind:
-            return f"{match.group(2)}/{match.group(3)}"
-    return None
 
 
 def _read_json_dict(path: Path) -> dict[str, object] | None:

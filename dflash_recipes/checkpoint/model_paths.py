@@ -42,6 +42,24 @@ ProblemKind = Literal[
 _HUB_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
+#: A Hugging Face cache folder names its repository: models--OWNER--NAME, datasets--OWNER--NAME.
+_CACHE_REPO = r"^(models|datasets)--([A-Za-z0-9][\w.-]*)--([\w.-]+)$"
+
+
+def hub_id_from_cache_path(path: str | None, kind: str) -> str | None:
+    """``OWNER/NAME`` when `path` lies in a Hugging Face cache folder of `kind` (models,
+    datasets), e.g. ``.../hub/models--Qwen--Qwen3-8B/snapshots/<sha>``; else None.
+
+    The model card's base_model and datasets, and the name a served target answers to."""
+    if path is None:
+        return None
+    for part in reversed(Path(path).parts):
+        match = re.match(_CACHE_REPO, part)
+        if match and match.group(1) == kind:
+            return f"{match.group(2)}/{match.group(3)}"
+    return None
+
+
 @attrs.frozen(repr=False, eq=False, slots=False)
 class CheckpointDirProblem(Record):
     """Why a recipe's directory value cannot be used: kind, the message, and the fix."""
@@ -316,6 +334,7 @@ __all__ = [
     "CheckpointDirProblem",
     "ProblemKind",
     "describe_directory",
+    "hub_id_from_cache_path",
     "inspect_checkpoint_dir",
     "inspect_model_dir",
     "looks_like_hub_id",

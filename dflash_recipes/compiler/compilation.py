@@ -71,6 +71,7 @@ from dflash_recipes.plan.run_plan import (
     ObjectivePlan,
     RegeneratePlan,
     RunPlan,
+    TargetServerPlan,
     TrainingPlan,
 )
 from dflash_recipes.recipe.loader import load_recipe_with_diagnostics
@@ -152,6 +153,7 @@ def compile_recipe(
     # 2. the recipe on its own (hints name the checkpoint's dims when it was read)
     check_schema(inputs, read.checkpoint.dims, report)
     _check_regenerate(inputs, report, resolve=resolve)
+    _check_target_server(inputs, read, report, resolve=resolve)
     check_dims_set(inputs, read, report)
     # 3. the drafter's ids, then what was read checked against them and each other
     heads_from_scratch: tuple[str, ...] = ()
@@ -194,11 +196,11 @@ def _base_dir(base_dir: Path | None, recipe_file: str | None) -> Path | None:
 
 
 def _check_regenerate(inputs: CompileInputs, report: Report, *, resolve: bool) -> None:
-    """The `regenerate:` section, checked without a network (see regenerate_checks)."""
+    """The `regenerate:` section, checked without a network (see server_checks)."""
     section, data = inputs.recipe.regenerate, inputs.recipe.data
     if section == RegenerateSection():
         return  # the defaults: nothing to check (and the checks' module stays unloaded)
-    from dflash_recipes.compiler.regenerate_checks import check_regenerate
+    from dflash_recipes.compiler.server_checks import check_regenerate
 
     output = inputs.absolute(section.output_path) if section.output_path else None
     source = inputs.absolute(data.data_path) if data.data_path else None
@@ -207,6 +209,27 @@ def _check_regenerate(inputs: CompileInputs, report: Report, *, resolve: bool) -
         training_seq_len=inputs.recipe.training.training_seq_len,
         output=output,
         source=source,
+        resolve=resolve,
+    ):
+        report.emit_as(item.severity, item.code, item.path, item.message, item.hint)
+
+
+def _check_target_server(
+    inputs: CompileInputs, read: WhatWasRead, report: Report, *, resolve: bool
+) -> None:
+    """The `target_server:` section, checked without a network (see server_checks)."""
+    section = inputs.recipe.target_server
+    if section is None:
+        return  # the target runs in the trainer (and the checks' module stays unloaded)
+    from dflash_recipes.compiler.server_checks import check_target_server
+
+    for item in check_target_server(
+        section,
+        hidden_states_path=inputs.recipe.data.hidden_states_path,
+        storage_dir=inputs.absolute(section.storage_dir),
+        capture_dir_set=section.capture_dir is not None,
+        training_seq_len=inputs.recipe.training.training_seq_len,
+        facts=read.facts,
         resolve=resolve,
     ):
         report.emit_as(item.severity, item.code, item.path, item.message, item.hint)
@@ -237,7 +260,7 @@ def build_plan(
         return str(absolute(value)) if value is not None else None
 
     decay = dflash.dflash_loss_decay_factor
-    return RunPlan(
+    plan = RunPlan(
         base_model=BaseModelPlan(
             path=str(absolute(recipe.model.model_name_or_path)),
             dtype=recipe.model.dtype,
@@ -350,6 +373,32 @@ def build_plan(
             else None
         ),
         card=_card_plan(recipe.card),
+    )
+    if recipe.target_server is None:
+        return plan
+    return attrs.evolve(plan, target_server=_target_server_plan(inputs, plan))
+
+
+def _target_server_plan(inputs: CompileInputs, plan: RunPlan) -> TargetServerPlan:
+    """The served target's settings, derived from the plan it serves (taps, dtype, length)."""
+    from dflash_recipes.plan.target_server_settings import KEPT_STATES_DIR, target_server_plan
+
+    section = inputs.recipe.target_server
+    assert section is not None
+    capture_dir = None
+    if section.keep_files == "capture":
+        capture_dir = (
+            inputs.absolute(section.capture_dir)
+            if section.capture_dir is not None
+            else Path(plan.training.output_dir) / KEPT_STATES_DIR
+        )
+    return target_server_plan(
+        section,
+        storage_dir=inputs.absolute(section.storage_dir),
+        capture_dir=capture_dir,
+        base_model=plan.base_model,
+        training=plan.training,
+        draft=plan.draft,
     )
 
 

@@ -1,6 +1,6 @@
 """The parts of a run plan, one frozen record per concern: the base model, the data, the
-training, the drafter (its architecture and objective), the warm start, a resume and the
-`regenerate` settings.
+training, the drafter (its architecture and objective), the warm start, a resume, the
+`regenerate` settings and the target served by vLLM.
 
 :class:`~dflash_recipes.plan.run_plan.RunPlan` puts them together; the modules that read one
 part of a plan (:mod:`~dflash_recipes.plan.draft_spec`, :mod:`~dflash_recipes.plan.value_checks`)
@@ -16,6 +16,7 @@ import attrs
 from dflash_recipes.checkpoint.target_facts import TargetFacts
 from dflash_recipes.recipe.choices import (
     Dtype,
+    KeepFiles,
     LossObjective,
     MarkovHeadType,
     MasterDtype,
@@ -228,6 +229,48 @@ class RegeneratePlan(Record):
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
+class TargetServerPlan(Record):
+    """The target served by vLLM (the recipe's `target_server:` section, resolved), and what the
+    client and `serve-target` derive from the rest of the plan
+    (:mod:`~dflash_recipes.plan.target_server_settings`)."""
+
+    #: Server roots, normalised: scheme://host[:port][/prefix], no trailing slash and no /v1
+    #: (the client appends /v1/completions, /v1/models and /health).
+    urls: tuple[str, ...]
+    #: Absolute folder vLLM's connector writes into, as the trainer sees it.
+    storage_dir: str
+    #: The name requests send as `model` (the server's --served-model-name).
+    served_model_name: str
+    #: Requests in flight per training rank.
+    max_in_flight: int
+    #: Seconds per attempt; retries per URL; the first backoff in seconds (doubling).
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    #: Seconds to acquire a file's lock before its attempt fails.
+    lock_timeout_s: float
+    #: delete | capture (each read file kept as a verified capture shard in capture_dir).
+    keep_files: KeepFiles
+    #: Absolute folder of the kept shards (keep_files: capture), else None.
+    capture_dir: str | None
+    #: Name of the environment variable holding the servers' API key (never the key).
+    api_key_env: str | None
+    #: vLLM's eagle_aux_hidden_state_layer_ids, ascending and unique: each tap t as t + 1, and
+    #: num_hidden_layers (the last layer before the final norm) when the objective needs the
+    #: target's logits. The file's layer axis holds them in this order. None until resolved.
+    vllm_layer_ids: tuple[int, ...] | None
+    #: Each DFlash tap, in draft.target_layer_ids' order, as its row on the file's layer axis.
+    tap_rows: tuple[int, ...] | None
+    #: The row of id num_hidden_layers (normed and projected by the trainer into the target's
+    #: logits) when the objective needs them, else None. It may also be a tap's row.
+    final_row: int | None
+    #: The served dtype: the plan's base_model.dtype (vLLM's `auto` is never used).
+    dtype: Dtype
+    #: --max-model-len: training.training_seq_len plus the one token the server generates.
+    max_model_len: int
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CardPlan(Record):
     """What the recipe's `card:` section adds to the model card of every export."""
 
@@ -248,5 +291,6 @@ __all__ = [
     "ObjectivePlan",
     "RegeneratePlan",
     "ResumePlan",
+    "TargetServerPlan",
     "TrainingPlan",
 ]

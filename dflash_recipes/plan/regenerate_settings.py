@@ -3,7 +3,7 @@ them before any request: the server's base URL and endpoints, and the output pat
 
 Torch-free and network-free, below the compiler and the executor: the compiler cross-checks the
 recipe's `regenerate:` section with these functions
-(:mod:`~dflash_recipes.compiler.regenerate_checks`), and `dflash-recipe regenerate` uses the same
+(:mod:`~dflash_recipes.compiler.server_checks`), and `dflash-recipe regenerate` uses the same
 ones for a `--output` given on the command line and for the requests it sends.
 
 Output layout (:mod:`~dflash_recipes.files.regenerate_output`): ``OUTPUT`` is the final JSONL

@@ -35,6 +35,7 @@ from dflash_recipes.plan.parts import (
     ObjectivePlan,
     RegeneratePlan,
     ResumePlan,
+    TargetServerPlan,
     TrainingPlan,
 )
 from dflash_recipes.records import Record
@@ -82,8 +83,12 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: 8: the data's `packing`. 9: the data's `eval_holdout`; the training's `tf32` and
 #: `drafter_master_dtype` (precision). 10: the draft's DFlash 2 fields (`conv_kernel_size`,
 #: `conv_group_size`, `selector_rank`, `selector_top_k`, ...) and the objective's selector
-#: loss settings.
+#: loss settings. Still 10: `target_server` (the target served by vLLM), which a plan without
+#: one leaves out of its JSON, so those plans, their bytes and fingerprints, are unchanged (a
+#: reader that does not know the key refuses a plan that has it, as an unknown key).
 PLAN_FORMAT_VERSION = 10
+#: The plan key left out of the JSON when it is None (a reader takes its default, None).
+_OPTIONAL_KEY = "target_server"
 #: What to do about a plan that is refused.
 RECOMPILE_HINT = "recompile it with `dflash-recipe compile RECIPE -o plan.json`"
 #: Integers in a plan file are read up to this many digits, so an absurd value reaches the
@@ -109,6 +114,9 @@ class RunPlan(Record):
     regenerate: RegeneratePlan | None = None
     #: The recipe's `card:` section; None when the recipe left it at its defaults.
     card: CardPlan | None = None
+    #: The target served by vLLM; None (and absent from the JSON): the target runs in the
+    #: trainer.
+    target_server: TargetServerPlan | None = None
     #: True when the compiler read config.json/headers (not just the schema).
     resolved: bool = False
     format_version: int = PLAN_FORMAT_VERSION
@@ -125,7 +133,12 @@ class RunPlan(Record):
         # attrs' reflective asdict, not a cattrs unstructure hook: the plan holds only attrs
         # classes, tuples and JSON scalars, and cattrs would generate (compile) one function
         # per plan class in every process, a third of `compile`'s own time.
-        return attr.asdict(self, retain_collection_types=False)
+        data = attr.asdict(self, retain_collection_types=False)
+        if data[_OPTIONAL_KEY] is None:
+            # Left out, not null: a plan without a served target is byte for byte (and so
+            # fingerprint for fingerprint) the plan this version wrote before the key existed.
+            del data[_OPTIONAL_KEY]
+        return data
 
     def canonical_json(self) -> bytes:
         """Canonical bytes (sorted keys, no whitespace) of the plan without the fingerprint."""
@@ -197,6 +210,7 @@ class RunPlan(Record):
             regenerate=plan.regenerate,
             resume=plan.resume,
             card=plan.card,
+            target_server=plan.target_server,
         )
         if problems:
             listed = "\n".join(f"  {problem}" for problem in problems)
@@ -284,5 +298,6 @@ __all__ = [
     "RopeValue",
     "RunPlan",
     "TargetFacts",
+    "TargetServerPlan",
     "TrainingPlan",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from dflash_recipes.checkpoint.config_bounds import plausible_maximum
+from dflash_recipes.files.jsonio import shorten
 from dflash_recipes.plan.parts import (
     BaseModelPlan,
     CardPlan,
@@ -25,9 +26,10 @@ from dflash_recipes.plan.parts import (
     InitCheckpointPlan,
     RegeneratePlan,
     ResumePlan,
+    TargetServerPlan,
     TrainingPlan,
 )
-from dflash_recipes.recipe import sections as recipe_module
+from dflash_recipes.recipe import validators as recipe_rules
 from dflash_recipes.recipe.sections import (
     CardSection,
     DataSection,
@@ -36,6 +38,7 @@ from dflash_recipes.recipe.sections import (
     IntRange,
     ModelSection,
     RegenerateSection,
+    TargetServerSection,
     TrainingSection,
 )
 
@@ -45,6 +48,10 @@ _Rule = Any  # an attrs validator: (instance, attribute, value) -> None, raising
 _COUNT0 = IntRange(0, 2**31 - 1)
 #: A resume step (checkpoint directories hold up to 12 digits).
 _STEP = IntRange(0, 10**12 - 1)
+#: A served target's --max-model-len (training_seq_len + 1).
+_MODEL_LEN = IntRange(2, 2**24 + 1)
+#: vLLM layer ids: a tap's id (tap + 1) or the layer count.
+_LAYER_IDS = recipe_rules.layer_id_list
 
 
 def _recipe_rule(cls: type, name: str) -> _Rule:
@@ -90,6 +97,7 @@ def plan_value_problems(
     regenerate: RegeneratePlan | None,
     resume: ResumePlan | None,
     card: CardPlan | None,
+    target_server: TargetServerPlan | None = None,
 ) -> list[str]:
     """Every value of a plan's parts that breaks its rule, as `dotted.path: message` (empty:
     fine); ``RunPlan.from_dict`` passes its parts."""
@@ -104,7 +112,7 @@ def plan_value_problems(
         for name in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
             rule = IntRange(1, plausible_maximum(name))  # the bound compile read it with
             problems += _run(f"base_model.facts.{name}", rule, getattr(facts, name), name)
-        positive = recipe_module.positive_float
+        positive = recipe_rules.positive_float
         rope_theta = facts.rope.rope_theta
         problems += _run("base_model.facts.rope.rope_theta", positive, rope_theta, "rope_theta")
         problems += _run(
@@ -152,12 +160,40 @@ def plan_value_problems(
         )
     if card is not None:
         problems += _check_section("card", card, _section_rules(card, CardSection))
+    if target_server is not None:
+        problems += _target_server_problems(target_server, dtype_rule, model_path_rule)
     if resume is not None:
         problems += _run("resume.step", _STEP, resume.step, "step")
         problems += _run(
             "resume.checkpoint_dir", model_path_rule, resume.checkpoint_dir, "checkpoint_dir"
         )
     return problems
+
+
+def _target_server_problems(
+    server: TargetServerPlan, dtype_rule: _Rule, path_rule: _Rule
+) -> Iterator[str]:
+    """The served target's values: the recipe's rules, each URL's form, the derived ids."""
+    from dflash_recipes.plan.target_server_settings import server_url_problem
+
+    yield from _check_section("target_server", server, _section_rules(server, TargetServerSection))
+    for index, url in enumerate(server.urls):
+        why = server_url_problem(url) if isinstance(url, str) else "is not a string"
+        if why is not None:
+            yield f"target_server.urls.{index}: {shorten(url)} {why}"
+    yield from _run("target_server.dtype", dtype_rule, server.dtype, "dtype")
+    yield from _run(
+        "target_server.max_model_len", _MODEL_LEN, server.max_model_len, "max_model_len"
+    )
+    ids = server.vllm_layer_ids
+    yield from _run(
+        "target_server.vllm_layer_ids", _LAYER_IDS, ids, "vllm_layer_ids", optional=True
+    )
+    rows = len(ids) if ids is not None else 0
+    final = () if server.final_row is None else (server.final_row,)
+    for row in (*(server.tap_rows or ()), *final):
+        if not 0 <= row < rows:
+            yield f"target_server: row {row} is not on the file's layer axis of {rows} ids"
 
 
 __all__ = ["plan_value_problems"]

@@ -26,6 +26,9 @@ MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 SelectorMissingGold = Literal["skip", "inject"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ReasoningPolicy = Literal["keep", "drop"]
+#: What the trainer does with a vLLM hidden-states file once it is read and checked: delete it,
+#: or keep it as a verified capture shard (``target_server.keep_files``).
+KeepFiles = Literal["delete", "capture"]
 #: Attention kinds of a draft layer (the `layer_types` values of Hugging Face configs).
 LayerType = Literal["full_attention", "sliding_attention"]
 #: Experiment trackers `training.report_to` may name (one module each in
@@ -44,6 +47,7 @@ SELECTOR_MISSING_GOLD: tuple[str, ...] = get_args(SelectorMissingGold)
 DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
+KEEP_FILES: tuple[str, ...] = get_args(KeepFiles)
 TRACKERS: tuple[str, ...] = get_args(TrackerName)
 #: The package each tracker imports. It comes with ``pip install 'dflash-recipes[NAME]'``: the
 #: extras of pyproject.toml are named after the trackers.
@@ -57,6 +61,7 @@ __all__ = [
     "AUTOCAST_DTYPES",
     "DEVICES",
     "DTYPES",
+    "KEEP_FILES",
     "LAYER_TYPES",
     "LOSS_OBJECTIVES",
     "MARKOV_HEAD_TYPES",
@@ -69,6 +74,7 @@ __all__ = [
     "TRACKER_LIBRARIES",
     "DeviceChoice",
     "Dtype",
+    "KeepFiles",
     "LayerType",
     "LossObjective",
     "MarkovHeadType",

@@ -7,7 +7,7 @@ Policy, applied at every level of a recipe:
   null are not strings (null is accepted only by Optional fields); the one widening is that an
   int is accepted where a float is expected; YAML lists become tuples for ``tuple[int, ...]``;
 - Literal fields accept only their listed values;
-- the attrs single-field validators of :mod:`dflash_recipes.recipe.sections` run on every field, and
+- the single-field validators (:mod:`dflash_recipes.recipe.validators`) run on every field, and
   each failure is reported at the field's dotted path;
 - every problem is collected, so one run reports all of them.
 
@@ -540,8 +540,11 @@ def _field_paths() -> frozenset[str]:
         for field in attrs.fields(cls):
             path = f"{prefix}{field.name}"
             paths.add(path)
-            if _is_section(hints[field.name]):
-                walk(hints[field.name], f"{path}.")
+            tp = hints[field.name]
+            nested = _optional_member(tp) or tp
+            if _is_section(nested):  # an optional section (target_server) too
+                assert isinstance(nested, type)
+                walk(nested, f"{path}.")
 
     walk(Recipe, "")
     return frozenset(paths)

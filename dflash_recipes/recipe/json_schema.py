@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 import attrs
 
 from dflash_recipes.recipe import sections as recipe_module
+from dflash_recipes.recipe import validators as rules
 from dflash_recipes.recipe.sections import Recipe
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -71,6 +72,14 @@ def _section_class(tp: object) -> type | None:
     return tp if isinstance(tp, type) and attrs.has(tp) else None
 
 
+def _optional_section_class(tp: object) -> type | None:
+    """The section class of `tp` or of `tp | None` (an optional section: target_server)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        members = [arg for arg in get_args(tp) if arg is not type(None)]
+        return _section_class(members[0]) if len(members) == 1 else None
+    return _section_class(tp)
+
+
 @functools.cache
 def field_docs() -> dict[str, str]:
     """Dotted path -> description, for every documented recipe field (sections included)."""
@@ -84,7 +93,7 @@ def field_docs() -> dict[str, str]:
             doc = docs.get((cls.__name__, field.name))
             if doc:
                 result[path] = doc
-            nested = _section_class(hints[field.name])
+            nested = _optional_section_class(hints[field.name])
             if nested is not None:
                 walk(nested, f"{path}.")
 
@@ -95,31 +104,35 @@ def field_docs() -> dict[str, str]:
 def _validator_bounds() -> dict[Callable[..., None], JsonObject]:
     # Each single-field validator of recipe.py, as the JSON Schema keywords that say the same.
     return {
-        recipe_module.positive_int: {"minimum": 1, "maximum": recipe_module.INT_FIELD_MAX},
-        recipe_module.non_negative_int: {"minimum": 0, "maximum": recipe_module.INT_FIELD_MAX},
-        recipe_module.positive_float: {"exclusiveMinimum": 0},
-        recipe_module.non_negative_float: {"minimum": 0},
-        recipe_module.fraction_half_open: {"minimum": 0, "exclusiveMaximum": 1},
-        recipe_module.fraction_open_closed: {"exclusiveMinimum": 0, "maximum": 1},
-        recipe_module.even_positive_int: {"minimum": 2, "multipleOf": 2},
-        recipe_module.block_size_range: {"minimum": 2, "maximum": 128},
-        recipe_module.non_empty_str: {"minLength": 1, "pattern": r"\S"},
-        recipe_module.path_str: {"minLength": 1, "pattern": r"\S"},
-        recipe_module.layer_id_list: {
+        rules.positive_int: {"minimum": 1, "maximum": rules.INT_FIELD_MAX},
+        rules.non_negative_int: {"minimum": 0, "maximum": rules.INT_FIELD_MAX},
+        rules.positive_float: {"exclusiveMinimum": 0},
+        rules.non_negative_float: {"minimum": 0},
+        rules.fraction_half_open: {"minimum": 0, "exclusiveMaximum": 1},
+        rules.fraction_open_closed: {"exclusiveMinimum": 0, "maximum": 1},
+        rules.even_positive_int: {"minimum": 2, "multipleOf": 2},
+        rules.block_size_range: {"minimum": 2, "maximum": 128},
+        rules.non_empty_str: {"minLength": 1, "pattern": r"\S"},
+        rules.path_str: {"minLength": 1, "pattern": r"\S"},
+        rules.layer_id_list: {
             "minItems": 1,
-            "items": {"type": "integer", "minimum": 0, "maximum": recipe_module.MAX_LAYER_ID},
+            "items": {"type": "integer", "minimum": 0, "maximum": rules.MAX_LAYER_ID},
         },
-        recipe_module.env_var_name: {"pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"},
-        recipe_module.hub_repo_id: {"pattern": recipe_module.HUB_REPO_ID},
-        recipe_module.hub_repo_id_list: {
+        rules.env_var_name: {"pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"},
+        rules.hub_repo_id: {"pattern": rules.HUB_REPO_ID},
+        rules.hub_repo_id_list: {
             "minItems": 1,
-            "items": {"type": "string", "pattern": recipe_module.HUB_REPO_ID},
+            "items": {"type": "string", "pattern": rules.HUB_REPO_ID},
         },
-        recipe_module.hub_license: {"pattern": recipe_module.HUB_LICENSE},
+        rules.hub_license: {"pattern": rules.HUB_LICENSE},
+        rules.server_url_list: {
+            "minItems": 1,
+            "items": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        },
     }
 
 
-def _int_range_bounds(rule: recipe_module.IntRange) -> JsonObject:
+def _int_range_bounds(rule: rules.IntRange) -> JsonObject:
     bounds: JsonObject = {"minimum": rule.minimum, "maximum": rule.maximum}
     if rule.even:
         bounds["multipleOf"] = 2
@@ -184,7 +197,7 @@ def _class_schema(cls: type) -> JsonObject:
     for field in attrs.fields(cls):
         schema = _type_schema(hints[field.name])
         validator = field.validator
-        if isinstance(validator, recipe_module.IntRange):
+        if isinstance(validator, rules.IntRange):
             _merge_bounds(schema, _int_range_bounds(validator))
         elif validator is not None and validator in bounds:
             _merge_bounds(schema, bounds[validator])

@@ -1,7 +1,8 @@
 """The recipe: frozen attrs classes a user writes in YAML or constructs in Python.
 
-Only single-field validation lives here (positive sizes, ranges, enumerations). Cross-field
-checks, file checks and checkpoint checks belong to the compiler. The `#:` comment above each
+Only single-field validation applies here (positive sizes, ranges, enumerations: the rules of
+:mod:`~dflash_recipes.recipe.validators`). Cross-field checks, file checks and checkpoint checks
+belong to the compiler. The `#:` comment above each
 field is its documentation; the JSON Schema and the docs are generated from these comments.
 
 Field names follow the layout DFlash users already write (ModelOpt's recipes).
@@ -11,19 +12,12 @@ annotations``): the converter then reads type objects instead of compiling a str
 every process, part of keeping `dflash-recipe compile` start-up low (issue 15).
 """
 
-import math
-import os
-import re
-from collections.abc import Callable
-from typing import Any
-
 import attrs
 
-from dflash_recipes.files.jsonio import shorten
 from dflash_recipes.recipe.choices import (
     DEVICES,
     DTYPES,
-    LAYER_TYPES,
+    KEEP_FILES,
     LOSS_OBJECTIVES,
     MARKOV_HEAD_TYPES,
     MASTER_DTYPES,
@@ -33,6 +27,7 @@ from dflash_recipes.recipe.choices import (
     SELECTOR_MISSING_GOLD,
     DeviceChoice,
     Dtype,
+    KeepFiles,
     LossObjective,
     MarkovHeadType,
     MasterDtype,
@@ -42,219 +37,31 @@ from dflash_recipes.recipe.choices import (
     SelectorMissingGold,
     TrackerName,
 )
+from dflash_recipes.recipe.validators import (
+    HUB_LICENSE,
+    HUB_REPO_ID,
+    INT_FIELD_MAX,
+    MAX_LAYER_ID,
+    IntRange,
+    block_size_range,
+    distinct_items,
+    env_var_name,
+    fraction_half_open,
+    fraction_open_closed,
+    hub_license,
+    hub_repo_id,
+    hub_repo_id_list,
+    layer_id_list,
+    layer_type_list,
+    non_empty_str,
+    non_negative_float,
+    one_of,
+    path_str,
+    positive_float,
+    positive_int,
+    server_url_list,
+)
 from dflash_recipes.records import Record
-
-Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
-
-#: No integer field accepts more than this (int64: what tensors, seeds and counters hold).
-INT_FIELD_MAX = 2**63 - 1
-#: The largest target layer index a tap may name.
-MAX_LAYER_ID = 4095
-
-
-# ---------------------------------------------------------------------------------------------
-# single-field validators: each raises ValueError with a message that names the rule
-# ---------------------------------------------------------------------------------------------
-
-
-def _name(attribute: "attrs.Attribute[Any]") -> str:
-    return attribute.name
-
-
-def positive_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must be an int > 0 (None passes; use on Optional fields too)."""
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT_FIELD_MAX:
-        msg = f"{_name(attribute)} must be a positive integer, got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def non_negative_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must be an int >= 0 (None passes)."""
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT_FIELD_MAX:
-        msg = f"{_name(attribute)} must be an integer >= 0, got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def positive_float(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must be a finite number > 0 (None passes)."""
-    if value is None:
-        return
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        msg = f"{_name(attribute)} must be a finite number > 0, got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def non_negative_float(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must be a finite number >= 0."""
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        msg = f"{_name(attribute)} must be a finite number >= 0, got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def fraction_half_open(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must lie in [0, 1)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
-        msg = f"{_name(attribute)} must be in [0, 1), got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def fraction_open_closed(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must lie in (0, 1]."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        msg = f"{_name(attribute)} must be in (0, 1], got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def one_of(choices: tuple[str, ...]) -> Validator:
-    """Validator: the value must be one of `choices` (None passes)."""
-
-    def check(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-        if value is None:
-            return
-        if value not in choices:
-            msg = f"{_name(attribute)} must be one of {', '.join(choices)}; got {shorten(value)}"
-            raise ValueError(msg)
-
-    return check
-
-
-def even_positive_int(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """Value must be a positive even int (RoPE rotates pairs of dimensions)."""
-    positive_int(instance, attribute, value)
-    if value is not None and isinstance(value, int) and value % 2 != 0:
-        msg = (
-            f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), "
-            f"got {shorten(value)}"
-        )
-        raise ValueError(msg)
-
-
-def layer_id_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A non-empty tuple of integers >= 0 (None passes: resolved by the compiler)."""
-    if value is None:
-        return
-    if not isinstance(value, tuple) or not value:
-        msg = f"{_name(attribute)} must be a non-empty list of layer indices, got {shorten(value)}"
-        raise ValueError(msg)
-    for item in value:
-        if not isinstance(item, int) or isinstance(item, bool) or not 0 <= item <= MAX_LAYER_ID:
-            msg = (
-                f"{_name(attribute)} entries must be integers in [0, {MAX_LAYER_ID}], "
-                f"got {shorten(item)}"
-            )
-            raise ValueError(msg)
-
-
-def layer_type_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A non-empty tuple of LAYER_TYPES names (None passes: resolved by the compiler)."""
-    if value is None:
-        return
-    if not isinstance(value, tuple) or not value:
-        msg = (
-            f"{_name(attribute)} must be a non-empty list with one of "
-            f"{' | '.join(LAYER_TYPES)} per draft layer, got {value!r}"
-        )
-        raise ValueError(msg)
-    for index, item in enumerate(value):
-        if item not in LAYER_TYPES:
-            msg = (
-                f"{_name(attribute)}[{index}] is {item!r}; each entry must be one of "
-                f"{', '.join(LAYER_TYPES)}"
-            )
-            raise ValueError(msg)
-
-
-def block_size_range(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A DFlash block needs the anchor plus at least one masked position."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 128:
-        msg = f"{_name(attribute)} must be an integer in [2, 128], got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def non_empty_str(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A non-empty string (None passes)."""
-    if value is None:
-        return
-    if not isinstance(value, str) or not value.strip():
-        msg = f"{_name(attribute)} must be a non-empty string, got {shorten(value)}"
-        raise ValueError(msg)
-
-
-def path_str(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A non-empty string that can name a file (None passes): encodable for the file system, so
-    a lone surrogate ("\\ud800" in YAML) is refused here, with its place, rather than by the
-    first os.stat() as a UnicodeEncodeError. (A NUL byte is the path checks' to refuse.)"""
-    non_empty_str(instance, attribute, value)
-    if value is None:
-        return
-    try:
-        os.fsencode(value)
-    except UnicodeError:
-        # os.fsencode passes the surrogates that stand for undecodable bytes (U+DC80 to U+DCFF,
-        # how Python spells a non-UTF-8 file name); any other one has no bytes to be
-        msg = (
-            f"{_name(attribute)} cannot name a file: it holds a lone surrogate, which no file "
-            f"name can hold; got {shorten(value)}"
-        )
-        raise ValueError(msg) from None
-
-
-def distinct_items(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A tuple that names nothing twice."""
-    seen: set[object] = set()
-    for item in value:
-        if item in seen:
-            msg = f"{_name(attribute)} names {shorten(item)} twice; list each once"
-            raise ValueError(msg)
-        seen.add(item)
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class IntRange(Record):
-    """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.
-
-    The JSON Schema takes its bounds from the attributes, so schema and loader agree.
-    """
-
-    minimum: int
-    maximum: int
-    even: bool = False
-
-    def __call__(self, instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-        if value is None:
-            return
-        if (
-            not isinstance(value, int)
-            or isinstance(value, bool)
-            or not self.minimum <= value <= self.maximum
-        ):
-            lower = "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
-            msg = (
-                f"{_name(attribute)} must be {lower} no larger than {self.maximum}, "
-                f"got {shorten(value)}"
-            )
-            raise ValueError(msg)
-        if self.even and value % 2:
-            msg = (
-                f"{_name(attribute)} must be even (RoPE rotates pairs of dimensions), "
-                f"got {shorten(value)}"
-            )
-            raise ValueError(msg)
-
 
 #: Optimiser steps, and step intervals (a billion steps is far beyond any run).
 _STEPS = IntRange(1, 10**9)
@@ -262,64 +69,6 @@ _STEPS = IntRange(1, 10**9)
 _WIDTH = IntRange(1, 2**20)
 #: Counts of heads and layers.
 _COUNT = IntRange(1, 4096)
-
-
-def env_var_name(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """The name of an environment variable (letters, digits, underscores; None passes)."""
-    if value is None:
-        return
-    if not isinstance(value, str) or not re.fullmatch(_ENV_NAME, value):
-        msg = (
-            f"{_name(attribute)} must be the NAME of an environment variable (letters, digits "
-            f"and underscores, e.g. OPENAI_API_KEY), never the key itself; got {value!r}"
-        )
-        raise ValueError(msg)
-
-
-_ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
-
-#: A Hugging Face Hub repository id (OWNER/NAME), as a model card's metadata names one.
-HUB_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
-#: A license identifier as the Hub's model-card metadata writes one (apache-2.0, mit, other).
-HUB_LICENSE = r"^[a-z0-9][a-z0-9.+-]{0,63}$"
-
-
-def _check_hub_id(attribute: "attrs.Attribute[Any]", item: object) -> None:
-    if not isinstance(item, str) or not re.fullmatch(HUB_REPO_ID, item):
-        msg = (
-            f"{_name(attribute)} must name Hugging Face Hub repositories as OWNER/NAME "
-            f"(e.g. Qwen/Qwen3-8B), never a local path; got {shorten(item)}"
-        )
-        raise ValueError(msg)
-
-
-def hub_repo_id(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A Hub repository id, OWNER/NAME (None passes)."""
-    if value is not None:
-        _check_hub_id(attribute, value)
-
-
-def hub_repo_id_list(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A non-empty tuple of Hub repository ids (None passes)."""
-    if value is None:
-        return
-    if not isinstance(value, tuple) or not value:
-        msg = f"{_name(attribute)} must be a non-empty list of OWNER/NAME ids, got {shorten(value)}"
-        raise ValueError(msg)
-    for item in value:
-        _check_hub_id(attribute, item)
-
-
-def hub_license(instance: object, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    """A Hub license id: lowercase letters, digits, dots, plus and dashes (None passes)."""
-    if value is None:
-        return
-    if not isinstance(value, str) or not re.fullmatch(HUB_LICENSE, value):
-        msg = (
-            f"{_name(attribute)} must be a license id as the Hub writes it (lowercase, e.g. "
-            f"apache-2.0, mit, cc-by-4.0, other); got {shorten(value)}"
-        )
-        raise ValueError(msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +362,44 @@ class RegenerateSection(Record):
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
+class TargetServerSection(Record):
+    """The frozen target served by vLLM: the trainer reads its tap states from the server."""
+
+    #: vLLM OpenAI-compatible servers of the same target (replicas), each as http(s)://host:port
+    #: (a trailing /v1 is accepted); requests are spread over all of them. Start each with the
+    #: command `dflash-recipe serve-target` prints.
+    urls: tuple[str, ...] = attrs.field(validator=server_url_list)
+    #: The folder vLLM's ExampleHiddenStatesConnector writes the states into
+    #: (shared_storage_path), as the trainer sees it: /dev/shm/... when server and trainer share
+    #: a node, a shared file system across nodes. It must exist.
+    storage_dir: str = attrs.field(validator=path_str)
+    #: The model name the servers answer to (--served-model-name); null: the base model
+    #: folder's name (OWNER/NAME for a Hugging Face cache folder).
+    served_model_name: str | None = attrs.field(default=None, validator=non_empty_str)
+    #: Requests in flight at once per training rank (vLLM batches them); each may hold one file
+    #: in storage_dir until it is read.
+    max_in_flight: int = attrs.field(default=8, validator=IntRange(1, 4096))
+    #: Seconds one request may take (each attempt) before it is retried.
+    timeout_s: float = attrs.field(default=120.0, validator=positive_float)
+    #: Retries of a request on each URL after an error, a timeout or a refused connection, before
+    #: its work goes to the other URLs; a token-id mismatch is never retried.
+    retries: int = attrs.field(default=3, validator=IntRange(0, 100))
+    #: Seconds before the first retry; each further retry waits twice as long.
+    backoff_s: float = attrs.field(default=2.0, validator=non_negative_float)
+    #: Seconds to wait for the lock vLLM holds on a file until it has written it; a file whose
+    #: lock is not acquired by then fails its attempt.
+    lock_timeout_s: float = attrs.field(default=30.0, validator=positive_float)
+    #: What happens to a file once read and checked: delete | capture (kept as a verified
+    #: capture shard in capture_dir, for offline training with data.hidden_states_path).
+    keep_files: KeepFiles = attrs.field(default="delete", validator=one_of(KEEP_FILES))
+    #: Where keep_files: capture keeps the shards; null: <training.output_dir>/target-states.
+    capture_dir: str | None = attrs.field(default=None, validator=path_str)
+    #: NAME of the environment variable holding the servers' API key (vLLM's --api-key or
+    #: VLLM_API_KEY), never the key itself; null: the servers take no key.
+    api_key_env: str | None = attrs.field(default=None, validator=env_var_name)
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
 class CardSection(Record):
     """The model card (README.md) every export carries: what the recipe adds to it."""
 
@@ -644,6 +431,9 @@ class Recipe(Record):
     regenerate: RegenerateSection = attrs.field(factory=RegenerateSection)
     #: The model card each export carries (README.md beside the weights).
     card: CardSection = attrs.field(factory=CardSection)
+    #: The target served by vLLM (`dflash-recipe serve-target` prints the command); `run` and
+    #: `capture` read its tap states from the server. null: the target runs in the trainer.
+    target_server: TargetServerSection | None = None
 
 
 __all__ = [
@@ -659,6 +449,7 @@ __all__ = [
     "ModelSection",
     "Recipe",
     "RegenerateSection",
+    "TargetServerSection",
     "TrainingSection",
     "default_loss_decay_factor",
 ]

@@ -14,7 +14,12 @@ from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, register
 from dflash_recipes.recipe.converter import recipe_field_paths, structure_recipe, unstructure_recipe
 from dflash_recipes.recipe.converter import structure as convert
 from dflash_recipes.recipe.json_schema import field_types
-from dflash_recipes.recipe.sections import DFlashArchitectureConfig, ModelSection, Recipe
+from dflash_recipes.recipe.sections import (
+    DFlashArchitectureConfig,
+    ModelSection,
+    Recipe,
+    TargetServerSection,
+)
 from dflash_recipes.recipe.yamlio import load_yaml
 
 
@@ -396,7 +401,10 @@ def _dotted(data: object, prefix: str = "") -> set[str]:
 
 def test_field_paths_are_exactly_the_keys_a_full_recipe_has() -> None:
     paths = recipe_field_paths()
-    assert paths == _dotted(unstructure_recipe(Recipe(model=ModelSection(model_name_or_path="/m"))))
+    served = TargetServerSection(urls=("http://gpu0:8000",), storage_dir="/dev/shm/hs")
+    full = Recipe(model=ModelSection(model_name_or_path="/m"), target_server=served)
+    assert paths == _dotted(unstructure_recipe(full))  # an optional section's fields too
+    assert "target_server.urls" in paths
     assert {"model", "dflash", "dflash.dflash_architecture_config"} <= paths
     assert "dflash.dflash_architecture_config.target_layer_ids" in paths
     assert "dflash.learning_rate" not in paths
@@ -460,21 +468,32 @@ def test_every_field_type_of_the_recipe_has_a_structuring_rule() -> None:
         hints = field_types(cls)
         for field in attrs.fields(cls):
             tp = hints[field.name]
-            if attrs.has(tp):
-                walk(tp)
+            section = _optional_section(tp)
+            if section is not None:
+                walk(section)
                 continue
             value = convert(_sample(tp), tp)
             assert value is not None and not isinstance(value, list), (field.name, value)
             seen += 1
 
     walk(Recipe)
-    leaves = [path for path in recipe_field_paths() if not attrs.has(_section_at(path))]
+    leaves = [path for path in recipe_field_paths() if _optional_section(_section_at(path)) is None]
     assert seen == len(leaves) > 50
+
+
+def _optional_section(tp: object) -> type | None:
+    """The section class of `tp` or of `tp | None` (target_server), else None."""
+    members = [arg for arg in typing.get_args(tp) if arg is not type(None)] or [tp]
+    member = members[0]
+    if len(members) == 1 and isinstance(member, type) and attrs.has(member):
+        return member
+    return None
 
 
 def _section_at(path: str) -> object:
     cls: object = Recipe
     for name in path.split("."):
+        cls = _optional_section(cls) or cls
         assert isinstance(cls, type)
         cls = field_types(cls)[name]
     return cls
