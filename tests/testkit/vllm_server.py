@@ -35,10 +35,12 @@ any of these keys; ``POST /reset`` restores the start's knobs and zeroes the cou
                     other taps; null: off)
     dtype           write the states in this dtype instead of the served one (null: off)
     nan             put a NaN into the states
+    api_key         require ``Authorization: Bearer <api_key>`` on /v1 (401 otherwise; "": off)
 
 ``GET /stats`` returns ``{"requests", "answered", "in_flight", "max_in_flight", "files_written",
-"max_files"}``: ``max_in_flight`` the most completion requests being handled at once,
-``max_files`` the most ``.safetensors`` files in the storage folder when one was written.
+"max_files", "refused"}``: ``max_in_flight`` the most completion requests being handled at
+once, ``max_files`` the most ``.safetensors`` files in the storage folder when one was written,
+``refused`` the requests answered 401 (not counted in ``requests``).
 
 Bounded: it listens on 127.0.0.1 only and answers only requests from there (403 otherwise), and
 it exits when the process that started it ends.
@@ -87,6 +89,7 @@ DEFAULT_KNOBS: dict[str, Any] = {
     "layer_ids": None,
     "dtype": None,
     "nan": False,
+    "api_key": "",
 }
 
 
@@ -122,7 +125,7 @@ class State:
 
     def zero(self) -> None:
         self.requests = self.answered = self.in_flight = self.max_in_flight = 0
-        self.files_written = self.max_files = 0
+        self.files_written = self.max_files = self.refused = 0
 
     def check_layer_ids(self, ids: list[int]) -> list[int]:
         ids = sorted(set(ids))  # vLLM's file is in ascending id order, duplicates collapsed
@@ -209,10 +212,17 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             return json.loads(raw) if raw else {}
 
         def _local(self) -> bool:
-            if self.client_address[0] == LOCALHOST:
-                return True
-            self._json(403, _error("answers 127.0.0.1 only", "ForbiddenError", 403))
-            return False
+            if self.client_address[0] != LOCALHOST:
+                self._json(403, _error("answers 127.0.0.1 only", "ForbiddenError", 403))
+                return False
+            key = state.knobs["api_key"]
+            refused = self.headers.get("Authorization") != f"Bearer {key}"
+            if key and self.path.startswith("/v1/") and refused:
+                with state.lock:
+                    state.refused += 1
+                self._json(401, {"error": "Unauthorized"})  # vLLM's own body for it
+                return False
+            return True
 
         def do_GET(self) -> None:
             if not self._local():
@@ -233,6 +243,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                         "max_in_flight": state.max_in_flight,
                         "files_written": state.files_written,
                         "max_files": state.max_files,
+                        "refused": state.refused,
                     }
                 self._json(200, stats)
             else:

@@ -17,19 +17,12 @@ from dflash_recipes.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from dflash_recipes.executor.target_server.client import Prefetch, TargetServerClient
-    from dflash_recipes.executor.target_server.settings import (
-        KEEP_FILES,
-        KeepFiles,
-        TargetServerSettings,
-        server_name,
-    )
+    from dflash_recipes.executor.target_server.settings import TargetServerSettings, server_name
     from dflash_recipes.executor.target_server.states_file import ServedStates
 
 _HOMES = {
     "Prefetch": "client",
     "TargetServerClient": "client",
-    "KEEP_FILES": "settings",
-    "KeepFiles": "settings",
     "TargetServerSettings": "settings",
     "server_name": "settings",
     "ServedStates": "states_file",
@@ -38,8 +31,6 @@ _HOMES = {
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 __all__ = [
-    "KEEP_FILES",
-    "KeepFiles",
     "Prefetch",
     "ServedStates",
     "TargetServerClient",

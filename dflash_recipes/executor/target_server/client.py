@@ -36,7 +36,7 @@ beyond the one being trained on. A handle holds its batch's tensors until ``resu
 ahead a caller asks is the memory it spends (``max_in_flight`` bounds only what is in flight).
 
 **No file left behind.** A file is deleted as soon as it is read (or kept, verified, with
-``keep_files="keep"``), and on every failure. A request abandoned before its answer (timed out,
+``keep_dir``), and on every failure. A request abandoned before its answer (timed out,
 cancelled) may still make the server write a file later: such requests are swept by their id
 after every batch and at :meth:`~TargetServerClient.close`, which waits for a file vLLM is
 still writing (its lock held) up to ``timeout_s + lock_timeout_s`` after its request was given
@@ -101,17 +101,15 @@ class _Server:
 
 
 def _excerpt(response: httpx.Response) -> str:
+    """The message of an error answer (vLLM's ``{"error": {"message"}}``, or its text)."""
     try:
         payload: object = response.json()
     except ValueError:
         payload = None
     error = payload.get("error") if isinstance(payload, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    if not isinstance(message, str):
-        message = (
-            payload.get("message") if isinstance(payload, dict) else None
-        ) or response.text.strip().replace("\n", " ")
-    text = str(message)
+    if isinstance(error, dict):
+        error = error.get("message")
+    text = error if isinstance(error, str) else response.text.strip().replace("\n", " ")
     return (text[:_BODY_SHOWN] + ("..." if len(text) > _BODY_SHOWN else "")) or "(empty body)"
 
 
@@ -145,7 +143,7 @@ class TargetServerClient:
 
     Use as a context manager, or call :meth:`close`: the client owns a thread, an event loop,
     a connection pool and a few reader threads. Raises TargetServerError at start when
-    `settings.storage_dir` is not a folder.
+    `settings.storage_dir` (or `keep_dir`) is not a folder.
     """
 
     def __init__(self, settings: TargetServerSettings) -> None:
@@ -155,6 +153,9 @@ class TargetServerClient:
                 "the folder vLLM's connector writes into (shared_storage_path), as this machine "
                 "sees it"
             )
+            raise TargetServerError(msg)
+        if settings.keep_dir is not None and not settings.keep_dir.is_dir():
+            msg = f"target server keep_dir {settings.keep_dir} is not a folder: create it first"
             raise TargetServerError(msg)
         self.settings = settings
         self._expected = ExpectedStates(settings.layer_ids, settings.hidden_size, settings.dtype)
@@ -260,7 +261,9 @@ class TargetServerClient:
 
     async def _open(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         s = self.settings
+        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         client = httpx.AsyncClient(
+            headers=headers,
             timeout=httpx.Timeout(s.timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=s.max_in_flight),
             trust_env=False,  # the servers share a folder with this machine: no proxy between
@@ -371,7 +374,7 @@ class TargetServerClient:
                 server=server.name,
                 conversation=index,
                 deadline=time.monotonic() + s.lock_timeout_s,
-                keep=s.keep_files == "keep",
+                keep_dir=s.keep_dir,
             )
             try:
                 states = await asyncio.get_running_loop().run_in_executor(self._readers, read)
@@ -395,6 +398,12 @@ class TargetServerClient:
         if status >= 500 or status in _RETRY_STATUSES:
             msg = f"HTTP {status}: {_excerpt(response)}"
             raise _AttemptFailed(msg)
+        if status in (401, 403):
+            msg = (
+                f"{server.name} refused the request (HTTP {status}: {_excerpt(response)}): set "
+                "the API key to the servers' --api-key"
+            )
+            raise TargetServerError(msg)
         if status == 404:
             msg = (
                 f"{server.name} does not serve the model {s.served_model_name!r} (HTTP 404: "

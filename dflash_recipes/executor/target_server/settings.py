@@ -10,7 +10,6 @@ settings take them that way and the states come back in that order.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, get_args
 
 import attrs
 import httpx
@@ -18,12 +17,6 @@ import httpx
 from dflash_recipes.errors import TargetServerError
 from dflash_recipes.recipe.choices import DTYPES, Dtype
 from dflash_recipes.records import Record
-
-#: What happens to a hidden-states file once it has been read and verified: ``delete`` (it and
-#: its lock), or ``keep`` it where vLLM wrote it (its lock is deleted; a file that failed a check
-#: is always deleted).
-KeepFiles = Literal["delete", "keep"]
-KEEP_FILES: tuple[str, ...] = get_args(KeepFiles)
 
 #: The path suffixes of the OpenAI-compatible API a URL may be given with (``.../v1``).
 _API_SUFFIXES = ("/v1/completions", "/v1")
@@ -42,7 +35,8 @@ def server_name(url: str) -> str:
     """``host:port`` of a server URL, as every message names it (the scheme's port if none)."""
     parsed = httpx.URL(base_url(url))
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    return f"{parsed.host}:{port}"
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    return f"{host}:{port}"
 
 
 def _check_url(url: str) -> None:
@@ -91,8 +85,12 @@ class TargetServerSettings(Record):
     #: Seconds to wait for vLLM's lock on a file after its answer (the file is written in a
     #: later engine step, then the lock released).
     lock_timeout_s: float = 60.0
-    #: ``delete`` each file once read, or ``keep`` it (verified) where vLLM wrote it.
-    keep_files: KeepFiles = "delete"
+    #: None: delete each file once read. A folder: keep each file that passed every check
+    #: there, under its own name (moved from storage_dir; ``storage_dir`` itself keeps it where
+    #: vLLM wrote it). Locks and files that failed a check are always deleted.
+    keep_dir: Path | None = None
+    #: Sent as ``Authorization: Bearer`` (the servers' ``--api-key``); never shown.
+    api_key: str | None = attrs.field(default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         for url in self.urls:
@@ -128,8 +126,6 @@ class TargetServerSettings(Record):
                 problems.append(f"{name} {getattr(self, name)} must be above 0")
         if not self.backoff_s >= 0:
             problems.append(f"backoff_s {self.backoff_s} must be 0 or more")
-        if self.keep_files not in KEEP_FILES:
-            problems.append(f"keep_files {self.keep_files!r} must be one of {KEEP_FILES}")
         return problems
 
     @property
@@ -142,4 +138,4 @@ class TargetServerSettings(Record):
         return self.backoff_s * 2.0 ** (retry - 1)
 
 
-__all__ = ["KEEP_FILES", "KeepFiles", "TargetServerSettings", "base_url", "server_name"]
+__all__ = ["TargetServerSettings", "base_url", "server_name"]

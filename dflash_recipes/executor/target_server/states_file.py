@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from dflash_recipes.checkpoint.safetensors_header import SafetensorsHeader, read_safetensors_header
-from dflash_recipes.errors import SafetensorsHeaderError, ServedStatesError
+from dflash_recipes.errors import RunIOError, SafetensorsHeaderError, ServedStatesError
 from dflash_recipes.files.capture_manifest import SAFETENSORS_DTYPES
 from dflash_recipes.records import Record
 
@@ -50,7 +51,7 @@ class ServedStates:
     token_ids: Tensor
     #: The server that answered, ``host:port``.
     server: str
-    #: The file, where it was kept (``keep_files="keep"``); None once deleted.
+    #: The file, where it was kept (settings ``keep_dir``); None once deleted.
     path: Path | None
 
 
@@ -253,6 +254,20 @@ def read_states_file(
     return states, ids
 
 
+def _keep(path: Path, keep_dir: Path, server: str) -> Path:
+    """Move a checked file into `keep_dir` (a rename on one file system); RunIOError."""
+    if keep_dir.resolve() == path.parent.resolve():
+        return path
+    target = keep_dir / path.name
+    try:
+        shutil.move(path, target)
+    except OSError as exc:
+        _remove(target)
+        msg = f"cannot keep the file {path} from {server} in {keep_dir}: {exc}"
+        raise RunIOError(msg) from exc
+    return target
+
+
 def take_states_file(
     path: Path,
     token_ids: Sequence[int],
@@ -261,13 +276,13 @@ def take_states_file(
     server: str,
     conversation: int,
     deadline: float,
-    keep: bool,
+    keep_dir: Path | None,
 ) -> ServedStates:
     """The states of one answer: wait for vLLM's lock (until `deadline`), read and check the
-    file under a shared lock, then delete it and its lock (`keep`: keep the file once it
-    passed every check). Whatever happens, nothing of this answer is left but a kept file."""
+    file under a shared lock, then delete it and its lock, or keep the file in `keep_dir` once
+    it passed every check. Whatever happens, nothing of this answer is left but a kept file."""
     fd = wait_for_lock(path, deadline=deadline, server=server)
-    kept = False
+    kept: Path | None = None
     try:
         if fd is not None and not path.exists():
             msg = (
@@ -278,10 +293,12 @@ def take_states_file(
         states, ids = read_states_file(
             path, token_ids, expected=expected, server=server, conversation=conversation
         )
-        kept = keep
-        return ServedStates(states, ids, server, path if keep else None)
+        kept = None if keep_dir is None else _keep(path, keep_dir, server)
+        return ServedStates(states, ids, server, kept)
     finally:
-        _remove(lock_path(path), *(() if kept else (path,)))
+        _remove(lock_path(path))
+        if kept != path:
+            _remove(path)  # read, refused, or moved away already
         if fd is not None:
             os.close(fd)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from testkit.vllm_server import (
     SavedTarget,
     ServerPair,
@@ -218,19 +219,36 @@ def test_the_lock_is_waited_for_and_its_deadline_is_an_error_naming_it(
     assert _left(servers.storage) == []
 
 
-def test_files_are_kept_verified_with_keep_and_their_locks_deleted(
-    servers: ServerPair, settings: SettingsFactory
+@pytest.mark.parametrize("where", ["elsewhere", "in place"])
+def test_checked_files_are_kept_in_keep_dir_and_their_locks_deleted(
+    tmp_path: Path, servers: ServerPair, settings: SettingsFactory, where: str
 ) -> None:
-    with TargetServerClient(settings(keep_files="keep")) as client:
+    keep_dir = tmp_path if where == "elsewhere" else servers.storage
+    with TargetServerClient(settings(keep_dir=keep_dir)) as client:
         served = client.states(CONVERSATIONS)
     kept = [s.path for s in served]
-    assert all(p is not None and p.parent == servers.storage for p in kept)
-    assert _left(servers.storage) == sorted(p.name for p in kept if p is not None)
-    from safetensors.torch import load_file
-
+    assert all(p is not None and p.parent == keep_dir for p in kept)
+    assert _left(keep_dir) == sorted(p.name for p in kept if p is not None)
+    assert all(p.endswith(".safetensors") for p in _left(keep_dir))
+    if where == "elsewhere":
+        assert _left(servers.storage) == []
     for states, path in zip(served, kept, strict=True):
         assert path is not None
-        assert torch.equal(load_file(str(path))["hidden_states"], states.hidden_states)
+        on_disk = load_file(str(path))
+        assert torch.equal(on_disk["hidden_states"], states.hidden_states)
+        assert on_disk["token_ids"].tolist() == states.token_ids.tolist()
+
+
+def test_a_file_that_fails_a_check_is_not_kept(
+    servers: ServerPair, settings: SettingsFactory
+) -> None:
+    servers.first.control(nan=True)
+    with (
+        TargetServerClient(settings(keep_dir=servers.storage)) as client,
+        pytest.raises(ServedStatesError),
+    ):
+        client.states(CONVERSATIONS[:1])
+    assert _left(servers.storage) == []
 
 
 def test_in_flight_requests_and_files_stay_within_the_bound(
@@ -318,3 +336,19 @@ def test_probe_lists_the_live_servers_and_refuses_another_model(
         pytest.raises(TargetServerUnavailable, match="no target server answers"),
     ):
         client.probe()
+
+
+def test_the_api_key_is_sent_and_a_refused_one_is_not_retried(
+    servers: ServerPair, settings: SettingsFactory
+) -> None:
+    servers.first.control(api_key="sesame")
+    with TargetServerClient(settings(api_key="sesame")) as client:
+        assert client.states(CONVERSATIONS[:1])[0].token_ids.tolist() == CONVERSATIONS[0]
+    with (
+        TargetServerClient(settings(api_key="wrong")) as client,
+        pytest.raises(TargetServerError, match=r"refused the request \(HTTP 401") as caught,
+    ):
+        client.states(CONVERSATIONS[:1])
+    assert "wrong" not in str(caught.value)
+    stats = servers.first.stats()
+    assert (stats["requests"], stats["refused"]) == (1, 1)
