@@ -6,15 +6,19 @@ loss masks of every sample (a few bytes a token) are read once into a
 order, rank
 sharding and resumption are exactly those of online training. The tapped states (kilobytes a
 token) stay on disk: each micro-batch reads only its rows' tensors through ``safe_open``
-(memory-mapped, no full load) and pads them like the batch.
+(memory-mapped, no full load) and pads them like the batch, in the stored dtype, on the
+prefetch thread (:mod:`~dflash_recipes.executor.training.setup.prefetch`): the loop only
+moves them to the device, ``non_blocking`` from pinned memory.
 
 Nothing in a capture is trusted blindly (manifest format version 2): the token ids and loss
 masks read from each shard must hash to what the manifest recorded from the tokenized
 conversations
 (checked for every shard at setup, a few bytes a token), and each shard's file must hash to its
-recorded sha256, checked on the first read of its states, before an optimiser step uses them
-(one sequential read of the shard, which leaves it in the page cache for the reads that
-follow; :meth:`CaptureReader.verify_all` checks every shard up front). A mismatch is a
+recorded sha256 before an optimiser step uses its states: a background thread hashes the
+shards in order ahead of the reads (:meth:`CaptureReader.verify_in_background`; one sequential
+read of each, which leaves it in the page cache for the reads that follow), and a read of a
+shard not hashed yet hashes it first (:meth:`CaptureReader.verify_all` checks every shard up
+front instead). A mismatch is a
 DataError naming the shard, both hashes and the fix.
 
 Teacher logits (self-distillation, DSpark's TV term) are recomputed from the stored input of the
@@ -26,6 +30,7 @@ loaded (:func:`load_target_without_decoder`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,6 +122,9 @@ class CaptureReader:
         self._handles: OrderedDict[str, safe_open] = OrderedDict()
         #: Shards whose file was hashed and matched the manifest.
         self._verified: set[str] = set()
+        #: One lock per shard file, so a shard is hashed once whichever thread asks first.
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the shard handles (reading again opens them again)."""
@@ -160,17 +168,23 @@ class CaptureReader:
         return self.manifest.shards[lo]
 
     def verify(self, entry: ShardEntry) -> None:
-        """Check the shard's file against its recorded sha256 (once); DataError on mismatch."""
-        if entry.file in self._verified:
-            return
-        try:
-            problem = shard_content_problem(self.directory, entry)
-        except OSError as exc:
-            msg = f"cannot read capture shard {self.directory / entry.file}: {exc}"
-            raise DataError(msg) from exc
-        if problem is not None:
-            raise DataError(problem)
-        self._verified.add(entry.file)
+        """Check the shard's file against its recorded sha256 (once); DataError on mismatch.
+
+        Thread-safe: two threads asking for the same shard hash it once, the second waiting
+        for the first's verdict (:meth:`verify_in_background`)."""
+        with self._locks_lock:
+            lock = self._locks.setdefault(entry.file, threading.Lock())
+        with lock:
+            if entry.file in self._verified:
+                return
+            try:
+                problem = shard_content_problem(self.directory, entry)
+            except OSError as exc:
+                msg = f"cannot read capture shard {self.directory / entry.file}: {exc}"
+                raise DataError(msg) from exc
+            if problem is not None:
+                raise DataError(problem)
+            self._verified.add(entry.file)
 
     def verify_all(self) -> None:
         """Check every shard's file now (``dflash-recipe run --verify-capture``)."""
@@ -200,23 +214,38 @@ class CaptureReader:
         mask = self._tensor(index, 1).long().tolist()
         return TokenizedExample(ids, mask)
 
-    def states(self, indices: Sequence[int], length: int, device: torch.device) -> CapturedStates:
-        """The captured states of samples `indices` as batch rows padded to `length`."""
+    def states(self, indices: Sequence[int], length: int) -> CapturedStates:
+        """The captured states of samples `indices` as batch rows padded to `length`, in host
+        memory and the stored dtype (the prefetch thread reads them; the loop moves them)."""
         first = self._tensor(indices[0], 2)
         _, n_taps, hidden = first.shape
-        tapped = torch.zeros(len(indices), length, n_taps * hidden, dtype=torch.float32)
+        tapped = torch.zeros(len(indices), length, n_taps * hidden, dtype=first.dtype)
         last: Tensor | None = None
         if self.manifest.last_hidden_state:
             last = torch.zeros(len(indices), length, hidden, dtype=first.dtype)
         for row, index in enumerate(indices):
             taps = first if row == 0 else self._tensor(index, 2)
             n = int(taps.shape[0])
-            tapped[row, :n] = taps.reshape(n, n_taps * hidden).float()
+            tapped[row, :n] = taps.reshape(n, n_taps * hidden)
             if last is not None:
                 last[row, :n] = self._tensor(index, 3)
-        return CapturedStates(
-            tapped.to(device), None if last is None else last.to(device, non_blocking=True)
-        )
+        return CapturedStates(tapped, last)
+
+    def verify_in_background(self) -> threading.Thread:
+        """Hash every shard on a daemon thread, in order, ahead of the reads that need them:
+        a read of a shard being hashed waits for that hash (never hashes it twice), a read of
+        one not reached yet hashes it itself. Returns the started thread."""
+
+        def verify_every_shard() -> None:
+            for entry in self.manifest.shards:
+                try:
+                    self.verify(entry)
+                except DataError:
+                    return  # the read that needs this shard raises it, on its own thread
+
+        thread = threading.Thread(target=verify_every_shard, name="capture-verify", daemon=True)
+        thread.start()
+        return thread
 
 
 def _close_handles(handles: OrderedDict[str, safe_open]) -> None:

@@ -206,13 +206,29 @@ def dflash_module(model: nn.Module) -> DFlashDraftModel:
 @attrs.frozen(eq=False)
 class CapturedStates:
     """What an offline capture gives the trainer in place of a target forward: a micro-batch's
-    captured states, padded like the batch (zeros past each row)."""
+    captured states, padded like the batch (zeros past each row).
 
-    #: ``[B, T, n_taps * H]`` float32: the taps in ``target_layer_ids`` order, as
-    #: :func:`~dflash_recipes.executor.model.target_states.target_states` gives them.
+    Read on the prefetch thread into host memory (pinned when training on CUDA) and moved to
+    the device by the loop with :meth:`to` (``non_blocking``)."""
+
+    #: ``[B, T, n_taps * H]`` in the stored (target) dtype: the taps in ``target_layer_ids``
+    #: order, as :func:`~dflash_recipes.executor.model.target_states.target_states` gives them.
     tapped: torch.Tensor
     #: ``[B, T, H]`` in the target dtype: the input of the final norm, or None.
     last_hidden: torch.Tensor | None
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> CapturedStates:
+        """The same states on `device` (`non_blocking`: asynchronous from pinned memory)."""
+        last = self.last_hidden
+        return CapturedStates(
+            self.tapped.to(device, non_blocking=non_blocking),
+            None if last is None else last.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> CapturedStates:
+        """The same states in pinned host memory (CUDA only)."""
+        last = self.last_hidden
+        return CapturedStates(self.tapped.pin_memory(), None if last is None else last.pin_memory())
 
 
 def teacher_logits(

@@ -184,9 +184,15 @@ class DFlashDraftModel(nn.Module):
             self._head.reset_parameters(generator)
 
     def fuse_context(self, tapped: Tensor) -> Tensor:
-        """``[B, T, n_taps * H]`` tapped target states -> ``[B, T, H]`` (fc, then hidden_norm),
-        in the module's parameter dtype."""
-        fused: Tensor = self.hidden_norm(self.fc(tapped.to(self.fc.weight.dtype)))
+        """``[B, T, n_taps * H]`` tapped target states (the target's dtype) -> ``[B, T, H]``
+        (fc, then hidden_norm), in the module's parameter dtype.
+
+        Under autocast the taps go to ``fc`` as they are (autocast runs the matmul in its own
+        dtype, the target's): no float32 copy of the largest step input. Without autocast they
+        are cast to the parameters' dtype first."""
+        if not torch.is_autocast_enabled(tapped.device.type):
+            tapped = tapped.to(self.fc.weight.dtype)
+        fused: Tensor = self.hidden_norm(self.fc(tapped))
         return fused
 
     def block_states(self, block_embeds: Tensor) -> Tensor:

@@ -324,6 +324,7 @@ def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:
             seed=plan.training.seed,
             spec=run.spec,
             num_anchors=plan.draft.objective.num_anchors,
+            states=run.data.captured_states if run.data.capture is not None else None,
         )
 
 
@@ -332,8 +333,7 @@ def micro_step(run: Run, prepared: PreparedBatch, *, step: int) -> tuple[LossOut
     output and the batch's token count (a tensor: no host sync)."""
     plan, device = run.plan, run.env.device
     spec, objective = run.spec, plan.draft.objective
-    batch = prepared.batch
-    captured = run.data.captured_states(batch, device)  # offline: the target's stored states
+    captured = prepared.captured_on(device)  # offline: the target's stored states
     on_device, drawn = prepared.to(device)
     inputs = step_inputs(
         run.models.target,

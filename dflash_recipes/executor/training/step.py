@@ -247,7 +247,7 @@ def step_inputs(
                 stop_after=stop_after_layer(taps, needs_logits=teacher),
                 document_ids=docs,
             )
-            tapped = out.tapped.float()
+            tapped = out.tapped  # the target's dtype: fc casts it (or autocast does)
             # Gathered per chunk of blocks inside the step, never as a whole [B, N, K, V].
             target_logits = out.logits
             del out

@@ -16,9 +16,9 @@ Memory per rank, in bytes:
   its per-tensor step counters, exact from the layout.
 - ``activations`` and ``gradients``: the largest phase of a step, with the gradients alive in
   it (all of them, in the master dtype, are :attr:`ResourcePlan.gradient_bytes`). The phases:
-  the target's forward (without a teacher objective only the tapped layers' outputs, the
-  forward stopping after the deepest tap; with one every hidden state and the logits; one
-  decoder layer's transients, FSDP's gathered layers, the tapped states in float32); the turn
+  the target's forward (the tapped layers' outputs, recorded by hooks; without a teacher
+  objective the forward stops after the deepest tap, with one the logits too; one decoder
+  layer's transients, FSDP's gathered layers, the tapped states in the target's dtype); the turn
   from the drafter's forward to its backward (what it saves for ``num_anchors x block_size``
   positions through every layer, the attention's keys and values, autocast's weight copies
   when the master dtype is not the autocast dtype, plus the larger of one chunk of
@@ -331,10 +331,11 @@ def estimate_resources(
     q = n * k  # packed block positions per row
     needs_teacher = kinds.needs_teacher(arch.projector_type, objective)
 
-    # Step inputs, alive for the whole drafter phase: tapped states (float32, plus the copy fc
-    # saves in its matmul dtype), block embeddings, RoPE tables, labels, teacher logits.
-    tapped = b * t * n_taps * h * f32
-    inputs = tapped + (b * t * n_taps * h * mm if mm < f32 else 0)
+    # Step inputs, alive for the whole drafter phase: tapped states (the target's dtype, plus
+    # the copy fc saves when its matmul dtype differs: the master dtype without autocast),
+    # block embeddings, RoPE tables, labels, teacher logits.
+    tapped = b * t * n_taps * h * pd
+    inputs = tapped + (b * t * n_taps * h * mm if mm != pd else 0)
     inputs += b * q * h * f32 + 2 * b * (t + q) * d * f32 + 3 * b * q * 8
     if needs_teacher:
         inputs += b * t * v * pd
@@ -435,7 +436,7 @@ def estimate_resources(
         if needs_teacher:
             target_peak = kept + layer_tmp + tapped + b * t * target.vocab_size * pd
         else:
-            target_peak = max(kept + layer_tmp, n_taps * bth * (pd + f32))
+            target_peak = max(kept + layer_tmp, 2 * n_taps * bth * pd)  # hooks' + their concat
         if fsdp:
             target_peak += 2 * layer_numel * pd  # the layer running and the one prefetched
     else:

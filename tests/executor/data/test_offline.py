@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,9 @@ def test_a_flipped_byte_is_refused_before_its_states_are_used_then_recapture_tra
     reader = CaptureReader(capture, manifest)
     try:
         good = manifest.shards[0].first_sample
-        reader.states([good], 64, torch.device("cpu"))  # another shard reads as before
+        reader.states([good], 64)  # another shard reads as before
         with pytest.raises(DataError) as info:
-            reader.states([bad.first_sample], 64, torch.device("cpu"))
+            reader.states([bad.first_sample], 64)
     finally:
         reader.close()
     assert str(info.value) == (
@@ -200,10 +201,65 @@ def test_shard_handles_are_bounded_and_closed(
     monkeypatch.setattr(offline, "MAX_OPEN_SHARDS", 1)
     first, second = manifest.shards[0], manifest.shards[1]
     with CaptureReader(capture, manifest) as reader:
-        reader.states([first.first_sample], 64, torch.device("cpu"))
+        reader.states([first.first_sample], 64)
         assert _mapped(capture) == [str(capture / first.file)]
-        taps = reader.states([second.first_sample], 64, torch.device("cpu")).tapped
+        taps = reader.states([second.first_sample], 64).tapped
         assert reader.open_shards == (second.file,)
         assert _mapped(capture) == [str(capture / second.file)]  # the first one was closed
     assert _mapped(capture) == []
     assert torch.isfinite(taps).all()  # what was read stays valid after the close
+
+
+def test_states_come_in_the_stored_dtype_and_in_host_memory(tmp_path: Path) -> None:
+    """No float32 upcast on the host: the loop moves the stored (target) dtype to the device."""
+    capture = _captured(tmp_path, "capture", "model.dtype=bfloat16")
+    manifest = read_manifest(capture)
+    assert manifest.dtype == "bfloat16"
+    with CaptureReader(capture, manifest) as reader:
+        lengths = [len(reader.example(i).input_ids) for i in (0, 1)]
+        states = reader.states([0, 1], max(lengths) + 3)
+    assert states.tapped.dtype == torch.bfloat16 and states.tapped.device.type == "cpu"
+    for row, n in enumerate(lengths):
+        assert torch.count_nonzero(states.tapped[row, n:]) == 0  # zeros past the row
+        assert torch.count_nonzero(states.tapped[row, :n]) > 0
+
+
+def test_every_shard_is_hashed_once_whichever_thread_asks_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    capture = _captured(tmp_path, "capture")
+    manifest = read_manifest(capture)
+    hashed: list[str] = []
+    check = offline.shard_content_problem
+
+    def counted(directory: Path, entry: object) -> str | None:
+        hashed.append(entry.file)  # type: ignore[attr-defined]
+        time.sleep(0.1)  # a slow disk: the reads below arrive while a shard is being hashed
+        return check(directory, entry)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(offline, "shard_content_problem", counted)
+    with CaptureReader(capture, manifest) as reader:
+        thread = reader.verify_in_background()
+        for entry in manifest.shards:  # reads racing the background hashing
+            reader.states([entry.first_sample], 64)
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert sorted(hashed) == sorted(e.file for e in manifest.shards)  # each exactly once
+
+
+def test_the_background_hashing_leaves_a_bad_shard_to_the_read_that_needs_it(
+    tmp_path: Path,
+) -> None:
+    capture = _captured(tmp_path, "capture")
+    manifest = read_manifest(capture)
+    bad = manifest.shards[0]
+    path = capture / bad.file
+    raw = bytearray(path.read_bytes())
+    raw[-40:-8] = bytes(b ^ 0xFF for b in raw[-40:-8])
+    path.write_bytes(bytes(raw))
+    with CaptureReader(capture, manifest) as reader:
+        reader.verify_in_background().join(timeout=60)
+        later = manifest.shards[-1]
+        reader.states([later.first_sample], 64)  # the good shards were hashed and pass
+        with pytest.raises(DataError, match=f"capture shard {path} is not the one"):
+            reader.states([bad.first_sample], 64)

@@ -186,3 +186,27 @@ def test_the_counter_sees_batches_prepared_on_the_loop_thread(
     monkeypatch.setattr(Prefetch, "__init__", synchronous)
     counter = _count_syncs(monkeypatch, tmp_path / "run")
     assert any("anchors.py" in hit for hit in counter.between), counter.between
+
+
+def test_offline_training_reads_its_states_off_the_loop_thread_without_a_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline (``data.hidden_states_path``), the captured states are read, padded and pinned on
+    the prefetch thread: the loop only moves them to the device (issue 49)."""
+    from dflash_recipes.executor.data.capture import capture_plan
+    from dflash_recipes.executor.training.setup.train_data import TrainData
+
+    capture = tmp_path / "capture"
+    source = tiny_scratch_plan(tmp_path / "capture-run", "training.eval_steps=null")
+    assert capture_plan(source, capture, progress=False).complete
+    readers: list[threading.Thread] = []
+    read = TrainData.captured_states
+
+    def recorded(self: TrainData, batch: Any) -> Any:
+        readers.append(threading.current_thread())
+        return read(self, batch)
+
+    monkeypatch.setattr(TrainData, "captured_states", recorded)
+    counter = _count_syncs(monkeypatch, tmp_path / "run", f"data.hidden_states_path={capture}")
+    assert counter.between == [], "\n".join(counter.between)
+    assert readers and threading.main_thread() not in readers  # the prefetch thread's work

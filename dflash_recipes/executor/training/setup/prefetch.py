@@ -1,7 +1,8 @@
 """Batches prepared off the critical path: step N+1's host work runs while step N trains.
 
 What a micro-step needs from the host (the collated batch, its anchors, on CPU the split block
-mask, the facts a step would otherwise read back from the device) is a pure function of the
+mask, offline the captured target states read from the capture's shards in their stored dtype,
+the facts a step would otherwise read back from the device) is a pure function of the
 batch: :func:`prepare_batch` computes it, and :class:`Prefetch` runs the stream of batches and
 that preparation on a background thread, ``depth`` batches ahead of the loop. On CUDA the
 tensors are pinned there, so the loop's copies to the device are ``non_blocking``.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Generic, TypeVar
 
@@ -29,6 +30,7 @@ import torch
 
 from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import DistEnv
+from dflash_recipes.executor.model.convert import CapturedStates
 from dflash_recipes.executor.model.masks import build_split_block_mask
 from dflash_recipes.executor.training.anchors import (
     AnchorBatch,
@@ -57,11 +59,20 @@ class PreparedBatch:
     #: The split block mask when training on CPU; None elsewhere (the step builds the flex
     #: mask on the device).
     mask: object | None
+    #: Offline: the batch's captured target states in host memory (pinned on CUDA), read on
+    #: the prefetch thread; None online.
+    captured: CapturedStates | None = None
 
     def to(self, device: torch.device) -> tuple[Batch, AnchorBatch]:
         """The batch and anchors on `device`: ``non_blocking`` copies (asynchronous from
         pinned memory, a no-op on CPU)."""
         return self.batch.to(device, non_blocking=True), self.drawn.to(device, non_blocking=True)
+
+    def captured_on(self, device: torch.device) -> CapturedStates | None:
+        """The captured states on `device` (``non_blocking``, as :meth:`to`), or None."""
+        if self.captured is None:
+            return None
+        return self.captured.to(device, non_blocking=True)
 
 
 def pin_batches(device: torch.device) -> bool:
@@ -70,9 +81,16 @@ def pin_batches(device: torch.device) -> bool:
 
 
 def prepare_batch(
-    batch: Batch, *, env: DistEnv, seed: int, spec: ResolvedDraft, num_anchors: int
+    batch: Batch,
+    *,
+    env: DistEnv,
+    seed: int,
+    spec: ResolvedDraft,
+    num_anchors: int,
+    states: Callable[[Batch], CapturedStates | None] | None = None,
 ) -> PreparedBatch:
-    """The host work of one micro-batch: its anchors, the CPU block mask, pinned memory."""
+    """The host work of one micro-batch: its anchors, the CPU block mask, the captured states
+    offline (`states`: what reads them, e.g. ``TrainData.captured_states``), pinned memory."""
     drawn = sample_batch_anchors(
         batch,
         positions=batch_positions(batch, env),
@@ -92,10 +110,12 @@ def prepare_batch(
             heads=spec.num_attention_heads,
             document_ids=batch.document_ids,
         )
+    captured = None if states is None else states(batch)
     if pin_batches(env.device):
         batch = batch.pin_memory()
         drawn = AnchorBatch(anchors=drawn.anchors.pin_memory(), valid=drawn.valid.pin_memory())
-    return PreparedBatch(batch=batch, drawn=drawn, mask=mask)
+        captured = None if captured is None else captured.pin_memory()
+    return PreparedBatch(batch=batch, drawn=drawn, mask=mask, captured=captured)
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -18,7 +18,6 @@ import logging
 from collections.abc import Iterator
 
 import attrs
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.data.conversations import Conversation
@@ -152,8 +151,9 @@ class TrainData:
                 raise DataError(msg)
             epoch, start = epoch + 1, 0
 
-    def captured_states(self, batch: Batch, device: torch.device) -> CapturedStates | None:
-        """Offline: the captured target states of this rank's rows of `batch`; online: None."""
+    def captured_states(self, batch: Batch) -> CapturedStates | None:
+        """Offline: the captured target states of this rank's rows of `batch`, in host memory
+        (read on the prefetch thread); online: None."""
         if self.capture is None:
             return None
         if batch.document_ids is not None:
@@ -164,7 +164,7 @@ class TrainData:
             self._order = epoch_order(key[1], seed=self.seed, epoch=batch.epoch)
             self._order_key = key
         rows = [self._order[p] for p in batch_positions(batch, self.env)]
-        return self.capture.states(rows, int(batch.input_ids.shape[1]), device)
+        return self.capture.states(rows, int(batch.input_ids.shape[1]))
 
 
 def build_train_data(
@@ -177,6 +177,8 @@ def build_train_data(
         capture, manifest = open_capture(plan)
         if verify_capture:
             capture.verify_all()
+        else:  # ahead of the reads, off the loop and the prefetch thread
+            capture.verify_in_background()
         dataset = capture_dataset(capture, manifest, tokenizer)
     elif plan.data.data_path is None:
         msg = "the plan has no data.data_path; set it in the recipe and recompile"

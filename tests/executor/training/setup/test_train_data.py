@@ -51,7 +51,7 @@ def test_the_stream_goes_on_epoch_after_epoch_and_resumes_where_a_batch_ended() 
     # a resume at a saved (epoch, next index) draws exactly what followed it
     assert _ids(data, 0, 4, 4) == straight[2:6]
     batch = next(data.stream(0, 0))
-    assert not data.offline and data.captured_states(batch, torch.device("cpu")) is None
+    assert not data.offline and data.captured_states(batch) is None
 
 
 def test_data_smaller_than_one_global_batch_is_refused_with_the_fix() -> None:

@@ -1,0 +1,188 @@
+"""Offline training: captured states read on the prefetch thread against read on the loop's.
+
+    python benchmarks/bench_offline_prefetch.py [--rounds 4] [--steps 12] [--threads 1]
+        [--hidden 512] [--layers 8] [--batch 8]
+
+One capture of the demo data from a random Qwen3 target (``--hidden``, ``--layers``, bf16,
+the demo tokenizer; wide enough that the taps are most of a micro-batch's bytes) feeds both
+arms of the real :func:`~dflash_recipes.executor.training.fit.fit`, same shards, same steps:
+
+- ``prefetch`` (the product, issue 49): the prefetch thread reads each micro-batch's states
+  from the shards, pads them in the stored dtype (bf16) and hands them over in host memory
+  (pinned on CUDA); the shards are hashed by a background thread ahead of the reads; the loop
+  only moves them to the device;
+- ``on the loop`` (before): the loop's thread reads, pads and upcasts the states to float32 at
+  every micro-step, and hashes each shard on first touch, in the middle of a step.
+
+Each round sets up a fresh run of each arm (untimed) and times ``fit`` alone; the arms
+alternate and swap order every round; figures are medians of the per-step time. On a CPU the
+prefetch thread competes with the step for the same cores, so what shows here is the work
+taken off the loop; on a GPU it also overlaps with the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from unittest import mock
+
+import torch
+from _measure import print_table
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.executor.data.capture import capture_plan
+from dflash_recipes.executor.data.offline import CaptureReader
+from dflash_recipes.executor.dist_env import detect_dist_env
+from dflash_recipes.executor.model.convert import CapturedStates
+from dflash_recipes.executor.signals import SignalWatch
+from dflash_recipes.executor.training import fit as fit_module
+from dflash_recipes.executor.training.fit import fit, setup
+from dflash_recipes.executor.training.setup import prefetch as prefetch_module
+from dflash_recipes.plan.run_plan import RunPlan
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
+DEMO = REPO / "dflash_recipes" / "demo_data"
+ARMS = ("prefetch", "on the loop")
+
+
+def _target(folder: Path, hidden: int, layers: int) -> Path:
+    config = Qwen3Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        vocab_size=392,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DEMO / "target" / name, folder / name)
+    return folder
+
+
+def _plan(folder: Path, target: Path, args: argparse.Namespace, *extra: str) -> RunPlan:
+    result = compile_file(
+        RECIPE,
+        overrides=(
+            f"model.model_name_or_path={target}",
+            "model.dtype=bfloat16",
+            f"data.data_path={DEMO / 'data' / 'domain.jsonl'}",
+            f"training.output_dir={folder}",
+            f"training.max_steps={args.steps}",
+            f"training.logging_steps={args.steps}",
+            f"training.save_steps={args.steps}",
+            "training.eval_steps=null",
+            f"training.per_device_train_batch_size={args.batch}",
+            "training.training_seq_len=256",
+            *extra,
+        ),
+    )
+    assert result.plan is not None, [str(d) for d in result.diagnostics]
+    return result.plan
+
+
+@contextmanager
+def _states_on_the_loop() -> Iterator[None]:
+    """Patches giving the loop's thread what it did before: no states prepared ahead, each
+    micro-step reading, padding and upcasting them itself, each shard hashed on first touch."""
+    prepare = prefetch_module.prepare_batch
+    original_micro_step = fit_module.micro_step
+
+    def without_states(batch: object, **kwargs: object) -> object:
+        return prepare(batch, **{**kwargs, "states": None})  # type: ignore[arg-type]
+
+    def reading_micro_step(run: object, prepared: object, *, step: int) -> object:
+        captured = run.data.captured_states(prepared.batch)  # type: ignore[attr-defined]
+        assert captured is not None
+        device = run.env.device  # type: ignore[attr-defined]
+        last = captured.last_hidden
+        moved = CapturedStates(
+            captured.tapped.float().to(device), None if last is None else last.to(device)
+        )
+        patched = prepared.__class__(  # type: ignore[attr-defined]
+            batch=prepared.batch,  # type: ignore[attr-defined]
+            drawn=prepared.drawn,  # type: ignore[attr-defined]
+            mask=prepared.mask,  # type: ignore[attr-defined]
+            captured=moved,
+        )
+        return original_micro_step(run, patched, step=step)  # type: ignore[arg-type]
+
+    with (
+        mock.patch.object(fit_module, "prepare_batch", without_states),
+        mock.patch.object(fit_module, "micro_step", reading_micro_step),
+        mock.patch.object(CaptureReader, "verify_in_background", lambda self: None),
+    ):
+        yield
+
+
+def one_fit(plan: RunPlan, steps: int, *, arm: str) -> float:
+    """Seconds per optimiser step of one fresh run's ``fit`` (setup not timed)."""
+    env = detect_dist_env(plan.training.device, {})
+    with _states_on_the_loop() if arm == "on the loop" else nullcontext():
+        run = setup(plan, env, None, verify_capture=False)
+        try:
+            started = time.perf_counter()
+            progress = fit(run, SignalWatch(), None, show_progress=False)
+            seconds = time.perf_counter() - started
+        finally:
+            run.trackers.close("finished")
+    assert progress.done == steps
+    return seconds / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.disable(logging.INFO)
+    samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        target = _target(Path(tmp) / "target", args.hidden, args.layers)
+        capture = Path(tmp) / "capture"
+        source = _plan(Path(tmp) / "capture-run", target, args)
+        assert capture_plan(source, capture, progress=False).complete
+        for index in range(args.rounds + 1):  # round 0 warms up
+            order = ARMS if index % 2 == 0 else ARMS[::-1]
+            for arm in order:
+                folder = Path(tmp) / f"{arm.replace(' ', '-')}-{index}"
+                plan = _plan(folder, target, args, f"data.hidden_states_path={capture}")
+                seconds = one_fit(plan, args.steps, arm=arm)
+                if index > 0:
+                    samples[arm].append(seconds)
+    median = {arm: statistics.median(s) for arm, s in samples.items()}
+    print(
+        f"offline, bf16 capture of a {args.layers}-layer hidden-{args.hidden} Qwen3 target, "
+        f"batch {args.batch}, {args.steps} optimiser steps per fit, {args.threads} torch "
+        f"thread(s), {args.rounds} interleaved rounds (medians)"
+    )
+    rows = [
+        [arm, f"{median[arm] * 1e3:.2f}", " ".join(f"{s * 1e3:.1f}" for s in samples[arm])]
+        for arm in ARMS
+    ]
+    print_table(["arm", "ms / step", "rounds (ms / step)"], rows)
+    print(f"prefetch / on the loop = {median['prefetch'] / median['on the loop']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
