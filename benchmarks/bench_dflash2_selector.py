@@ -72,7 +72,9 @@ def _eval(plan: RunPlan, prompts: int, temperature: float) -> AcceptanceReport:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="fine-tune steps (the demo's 60)")
-    parser.add_argument("--prompts", type=int, default=24, help="held-out prompts (demo: 24)")
+    parser.add_argument(
+        "--prompts", type=int, default=12, help="held-out prompts (demo: 12, all of eval.jsonl)"
+    )
     parser.add_argument("--alpha", type=float, default=1.0, help="dflash_selector_loss_alpha")
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="sampled verification at T (0: greedy)"

@@ -52,7 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--num-prompts", type=int, default=12)  # all of eval.jsonl
     args = parser.parse_args()
 
     import torch

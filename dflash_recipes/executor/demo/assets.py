@@ -5,6 +5,10 @@ conversations; a byte-level BPE tokenizer is trained on it; a 6-layer, width-128
 is pretrained on it for a few hundred CPU steps so that its greedy answers are the atlas'
 facts (a real language model of this tiny world, so drafting against it means something).
 The same seed gives byte-identical assets in every process.
+
+The data files (:func:`demo_conversations`) split the atlas by city: the drafters train on
+the first cities (``general.jsonl``, ``domain.jsonl``), and ``eval.jsonl`` asks only about the
+last :data:`HELD_OUT_CITIES`, which no training file mentions; the target knows every city.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ logger = logging.getLogger("dflash_recipes.demo")
 ASSETS_VERSION = 1
 TARGET_LAYERS = 6
 TARGET_HIDDEN = 128
+#: The last cities of the atlas: only the eval set asks about them.
+HELD_OUT_CITIES = 6
+#: The demo's data files, by name, in the order they are written.
+DATA_FILES = ("general.jsonl", "domain.jsonl", "eval.jsonl")
 
 _SYLLABLES = ("ka", "lo", "mi", "ven", "tor", "sa", "rin", "bel", "dor", "ne", "qua", "zu")
 _COUNTRIES = ("arvand", "belmora", "cestia", "dunmark", "elvaria", "fenwick")
@@ -124,6 +132,38 @@ def conversations(
     return rows
 
 
+def demo_conversations(seed: int = 0) -> dict[str, list[dict[str, object]]]:
+    """The rows of each data file (:data:`DATA_FILES`), generated from the atlas of `seed`.
+
+    ``general.jsonl`` (the released drafter's data) and ``domain.jsonl`` (the fine-tune's) cover
+    the training cities; ``eval.jsonl`` is the fine-tune's task over the held-out cities only, so
+    the measured tau is on conversations no run trained on.
+    """
+    atlas = make_atlas(seed)
+    held_out = atlas[-HELD_OUT_CITIES:]
+    train_atlas = atlas[:-HELD_OUT_CITIES]
+    return {
+        "general.jsonl": conversations(train_atlas, _GENERAL),
+        "domain.jsonl": conversations(train_atlas, _DOMAIN),
+        "eval.jsonl": conversations(held_out, _DOMAIN),
+    }
+
+
+def data_file_text(rows: Sequence[dict[str, object]]) -> str:
+    """A data file's text: one JSON object per line, keys sorted."""
+    return "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+
+
+def write_demo_data(data_dir: Path, seed: int = 0) -> list[Path]:
+    """Write the data files of `seed` into `data_dir` (the target is not touched)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, rows in demo_conversations(seed).items():
+        (data_dir / name).write_text(data_file_text(rows), encoding="utf-8")
+        written.append(data_dir / name)
+    return written
+
+
 @attrs.frozen(repr=False, eq=False, slots=False)
 class DemoAssets(Record):
     """Paths of the built assets."""
@@ -134,12 +174,6 @@ class DemoAssets(Record):
     domain_data: Path
     eval_data: Path
     mask_token_id: int
-
-
-def _write_jsonl(path: Path, rows: Sequence[dict[str, object]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-    path.write_text(text, encoding="utf-8")
 
 
 def build_demo_assets(
@@ -170,11 +204,6 @@ def build_demo_assets(
             )
 
     atlas = make_atlas(seed)
-    held_out = atlas[-6:]
-    train_atlas = atlas[:-6]
-    general = conversations(train_atlas, _GENERAL)
-    domain = conversations(train_atlas, _DOMAIN)
-    evaluation = conversations(held_out, _DOMAIN) + conversations(train_atlas[:6], _DOMAIN)
     # The target knows the whole world (held-out cities included): the drafter is what is
     # evaluated on conversations it never trained on.
     world = conversations(atlas, _GENERAL + _DOMAIN)
@@ -213,9 +242,7 @@ def build_demo_assets(
     _pretrain(model, tokenizer, [str(r) for r in rendered], steps=pretrain_steps, seed=seed)
     model.save_pretrained(target_dir, safe_serialization=True)
 
-    _write_jsonl(assets_paths["general_data"], general)
-    _write_jsonl(assets_paths["domain_data"], domain)
-    _write_jsonl(assets_paths["eval_data"], evaluation)
+    write_demo_data(data_dir, seed)
     stamp.write_text(
         json.dumps({"key": wanted, "mask_token_id": mask_token_id}, indent=2) + "\n",
         encoding="utf-8",
@@ -271,4 +298,14 @@ def _pretrain(
     )
 
 
-__all__ = ["DemoAssets", "build_demo_assets", "conversations", "make_atlas"]
+__all__ = [
+    "DATA_FILES",
+    "HELD_OUT_CITIES",
+    "DemoAssets",
+    "build_demo_assets",
+    "conversations",
+    "data_file_text",
+    "demo_conversations",
+    "make_atlas",
+    "write_demo_data",
+]

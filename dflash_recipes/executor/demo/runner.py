@@ -8,8 +8,9 @@
 4. compile and run `recipes/tiny/tiny_scratch.yaml`: the same fine-tune from scratch, same
    steps, same data, same seed;
 5. measure real acceptance of both exports with speculative decoding against the target
-   (lossless greedy verification), write it into each export's model card (README.md), and
-   print accuracy and acceptance side by side.
+   (lossless greedy verification) on every prompt of ``demo_data/data/eval.jsonl`` (cities no
+   training file mentions), write it into each export's model card (README.md), and print
+   accuracy and acceptance side by side.
 
 Everything goes through the public path a user takes: recipe -> compile -> plan -> run. The
 recipes, the target and the data are package data (``demo_data/``; ``demo_data/recipes`` is the
@@ -229,15 +230,22 @@ def run_demo(workdir: Path, *, fresh: bool = False, echo: Echo = print) -> DemoR
     scratch_plan = _compile("tiny_scratch.yaml", [f"training.output_dir={runs / 'scratch'}"], echo)
     scratch = run_plan(scratch_plan, progress=True)
 
-    echo("\n== 4. measured acceptance (speculative decoding, greedy verification)")
+    prompts = sum(1 for line in eval_prompts.read_text(encoding="utf-8").splitlines() if line)
+    echo(
+        f"\n== 4. measured acceptance (speculative decoding, greedy verification) on the "
+        f"{prompts} held-out prompts"
+    )
     warm_eval = run_eval(
-        finetune, Path(finetune.training.output_dir) / EXPORT_DIR, eval_prompts, num_prompts=24
+        finetune,
+        Path(finetune.training.output_dir) / EXPORT_DIR,
+        eval_prompts,
+        num_prompts=prompts,
     )
     scratch_eval = run_eval(
         scratch_plan,
         Path(scratch_plan.training.output_dir) / EXPORT_DIR,
         eval_prompts,
-        num_prompts=24,
+        num_prompts=prompts,
     )
     cards = [
         _measured_card(Path(plan.training.output_dir) / EXPORT_DIR, report)
