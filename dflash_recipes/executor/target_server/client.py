@@ -79,9 +79,10 @@ _T = TypeVar("_T")
 _RETRY_STATUSES = frozenset({408, 429})
 #: How much of an error body a message quotes.
 _BODY_SHOWN = 300
-_START_HINT = (
-    "start it with the command `dflash-recipe serve-target` prints for this plan (vLLM with "
-    "the extract_hidden_states speculative config and the ExampleHiddenStatesConnector)"
+#: How a server that gives hidden states is started.
+_SERVE = (
+    "the command `dflash-recipe serve-target` prints for this plan (vLLM with the "
+    "extract_hidden_states speculative config and the ExampleHiddenStatesConnector)"
 )
 
 
@@ -330,8 +331,8 @@ class TargetServerClient:
         what = "; ".join(f"{srv.name}: {why}" for srv, why in tried.items())
         msg = (
             f"no target server gave the states of conversation {index} ({len(prompt)} tokens): "
-            f"{what}. Start the servers ({_START_HINT}) or fix target_server.urls; a rerun "
-            "resumes from the last checkpoint"
+            f"{what}. Start the servers with {_SERVE}, or fix the server URLs "
+            "(target_server.urls)"
         )
         raise TargetServerUnavailable(msg)
 
@@ -379,8 +380,9 @@ class TargetServerClient:
             try:
                 states = await asyncio.get_running_loop().run_in_executor(self._readers, read)
             except StatesFileFailure as exc:
+                what = str(exc).removeprefix(f"{server.name}: ")
                 where = "" if str(path) == served else f" (the server wrote {served})"
-                raise _AttemptFailed(f"{exc}{where}") from None
+                raise _AttemptFailed(f"{what}{where}") from None
             settled = True
             return states
         finally:
@@ -428,7 +430,7 @@ class TargetServerClient:
             msg = (
                 f"{server.name} answered conversation {index} without "
                 f"kv_transfer_params.hidden_states_path ({_excerpt(response)}): it does not "
-                f"write hidden states; {_START_HINT}"
+                f"write hidden states: start it with {_SERVE}"
             )
             raise TargetServerError(msg)
         choices = payload.get("choices") if isinstance(payload, dict) else None
@@ -519,7 +521,7 @@ class TargetServerClient:
             server.down = False
             live.append(server.name)
         if not live:
-            msg = f"no target server answers: {'; '.join(failures)}. {_START_HINT}"
+            msg = f"no target server answers: {'; '.join(failures)}. Start them with {_SERVE}"
             raise TargetServerUnavailable(msg)
         return tuple(live)
 
