@@ -25,7 +25,7 @@ from dflash_recipes.files.jsonio import clip
 from dflash_recipes.recipe.choices import DTYPES
 
 if TYPE_CHECKING:
-    from dflash_recipes.plan.run_plan import RunPlan
+    pass
 
 
 @main.command("run")
@@ -79,7 +79,6 @@ def run_command(
             EXIT_USAGE,
         )
     plan = load_plan_or_recipe(recipe_or_plan, overrides)
-    _refuse_served_target(plan, "run")
     if launching and not is_launched_process():
         from dflash_recipes.executor.launch import build_torchrun_argv, launch_torchrun
 
@@ -169,7 +168,6 @@ def capture_command(
         if target is None:
             named = load_plan_or_recipe_capture_path(recipe_or_plan, overrides)
             target = Path(named) if named is not None else None
-    _refuse_served_target(plan, "capture")
     if target is None:
         _fail(
             "no capture directory: pass --output DIR, or set data.hidden_states_path in the recipe",
@@ -199,20 +197,6 @@ def capture_command(
             f"{summary.estimated_bytes}) into {summary.directory}",
             err=True,
         )
-
-
-def _refuse_served_target(plan: RunPlan, command: str) -> None:
-    """A plan whose target is served by vLLM, refused until `command` reads from the servers
-    (issue 50): running it would load the whole target into every training process."""
-    if plan.target_server is None:
-        return
-    _fail(
-        f"the plan's target is served by vLLM (target_server), but `{command}` does not read "
-        "tap states from a server yet (issue 50) and would load the whole target into every "
-        "training process; delete the target_server section to run the target in the "
-        "trainer (`dflash-recipe serve-target` already prints the servers' command)",
-        EXIT_USAGE,
-    )
 
 
 def load_plan_or_recipe_capture_path(recipe: str, overrides: Sequence[str]) -> str | None:

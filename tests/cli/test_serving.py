@@ -211,17 +211,3 @@ def test_serve_target_imports_no_torch(served_recipe: Callable[..., Path], tmp_p
     )
     assert done.stdout.startswith("vllm serve ")
     assert "heavy: []" in done.stderr
-
-
-@pytest.mark.parametrize("command", ["run", "capture"])
-def test_run_and_capture_refuse_a_served_target_they_cannot_read_yet(
-    served_recipe: Callable[..., Path], command: str
-) -> None:
-    result = (
-        cli(command, str(served_recipe()), "--output", "cap")
-        if command == "capture"
-        else (cli(command, str(served_recipe())))
-    )
-    assert result.exit_code == EXIT_USAGE
-    assert f"`{command}` does not read tap states from a server yet" in result.stderr
-    assert "delete the target_server section" in result.stderr

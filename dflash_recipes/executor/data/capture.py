@@ -20,11 +20,13 @@ Only safetensors and JSON are written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TypeAlias
 
 import attrs
 import torch
@@ -72,6 +74,11 @@ from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
 
 logger = logging.getLogger("dflash_recipes.capture")
+
+#: One sample's tensors as a shard stores them: ids, loss mask, taps (and the last state).
+_Parts: TypeAlias = Iterator[tuple[Tensor, ...]]
+#: What computes the states of a chunk of samples (their examples and sample indices).
+_StatesOf: TypeAlias = Callable[[Sequence[TokenizedExample], Sequence[int]], _Parts]
 
 #: Default bound of a shard's tensor data (1 GiB).
 DEFAULT_SHARD_BYTES = 2**30
@@ -245,20 +252,19 @@ class _Capture:
         ]
         written = 0
         if todo:
-            model = load_base_model(plan)
-            torch.nn.Module.to(model, env.device)
-            bar = self._bar(sum(e.num_tokens for _, e in todo))
-            for _, entry in todo:
-                if self.stop_after_shards is not None and written >= self.stop_after_shards:
-                    break
-                if self.signals.stopping:
-                    break
-                self._write_shard(model, dataset.examples, entry, manifest)
-                written += 1
+            with self._states_source(manifest) as states:
+                bar = self._bar(sum(e.num_tokens for _, e in todo))
+                for _, entry in todo:
+                    if self.stop_after_shards is not None and written >= self.stop_after_shards:
+                        break
+                    if self.signals.stopping:
+                        break
+                    self._write_shard(states, dataset.examples, entry, manifest)
+                    written += 1
+                    if bar is not None:
+                        bar.update(entry.num_tokens)
                 if bar is not None:
-                    bar.update(entry.num_tokens)
-            if bar is not None:
-                bar.close()
+                    bar.close()
         stopped = (self.stop_after_shards is not None or self.signals.stopping) and written < len(
             todo
         )
@@ -354,9 +360,50 @@ class _Capture:
         if not path.is_file() or not manifest_is_complete(path):
             write_text_atomic(path, manifest.to_json())
 
+    @contextlib.contextmanager
+    def _states_source(self, manifest: CaptureManifest) -> Iterator[_StatesOf]:
+        """What computes the samples' states: the target loaded here, or the servers of a
+        served target (``target_server``: no target in this process)."""
+        plan = self.plan
+        if plan.target_server is None:
+            model = load_base_model(plan)
+            torch.nn.Module.to(model, self.env.device)
+
+            def computed(rows: Sequence[TokenizedExample], _names: Sequence[int]) -> _Parts:
+                return self._states(model, rows, manifest)
+
+            yield computed
+            return
+        from dflash_recipes.executor.target_server.batch_states import (
+            client_settings,
+            served_target,
+        )
+        from dflash_recipes.executor.target_server.client import TargetServerClient
+
+        served = served_target(plan)
+        assert served.tap_rows is not None
+        taps = list(served.tap_rows)
+        final = served.final_row if manifest.last_hidden_state else None
+        with TargetServerClient(client_settings(plan)) as client:
+
+            def answered(rows: Sequence[TokenizedExample], names: Sequence[int]) -> _Parts:
+                answers = client.states([r.input_ids for r in rows], indices=names)
+                for example, answer in zip(rows, answers, strict=True):
+                    states = answer.hidden_states
+                    parts = [
+                        torch.tensor(example.input_ids, dtype=torch.int32),
+                        torch.tensor(example.loss_mask, dtype=torch.uint8),
+                        states[:, taps].contiguous(),
+                    ]
+                    if final is not None:
+                        parts.append(states[:, final].contiguous())
+                    yield tuple(parts)
+
+            yield answered
+
     def _write_shard(
         self,
-        model: torch.nn.Module,
+        states: _StatesOf,
         examples: Sequence[TokenizedExample],
         entry: ShardEntry,
         manifest: CaptureManifest,
@@ -366,7 +413,7 @@ class _Capture:
         size = self.plan.training.per_device_train_batch_size
         for chunk in _chunks(list(indices), size):
             rows = [examples[i] for i in chunk]
-            for index, parts in zip(chunk, self._states(model, rows, manifest), strict=True):
+            for index, parts in zip(chunk, states(rows, chunk), strict=True):
                 names = sample_tensor_names(index, last_hidden=manifest.last_hidden_state)
                 for name, tensor in zip(names, parts, strict=True):
                     tensors[name] = tensor

@@ -216,19 +216,27 @@ class CapturedStates:
     tapped: torch.Tensor
     #: ``[B, T, H]`` in the target dtype: the input of the final norm, or None.
     last_hidden: torch.Tensor | None
+    #: True when each conversation's states were computed alone (a served target): a packed
+    #: row's states are then its conversations' own, and a packed batch may use them.
+    documents_alone: bool = False
 
     def to(self, device: torch.device, *, non_blocking: bool = False) -> CapturedStates:
         """The same states on `device` (`non_blocking`: asynchronous from pinned memory)."""
         last = self.last_hidden
-        return CapturedStates(
-            self.tapped.to(device, non_blocking=non_blocking),
-            None if last is None else last.to(device, non_blocking=non_blocking),
+        return attrs.evolve(
+            self,
+            tapped=self.tapped.to(device, non_blocking=non_blocking),
+            last_hidden=None if last is None else last.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> CapturedStates:
         """The same states in pinned host memory (CUDA only)."""
         last = self.last_hidden
-        return CapturedStates(self.tapped.pin_memory(), None if last is None else last.pin_memory())
+        return attrs.evolve(
+            self,
+            tapped=self.tapped.pin_memory(),
+            last_hidden=None if last is None else last.pin_memory(),
+        )
 
 
 def teacher_logits(

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from dflash_recipes.errors import Interrupted, RunIOError
+from dflash_recipes.errors import Interrupted, RunIOError, TargetServerUnavailable
 from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.coordination import StepVote, require_same_plan
 from dflash_recipes.executor.dist_env import (
@@ -135,6 +135,7 @@ def run_plan(
                     raise
                 finally:
                     run.trackers.close(outcome)
+                    run.data.close()
             finally:
                 shutdown_distributed()
     except Abandoned as exc:
@@ -185,57 +186,63 @@ def setup(
         check_export_target(output_dir / EXPORT_DIR)
     tokenizer = load_tokenizer(plan)
     data = build_train_data(plan, tokenizer, env, verify_capture=verify_capture)
-    models = build_models(
-        plan, env, offline=data.offline, warm=chosen is None, max_chunk_logits=max_chunk_logits
-    )
-    optimization = build_optimization(
-        plan, models.trainable, batches_per_epoch=data.batches_per_epoch
-    )
-    start = restore(
-        chosen, output_dir, models.drafter, optimization.optimizer, optimization.scheduler, env
-    )
-    models.wrap_for_ranks(env)
-    trackers = TrackerSet.silent()
-    if is_main(env):
-        change = world_size_change(
-            plan, start, world_size=env.world_size, num_examples=len(data.dataset)
+    try:  # a failure from here on stops the servers' client too (a served target)
+        models = build_models(
+            plan, env, offline=data.offline, warm=chosen is None, max_chunk_logits=max_chunk_logits
         )
-        if change is not None:
-            logger.warning("%s", change)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
-        write_text_atomic(output_dir / PLAN_FILE, plan.to_json())
-        trackers = open_trackers(plan, output_dir / METRICS_FILE, resumed_from=start.resumed_from)
-    try:  # a failure from here on (another rank's setup) ends the tracker process too
-        barrier(env)
-        return Run(
-            plan=plan,
-            spec=plan.resolved_draft(),
-            env=env,
-            output_dir=output_dir,
-            tokenizer=tokenizer,
-            data=data,
-            models=models,
-            optimization=optimization,
-            start=start,
-            trackers=trackers,
-            evaluation=EvalPolicy(
-                plan,
-                env,
-                models,
-                tokenizer,
-                trackers,
-                final_step=optimization.total_steps,
-                held_out=data.held_out,
-            ),
-            saving=SavePolicy(plan, env, models, optimization),
-            accumulation=GradientAccumulation(
-                plan.training.gradient_accumulation_steps, models.trainable, env
-            ),
-            scaler=build_grad_scaler(plan, env.device),
+        optimization = build_optimization(
+            plan, models.trainable, batches_per_epoch=data.batches_per_epoch
         )
+        start = restore(
+            chosen, output_dir, models.drafter, optimization.optimizer, optimization.scheduler, env
+        )
+        models.wrap_for_ranks(env)
+        trackers = TrackerSet.silent()
+        if is_main(env):
+            change = world_size_change(
+                plan, start, world_size=env.world_size, num_examples=len(data.dataset)
+            )
+            if change is not None:
+                logger.warning("%s", change)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
+            write_text_atomic(output_dir / PLAN_FILE, plan.to_json())
+            trackers = open_trackers(
+                plan, output_dir / METRICS_FILE, resumed_from=start.resumed_from
+            )
+        try:  # a failure from here on (another rank's setup) ends the tracker process too
+            barrier(env)
+            return Run(
+                plan=plan,
+                spec=plan.resolved_draft(),
+                env=env,
+                output_dir=output_dir,
+                tokenizer=tokenizer,
+                data=data,
+                models=models,
+                optimization=optimization,
+                start=start,
+                trackers=trackers,
+                evaluation=EvalPolicy(
+                    plan,
+                    env,
+                    models,
+                    tokenizer,
+                    trackers,
+                    final_step=optimization.total_steps,
+                    held_out=data.held_out,
+                ),
+                saving=SavePolicy(plan, env, models, optimization),
+                accumulation=GradientAccumulation(
+                    plan.training.gradient_accumulation_steps, models.trainable, env
+                ),
+                scaler=build_grad_scaler(plan, env.device),
+            )
+        except BaseException:
+            trackers.close("failed")
+            raise
     except BaseException:
-        trackers.close("failed")
+        data.close()
         raise
 
 
@@ -272,12 +279,20 @@ def fit(
     )
     vote = StepVote(signals, distributed=env.is_distributed)
     position = (run.start.epoch, run.start.next_index)
+    #: Where the data stood after the last finished step, and whether that step is saved.
+    finished, saved = position, True
     models.training_modes()
     with Prefetch(_prepared_batches(run), background=prefetch) as batches:
         for step in range(run.start.step, opt.total_steps):
             opt.optimizer.zero_grad(set_to_none=True)
             for micro in range(training.gradient_accumulation_steps):
-                prepared = next(batches)
+                try:
+                    prepared = next(batches)
+                except TargetServerUnavailable:
+                    # no server answers: keep every finished step, then stop (a rerun resumes)
+                    if not saved:
+                        run.saving.save(progress.done, finished)
+                    raise
                 position = (prepared.batch.epoch, prepared.batch.next_index)
                 last = micro == training.gradient_accumulation_steps - 1
                 with models.gradient_sync(last_micro_batch=last):
@@ -292,6 +307,7 @@ def fit(
                 opt.optimizer.step()
             opt.scheduler.step()
             done = progress.done = step + 1
+            finished, saved = position, False
             bar.advance()
             if done % training.logging_steps == 0 or done == opt.total_steps:
                 _log_window(run, window, progress, bar)  # the window's one host sync
@@ -302,6 +318,7 @@ def fit(
                     progress.last_eval_tau = run.evaluation.measure(done)
                 if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
                     run.saving.save(done, position)
+                    saved = True
             if stop_signal:
                 vote.close()
                 bar.close()
@@ -324,7 +341,7 @@ def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:
             seed=plan.training.seed,
             spec=run.spec,
             num_anchors=plan.draft.objective.num_anchors,
-            states=run.data.captured_states if run.data.capture is not None else None,
+            states=run.data.captured_states if run.data.offline else None,
         )
 
 

@@ -216,9 +216,10 @@ def step_inputs(
     the packed blocks, their positions, the block mask (flex on CUDA, the split form on CPU)
     and the labels. Fusing the taps is left to the step, which trains ``fc``. With `captured`
     (offline training) the taps come from the capture and the target's decoder does not run;
-    teacher logits are recomputed from the captured last hidden state. `mask`: the block mask
-    already built on the host (:mod:`~dflash_recipes.executor.training.setup.prefetch`, CPU), else
-    it is built here.
+    teacher logits are recomputed from the captured last hidden state; a served target's states
+    come the same way, each conversation computed alone, so packed rows take them too. `mask`:
+    the block mask already built on the host
+    (:mod:`~dflash_recipes.executor.training.setup.prefetch`, CPU), else it is built here.
 
     A packed batch (:attr:`Batch.document_ids`) keeps its conversations apart: the target runs
     with per-document positions and its own per-layer-type masks built from them
@@ -228,7 +229,7 @@ def step_inputs(
     """
     ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
     docs = batch.document_ids
-    if docs is not None and captured is not None:
+    if docs is not None and captured is not None and not captured.documents_alone:
         msg = "packed rows cannot be trained from a capture; set data.packing: false offline"
         raise DataError(msg)
     anchors, valid = drawn.anchors, drawn.valid

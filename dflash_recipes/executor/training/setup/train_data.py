@@ -41,6 +41,8 @@ from dflash_recipes.executor.data.train_dataset import (
 )
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.model.convert import CapturedStates
+from dflash_recipes.executor.target_server.batch_states import ServedBatchStates, client_settings
+from dflash_recipes.executor.target_server.client import TargetServerClient
 from dflash_recipes.executor.training.anchors import batch_positions
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -68,11 +70,19 @@ class TrainData:
     #: The epoch whose order :meth:`captured_states` last looked up, and that order.
     _order_key: tuple[int, int] | None = None
     _order: list[int] = attrs.Factory(list)
+    #: A served target (``target_server``): what asks the servers for a batch's states.
+    served: ServedBatchStates | None = None
 
     @property
     def offline(self) -> bool:
-        """True when the target's states come from a capture (no decoder forward)."""
-        return self.capture is not None
+        """True when the target's states come from a capture or from the servers (no decoder
+        forward in this process)."""
+        return self.capture is not None or self.served is not None
+
+    def close(self) -> None:
+        """Stop the servers' client (its requests, threads and leftover files), if any."""
+        if self.served is not None:
+            self.served.client.close()
 
     @property
     def batches_per_epoch(self) -> int:
@@ -153,7 +163,10 @@ class TrainData:
 
     def captured_states(self, batch: Batch) -> CapturedStates | None:
         """Offline: the captured target states of this rank's rows of `batch`, in host memory
-        (read on the prefetch thread); online: None."""
+        (read on the prefetch thread); a served target: the servers' states of its
+        conversations; online: None."""
+        if self.served is not None:
+            return self.served(batch)
         if self.capture is None:
             return None
         if batch.document_ids is not None:
@@ -213,9 +226,26 @@ def build_train_data(
             "capture holds one conversation per row; set data.packing: false or train online"
         )
         raise DataError(msg)
+    served: ServedBatchStates | None = None
+    if plan.target_server is not None:
+        client = TargetServerClient(client_settings(plan))
+        try:
+            answering = client.probe()  # a server must answer before anything trains
+        except BaseException:
+            client.close()
+            raise
+        if is_main(env):
+            logger.info(
+                "target: served by %s (%s; vLLM layer ids %s)",
+                ", ".join(answering),
+                plan.target_server.served_model_name,
+                list(plan.target_server.vllm_layer_ids or ()),
+            )
+        served = ServedBatchStates(client, plan)
     return TrainData(
         dataset=dataset,
         capture=capture,
+        served=served,
         held_out=held_out,
         batch_size=training.per_device_train_batch_size,
         seed=training.seed,

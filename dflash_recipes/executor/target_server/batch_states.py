@@ -1,0 +1,132 @@
+"""A training batch's target states from the servers: what `run` and `capture` read when the
+plan's target is served by vLLM (``target_server``).
+
+:func:`client_settings` turns the plan's :class:`~dflash_recipes.plan.parts.TargetServerPlan`
+into the client's settings (the API key read from its environment variable here, never from
+the plan). :class:`ServedBatchStates` asks the servers for every conversation of a batch (each
+document of a packed row alone: the server computes each conversation by itself, so a packed
+row's states are those of its conversations alone) and lays the answers out like the batch,
+as :class:`~dflash_recipes.executor.model.convert.CapturedStates`: the taps in
+``target_layer_ids`` order (each tap's row of the file, vLLM id ``k + 1`` for tap ``k``) and,
+when the objective has a teacher, the last decoder layer's output before the final norm
+(vLLM id ``num_hidden_layers``), which is the input of the final norm the trainer's teacher
+logits are computed from. It runs on the prefetch thread, ahead of the step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dflash_recipes.errors import PlanError
+from dflash_recipes.executor.data.train_dataset import Batch
+from dflash_recipes.executor.model.convert import CapturedStates
+from dflash_recipes.executor.target_server.client import TargetServerClient
+from dflash_recipes.executor.target_server.settings import TargetServerSettings
+from dflash_recipes.executor.target_server.states_file import ServedStates
+from dflash_recipes.plan.parts import TargetServerPlan
+from dflash_recipes.plan.run_plan import RunPlan
+
+
+def served_target(plan: RunPlan) -> TargetServerPlan:
+    """The plan's resolved ``target_server`` (PlanError when it has none or is unresolved)."""
+    served = plan.target_server
+    if served is None or served.vllm_layer_ids is None or served.tap_rows is None:
+        msg = "the plan has no resolved target_server section; compile the recipe again"
+        raise PlanError(msg)
+    return served
+
+
+def client_settings(plan: RunPlan) -> TargetServerSettings:
+    """The client's settings from the plan (PlanError for an unresolved plan)."""
+    served = served_target(plan)
+    facts = plan.base_model.facts
+    if facts is None:
+        msg = "the plan has no target facts (hidden size); compile the recipe again"
+        raise PlanError(msg)
+    assert served.vllm_layer_ids is not None
+    api_key = os.environ.get(served.api_key_env) if served.api_key_env else None
+    keep = served.capture_dir if served.keep_files == "capture" else None
+    if keep is not None:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+    return TargetServerSettings(
+        urls=served.urls,
+        storage_dir=Path(served.storage_dir),
+        served_model_name=served.served_model_name,
+        layer_ids=served.vllm_layer_ids,
+        hidden_size=facts.hidden_size,
+        dtype=served.dtype,
+        max_in_flight=served.max_in_flight,
+        timeout_s=served.timeout_s,
+        retries=served.retries,
+        backoff_s=served.backoff_s,
+        lock_timeout_s=served.lock_timeout_s,
+        keep_dir=None if keep is None else Path(keep),
+        api_key=api_key,
+    )
+
+
+def batch_conversations(batch: Batch) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every conversation of `batch`: each row's tokens up to its
+    padding, or each document of a packed row (document ids >= 0)."""
+    spans: list[tuple[int, int, int]] = []
+    if batch.document_ids is None:
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        return [(row, 0, int(n)) for row, n in enumerate(lengths) if n > 0]
+    for row, docs in enumerate(batch.document_ids.tolist()):
+        start = 0
+        for position in range(1, len(docs) + 1):
+            if position == len(docs) or docs[position] != docs[start]:
+                if docs[start] >= 0:
+                    spans.append((row, start, position))
+                start = position
+    return spans
+
+
+class ServedBatchStates:
+    """Each batch's states from the servers, laid out like the batch (see the module
+    docstring); `names` (optional) say what the messages call each conversation."""
+
+    def __init__(self, client: TargetServerClient, plan: RunPlan) -> None:
+        served = served_target(plan)
+        assert served.tap_rows is not None
+        self.client = client
+        self.tap_rows = served.tap_rows
+        self.final_row = served.final_row
+
+    def __call__(self, batch: Batch, names: Sequence[int] | None = None) -> CapturedStates:
+        spans = batch_conversations(batch)
+        ids = batch.input_ids
+        answers = self.client.states(
+            [ids[row, start:end].tolist() for row, start, end in spans], indices=names
+        )
+        return self.layout(batch, spans, answers)
+
+    def layout(
+        self,
+        batch: Batch,
+        spans: Sequence[tuple[int, int, int]],
+        answers: Sequence[ServedStates],
+    ) -> CapturedStates:
+        """The answers placed at their conversations' rows and positions, zeros elsewhere."""
+        rows, length = batch.input_ids.shape
+        first = answers[0].hidden_states
+        hidden, dtype = int(first.shape[-1]), first.dtype
+        taps = list(self.tap_rows)
+        tapped = torch.zeros(rows, length, len(taps) * hidden, dtype=dtype)
+        last: Tensor | None = None
+        if self.final_row is not None:
+            last = torch.zeros(rows, length, hidden, dtype=dtype)
+        for (row, start, end), answer in zip(spans, answers, strict=True):
+            states = answer.hidden_states
+            tapped[row, start:end] = states[:, taps].reshape(end - start, -1)
+            if last is not None:
+                last[row, start:end] = states[:, self.final_row]
+        return CapturedStates(tapped, last, documents_alone=True)
+
+
+__all__ = ["ServedBatchStates", "batch_conversations", "client_settings", "served_target"]

@@ -1,0 +1,239 @@
+"""`run` with a target served by vLLM (issue 50): the trainer holds only what the drafter shares
+with the target, each batch's states come from local servers that answer as vLLM does
+(tests/testkit/vllm_server.py: the real HTTP, file and lock protocol, on 127.0.0.1), and a
+run through them trains what a run with the target in-process trains."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from testkit.compiling import SMALL_RUN
+from testkit.vllm_server import VllmServer, dead_url, launch, wait_for_port
+
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.errors import TargetServerUnavailable
+from dflash_recipes.executor.target_server import batch_states
+from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.plan.run_plan import RunPlan
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
+TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
+STEPS = 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _recipe(tmp_path: Path, urls: list[str] | None, storage: Path) -> Path:
+    """The tiny from-scratch recipe, paths made absolute, with a target_server section."""
+    text = RECIPE.read_text(encoding="utf-8").replace("../../", f"{REPO}/")
+    if urls is not None:
+        text += (
+            "target_server:\n"
+            f"  urls: [{', '.join(urls)}]\n"
+            f"  storage_dir: {storage}\n"
+            "  retries: 0\n"
+            "  backoff_s: 0\n"
+            "  timeout_s: 20\n"
+        )
+    path = tmp_path / f"recipe-{len(list(tmp_path.glob('recipe-*')))}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _plan(recipe: Path, output: Path, *overrides: str) -> RunPlan:
+    result = compile_file(
+        recipe,
+        overrides=(
+            f"training.output_dir={output}",
+            *SMALL_RUN,
+            f"training.max_steps={STEPS}",
+            f"training.save_steps={STEPS}",
+            "training.eval_steps=null",
+            *overrides,
+        ),
+    )
+    assert result.plan is not None, [str(d) for d in result.diagnostics]
+    return result.plan
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [float(r["loss"]) for r in rows if r["kind"] == "train"]
+
+
+def _export(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "export" / "model.safetensors"))
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    return folder
+
+
+@contextlib.contextmanager
+def _serving(storage: Path, plan: RunPlan, port: int = 0) -> Iterator[VllmServer]:
+    """A server of the demo target started for exactly the plan's vLLM layer ids."""
+    assert plan.target_server is not None and plan.target_server.vllm_layer_ids is not None
+    ids = list(plan.target_server.vllm_layer_ids)
+    name = plan.target_server.served_model_name
+    started = wait_for_port(
+        launch(TARGET, storage, ids, dtype="float32", port=port, served_name=name)
+    )
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def port() -> int:
+    """A port to start the test's servers on (the plans name it before they start)."""
+    return int(dead_url().rsplit(":", 1)[1])
+
+
+def _url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("dflash.dflash_self_logit_distillation=true",)],
+    ids=["plain", "teacher"],
+)
+def test_a_run_through_the_server_trains_what_the_in_process_target_trains(
+    tmp_path: Path, storage: Path, port: int, overrides: tuple[str, ...]
+) -> None:
+    # one conversation per row: the server computes each conversation alone, the in-process
+    # target then runs the very same shapes, so the two runs are equal bit for bit
+    one = ("training.per_device_train_batch_size=1", *overrides)
+    local = _plan(_recipe(tmp_path, None, storage), tmp_path / "local", *one)
+    served = _plan(_recipe(tmp_path, [_url(port)], storage), tmp_path / "served", *one)
+    run_plan(local, progress=False)
+    with _serving(storage, served, port) as server:
+        summary = run_plan(served, progress=False)
+        assert server.stats()["answered"] >= STEPS  # (and the batches prepared ahead)
+    assert summary.steps == STEPS
+    assert _losses(tmp_path / "served") == _losses(tmp_path / "local")
+    ours, theirs = _export(tmp_path / "served"), _export(tmp_path / "local")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert not list(storage.glob("*.safetensors"))  # every file read and deleted
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_batch_gets_the_states_the_in_process_target_gives_it(
+    tmp_path: Path, storage: Path, port: int, packing: bool
+) -> None:
+    """Several conversations a batch, padded or packed: each conversation's served states are
+    the ones the in-process target gives it in that batch (up to float rounding), in place."""
+    from dflash_recipes.executor.dist_env import detect_dist_env
+    from dflash_recipes.executor.model.convert import load_base_model, load_tokenizer
+    from dflash_recipes.executor.model.target_states import target_states
+    from dflash_recipes.executor.training.setup.train_data import build_train_data
+
+    served = _plan(
+        _recipe(tmp_path, [_url(port)], storage),
+        tmp_path / "served",
+        f"data.packing={str(packing).lower()}",
+        "dflash.dflash_self_logit_distillation=true",
+    )
+    env = detect_dist_env("cpu", {})
+    target = load_base_model(served)
+    spec = served.resolved_draft()
+    with _serving(storage, served, port):
+        data = build_train_data(served, load_tokenizer(served), env, verify_capture=False)
+        try:
+            batch = next(data.stream(0, 0))
+            states = data.captured_states(batch)
+        finally:
+            data.close()
+    assert states is not None and states.documents_alone and states.last_hidden is not None
+    assert (batch.document_ids is not None) is packing
+    with torch.no_grad():
+        every = [*spec.target_layer_ids, target.config.num_hidden_layers - 1]
+        local = target_states(
+            target, batch.input_ids, None, every, with_logits=False, document_ids=batch.document_ids
+        ).tapped
+    real = batch.attention_mask.bool()
+    width = states.tapped.shape[-1]
+    torch.testing.assert_close(states.tapped[real], local[..., :width][real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        states.last_hidden[real], local[..., width:][real], rtol=1e-4, atol=1e-4
+    )
+    assert torch.count_nonzero(states.tapped[~real]) == 0  # padding and filler stay zero
+
+
+def test_a_dead_server_among_two_costs_nothing(tmp_path: Path, storage: Path, port: int) -> None:
+    served = _plan(_recipe(tmp_path, [dead_url(), _url(port)], storage), tmp_path / "run")
+    with _serving(storage, served, port):
+        assert run_plan(served, progress=False).steps == STEPS
+
+
+def test_when_no_server_answers_the_finished_steps_are_saved_and_a_rerun_resumes_exactly(
+    tmp_path: Path, storage: Path, port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = _plan(_recipe(tmp_path, [_url(port)], storage), tmp_path / "whole")
+    plan = _plan(_recipe(tmp_path, [_url(port)], storage), tmp_path / "cut")
+    asked = 0
+    call = batch_states.ServedBatchStates.__call__
+    with _serving(storage, reference, port) as server:
+        run_plan(reference, progress=False)
+
+        def fails_from_the_third_batch(self: batch_states.ServedBatchStates, batch: Any) -> Any:
+            nonlocal asked
+            asked += 1
+            if asked == 3:  # the server errors on every request from the third batch on
+                server.control(fail_500=10**6)
+            return call(self, batch)
+
+        monkeypatch.setattr(batch_states.ServedBatchStates, "__call__", fails_from_the_third_batch)
+        with pytest.raises(TargetServerUnavailable) as failed:
+            run_plan(plan, progress=False)
+        assert f"127.0.0.1:{port}" in str(failed.value)
+        saved = sorted(p.name for p in (tmp_path / "cut").glob("checkpoint-*"))
+        assert saved == ["checkpoint-00000002"]  # the last finished step, kept
+
+        monkeypatch.undo()
+        server.reset()
+        resumed = run_plan(plan, progress=False)
+    assert resumed.resumed_from_step == 2 and resumed.steps == STEPS
+    ours, theirs = _export(tmp_path / "cut"), _export(tmp_path / "whole")
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize(
+    "overrides", [(), ("dflash.dflash_self_logit_distillation=true",)], ids=["plain", "teacher"]
+)
+def test_a_capture_from_the_server_trains_offline_what_the_server_trains_online(
+    tmp_path: Path, storage: Path, port: int, overrides: tuple[str, ...]
+) -> None:
+    from dflash_recipes.executor.data.capture import capture_plan
+    from dflash_recipes.files.capture_manifest import read_manifest
+
+    recipe = _recipe(tmp_path, [_url(port)], storage)
+    online = _plan(recipe, tmp_path / "online", *overrides)
+    capture = tmp_path / "capture"
+    with _serving(storage, online, port):
+        summary = capture_plan(online, capture, progress=False)
+        run_plan(online, progress=False)
+    assert summary.complete
+    manifest = read_manifest(capture)
+    assert manifest.last_hidden_state == bool(overrides)
+    assert not list(storage.glob("*.safetensors"))
+    local = _recipe(tmp_path, None, storage)  # offline: no server, no target decoder
+    offline = _plan(local, tmp_path / "offline", f"data.hidden_states_path={capture}", *overrides)
+    run_plan(offline, progress=False)
+    assert _losses(tmp_path / "offline") == _losses(tmp_path / "online")
+    ours, theirs = _export(tmp_path / "offline"), _export(tmp_path / "online")
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
