@@ -295,7 +295,9 @@ def estimate_resources(
     training, objective = plan.training, plan.draft.objective
     pd = _DTYPE_BYTES[plan.base_model.dtype]
     fsdp = training.fsdp and world_size > 1
-    offline = plan.data.hidden_states_path is not None
+    # A capture or a served target (target_server) gives the states: the trainer holds only
+    # the target's embeddings, final norm and lm_head, unless a measured evaluation runs it.
+    offline = plan.data.hidden_states_path is not None or plan.target_server is not None
     decoder_loaded = not offline or (training.eval_steps is not None and plan.data.has_eval_data)
 
     # -- weights ----------------------------------------------------------------------------

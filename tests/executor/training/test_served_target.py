@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,9 +19,10 @@ from testkit.compiling import SMALL_RUN
 from testkit.vllm_server import VllmServer, dead_url, launch, wait_for_port
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.errors import TargetServerUnavailable
+from dflash_recipes.errors import ServedStatesError, TargetServerUnavailable
 from dflash_recipes.executor.target_server import batch_states
 from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.setup import models as models_module
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[3]
@@ -56,7 +58,7 @@ def _plan(recipe: Path, output: Path, *overrides: str) -> RunPlan:
             *SMALL_RUN,
             f"training.max_steps={STEPS}",
             f"training.save_steps={STEPS}",
-            "training.eval_steps=null",
+            "training.eval_steps=0",  # no measured evaluation: no decoder in the trainer
             *overrides,
         ),
     )
@@ -111,7 +113,11 @@ def _url(port: int) -> str:
     ids=["plain", "teacher"],
 )
 def test_a_run_through_the_server_trains_what_the_in_process_target_trains(
-    tmp_path: Path, storage: Path, port: int, overrides: tuple[str, ...]
+    tmp_path: Path,
+    storage: Path,
+    port: int,
+    overrides: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # one conversation per row: the server computes each conversation alone, the in-process
     # target then runs the very same shapes, so the two runs are equal bit for bit
@@ -119,6 +125,12 @@ def test_a_run_through_the_server_trains_what_the_in_process_target_trains(
     local = _plan(_recipe(tmp_path, None, storage), tmp_path / "local", *one)
     served = _plan(_recipe(tmp_path, [_url(port)], storage), tmp_path / "served", *one)
     run_plan(local, progress=False)
+
+    def no_whole_target(plan: RunPlan) -> None:
+        raise AssertionError("the trainer loaded the whole target")
+
+    # the trainer holds only the embeddings, final norm and lm_head (no decoder layer)
+    monkeypatch.setattr(models_module, "load_base_model", no_whole_target)
     with _serving(storage, served, port) as server:
         summary = run_plan(served, progress=False)
         assert server.stats()["answered"] >= STEPS  # (and the batches prepared ahead)
@@ -237,3 +249,55 @@ def test_a_capture_from_the_server_trains_offline_what_the_server_trains_online(
     assert _losses(tmp_path / "offline") == _losses(tmp_path / "online")
     ours, theirs = _export(tmp_path / "offline"), _export(tmp_path / "online")
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_a_server_that_tokenizes_again_stops_the_run_naming_the_conversation(
+    tmp_path: Path, storage: Path, port: int
+) -> None:
+    plan = _plan(_recipe(tmp_path, [_url(port)], storage), tmp_path / "run")
+    with _serving(storage, plan, port) as server:
+        server.control(wrong_token_at=3)  # a BOS or chat-template drift on the server
+        with pytest.raises(ServedStatesError) as failed:
+            run_plan(plan, progress=False)
+        asked = server.stats()["requests"]
+    message = str(failed.value)
+    assert "the first difference is at position 3" in message and "not retried" in message
+    named = int(message.split("conversation ", 1)[1].split(":", 1)[0])
+    sent = int(message.split(" tokens sent", 1)[0].rsplit("(", 1)[1])
+    data = _local_data(plan)
+    first = data.conversation_indices(next(data.stream(0, 0)))
+    assert named in first  # a conversation of the first batch, by its index in the data
+    assert len(data.dataset.examples[named].input_ids) == sent
+    assert asked <= 2 * plan.training.per_device_train_batch_size  # never retried
+    assert not list((tmp_path / "run").glob("checkpoint-*"))  # nothing trained, nothing saved
+
+
+def _local_data(plan: RunPlan) -> Any:
+    """The plan's training data as the run reads it (its conversations and their order)."""
+    from dflash_recipes.executor.dist_env import detect_dist_env
+    from dflash_recipes.executor.model.convert import load_tokenizer
+    from dflash_recipes.executor.training.setup.train_data import build_train_data
+
+    local = attrs.evolve(plan, target_server=None)
+    env = detect_dist_env("cpu", {})
+    return build_train_data(local, load_tokenizer(local), env, verify_capture=False)
+
+
+def test_a_server_started_for_other_taps_stops_the_run_at_its_first_answer(
+    tmp_path: Path, storage: Path, port: int
+) -> None:
+    plan = _plan(_recipe(tmp_path, [_url(port)], storage), tmp_path / "run")
+    assert plan.target_server is not None and plan.target_server.vllm_layer_ids is not None
+    other = [*plan.target_server.vllm_layer_ids, 6]  # started with the final layer too
+    name = plan.target_server.served_model_name
+    launched = launch(TARGET, storage, other, dtype="float32", port=port, served_name=name)
+    server = wait_for_port(launched)
+    try:
+        with pytest.raises(ServedStatesError) as failed:
+            run_plan(plan, progress=False)
+    finally:
+        server.stop()
+    message = str(failed.value)
+    assert f"127.0.0.1:{port}" in message
+    assert str(len(other)) in message and str(len(plan.target_server.vllm_layer_ids)) in message
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

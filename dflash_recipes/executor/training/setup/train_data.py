@@ -166,18 +166,31 @@ class TrainData:
         (read on the prefetch thread); a served target: the servers' states of its
         conversations; online: None."""
         if self.served is not None:
-            return self.served(batch)
+            return self.served(batch, self.conversation_indices(batch))
         if self.capture is None:
             return None
         if batch.document_ids is not None:
             msg = "packed rows have no captured states; compile refuses data.packing offline"
             raise DataError(msg)
-        key = (batch.epoch, self.capture.manifest.num_samples)
+        return self.capture.states(self._row_examples(batch), int(batch.input_ids.shape[1]))
+
+    def _row_examples(self, batch: Batch) -> list[int]:
+        """The example (dataset index) of each of this rank's rows of an unpacked `batch`."""
+        examples = self.capture.manifest.num_samples if self.capture else len(self.dataset)
+        key = (batch.epoch, examples)
         if self._order_key != key:
             self._order = epoch_order(key[1], seed=self.seed, epoch=batch.epoch)
             self._order_key = key
-        rows = [self._order[p] for p in batch_positions(batch, self.env)]
-        return self.capture.states(rows, int(batch.input_ids.shape[1]))
+        return [self._order[p] for p in batch_positions(batch, self.env)]
+
+    def conversation_indices(self, batch: Batch) -> list[int]:
+        """The example (dataset index) of every conversation of `batch`, row by row and, in a
+        packed row, document by document: what messages about one conversation call it."""
+        if batch.document_ids is None:
+            return self._row_examples(batch)
+        plan = self.packing_plan(batch.epoch)
+        rows = batch_positions(batch, self.env)
+        return [index for row in rows for index, _ in plan.rows[row].documents]
 
 
 def build_train_data(
