@@ -36,17 +36,20 @@ beyond the one being trained on. A handle holds its batch's tensors until ``resu
 ahead a caller asks is the memory it spends (``max_in_flight`` bounds only what is in flight).
 
 **No file left behind.** A file is deleted as soon as it is read (or kept, verified, with
-``keep_dir``), and on every failure. A request abandoned before its answer (timed out,
-cancelled) may still make the server write a file later: such requests are swept by their id
-after every batch and at :meth:`~TargetServerClient.close`, which waits for a file vLLM is
-still writing (its lock held) up to ``timeout_s + lock_timeout_s`` after its request was given
-up.
+``keep_dir``), and on every failure. A request whose batch failed or was cancelled is not cut
+off: it runs to its answer in the background (``timeout_s`` at most), and what the server then
+writes is swept by the request's id, after every batch and at
+:meth:`~TargetServerClient.close`, which waits for those requests and for files vLLM is still
+writing (their lock held), up to ``timeout_s + lock_timeout_s`` after the request was given up.
+Only a request cut off at ``timeout_s`` (a stalled server) whose server writes a file after
+the client has closed can leave one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import time
 import uuid
@@ -164,6 +167,7 @@ class TargetServerClient:
         self._turn = 0
         self._abandoned: dict[str, float] = {}
         self._batches: set[asyncio.Task[list[ServedStates]]] = set()
+        self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
         self._readers = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.max_in_flight, thread_name_prefix="target-server-read"
@@ -278,8 +282,9 @@ class TargetServerClient:
         return await task
 
     async def _batch(self, prompts: list[list[int]], names: list[int]) -> list[ServedStates]:
+        stop = asyncio.Event()
         jobs = [
-            asyncio.ensure_future(self._conversation(n, p))
+            asyncio.ensure_future(self._conversation(n, p, stop))
             for n, p in zip(names, prompts, strict=True)
         ]
         finished: list[asyncio.Future[ServedStates]] = []  # in the order they ended
@@ -309,25 +314,39 @@ class TargetServerClient:
         n = len(self._servers)
         return min(candidates, key=lambda s: (s.down, s.in_flight, (s.index - self._turn) % n))
 
-    async def _conversation(self, index: int, prompt: list[int]) -> ServedStates:
-        s = self.settings
+    async def _conversation(
+        self, index: int, prompt: list[int], stop: asyncio.Event
+    ) -> ServedStates:
+        """One conversation of a batch, holding one of the ``max_in_flight`` slots; none is
+        sent once another conversation of its batch has failed."""
         async with self._slots:
-            tried: dict[_Server, str] = {}
-            while (server := self._pick(tried)) is not None:
-                attempts = 1 if server.down else s.retries + 1
-                failure = ""
-                for attempt in range(attempts):
-                    if attempt:
-                        await asyncio.sleep(s.backoff(attempt))
-                    try:
-                        states = await self._attempt(server, index, prompt)
-                    except _AttemptFailed as exc:
-                        failure = str(exc)
-                        continue
-                    server.down = False
-                    return states
-                server.down = True
-                tried[server] = f"{failure} ({_plural(attempts, 'attempt')})"
+            if stop.is_set():
+                raise asyncio.CancelledError
+            try:
+                return await self._served(index, prompt)
+            except BaseException:
+                stop.set()  # before the slot is free for the batch's next conversation
+                raise
+
+    async def _served(self, index: int, prompt: list[int]) -> ServedStates:
+        """The states of one conversation: retries on a server, then the next server."""
+        s = self.settings
+        tried: dict[_Server, str] = {}
+        while (server := self._pick(tried)) is not None:
+            attempts = 1 if server.down else s.retries + 1
+            failure = ""
+            for attempt in range(attempts):
+                if attempt:
+                    await asyncio.sleep(s.backoff(attempt))
+                try:
+                    states = await self._attempt(server, index, prompt)
+                except _AttemptFailed as exc:
+                    failure = str(exc)
+                    continue
+                server.down = False
+                return states
+            server.down = True
+            tried[server] = f"{failure} ({_plural(attempts, 'attempt')})"
         what = "; ".join(f"{srv.name}: {why}" for srv, why in tried.items())
         msg = (
             f"no target server gave the states of conversation {index} ({len(prompt)} tokens): "
@@ -348,18 +367,22 @@ class TargetServerClient:
         server.in_flight += 1
         settled = False
         try:
-            try:
-                response = await asyncio.wait_for(
-                    self._http.post(
-                        f"{server.root}/v1/completions",
-                        json=body,
-                        headers={"X-Request-Id": request_id},
-                    ),
-                    s.timeout_s,
+            request = asyncio.ensure_future(
+                self._http.post(
+                    f"{server.root}/v1/completions",
+                    json=body,
+                    headers={"X-Request-Id": request_id},
                 )
+            )
+            try:
+                response = await asyncio.wait_for(asyncio.shield(request), s.timeout_s)
             except TimeoutError:
+                request.cancel()
                 msg = f"no answer within timeout_s={s.timeout_s:g}"
                 raise _AttemptFailed(msg) from None
+            except asyncio.CancelledError:
+                self._drain(request)
+                raise
             except httpx.ConnectError as exc:
                 msg = f"refused the connection ({exc})"
                 raise _AttemptFailed(msg) from None
@@ -455,6 +478,18 @@ class TargetServerClient:
             raise TargetServerError(msg)
         return s.storage_dir / name, served
 
+    def _drain(self, request: asyncio.Future[httpx.Response]) -> None:
+        """Let a request whose conversation was cancelled run to its answer (``timeout_s`` at
+        most), so that the file the server then writes is found by the sweep, not left."""
+
+        async def drain() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(request, self.settings.timeout_s)
+
+        task = asyncio.ensure_future(drain())
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
     async def _sweep(self, *, final: bool) -> bool:
         """Delete what abandoned requests left; forget a request once nothing of it is left
         and its server can no longer answer it (`final`: once nothing is left). True while a
@@ -478,6 +513,7 @@ class TargetServerClient:
         for task in list(self._batches):
             task.cancel()
         await asyncio.gather(*self._batches, return_exceptions=True)
+        await asyncio.gather(*self._drains, return_exceptions=True)
         # a file vLLM still writes (its lock held) is waited for until its request's deadline
         while await self._sweep(final=True):
             await asyncio.sleep(0.02)

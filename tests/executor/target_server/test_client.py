@@ -72,6 +72,23 @@ def test_a_token_id_mismatch_names_conversation_and_position_and_is_not_retried(
     assert _left(servers.storage) == []
 
 
+def test_a_failed_batch_stops_at_once_and_what_its_other_requests_write_is_deleted(
+    servers: ServerPair, settings: SettingsFactory
+) -> None:
+    servers.first.control(wrong_token_at=0)  # answers at once, with other token ids
+    servers.second.control(delay_ms=1000)  # still working on its share when the error comes
+    chosen = settings(servers.first.url, servers.second.url, max_in_flight=4)
+    client = TargetServerClient(chosen)
+    with pytest.raises(ServedStatesError, match="position 0"):
+        client.states(CONVERSATIONS)
+    assert servers.second.stats()["answered"] == 0  # the error did not wait for them
+    client.close()
+    # the slow server answered both of its requests and wrote their files; close() waited for
+    # them and deleted them
+    assert servers.second.stats()["files_written"] == 2
+    assert _left(servers.storage) == []
+
+
 def test_a_server_started_for_other_taps_stops_at_the_first_answer_with_the_numbers(
     servers: ServerPair, settings: SettingsFactory
 ) -> None:
