@@ -22,8 +22,9 @@ compiler refuses packing for targets that declare them (``packing-recurrent-laye
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -197,10 +198,6 @@ class TargetStates:
     logits: Tensor | None
 
 
-class _StopTarget(Exception):
-    """Raised by the deepest tap's hook to end a target forward early (private)."""
-
-
 def stop_after_layer(target_layer_ids: Sequence[int], *, needs_logits: bool) -> int | None:
     """The one rule for stopping the target early: after the deepest tapped layer, unless
     something needs the later layers (logits for a teacher or KL objective); None = run to
@@ -214,13 +211,11 @@ class TapRecorder:
     """Forward hooks that record the tapped decoder layers' outputs during a target forward.
 
     Use as a context manager around any forward of the target (training, capture, a cached
-    verification pass): :meth:`tapped` then gives ``[B, S, n_taps * H]``. With `stop_after`
-    the deepest tap's hook ends the forward (:meth:`run` catches that).
+    verification pass): :meth:`tapped` then gives ``[B, S, n_taps * H]``. The hooks only
+    record: nothing is raised through the target's modules.
     """
 
-    def __init__(
-        self, model: nn.Module, target_layer_ids: Sequence[int], *, stop_after: int | None = None
-    ) -> None:
+    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int]) -> None:
         layers = decoder_layers(model)
         bad = [k for k in target_layer_ids if not 0 <= k < len(layers)]
         if bad:
@@ -228,7 +223,6 @@ class TapRecorder:
             raise ValueError(msg)
         self.layers = layers
         self.target_layer_ids = tuple(target_layer_ids)
-        self.stop_after = stop_after
         self.captured: dict[int, Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -237,8 +231,6 @@ class TapRecorder:
             out = output[0] if isinstance(output, tuple) else output
             assert isinstance(out, Tensor)
             self.captured[k] = out
-            if k == self.stop_after:
-                raise _StopTarget
 
         return hook
 
@@ -255,14 +247,6 @@ class TapRecorder:
             handle.remove()
         self._handles = []
 
-    def run(self, forward: Callable[[], object]) -> object | None:
-        """Call `forward` with the hooks on; None when the deepest tap ended it early."""
-        with self:
-            try:
-                return forward()
-            except _StopTarget:
-                return None
-
     def tapped(self) -> Tensor:
         """``[B, S, n_taps * H]`` the recorded taps, in ``target_layer_ids`` order."""
         missing = [k for k in self.target_layer_ids if k not in self.captured]
@@ -270,6 +254,28 @@ class TapRecorder:
             msg = f"the target forward never ran decoder layers {missing}"
             raise RuntimeError(msg)
         return torch.cat([self.captured[k] for k in self.target_layer_ids], dim=-1)
+
+
+@contextlib.contextmanager
+def layers_up_to(model: nn.Module, last: int | None) -> Iterator[None]:
+    """Run only the decoder layers ``0 .. last`` in the forwards inside the block.
+
+    transformers' decoders loop over ``layers[: config.num_hidden_layers]``, so the decoder's
+    config says fewer layers for the time of the block: the forward runs to its end (every
+    module's post-forward hooks run, as FSDP2's root needs; nothing is raised through the
+    model) and the layers after `last` are never called. A family whose loop ignores the
+    setting (gpt-oss) runs every layer: the same taps, only slower. None: every layer.
+    """
+    config = getattr(decoder_stack(model), "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if last is None or config is None or not isinstance(layers, int) or last + 1 >= layers:
+        yield
+        return
+    config.num_hidden_layers = last + 1
+    try:
+        yield
+    finally:
+        config.num_hidden_layers = layers
 
 
 def target_states(
@@ -286,10 +292,11 @@ def target_states(
     only when asked.
 
     Without logits only the decoder stack runs: the ``lm_head`` product over every position
-    is skipped, and with `stop_after` (:func:`stop_after_layer`) the forward ends once that
-    layer has run. With logits the whole causal LM runs, so the logits are exactly the model's
-    (any scaling or soft-capping included). A packed row passes `document_ids` (``[B, S]``,
-    the document number of each token, -1 for the filler): see :func:`packed_attention`.
+    is skipped, and with `stop_after` (:func:`stop_after_layer`) only the layers up to it
+    run (:func:`layers_up_to`). With logits the whole causal LM runs, so the logits are
+    exactly the model's (any scaling or soft-capping included). A packed row passes
+    `document_ids` (``[B, S]``, the document number of each token, -1 for the filler): see
+    :func:`packed_attention`.
     Call it under ``torch.no_grad()``. Works under any wrapper that keeps the layer modules
     (FSDP2's ``fully_shard`` hooks are module hooks too).
     """
@@ -299,12 +306,9 @@ def target_states(
         dtype = next(model.parameters()).dtype
         mask, extra["position_ids"] = packed_attention(model, document_ids, dtype=dtype)
     runner: nn.Module = model if with_logits else decoder_stack(model)
-    recorder = TapRecorder(model, target_layer_ids, stop_after=None if with_logits else stop_after)
-
-    def forward() -> object:
-        return runner(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra)
-
-    out = recorder.run(forward)
+    last = None if with_logits else stop_after
+    with TapRecorder(model, target_layer_ids) as recorder, layers_up_to(model, last):
+        out = runner(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra)
     logits = getattr(out, "logits", None) if with_logits else None
     return TargetStates(recorder.tapped(), logits)
 
@@ -464,6 +468,7 @@ __all__ = [
     "document_position_ids",
     "final_norm",
     "isolation_lengths",
+    "layers_up_to",
     "packed_attention",
     "stop_after_layer",
     "target_states",

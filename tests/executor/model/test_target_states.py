@@ -72,25 +72,40 @@ def test_target_states_skips_the_lm_head_unless_logits_are_asked_for(
         assert torch.equal(with_logits.tapped, states.tapped)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_the_forward_stops_after_the_deepest_tap(tmp_path: Path, family: str) -> None:
-    plan = tiny_plan(tmp_path, target_model_type=family)
-    model = convert(tiny_target(plan), plan)
+@pytest.mark.parametrize("name", ["qwen3", "llama", "gemma3_text", "llama4_text", "qwen3_next"])
+def test_the_forward_stops_after_the_deepest_tap_without_raising_through_the_model(
+    name: str,
+) -> None:
+    model = build_target(_family(name))
     layers = decoder_layers(model)
-    taps = [len(layers) - 2, 0]
+    taps = [len(layers) - 3, 0]
     calls: list[int] = []
     for k, layer in enumerate(layers):
         layer.register_forward_hook(lambda *_, k=k: calls.append(k))
-    ids = torch.randint(0, 100, (2, 12))
+    finished: list[str] = []  # FSDP2's root needs its post-forward: the forward must end
+    decoder_stack(model).register_forward_hook(lambda *_: finished.append("decoder"))
+    ids = torch.randint(0, 300, (2, 12))
     attention = torch.ones_like(ids)
     with torch.no_grad():
         reference = target_states(model, ids, attention, taps, with_logits=False).tapped
         calls.clear()
+        finished.clear()
         stop = stop_after_layer(taps, needs_logits=False)
         ours = target_states(model, ids, attention, taps, with_logits=False, stop_after=stop)
     assert torch.equal(ours.tapped, reference)
     assert calls == list(range(max(taps) + 1))  # layers after the deepest tap never ran
+    assert finished == ["decoder"]  # nothing raised through the model's modules
+    assert model.config.num_hidden_layers == len(layers)  # the config is the model's again
     assert stop_after_layer(taps, needs_logits=True) is None  # logits need the whole target
+
+
+def test_a_family_whose_loop_runs_every_layer_still_gives_the_same_taps() -> None:
+    model = build_target(_family("gpt_oss"))  # its decoder loops over every layer
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        whole = target_states(model, ids, None, [0], with_logits=False).tapped
+        cut = target_states(model, ids, None, [0], with_logits=False, stop_after=0).tapped
+    assert torch.equal(whole, cut)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama", "gemma3_text", "gpt_oss", "deepseek_v3"])
