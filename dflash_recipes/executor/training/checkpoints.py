@@ -42,6 +42,7 @@ from dflash_recipes.files.run_dir import (
     CHECKPOINT_FILES,
     CHECKPOINT_PREFIX,
     OPTIMIZER_STATE,
+    PLAN_FILE,
     TMP_PREFIX,
     TRAINER_STATE,
     checkpoint_dir_name,
@@ -81,11 +82,14 @@ def save_training_checkpoint(
     trainer_state: Mapping[str, object],
     *,
     save_total_limit: int | None = None,
+    plan_json: str | None = None,
 ) -> Path:
     """Write ``checkpoint-XXXXXXXX`` for ``step`` and return its path.
 
     ``module`` is the converted model or the drafter; its weights are saved in their current
     dtype. ``trainer_state`` must be JSON-serialisable; ``step`` is recorded in it.
+    ``plan_json``, the plan that trained up to this step, is kept beside it as ``plan.json``
+    (a resume with another plan compares the two).
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +105,7 @@ def save_training_checkpoint(
 
     final = output_dir / checkpoint_dir_name(step)
     try:
-        _write_checkpoint(final, drafter, optimizer, scheduler, state_text)
+        _write_checkpoint(final, drafter, optimizer, scheduler, state_text, plan_json)
     except (OSError, SafetensorError, RuntimeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         msg = (
@@ -121,6 +125,7 @@ def _write_checkpoint(
     optimizer: Stateful,
     scheduler: Stateful | None,
     state_text: str,
+    plan_json: str | None = None,
 ) -> None:
     with staged_directory(final) as staging:
         tensors = {
@@ -129,6 +134,8 @@ def _write_checkpoint(
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         del tensors
         (staging / TRAINER_STATE).write_text(state_text, encoding="utf-8")
+        if plan_json is not None:
+            (staging / PLAN_FILE).write_text(plan_json, encoding="utf-8")
         torch.save(
             {
                 "optimizer": optimizer.state_dict(),

@@ -196,6 +196,8 @@ def setup(
         start = restore(
             chosen, output_dir, models.drafter, optimization.optimizer, optimization.scheduler, env
         )
+        if start.checkpoint is not None:  # the plan's rate and decay, not the checkpoint's
+            optimization.follow_plan(start.step)
         models.wrap_for_ranks(env)
         trackers = TrackerSet.silent()
         if is_main(env):

@@ -5,7 +5,8 @@ whenever the loop is told to (the ranks agreed to stop on a signal, SIGUSR1 aske
 ``stop_after`` was reached). Rank 0 writes it
 (:func:`~dflash_recipes.executor.training.checkpoints.save_training_checkpoint`, which keeps at
 most ``training.save_total_limit``) with the trainer state a resume needs (the data position,
-the seed, the plan fingerprint, the world size); every rank waits for the save to finish.
+the seed, the plan fingerprint, the world size) and a copy of the plan (``plan.json``, which a
+resume with another plan compares); every rank waits for the save to finish.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class SavePolicy:
                 self.optimization.scheduler,
                 state,
                 save_total_limit=plan.training.save_total_limit,
+                plan_json=plan.to_json(),
             )
             logger.info("saved %s", path)
         barrier(env)

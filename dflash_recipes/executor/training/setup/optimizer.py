@@ -30,6 +30,25 @@ class Optimization:
     peak_lr: float = 0.0
     #: The schedule's multiplier of the peak learning rate at a 0-based optimiser step.
     factor: Callable[[int], float] = attrs.field(default=lambda step: 1.0)
+    #: AdamW's weight decay, as the plan says.
+    weight_decay: float = 0.0
+
+    def follow_plan(self, step: int) -> None:
+        """After a checkpoint's optimiser and scheduler state is restored: the plan's peak
+        learning rate and weight decay, not the checkpoint's, from optimiser step `step` on.
+
+        ``load_state_dict`` brings back the hyperparameters the checkpoint was saved with (the
+        param groups' ``lr``, ``initial_lr`` and ``weight_decay``, the scheduler's
+        ``base_lrs``), so a resume with another ``training.learning_rate`` would train at the
+        old one while logging the new one. Adam's moments and the step count stay restored.
+        """
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group["initial_lr"] = self.peak_lr
+            group["weight_decay"] = self.weight_decay
+            group["lr"] = self.lr_at(step)
+        self.scheduler.base_lrs = [self.peak_lr] * len(groups)
+        self.scheduler._last_lr = [group["lr"] for group in groups]
 
     def lr_at(self, step: int) -> float:
         """The learning rate optimiser step `step` (0-based) updates with. Not the
@@ -62,7 +81,12 @@ def build_optimization(
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return Optimization(
-        optimizer, scheduler, total_steps, peak_lr=training.learning_rate, factor=schedule
+        optimizer,
+        scheduler,
+        total_steps,
+        peak_lr=training.learning_rate,
+        factor=schedule,
+        weight_decay=training.weight_decay,
     )
 
 

@@ -11,6 +11,11 @@
   and every other rank restores the very checkpoint rank 0 read: a stale view of the
   directory on one node cannot start the ranks at different steps. Rows of steps the resumed
   run will redo are removed from ``metrics.jsonl`` (atomically) so that each step appears once.
+- :func:`plan_change`: resuming with another plan than the checkpoint's (recorded in the
+  checkpoint as ``plan.json``, else the run directory's when it is the one that saved it): a
+  change the checkpoint cannot honestly continue (the drafter's architecture, taps, mask token,
+  the target) is refused, any other is warned about, saying what it does to the run
+  (:mod:`dflash_recipes.plan.resume_changes` holds the policy).
 - :func:`world_size_change`: the warning for resuming on another number of ranks (what
   changes: the global batch, and without ``training.max_steps`` the total steps and the
   learning-rate schedule).
@@ -37,11 +42,13 @@ from dflash_recipes.files.locking import LOCK_FILE, hold_directory_lock
 from dflash_recipes.files.metrics_rows import drop_metrics_after
 from dflash_recipes.files.run_dir import (
     METRICS_FILE,
+    PLAN_FILE,
     TRAINER_STATE,
     checkpoint_step,
     complete_checkpoints,
     latest_complete_checkpoint,
 )
+from dflash_recipes.plan.resume_changes import SCHEDULE, PlanChange, grouped, plan_changes
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
 
@@ -152,14 +159,113 @@ def checkpoint_to_resume(plan: RunPlan, output_dir: Path) -> Path | None:
             resume.step,
             latest[1].name,
         )
-        return latest[1]
-    if not path.is_dir():
+        path = latest[1]
+    elif not path.is_dir():
         msg = (
             f"the plan resumes from {path}, which no longer exists; recompile the recipe "
             "to resume from what output_dir holds now"
         )
         raise CheckpointError(msg)
+    change = plan_change(plan, path, output_dir)  # raises PlanError for a refused change
+    if change is not None:
+        logger.warning("%s", change)
     return path
+
+
+def saved_plan(checkpoint: Path, output_dir: Path) -> tuple[RunPlan | None, str]:
+    """The plan that saved `checkpoint` and where it was read; (None, why) when unknown.
+
+    The checkpoint's own copy of plan.json first; else the run directory's plan.json when its
+    fingerprint is the one the checkpoint records (a checkpoint saved before copies were kept).
+    """
+    copy = checkpoint / PLAN_FILE
+    if copy.is_file():
+        plan = _read_plan(copy)
+        if plan is not None:
+            return plan, str(copy)
+        return None, f"{copy} cannot be read as a plan by this version"
+    recorded = _saved_by(checkpoint)
+    run_dir_plan = _read_plan(output_dir / PLAN_FILE)
+    if run_dir_plan is not None and recorded == run_dir_plan.fingerprint:
+        return run_dir_plan, str(output_dir / PLAN_FILE)
+    return None, (
+        f"{checkpoint.name} holds no copy of its plan and {output_dir / PLAN_FILE} is not the "
+        "plan that saved it"
+    )
+
+
+def _read_plan(path: Path) -> RunPlan | None:
+    try:
+        return RunPlan.from_json(read_regular_file(path, max_bytes=16 * 2**20))
+    except (FileReadProblem, PlanError):
+        return None
+
+
+def plan_change(plan: RunPlan, checkpoint: Path, output_dir: Path) -> str | None:
+    """The warning for resuming `checkpoint` with `plan` when the plan that saved it differs:
+    each changed field (``training.max_steps 4 -> 6``) and what the change does to the run.
+    None when nothing that reaches training changed.
+
+    A change the checkpoint cannot honestly continue (the drafter's architecture, taps or mask
+    token, another target: :data:`~dflash_recipes.plan.resume_changes.RULES`) is a PlanError
+    naming each field, with the fix: the checkpoint's values, or a new training.output_dir.
+    """
+    step = checkpoint_step(checkpoint)
+    saved, where = saved_plan(checkpoint, output_dir)
+    if saved is None:
+        recorded = _saved_by(checkpoint)
+        if recorded is None or recorded == plan.fingerprint:
+            return None
+        return (
+            f"warning: resuming {checkpoint} (step {step}), saved by plan {recorded[:16]}, with "
+            f"plan {plan.fingerprint[:16]}: {where}, so what changed cannot be said; compare "
+            "the recipe with the one that started the run"
+        )
+    changes = plan_changes(saved, plan)
+    refused = tuple(change for change in changes if change.rule.verdict == "refuse")
+    if refused:
+        msg = (
+            f"cannot resume {checkpoint} (step {step}) with this plan: "
+            + _by_effect(refused)
+            + f"; to resume, give these fields the values of the plan that saved it ({where}); "
+            "to train the changed drafter, point training.output_dir at a new directory (a "
+            "fresh run)"
+        )
+        raise PlanError(msg)
+    if not changes:
+        return None
+    line = (
+        f"warning: resuming {checkpoint} (step {step}) with a changed plan (the checkpoint's: "
+        f"{where}): {_by_effect(changes)}"
+    )
+    rates = _next_rates(saved, plan, step or 0)
+    if rates is not None and any(change.rule.effect == SCHEDULE for change in changes):
+        line += f"; the next step's learning rate is {rates[1]:.3g} (it was to be {rates[0]:.3g})"
+    return line
+
+
+def _by_effect(changes: tuple[PlanChange, ...]) -> str:
+    return "; ".join(
+        ", ".join(change.describe() for change in group) + f" changes {effect}"
+        for effect, group in grouped(changes)
+    )
+
+
+def _next_rates(saved: RunPlan, plan: RunPlan, step: int) -> tuple[float, float] | None:
+    """The learning rate step `step` was to take under `saved` and takes under `plan`; None
+    when a total depends on the data (no training.max_steps)."""
+    rates = []
+    for training in (saved.training, plan.training):
+        if training.max_steps is None:
+            return None
+        factor = lr_factor(
+            step,
+            total_steps=training.max_steps,
+            warmup_ratio=training.warmup_ratio,
+            kind=training.lr_scheduler_type,
+        )
+        rates.append(training.learning_rate * factor)
+    return rates[0], rates[1]
 
 
 def _saved_by(checkpoint: Path) -> str | None:
@@ -333,8 +439,10 @@ __all__ = [
     "ResumePoint",
     "checkpoint_to_resume",
     "locked_run_directory",
+    "plan_change",
     "restore",
     "restore_newest_readable",
     "resume_checkpoint",
+    "saved_plan",
     "world_size_change",
 ]
