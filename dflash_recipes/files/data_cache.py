@@ -3,7 +3,8 @@
 The cache is keyed by content (the input's bytes, the tokenizer, the template, the settings:
 :mod:`~dflash_recipes.executor.data.token_cache`), so one folder serves every run of a user:
 the second experiment on the same data, every run of a sweep, reads the tokens the first one
-made. The folder is decided at compile and recorded in the plan (``data.cache_dir``):
+made. The folder is decided at compile and recorded in the plan (``data.cache_dir``); a
+variable set for `run` alone is not read, and the run says so (:func:`variable_not_used`):
 
 1. ``data.cache_dir`` in the recipe, when set;
 2. else ``$DFLASH_RECIPES_CACHE/tokenized`` (:data:`CACHE_ENV`);
@@ -90,6 +91,32 @@ def default_data_cache_dir(environ: Mapping[str, str] | None = None) -> Path | N
     None when there is no per-user cache folder."""
     root = cache_root(environ)
     return None if root is None else root / TOKENIZED_DIR
+
+
+def variable_not_used(
+    plan_cache_dir: str | None, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The warning for a run whose $DFLASH_RECIPES_CACHE names another folder than the plan's
+    ``data.cache_dir`` (None when it is unset, agrees, or the plan has no folder).
+
+    The folder is decided when the plan is compiled and the plan's wins at `run`: every rank,
+    every requeue of the same plan.json, reads the same entry. A variable set for `run` alone
+    would otherwise be ignored without a word.
+    """
+    env = os.environ if environ is None else environ
+    chosen = env.get(CACHE_ENV, "").strip()
+    wanted = default_data_cache_dir(env)
+    if not chosen or plan_cache_dir is None or wanted is None:
+        return None
+    if Path(os.path.abspath(plan_cache_dir)) == wanted:
+        return None
+    return (
+        f"warning: {CACHE_ENV} is set ({chosen}, tokenized data in {wanted}), but this run "
+        f"reads and writes the plan's data.cache_dir, {plan_cache_dir}: the folder is decided "
+        f"when the plan is compiled; to use {wanted}, compile the plan again with {CACHE_ENV} "
+        "set (`dflash-recipe run RECIPE` compiles in the run's environment), or set "
+        "data.cache_dir"
+    )
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -272,4 +299,5 @@ __all__ = [
     "format_bytes",
     "list_entries",
     "remove_entries",
+    "variable_not_used",
 ]

@@ -22,6 +22,7 @@ from dflash_recipes.files.data_cache import (
     format_bytes,
     list_entries,
     remove_entries,
+    variable_not_used,
 )
 from dflash_recipes.files.locking import hold_directory_lock
 
@@ -206,3 +207,20 @@ def test_sizes_read_as_a_person_writes_them() -> None:
         "3.34 MiB",
         "5.00 GiB",
     ]
+
+
+def test_a_variable_set_for_run_alone_is_named_with_the_plans_folder(tmp_path: Path) -> None:
+    """Issue 49: DFLASH_RECIPES_CACHE set for `run` only was ignored without a word."""
+    plan_dir = str(tmp_path / "compiled" / "tokenized")
+    line = variable_not_used(plan_dir, {CACHE_ENV: str(tmp_path / "run")})
+    assert line == (
+        f"warning: DFLASH_RECIPES_CACHE is set ({tmp_path / 'run'}, tokenized data in "
+        f"{tmp_path / 'run' / 'tokenized'}), but this run reads and writes the plan's "
+        f"data.cache_dir, {plan_dir}: the folder is decided when the plan is compiled; to use "
+        f"{tmp_path / 'run' / 'tokenized'}, compile the plan again with DFLASH_RECIPES_CACHE "
+        "set (`dflash-recipe run RECIPE` compiles in the run's environment), or set "
+        "data.cache_dir"
+    )
+    assert variable_not_used(plan_dir, {CACHE_ENV: str(tmp_path / "compiled")}) is None
+    assert variable_not_used(plan_dir, {"HOME": str(tmp_path)}) is None  # not set: nothing
+    assert variable_not_used(None, {CACHE_ENV: str(tmp_path / "run")}) is None  # read at run

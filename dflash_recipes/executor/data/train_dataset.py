@@ -35,7 +35,11 @@ from dflash_recipes.executor.data.tokenize import (
     resolve_template,
 )
 from dflash_recipes.executor.dist_env import DistEnv
-from dflash_recipes.files.data_cache import default_data_cache_dir, describe_entry
+from dflash_recipes.files.data_cache import (
+    default_data_cache_dir,
+    describe_entry,
+    variable_not_used,
+)
 from dflash_recipes.files.run_dir import DATA_CACHE_DIR
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
@@ -106,6 +110,9 @@ def build_dataset(
     cache_dir = data.cache_dir or str(
         default_data_cache_dir() or Path(plan.training.output_dir) / DATA_CACHE_DIR
     )
+    ignored = variable_not_used(data.cache_dir)  # the plan's folder wins: say so, once
+    if ignored is not None and split == "train" and (env is None or env.rank == 0):
+        logger.warning("%s", ignored)
     num_proc = data.num_proc or default_num_proc()
     if env is not None and env.is_distributed:
         examples, stats, built = shared_prepared_examples(
