@@ -18,6 +18,7 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
      ├── TrackerError             a tracker in training.report_to cannot start (library missing)
      ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
+ ├── TrainingDivergedError    too many optimiser steps in a row had a NaN or Inf gradient norm
      ├── RegenerateError          `regenerate` cannot start: unusable server, settings or output
      └── TargetServerError        a served target (vLLM) cannot give the tap states a run needs
           ├── TargetServerUnavailable   no server answered (each host:port and what it did)
@@ -150,6 +151,11 @@ class ResourceError(DFlashRecipeError):
     """A plan's memory cannot be estimated, or the estimate exceeds the device it runs on."""
 
 
+class TrainingDivergedError(DFlashRecipeError):
+    """``training.max_nonfinite_steps`` optimiser steps in a row had a NaN or Inf gradient
+    norm: each was skipped, and the run stops without saving after them."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -169,5 +175,6 @@ __all__ = [
     "TargetServerError",
     "TargetServerUnavailable",
     "TrackerError",
+    "TrainingDivergedError",
     "WarmStartError",
 ]

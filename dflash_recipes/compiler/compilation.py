@@ -314,6 +314,7 @@ def build_plan(
             eval_max_new_tokens=training.eval_max_new_tokens,
             tf32=training.tf32,
             drafter_master_dtype=training.drafter_master_dtype,
+            max_nonfinite_steps=training.max_nonfinite_steps,
         ),
         draft=DraftPlan(
             block_size=dflash.dflash_block_size,

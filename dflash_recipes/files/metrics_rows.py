@@ -109,6 +109,9 @@ class MetricsRow(TypedDict):
     #: the unary top-K from the true previous token (as ``accuracy_by_position`` is the unary
     #: top-1's), over the same positions.
     selector_accuracy_by_position: NotRequired[list[float | None]]
+    #: Optimiser steps of the window skipped because their gradient norm was NaN or Inf (the
+    #: weights never took them; training.max_nonfinite_steps in a row stop the run).
+    skipped_steps: NotRequired[int]
 
 
 class EvalMetricsRow(TypedDict):
@@ -140,6 +143,7 @@ def train_row(
     tokens_per_second: float,
     grad_norm: float | None = None,
     selector_accuracy_by_position: Sequence[float | None] | None = None,
+    skipped_steps: int | None = None,
 ) -> MetricsRow:
     """A training row with exactly the schema's keys; NaN/inf become None (JSON null)."""
     row: MetricsRow = {
@@ -157,6 +161,8 @@ def train_row(
         row["selector_accuracy_by_position"] = [
             _finite_or_none(a) for a in selector_accuracy_by_position
         ]
+    if skipped_steps is not None:
+        row["skipped_steps"] = int(skipped_steps)
     return row
 
 

@@ -104,6 +104,8 @@ class TrainingPlan(Record):
     tf32: bool = True
     #: The drafter's parameter dtype while it trains (gradients and AdamW moments follow).
     drafter_master_dtype: MasterDtype = "float32"
+    #: Skipped (non-finite gradient norm) steps in a row that stop the run.
+    max_nonfinite_steps: int = 20
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

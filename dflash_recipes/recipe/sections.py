@@ -149,6 +149,10 @@ class TrainingSection(Record):
     lr_scheduler_type: SchedulerType = attrs.field(default="cosine", validator=one_of(SCHEDULERS))
     #: Gradient clipping threshold (global L2 norm).
     max_grad_norm: float = attrs.field(default=1.0, validator=positive_float)
+    #: A step whose gradient norm is NaN or Inf is skipped (the weights and AdamW's moments
+    #: untouched; counted as skipped_steps); this many skipped in a row stop the run, keeping
+    #: the last checkpoint written after a finite step. Float16 loss scaling's overflows count.
+    max_nonfinite_steps: int = attrs.field(default=20, validator=IntRange(1, 10**6))
     #: AdamW weight decay.
     weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
     #: Seed for initialisation, anchor sampling and data order.

@@ -4,7 +4,10 @@ Layout and completeness rules are :mod:`dflash_recipes.files.run_dir`'s. A check
 into ``output_dir/.tmp-checkpoint-XXXXXXXX-*``, flushed and renamed to
 ``checkpoint-XXXXXXXX``, so a crash leaves at most a staging directory that the next save
 removes and that no reader looks at. Old checkpoints beyond ``save_total_limit`` are pruned
-after the new one is in place.
+after the new one is in place, except the newest checkpoint written after a finite step: one
+saved while steps were being skipped for a NaN or Inf gradient norm (its trainer state's
+``nonfinite_streak`` above 0, :mod:`~dflash_recipes.executor.training.nonfinite`) never pushes
+it out, so a run that diverges keeps its last good checkpoint (one more than the limit meanwhile).
 
 Saving fails as one :class:`RunIOError` (full disk, permissions, I/O) that says which step and
 where, after removing the staging directory: earlier checkpoints are never touched by a failed
@@ -51,6 +54,9 @@ from dflash_recipes.files.run_dir import (
     is_complete_checkpoint,
 )
 
+#: The trainer-state key of the skipped (non-finite) steps in a row that end at the saved step.
+NONFINITE_STREAK = "nonfinite_streak"
+
 
 class Stateful(Protocol):
     """Anything with ``state_dict`` / ``load_state_dict`` (optimizers, LR schedulers)."""
@@ -61,16 +67,35 @@ class Stateful(Protocol):
 
 
 def prune_checkpoints(output_dir: Path, save_total_limit: int, *, keep: Path | None = None) -> None:
-    """Delete the oldest complete checkpoints so that at most ``save_total_limit`` remain."""
+    """Delete the oldest complete checkpoints so that at most ``save_total_limit`` remain,
+    never `keep` nor the newest one written after a finite step (module docstring)."""
     found = [path for _, path in complete_checkpoints(output_dir)]
+    last_good = next((path for path in reversed(found) if not _after_nonfinite(path)), None)
     excess = len(found) - save_total_limit
     for path in found:
         if excess <= 0:
             break
-        if keep is not None and path == keep:
+        if path in (keep, last_good):
             continue
         shutil.rmtree(path)
         excess -= 1
+
+
+def _after_nonfinite(path: Path) -> bool:
+    """Whether the checkpoint was saved after a skipped (non-finite) step; an unreadable
+    trainer state counts as a finite one (restoring it says what is wrong)."""
+    try:
+        state = read_json_file(
+            path / TRAINER_STATE,
+            what="trainer state",
+            fix="delete the checkpoint",
+            error=CheckpointError,
+            max_bytes=2**20,
+        )
+    except CheckpointError:
+        return False
+    streak = state.get(NONFINITE_STREAK, 0) if isinstance(state, dict) else 0
+    return isinstance(streak, int) and streak > 0
 
 
 def save_training_checkpoint(
@@ -224,6 +249,7 @@ def _read_optimizer_state(path: Path, *, scheduler: bool) -> dict[str, object]:
 
 
 __all__ = [
+    "NONFINITE_STREAK",
     "Stateful",
     "prune_checkpoints",
     "restore_training_checkpoint",

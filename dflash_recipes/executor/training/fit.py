@@ -57,6 +57,7 @@ from dflash_recipes.executor.training.metrics import (
     log_train_window,
     row_number,
 )
+from dflash_recipes.executor.training.nonfinite import NonfiniteSteps
 from dflash_recipes.executor.training.progress_bar import ProgressBar
 from dflash_recipes.executor.training.save_policy import SavePolicy
 from dflash_recipes.executor.training.setup.accumulation import GradientAccumulation
@@ -170,6 +171,8 @@ class Run:
     evaluation: EvalPolicy
     saving: SavePolicy
     accumulation: GradientAccumulation
+    #: The skip of a step whose gradient norm is NaN or Inf, and its counters (:mod:`.nonfinite`).
+    nonfinite: NonfiniteSteps
     #: Loss scaling of a float16-autocast step (:mod:`~.setup.precision`); None: none.
     scaler: torch.amp.GradScaler | None = None
 
@@ -238,6 +241,9 @@ def setup(
                 accumulation=GradientAccumulation(
                     plan.training.gradient_accumulation_steps, models.trainable, env
                 ),
+                nonfinite=NonfiniteSteps(
+                    plan.training.max_nonfinite_steps, env.device, output_dir=output_dir
+                ),
                 scaler=build_grad_scaler(plan, env.device),
             )
         except BaseException:
@@ -274,6 +280,7 @@ def fit(
     loop's thread, the synchronous baseline), and nothing is read back from the device between
     logging steps (:mod:`~dflash_recipes.executor.training.setup.prefetch`)."""
     training, env, models, opt = run.plan.training, run.env, run.models, run.optimization
+    nonfinite = run.nonfinite
     progress = Progress(done=run.start.step)
     window = MetricWindow(run.spec.block_size, shift=run.spec.label_shift)
     bar = ProgressBar(
@@ -293,7 +300,7 @@ def fit(
                 except TargetServerUnavailable:
                     # no server answers: keep every finished step, then stop (a rerun resumes)
                     if not saved:
-                        run.saving.save(progress.done, finished)
+                        run.saving.save(progress.done, finished, nonfinite.check(progress.done))
                     raise
                 position = (prepared.batch.epoch, prepared.batch.next_index)
                 last = micro == training.gradient_accumulation_steps - 1
@@ -301,25 +308,24 @@ def fit(
                     window.add(*micro_step(run, prepared, step=step))
             if run.scaler is not None:  # clip the true gradients
                 run.scaler.unscale_(opt.optimizer)
-            window.add_grad_norm(clip_gradients(models.trainable, training.max_grad_norm))
-            if run.scaler is not None:  # fused AdamW skips a step with inf/NaN, no host sync
-                run.scaler.step(opt.optimizer)
-                run.scaler.update()
-            else:
-                opt.optimizer.step()
-            opt.scheduler.step()
+            grad_norm = clip_gradients(models.trainable, training.max_grad_norm)
+            window.add_grad_norm(grad_norm)
+            # a NaN/Inf norm: fused AdamW's found_inf leaves weights and moments, no host sync
+            nonfinite.step(opt.optimizer, grad_norm, step=step, scaler=run.scaler)
+            opt.scheduler.step()  # advances on a skipped step too, as under GradScaler
             done = progress.done = step + 1
             finished, saved = position, False
             bar.advance()
             if done % training.logging_steps == 0 or done == opt.total_steps:
-                _log_window(run, window, progress, bar)  # the window's one host sync
+                _log_window(run, window, progress, bar, nonfinite)  # the window's one host sync
             stop_signal, checkpoint_now = vote.decide()  # the same on every rank
             stopping = stop_after is not None and done >= stop_after
             with window.paused():  # evaluation and checkpoints are not training throughput
                 if run.evaluation.due(done, stopping=bool(stop_signal)):
                     progress.last_eval_tau = run.evaluation.measure(done)
                 if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
-                    run.saving.save(done, position)
+                    # never a checkpoint after the limit of skips in a row (check raises)
+                    run.saving.save(done, position, nonfinite.check(done))
                     saved = True
             if stop_signal:
                 vote.close()
@@ -378,8 +384,12 @@ def micro_step(run: Run, prepared: PreparedBatch, *, step: int) -> tuple[LossOut
     return result, on_device.attention_mask.sum()
 
 
-def _log_window(run: Run, window: MetricWindow, progress: Progress, bar: ProgressBar) -> None:
-    """A logging step: the window's train row to the trackers, the bar's figures, a new window."""
+def _log_window(
+    run: Run, window: MetricWindow, progress: Progress, bar: ProgressBar, nonfinite: NonfiniteSteps
+) -> None:
+    """A logging step: the window's train row to the trackers, the bar's figures, a new window;
+    then the stop when too many steps in a row were skipped (non-finite gradient norm)."""
+    window.add_skipped(nonfinite.take_window())
     window.settle()
     lr = run.optimization.lr_at(progress.done - 1)  # the rate the last step used
     row = log_train_window(window, step=progress.done, lr=lr, trackers=run.trackers, env=run.env)
@@ -389,7 +399,19 @@ def _log_window(run: Run, window: MetricWindow, progress: Progress, bar: Progres
     bar.show_figures(
         loss=row_number(row, "loss"), tau=row_number(row, KEY_ACCEPTANCE_LENGTH_ESTIMATE)
     )
+    skipped = window.skipped_steps
     window.reset()
+    streak = nonfinite.check(progress.done)  # raises at the limit, after the row is written
+    if skipped and is_main(run.env):
+        logger.warning(
+            "%d step(s) up to step %d skipped: gradient norm NaN or Inf (weights and AdamW "
+            "unchanged by them; %d in a row now, training.max_nonfinite_steps %d in a row "
+            "stops the run)",
+            skipped,
+            progress.done,
+            streak,
+            nonfinite.limit,
+        )
 
 
 def finish(run: Run, progress: Progress) -> TrainSummary:

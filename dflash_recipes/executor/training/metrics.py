@@ -59,6 +59,7 @@ class MetricWindow:
         self._count: Tensor | None = None
         self._tokens: Tensor | None = None
         self._grad_norm: Tensor | None = None
+        self._skipped: Tensor | None = None
         self._named: dict[str, Tensor] = {}
         self.loss_sum = 0.0
         #: The supervised weight the window's losses were weighted by (loss_sum / weight_sum
@@ -71,6 +72,8 @@ class MetricWindow:
         self.named_correct: dict[str, Tensor] = {}
         self.tokens = 0
         self.grad_norm: float | None = None
+        #: Steps of the window skipped for a NaN or Inf gradient norm (:mod:`.nonfinite`).
+        self.skipped_steps = 0
         self.started = self._clock()
         self._paused_seconds = 0.0
 
@@ -89,6 +92,10 @@ class MetricWindow:
 
     def add_grad_norm(self, norm: Tensor) -> None:
         self._grad_norm = norm.detach()
+
+    def add_skipped(self, count: Tensor) -> None:
+        """Steps skipped for a non-finite gradient norm (a device tensor)."""
+        self._skipped = _accumulate(self._skipped, count)
 
     def add(self, out: LossOutput, tokens: Tensor) -> None:
         self.micro += 1
@@ -116,6 +123,8 @@ class MetricWindow:
             self.tokens = int(self._tokens)
         if self._grad_norm is not None:
             self.grad_norm = float(self._grad_norm)
+        if self._skipped is not None:
+            self.skipped_steps = int(self._skipped)
 
 
 def _accumulate(total: Tensor | None, value: Tensor) -> Tensor:
@@ -156,6 +165,7 @@ def log_train_window(
         tokens_per_second=tokens_per_second,
         grad_norm=window.grad_norm,
         selector_accuracy_by_position=selector,
+        skipped_steps=window.skipped_steps,
     )
     if is_main(env):
         trackers.log_row(row)
@@ -184,11 +194,15 @@ def progress_line(row: Mapping[str, object]) -> str:
     if isinstance(raw_selector, (list, tuple)):
         picked = " ".join(_figure(a, ".2f") for a in list(raw_selector)[first:])
         selector = f"selector[{first}..] {picked} "
+    skipped = row.get("skipped_steps")
+    skips = (
+        f" skipped {skipped} (NaN/Inf grad norm)" if isinstance(skipped, int) and skipped else ""
+    )
     return (
         f"step {row.get('step')} loss {_figure(row.get('loss'), '.4f')} "
         f"lr {_figure(row.get('lr'), '.3g')} acc[{first}..] {shown} {selector}"
         f"train-batch tau~{_figure(row.get(KEY_ACCEPTANCE_LENGTH_ESTIMATE), '.2f')} "
-        f"tok/s {_figure(row.get('tokens_per_second'), '.0f')}"
+        f"tok/s {_figure(row.get('tokens_per_second'), '.0f')}{skips}"
     )
 
 

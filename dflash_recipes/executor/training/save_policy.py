@@ -18,7 +18,10 @@ import attrs
 
 from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.dist_env import DistEnv, is_main
-from dflash_recipes.executor.training.checkpoints import save_training_checkpoint
+from dflash_recipes.executor.training.checkpoints import (
+    NONFINITE_STREAK,
+    save_training_checkpoint,
+)
 from dflash_recipes.executor.training.setup.models import Models
 from dflash_recipes.executor.training.setup.optimizer import Optimization
 from dflash_recipes.plan.run_plan import RunPlan
@@ -40,9 +43,11 @@ class SavePolicy:
         total = self.optimization.total_steps
         return asked or step % self.plan.training.save_steps == 0 or step == total
 
-    def save(self, step: int, position: tuple[int, int]) -> None:
+    def save(self, step: int, position: tuple[int, int], nonfinite_streak: int = 0) -> None:
         """Rank 0 saves the checkpoint of `step` (`position`: the epoch and next index of the
-        data); every rank returns once it is written."""
+        data; `nonfinite_streak`: the skipped steps in a row that end at `step`, recorded so
+        that pruning keeps the last checkpoint of a finite step); every rank returns once it
+        is written."""
         plan, env = self.plan, self.env
         if is_main(env):
             state = {
@@ -51,6 +56,7 @@ class SavePolicy:
                 "seed": plan.training.seed,
                 "plan_fingerprint": plan.fingerprint,
                 "world_size": env.world_size,
+                NONFINITE_STREAK: nonfinite_streak,
             }
             path = save_training_checkpoint(
                 Path(plan.training.output_dir),
