@@ -41,6 +41,12 @@ if TYPE_CHECKING:
     help="Hash every shard of data.hidden_states_path before the first step "
     "(otherwise each shard is checked on its first use).",
 )
+@click.option(
+    "--skip-memory-check",
+    is_flag=True,
+    help="Train even if the memory estimate says the plan will not fit the GPU (a warning "
+    "states the device's memory and the estimate).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run_command(
@@ -51,6 +57,7 @@ def run_command(
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
     verify_capture: bool,
+    skip_memory_check: bool,
     no_progress: bool,
     verbose: bool,
 ) -> None:
@@ -86,6 +93,7 @@ def run_command(
             [recipe_or_plan, *overrides]
             + (["--no-progress"] if no_progress else [])
             + (["--verify-capture"] if verify_capture else [])
+            + (["--skip-memory-check"] if skip_memory_check else [])
             + (["-v"] if verbose else []),
             nproc_per_node=nproc_per_node or 1,
             nnodes=nnodes,
@@ -97,7 +105,12 @@ def run_command(
     from dflash_recipes.executor.training.fit import run_plan
 
     # errors: the group's one handler
-    summary = run_plan(plan, progress=not no_progress, verify_capture=verify_capture)
+    summary = run_plan(
+        plan,
+        progress=not no_progress,
+        verify_capture=verify_capture,
+        skip_memory_check=skip_memory_check,
+    )
     if os.environ.get("RANK", "0") == "0":
         from dflash_recipes.card.acceptance import run_gate_line
         from dflash_recipes.executor.training.summary import held_out_gap_line

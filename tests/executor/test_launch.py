@@ -421,3 +421,42 @@ def test_run_with_nproc_per_node_trains_through_torchrun(
         batches.append(report["input_ids"])
     if nproc > 1:  # each rank tapped its own share of the batch
         assert not torch.equal(batches[0], batches[1])
+
+
+def test_run_passes_skip_memory_check_to_every_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run --skip-memory-check --nproc-per-node N` reruns the command with the flag in each
+    worker (issue 49), and a single-process run hands it to run_plan."""
+    from click.testing import CliRunner
+    from testkit.compiling import tiny_scratch_plan
+
+    from dflash_recipes.cli import main
+    from dflash_recipes.executor import launch
+    from dflash_recipes.executor.training import fit
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(tiny_scratch_plan(tmp_path / "run").to_json())
+    launched: list[list[str]] = []
+
+    def fake_launch(argv: list[str]) -> int:
+        launched.append(argv)
+        return 0
+
+    monkeypatch.setattr(launch, "launch_torchrun", fake_launch)
+    result = CliRunner().invoke(
+        main, ["run", str(plan), "--skip-memory-check", "--nproc-per-node", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    (argv,) = launched
+    assert argv[argv.index(str(plan)) :] == [str(plan), "--skip-memory-check"]
+    given: list[bool] = []
+
+    def fake_run_plan(plan: object, **kwargs: object) -> object:
+        given.append(bool(kwargs["skip_memory_check"]))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(fit, "run_plan", fake_run_plan)
+    CliRunner().invoke(main, ["run", str(plan), "--skip-memory-check"])
+    CliRunner().invoke(main, ["run", str(plan)])
+    assert given == [True, False]

@@ -3,7 +3,9 @@ target is loaded (docs/dflash.md, "Will it fit?").
 
 On CUDA the estimate for the real world size is compared with the GPU's total memory, and a
 plan that needs more is refused with what would fit, before minutes of loading an 8B target end
-in an out-of-memory error. On CPU nothing is checked (a debug line says so).
+in an out-of-memory error, unless the check is skipped (`run --skip-memory-check`: the
+estimate is an estimate), which logs what was measured and what the estimate said instead. On
+CPU nothing is checked (a debug line says so).
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ def check_device_memory(
     total_bytes: int | None = None,
     label: str | None = None,
     log: bool = True,
+    skip: bool = False,
 ) -> str | None:
     """Refuse (ResourceError) a plan whose estimate exceeds the device's memory.
 
     Returns the one line `run` logs (estimate against the device), or None on CPU. A plan the
     estimate cannot size (a target config without the dims it reads) is logged and let through.
     `total_bytes` and `label` stand in for the device's total memory and name (tests); `log`
-    False keeps the line out of the log (the ranks other than 0).
+    False keeps the line out of the log (the ranks other than 0). `skip` (``run
+    --skip-memory-check``) lets a plan that does not fit through with a warning instead: the
+    device's memory, the estimate and its advice.
     """
     if device.type != "cuda":
         if log:
@@ -58,7 +63,19 @@ def check_device_memory(
     if needed > total_bytes:
         advice = fit_advice(plan, total_bytes, world_size=world_size, device="cuda", target=target)
         message, hint = exceed_message(plan, resources, total_bytes, advice, where=where)
-        msg = f"{message}; {hint}; recompile with that change, or use a device with more memory"
+        if skip:
+            warning = (
+                f"warning: memory check skipped (--skip-memory-check): by the estimate {message}; "
+                f"training anyway, so an out-of-memory error may stop the run (the estimate's "
+                f"advice: {hint})"
+            )
+            if log:
+                logger.warning("%s", warning)
+            return warning
+        msg = (
+            f"{message}; {hint}; recompile with that change, use a device with more memory, or "
+            "run with --skip-memory-check if the estimate is wrong for this device"
+        )
         raise ResourceError(msg)
     line = (
         f"memory: about {gib(needed)} GiB per rank estimated, {where} has {gib(total_bytes)} "

@@ -103,6 +103,7 @@ def run_plan(
     stop_after: int | None = None,
     max_chunk_logits: int | None = None,
     verify_capture: bool = False,
+    skip_memory_check: bool = False,
 ) -> TrainSummary:
     """Train as the plan says and return the summary (rank 0's view under torchrun).
 
@@ -113,6 +114,7 @@ def run_plan(
     :data:`~dflash_recipes.plan.resources.chunk_budget.MAX_CHUNK_LOGITS` on CPU); the loss
     is the same, only the memory and the time change. `verify_capture` hashes every
     shard of the plan's capture before the first step (otherwise each is checked on first use).
+    `skip_memory_check` lets a plan the memory estimate refuses train, with a warning.
     """
     env = detect_dist_env(plan.training.device)
     output_dir = Path(plan.training.output_dir)
@@ -125,7 +127,13 @@ def run_plan(
             init_distributed(env)
             try:
                 require_same_plan(plan.fingerprint, env)  # before any work
-                run = setup(plan, env, max_chunk_logits, verify_capture=verify_capture)
+                run = setup(
+                    plan,
+                    env,
+                    max_chunk_logits,
+                    verify_capture=verify_capture,
+                    skip_memory_check=skip_memory_check,
+                )
                 outcome: Outcome = "failed"
                 try:
                     summary = finish(run, fit(run, signals, stop_after, show_progress=progress))
@@ -178,7 +186,12 @@ class Run:
 
 
 def setup(
-    plan: RunPlan, env: DistEnv, max_chunk_logits: int | None, *, verify_capture: bool
+    plan: RunPlan,
+    env: DistEnv,
+    max_chunk_logits: int | None,
+    *,
+    verify_capture: bool,
+    skip_memory_check: bool = False,
 ) -> Run:
     """Every part of the run from its builder, then plan.json and the trackers. Data problems
     stop the run here, before anything is written to output_dir."""
@@ -191,7 +204,12 @@ def setup(
     data = build_train_data(plan, tokenizer, env, verify_capture=verify_capture)
     try:  # a failure from here on stops the servers' client too (a served target)
         models = build_models(
-            plan, env, offline=data.offline, warm=chosen is None, max_chunk_logits=max_chunk_logits
+            plan,
+            env,
+            offline=data.offline,
+            warm=chosen is None,
+            max_chunk_logits=max_chunk_logits,
+            skip_memory_check=skip_memory_check,
         )
         optimization = build_optimization(
             plan, models.trainable, batches_per_epoch=data.batches_per_epoch

@@ -81,11 +81,13 @@ def test_run_checks_memory_on_every_rank_before_it_loads_the_target(
     from dflash_recipes.executor.training.setup import models as train
 
     plan = tiny_scratch_plan(tmp_path / "run", "training.max_steps=1")
-    asked: list[tuple[str, int, bool]] = []
+    asked: list[tuple[str, int, bool, bool]] = []
     loaded: list[str] = []
 
-    def refuse(plan_: object, *, device: torch.device, world_size: int, log: bool) -> None:
-        asked.append((device.type, world_size, log))
+    def refuse(
+        plan_: object, *, device: torch.device, world_size: int, log: bool, skip: bool
+    ) -> None:
+        asked.append((device.type, world_size, log, skip))
         msg = "the plan needs about 99 GiB per rank"
         raise ResourceError(msg)
 
@@ -96,7 +98,7 @@ def test_run_checks_memory_on_every_rank_before_it_loads_the_target(
     monkeypatch.setattr(train, "load_base_model", load)
     with pytest.raises(ResourceError, match="99 GiB"):
         run_plan(plan, progress=False)
-    assert asked == [("cpu", 1, True)]
+    assert asked == [("cpu", 1, True, False)]
     assert loaded == []  # refused before the target was loaded
     assert not (tmp_path / "run" / "plan.json").exists()
 
@@ -126,3 +128,51 @@ def test_the_check_sizes_the_loss_chunks_from_the_devices_memory(tmp_path: Path)
     sized = estimate_resources(result.plan, device="cuda", device_bytes=141 * GIB).memory.total
     assert line is not None and f"about {gib(sized)} GiB per rank" in line
     assert sized > estimate_resources(result.plan, device="cuda").memory.total
+
+
+def test_the_check_can_be_skipped_with_a_warning_of_what_was_measured(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 49: the estimate is an estimate; `run --skip-memory-check` trains anyway and says
+    what the device has and what the estimate needs."""
+    plan = tiny_scratch_plan(tmp_path / "run")
+    needed = estimate_resources(plan, device="cuda").memory.total
+    with pytest.raises(ResourceError) as refused:
+        check_device_memory(plan, device=CUDA, world_size=1, total_bytes=needed - 1, label="g")
+    assert str(refused.value).endswith(
+        "recompile with that change, use a device with more memory, or run with "
+        "--skip-memory-check if the estimate is wrong for this device"
+    )
+    with caplog.at_level(logging.INFO, logger="dflash_recipes.run"):
+        line = check_device_memory(
+            plan, device=CUDA, world_size=1, total_bytes=needed - 1, label="g", skip=True
+        )
+    assert line is not None
+    refusal, advice = str(refused.value).split("; ", 1)
+    assert line == (
+        f"warning: memory check skipped (--skip-memory-check): by the estimate {refusal}; "
+        "training anyway, so an out-of-memory error may stop the run (the estimate's advice: "
+        f"{advice.split('; recompile with that change')[0]})"
+    )
+    assert f"the plan needs about {needed / GIB:.2f} GiB per rank" in line
+    assert f"more than g ({(needed - 1) / GIB:.2f} GiB)" in line
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.WARNING, line)]
+    fits = check_device_memory(plan, device=CUDA, world_size=1, total_bytes=needed, skip=True)
+    assert fits is not None and fits.endswith("fits")  # a plan that fits: no warning
+
+
+def test_run_hands_the_skip_to_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_plan(skip_memory_check=True) reaches the check that build_models makes."""
+    from dflash_recipes.executor.training.setup import models
+
+    seen: list[bool] = []
+
+    def recording(*args: object, skip: bool = False, **kwargs: object) -> str | None:
+        seen.append(skip)
+        return check_device_memory(*args, skip=skip, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(models, "check_device_memory", recording)
+    overrides = ("training.max_steps=1", "training.save_steps=1")
+    run_plan(tiny_scratch_plan(tmp_path / "a", *overrides), progress=False)
+    run_plan(tiny_scratch_plan(tmp_path / "b", *overrides), progress=False, skip_memory_check=True)
+    assert seen == [False, True]

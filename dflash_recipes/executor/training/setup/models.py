@@ -78,19 +78,27 @@ def build_models(
     offline: bool,
     warm: bool,
     max_chunk_logits: int | None,
+    skip_memory_check: bool = False,
 ) -> Models:
     """Load and place the target and the drafter as the plan says.
 
     `offline`: the target's states come from a capture, so its decoder is loaded only when a
     measured evaluation needs it. `warm`: a fresh run (warm-start the drafter); a resume
     restores the drafter's weights afterwards instead. `max_chunk_logits` bounds the logits one
-    chunk of blocks holds (None: the step's default).
+    chunk of blocks holds (None: the step's default). `skip_memory_check`: a plan the estimate
+    says will not fit is warned about, not refused (``run --skip-memory-check``).
     """
     training = plan.training
     # Offline, the decoder runs only for measured evaluation (speculative decoding needs it).
     needs_decoder = not offline or (training.eval_steps is not None and plan.data.has_eval_data)
     # Every rank, before minutes of loading the target: refuse what cannot fit.
-    check_device_memory(plan, device=env.device, world_size=env.world_size, log=is_main(env))
+    check_device_memory(
+        plan,
+        device=env.device,
+        world_size=env.world_size,
+        log=is_main(env),
+        skip=skip_memory_check,
+    )
     base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
     target = convert(base, plan, init=False)
     drafter = dflash_module(target)
