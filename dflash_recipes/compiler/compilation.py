@@ -315,6 +315,7 @@ def build_plan(
             tf32=training.tf32,
             drafter_master_dtype=training.drafter_master_dtype,
             max_nonfinite_steps=training.max_nonfinite_steps,
+            distributed_timeout_s=training.distributed_timeout_s,
         ),
         draft=DraftPlan(
             block_size=dflash.dflash_block_size,

@@ -27,6 +27,7 @@ What needs no collective: a decision computed only from values every rank holds 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -151,14 +152,18 @@ class StepVote:
     once, with no collective at all.
     """
 
-    def __init__(self, watch: SignalWatch, *, distributed: bool) -> None:
+    def __init__(
+        self, watch: SignalWatch, *, distributed: bool, timeout_s: float | None = None
+    ) -> None:
         self._watch = watch
         self._pending: tuple[dist.Work, Tensor] | None = None
         self._group: dist.ProcessGroup | None = None
         self._distributed = distributed
         if distributed:
             # A CPU group: the flag never touches the accelerator, so waiting costs no sync.
-            self._group = dist.new_group(backend="gloo")
+            # A new group does not inherit the world's timeout: the plan's is given again.
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def decide(self) -> tuple[int, bool]:
         watch = self._watch

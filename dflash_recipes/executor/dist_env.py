@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Literal
 
 import attrs
@@ -197,8 +198,11 @@ def _backend_for(device: torch.device) -> Backend:
 # ---------------------------------------------------------------------------------------------
 
 
-def init_distributed(env: DistEnv) -> None:
-    """Join the process group (env:// rendezvous). No-op when not distributed or already joined."""
+def init_distributed(env: DistEnv, *, timeout_s: float | None = None) -> None:
+    """Join the process group (env:// rendezvous). No-op when not distributed or already joined.
+
+    `timeout_s` (the plan's ``training.distributed_timeout_s``) is how long a collective waits
+    for the other ranks before it fails; None: torch's default for the backend."""
     if not env.is_distributed:
         return
     if not dist.is_available():
@@ -215,6 +219,7 @@ def init_distributed(env: DistEnv) -> None:
             rank=env.rank,
             world_size=env.world_size,
             device_id=env.device if env.device.type == "cuda" else None,
+            timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
         )
     except (RuntimeError, ValueError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

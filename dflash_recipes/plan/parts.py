@@ -106,6 +106,8 @@ class TrainingPlan(Record):
     drafter_master_dtype: MasterDtype = "float32"
     #: Skipped (non-finite gradient norm) steps in a row that stop the run.
     max_nonfinite_steps: int = 20
+    #: The process group's timeout: seconds a rank waits in a collective for the others.
+    distributed_timeout_s: int = 1800
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

@@ -180,6 +180,10 @@ class TrainingSection(Record):
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
     #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
     fsdp: bool = False
+    #: Seconds a rank waits in a collective (barrier, all-reduce, broadcast) for the other
+    #: ranks before the job fails with a timeout, e.g. while rank 0 alone saves, exports or
+    #: evaluates: the process group's timeout (torchrun). Raise it for very slow saves.
+    distributed_timeout_s: int = attrs.field(default=1800, validator=IntRange(1, 7 * 24 * 3600))
     #: TF32 tensor cores for float32 matmuls and convolutions on CUDA (no effect on CPU).
     tf32: bool = True
     #: The drafter's parameter dtype while it trains: float32 | bfloat16. Its gradients and

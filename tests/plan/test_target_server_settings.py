@@ -130,9 +130,9 @@ def test_a_plan_without_a_served_target_keeps_its_json_and_fingerprint() -> None
     assert "target_server" not in data  # left out, not null
     assert b"target_server" not in plan.canonical_json()
     # the fingerprint this plan has without the key (format 11: computed when
-    # training.max_nonfinite_steps was added, which changed every plan's JSON; format 10, before
-    # target_server existed, gave c87b80e9df827695...)
-    assert plan.fingerprint == "f6d6952dd59f74c7592c13478afe20567bcfcc229175e947ca71c66a1ea50291"
+    # training.distributed_timeout_s was added, which changed every plan's JSON; format 10,
+    # before target_server existed, gave c87b80e9df827695...)
+    assert plan.fingerprint == "be9e91f1ea0f5b99e2ca7888bb45c4f383ac597822c1a34402a060ea7ef048ab"
     again = RunPlan.from_json(plan.to_json())
     assert again == plan and again.target_server is None
 

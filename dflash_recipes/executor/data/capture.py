@@ -206,7 +206,7 @@ class _Capture:
 
         started = time.perf_counter()
         env = self.env
-        init_distributed(env)
+        init_distributed(env, timeout_s=self.plan.training.distributed_timeout_s)
         try:
             with ExitStack() as stack:
                 stack.enter_context(self.signals)

@@ -124,7 +124,7 @@ def run_plan(
     signals = SignalWatch()
     try:
         with signals, locked_run_directory(output_dir, main=is_main(env)):
-            init_distributed(env)
+            init_distributed(env, timeout_s=plan.training.distributed_timeout_s)
             try:
                 require_same_plan(plan.fingerprint, env)  # before any work
                 run = setup(
@@ -304,7 +304,9 @@ def fit(
     bar = ProgressBar(
         total=opt.total_steps, start=run.start.step, show=show_progress and is_main(env)
     )
-    vote = StepVote(signals, distributed=env.is_distributed)
+    vote = StepVote(
+        signals, distributed=env.is_distributed, timeout_s=training.distributed_timeout_s
+    )
     position = (run.start.epoch, run.start.next_index)
     #: Where the data stood after the last finished step, and whether that step is saved.
     finished, saved = position, True
