@@ -14,6 +14,7 @@ import torch
 from testkit.families import FAMILIES, Family, build_target, missing_reason
 from testkit.tiny import tiny_plan, tiny_target
 from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
 
 from dflash_recipes.compiler.codes import TARGET_NO_DECODER
 from dflash_recipes.diagnostics import Severity, code_severity
@@ -236,3 +237,28 @@ def test_the_check_documents_cover_the_window_within_the_row() -> None:
     first, second = isolation_lengths(model, limit=4096)
     assert first > 8 and second > 8  # past the 8-token sliding window
     assert sum(isolation_lengths(model, limit=20)) <= 20  # never more than a row
+
+
+@pytest.mark.parametrize(
+    ("name", "implementation"),
+    [
+        *((name, "eager") for name in ("llama", "mistral", "gemma3_text", "llama4_text")),
+        # flex compiles its kernel on the CPU (seconds): the windowed and the chunked family
+        ("gemma3_text", "flex_attention"),
+        ("llama4_text", "flex_attention"),
+    ],
+)
+def test_every_attention_implementation_keeps_packed_documents_apart(
+    name: str, implementation: str
+) -> None:
+    """Eager's additive float mask and flex's block mask (SDPA's boolean one: the families'
+    default, above), each built by transformers for the layer type (full, sliding, chunked)
+    from the packed positions."""
+    family = _family(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family.config(), attn_implementation=implementation)
+    model.eval()
+    assert model.config._attn_implementation == implementation
+    last = len(decoder_layers(model)) - 1
+    errors = _packed_vs_alone(model, (13, 3, 22), [0, 1, last])
+    assert max(errors) < 1e-4, errors
