@@ -13,6 +13,7 @@ imported only when a report is drawn, without touching pyplot's global backend. 
 from __future__ import annotations
 
 import io
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -60,12 +61,20 @@ PLOT_EXTRA_HINT = "pip install 'dflash-recipes[plot]'"
 
 
 def _load_matplotlib() -> type[Figure]:
+    # The first import on a machine builds matplotlib's font cache and logs it ("generated new
+    # fontManager", "building the font cache"), which landed inside the demo's summary: that
+    # logger is held at ERROR for the import only.
+    font_log = logging.getLogger("matplotlib.font_manager")
+    level = font_log.level
+    font_log.setLevel(logging.ERROR)
     try:
         import matplotlib  # noqa: F401  (a missing package fails here, not on a cached submodule)
         from matplotlib.figure import Figure
     except ImportError as exc:
         msg = f"the training report needs matplotlib: {PLOT_EXTRA_HINT}"
         raise DFlashRecipeError(msg) from exc
+    finally:
+        font_log.setLevel(level)
     return Figure
 
 

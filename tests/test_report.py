@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -100,3 +102,23 @@ def test_report_module_imports_neither_torch_nor_matplotlib() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_matplotlibs_font_cache_log_stays_out_of_the_output(tmp_path: Path) -> None:
+    """Issue 49: the first import on a machine logs "generated new fontManager", which landed
+    inside the demo's summary. An empty MPLCONFIGDIR makes this import build the cache."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from dflash_recipes.report import _load_matplotlib\n"
+        "_load_matplotlib()\n"
+        "print(logging.getLogger('matplotlib.font_manager').level)\n"
+    )
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert child.returncode == 0, child.stderr
+    assert (tmp_path / "mpl").is_dir()  # matplotlib did start afresh there
+    said = child.stderr.lower()
+    assert "fontmanager" not in said and "font cache" not in said, child.stderr
+    assert child.stdout.strip() == "0"  # the logger's level is restored afterwards

@@ -253,8 +253,13 @@ def _missing_path(
             "a Hugging Face Hub id, and hub ids are not fetched",
             need.hub_hint.format(value=value),
         )
-    base = "the recipe's folder" if base_dir is not None else "the working directory"
-    hint = f"check the path (a relative path is resolved against {base})"
+    if Path(value).expanduser().is_absolute():
+        hint = (
+            f"check the path, or stage the {need.noun} there: hf download <repo> --local-dir {path}"
+        )
+    else:
+        base = "the recipe's folder" if base_dir is not None else "the working directory"
+        hint = f"check the path (a relative path is resolved against {base}, here {path})"
     parent = path.parent
     if parent.is_dir():
         try:

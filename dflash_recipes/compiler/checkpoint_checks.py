@@ -53,6 +53,7 @@ from dflash_recipes.compiler.codes import (
     TAPS_OUT_OF_RANGE,
 )
 from dflash_recipes.compiler.id_checks import DraftIds
+from dflash_recipes.compiler.staging_steps import staging_hint
 from dflash_recipes.compiler.state import (
     ARCH_PATH,
     INIT_PATH,
@@ -80,7 +81,12 @@ def read_init_checkpoint(
     checkpoint_dir = inputs.absolute(value)
     problem = inspect_checkpoint_dir(value, base_dir=inputs.base_dir)
     if problem is not None:
-        report.emit(f"init-checkpoint-{problem.kind}", INIT_PATH, problem.message, problem.hint)
+        report.emit(
+            f"init-checkpoint-{problem.kind}",
+            INIT_PATH,
+            problem.message,
+            staging_hint(inputs, problem),
+        )
         return InitCheckpoint(broken=True)
     broken, weights, name_clash = False, None, False
     try:

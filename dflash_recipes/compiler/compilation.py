@@ -139,7 +139,11 @@ def compile_recipe(
     paths are absolute. `resolve=False` is the schema-level compile of `lint`: cross-field
     checks only, no file is touched, and taps/mask stay as the recipe gives them.
     """
-    inputs = CompileInputs(recipe=recipe, base_dir=_base_dir(base_dir, recipe_file))
+    inputs = CompileInputs(
+        recipe=recipe,
+        base_dir=_base_dir(base_dir, recipe_file),
+        recipe_file=resolve_local_path(recipe_file, base_dir=None) if recipe_file else None,
+    )
     report = Report(source or SourceMap(file=recipe_file))
     # 1. read what the recipe points at (a schema-level compile reads nothing)
     read = NOTHING_READ

@@ -37,6 +37,7 @@ from dflash_recipes.compiler.codes import (
     TARGET_LAYER_TYPE_UNKNOWN,
     TRACKER_LIBRARY_MISSING,
 )
+from dflash_recipes.compiler.staging_steps import staging_hint
 from dflash_recipes.compiler.state import (
     INIT_PATH,
     MODEL_PATH,
@@ -59,7 +60,9 @@ def resolve_base_model(inputs: CompileInputs, report: Report) -> TargetFacts | N
     value = inputs.recipe.model.model_name_or_path
     problem = inspect_model_dir(value, base_dir=inputs.base_dir)
     if problem is not None:
-        report.emit(f"base-model-{problem.kind}", MODEL_PATH, problem.message, problem.hint)
+        report.emit(
+            f"base-model-{problem.kind}", MODEL_PATH, problem.message, staging_hint(inputs, problem)
+        )
         return None
     read = read_target_config(inputs.absolute(value))
     for item in read.problems:

@@ -71,10 +71,13 @@ def render_resources(
             shown = f"{epoch / 3600:.2f} h" if epoch >= 360 else f"{epoch:.1f} s"
             timing += f", {shown} per epoch ({steps:,} steps of {sequences:,} sequences)"
         lines.append(timing)
+    # the peak during a save (save_total_limit + the new one before the oldest goes), not
+    # what is kept afterwards (issue 49: "x 3 kept" read as three kept for a limit of 2)
     kept = (
-        f" x {disk.checkpoints_kept} kept = {gib(disk.checkpoints_peak_bytes or 0)} GiB"
+        f" ({disk.checkpoints_kept} on disk while one is saved, save_total_limit + 1: "
+        f"{gib(disk.checkpoints_peak_bytes or 0)} GiB)"
         if disk.checkpoints_kept is not None
-        else " (no save_total_limit: every checkpoint is kept)"
+        else " (no save_total_limit: every checkpoint stays)"
     )
     lines.append(
         f"disk: checkpoint {gib(disk.checkpoint_bytes)} GiB{kept}; export "

@@ -56,6 +56,9 @@ class CompileInputs(Record):
     #: The recipe's folder (absolute), or None: relative paths resolve against the working
     #: directory (a recipe built in Python).
     base_dir: Path | None
+    #: The recipe file (absolute), or None for a recipe built in Python: its header's staging
+    #: steps name the fix for a missing model folder.
+    recipe_file: Path | None = None
 
     @property
     def arch(self) -> DFlashArchitectureConfig:

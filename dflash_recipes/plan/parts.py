@@ -108,6 +108,8 @@ class TrainingPlan(Record):
     max_nonfinite_steps: int = 20
     #: The process group's timeout: seconds a rank waits in a collective for the others.
     distributed_timeout_s: int = 1800
+    #: Recompute each draft layer in the backward instead of keeping its activations.
+    activation_checkpointing: bool = False
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

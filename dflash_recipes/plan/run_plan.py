@@ -86,7 +86,8 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: loss settings. Still 10: `target_server` (the target served by vLLM), which a plan without
 #: one leaves out of its JSON, so those plans, their bytes and fingerprints, are unchanged (a
 #: reader that does not know the key refuses a plan that has it, as an unknown key). 11: the
-#: training's `max_nonfinite_steps` (skipped non-finite steps) and `distributed_timeout_s`.
+#: training's `max_nonfinite_steps` (skipped non-finite steps), `distributed_timeout_s` and
+#: `activation_checkpointing`.
 PLAN_FORMAT_VERSION = 11
 #: The plan key left out of the JSON when it is None (a reader takes its default, None).
 _OPTIONAL_KEY = "target_server"

@@ -164,8 +164,8 @@ class TrainingSection(Record):
     #: Log metrics every this many optimiser steps.
     logging_steps: int = attrs.field(default=10, validator=_STEPS)
     #: Measure real acceptance on held-out conversations (data.eval_data_path or
-    #: data.eval_holdout) every this many steps; null: every save_steps when there is eval
-    #: data; 0: never.
+    #: data.eval_holdout). Three modes: N, every N optimiser steps; null (the default), every
+    #: save_steps when there is eval data; 0, never (null does not turn it off).
     eval_steps: int | None = attrs.field(default=None, validator=IntRange(0, 10**9))
     #: Acceptance gate: when the last held-out tau the run measured (training.eval_steps) is
     #: below this, `run` says so and exits 1 after saving and exporting; null: no gate. Set,

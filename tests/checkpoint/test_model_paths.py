@@ -196,3 +196,18 @@ def test_resolve_checkpoint_dir_raises_with_role_and_fix(tmp_path: Path) -> None
     message = str(caught.value)
     assert message.startswith("dflash.dflash_init_checkpoint: ")
     assert "\nfix: stage the drafter first: hf download z-lab/Qwen3-8B-DFlash-b16" in message
+
+
+def test_a_missing_absolute_path_is_not_called_relative(tmp_path: Path) -> None:
+    """Issue 49: the fix said "a relative path is resolved against ..." for an absolute one."""
+    absolute = tmp_path / "no-parent" / "Qwen3-8B"
+    problem = inspect_model_dir(str(absolute), base_dir=tmp_path / "recipes")
+    assert problem is not None and problem.kind == "not-found"
+    assert problem.hint == (
+        f"check the path, or stage the base model there: hf download <repo> --local-dir {absolute}"
+    )
+    relative = inspect_model_dir("no-parent/models/Qwen3-8B", base_dir=tmp_path / "recipes")
+    assert relative is not None and relative.hint == (
+        "check the path (a relative path is resolved against the recipe's folder, here "
+        f"{tmp_path / 'recipes' / 'no-parent' / 'models' / 'Qwen3-8B'})"
+    )

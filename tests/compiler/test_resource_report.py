@@ -65,3 +65,22 @@ def test_a_plan_that_fits_reports_nothing_and_never_loads_the_fit_search(tmp_pat
         timeout=120,
     )
     assert json.loads(done.stdout) == {"finding": False, "fit": False}
+
+
+def test_the_disk_line_says_the_checkpoints_on_disk_during_a_save(tmp_path: Path) -> None:
+    """Issue 49: "x 2 kept" for save_total_limit 1 meant the peak while a save is written (the
+    limit plus the new one before the oldest goes), not what stays."""
+    from dflash_recipes.compiler.resource_report import render_resources
+
+    plan = tiny_scratch_plan(tmp_path / "out", "training.save_total_limit=1")
+    disk = estimate_resources(plan).disk
+    (line,) = [x for x in render_resources(estimate_resources(plan)).splitlines() if "disk:" in x]
+    assert line.startswith(
+        f"disk: checkpoint {gib(disk.checkpoint_bytes)} GiB (2 on disk while one is saved, "
+        f"save_total_limit + 1: {gib(2 * disk.checkpoint_bytes)} GiB); export "
+    )
+    unlimited = tiny_scratch_plan(tmp_path / "out", "training.save_total_limit=null")
+    assert (
+        f"disk: checkpoint {gib(disk.checkpoint_bytes)} GiB (no save_total_limit: every "
+        "checkpoint stays); export"
+    ) in render_resources(estimate_resources(unlimited))

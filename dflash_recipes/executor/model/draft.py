@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
@@ -137,6 +138,9 @@ class DFlashDraftModel(nn.Module):
     """
 
     _head: KindHead | None
+    #: Recompute each decoder layer in the backward instead of keeping its activations
+    #: (``training.activation_checkpointing``; only while training with gradients on).
+    activation_checkpointing: bool = False
 
     def __init__(self, spec: ResolvedDraft, *, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -244,10 +248,14 @@ class DFlashDraftModel(nn.Module):
         positions = torch.cat([ctx_positions, q_positions], dim=1)
         cos, sin = self.rotary_emb(x, positions)
         # Sliding-window layers get the mask narrowed to their window, built once per forward.
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer, layer_mask in zip(
             self.layers, self.layer_masks(mask, q_positions, ctx_positions), strict=True
         ):
-            x = layer(x, context, cos, sin, layer_mask)
+            if recompute:  # keep only the layer's input; its backward runs it again
+                x = checkpoint(layer, x, context, cos, sin, layer_mask, use_reentrant=False)
+            else:
+                x = layer(x, context, cos, sin, layer_mask)
         result: Tensor = self.norm(x)
         return result
 

@@ -95,4 +95,35 @@ class EvalPolicy:
         return report.tau
 
 
-__all__ = ["EvalPolicy"]
+#: The modes of training.eval_steps, as the start line and the field's comment name them.
+EVAL_STEPS_MODES = "N: every N steps; null (the default): every save_steps; 0: never"
+
+
+def schedule_line(plan: RunPlan) -> str:
+    """What `run` logs at start about the held-out measurement (issue 49: ``eval_steps: null``
+    measures every save_steps, ``0`` never, and nothing said which a run had)."""
+    data, training = plan.data, plan.training
+    if not data.has_eval_data:
+        return (
+            "evaluation: none during training (no data.eval_data_path or data.eval_holdout); "
+            f"training.eval_steps modes: {EVAL_STEPS_MODES}"
+        )
+    source = (
+        data.eval_data_path
+        if data.eval_data_path is not None
+        else f"{data.eval_holdout} conversation(s) held out of data.data_path"
+    )
+    if training.eval_steps is None:
+        when = "never during training (training.eval_steps: 0"
+        when += ", or training.fsdp)" if training.fsdp else ")"
+        if training.eval_min_tau is not None:
+            when += ", once at the last step for training.eval_min_tau"
+    else:
+        when = f"every {training.eval_steps} step(s) (training.eval_steps {training.eval_steps})"
+    return (
+        f"evaluation: held-out acceptance {when} on {source}; training.eval_steps modes: "
+        f"{EVAL_STEPS_MODES}"
+    )
+
+
+__all__ = ["EVAL_STEPS_MODES", "EvalPolicy", "schedule_line"]

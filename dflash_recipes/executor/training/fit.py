@@ -49,7 +49,7 @@ from dflash_recipes.executor.dist_env import (
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
-from dflash_recipes.executor.training.eval_policy import EvalPolicy
+from dflash_recipes.executor.training.eval_policy import EvalPolicy, schedule_line
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.metrics import (
     MetricWindow,
@@ -227,6 +227,7 @@ def setup(
             )
             if change is not None:
                 logger.warning("%s", change)
+            logger.info("%s", schedule_line(plan))  # training.eval_steps' mode, in words
             output_dir.mkdir(parents=True, exist_ok=True)
             # Atomic: other ranks (or a resume compile) may read plan.json at any moment.
             write_text_atomic(output_dir / PLAN_FILE, plan.to_json())

@@ -23,7 +23,9 @@ Memory per rank, in bytes:
   positions through every layer, the attention's keys and values, autocast's weight copies
   when the master dtype is not the autocast dtype, plus the larger of one chunk of
   logits/loss, sized as :mod:`~dflash_recipes.plan.resources.chunk_budget` sizes it, and one
-  layer's backward transients); the end of the backward. The first two hold gradients only
+  layer's backward transients; with ``training.activation_checkpointing`` only each layer's
+  input instead, plus one layer's activations as its backward recomputes them); the end of
+  the backward. The first two hold gradients only
   when they outlive a micro-step (gradient accumulation) and DDP's buckets (a second copy,
   allocated up front on several ranks); the last holds them all.
 - ``allowance``: a stated margin for what no tensor count sees: :data:`CUDA_CONTEXT_BYTES` of
@@ -194,6 +196,8 @@ class ResourcePlan(Record):
     target_source: Literal["safetensors", "config.json"]
     #: Every gradient of the drafter (master dtype), as after a backward; DDP's buckets apart.
     gradient_bytes: int = 0
+    #: The draft layers are recomputed in the backward (training.activation_checkpointing).
+    activation_checkpointing: bool = False
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form: fixed keys (scripts rely on them), bytes and counts as integers."""
@@ -202,6 +206,7 @@ class ResourcePlan(Record):
             "world_size": self.world_size,
             "device": self.device,
             "fsdp_sharded": self.fsdp_sharded,
+            "activation_checkpointing": self.activation_checkpointing,
             "target_source": self.target_source,
             "parameters": {"drafter": self.drafter_parameters, "target": self.target_parameters},
             "gradient_bytes": self.gradient_bytes,
@@ -376,7 +381,13 @@ def estimate_resources(
             + q * nh * f32
             + -(-q // chunks) * keys * mm
         )
-    drafter_saved = layers * (per_layer + attention)
+    layer_input = b * q * h * mb  # what a checkpointed layer keeps: its input, the weights' dtype
+    if training.activation_checkpointing:
+        # Each layer keeps its input; its backward recomputes its forward, holding one layer's
+        # activations at a time.
+        drafter_saved = layers * layer_input + per_layer + attention
+    else:
+        drafter_saved = layers * (per_layer + attention)
     # Once per step: hidden_norm's float32 input and its normed states (cast back to the
     # matmul dtype), and the final norm's input and normed states.
     drafter_saved += b * t * h * (f32 + mm) + b * q * h * (f32 + mb)
@@ -447,7 +458,7 @@ def estimate_resources(
         target_forward_peak=target_peak,
         step_inputs=inputs,
         drafter_saved=drafter_saved,
-        attention=layers * attention,
+        attention=attention if training.activation_checkpointing else layers * attention,
         loss_peak=loss_peak,
         backward_transient=backward_transient,
     )
@@ -505,11 +516,16 @@ def estimate_resources(
         )
         + q * h * v  # lm_head
     )
-    draft_attention = rows * layers * 2 * q * ctx_seen * nh * d * 2 * 3
+    layers_macs = per_row - t * n_taps * h * h - q * h * v  # the decoder layers' forward
+    # forward, then backward (twice the forward), plus the layers' forward again when they are
+    # recomputed (activation checkpointing)
+    passes = 4 if training.activation_checkpointing else 3
+    draft_attention = rows * layers * 2 * q * ctx_seen * nh * d * 2 * passes
     # forward 2 x MACs; backward 2x forward, but the frozen lm_head computes no weight
     # gradient, and the chunked loss recomputes the lm_head forward once more.
     lm = q * h * v
-    drafter_flops = rows * 2 * (3 * per_row - lm + (lm if blocks_per_chunk < n else 0))
+    recomputed = layers_macs if training.activation_checkpointing else 0
+    drafter_flops = rows * 2 * (3 * per_row - lm + (lm if blocks_per_chunk < n else 0) + recomputed)
     step = StepFigures(
         tokens=tokens,
         supervised_positions=supervised,
@@ -545,6 +561,7 @@ def estimate_resources(
         target_parameters=sum(math.prod(s) for s in target.shapes.values()),
         target_source=target.source,
         gradient_bytes=grads,
+        activation_checkpointing=training.activation_checkpointing,
     )
 
 

@@ -35,6 +35,8 @@ class FitAdvice(Record):
     training_seq_len: int | None
     #: Whether the plan with training.fsdp over the world size fits (None: one rank only).
     fsdp_fits: bool | None
+    #: Whether the plan with training.activation_checkpointing fits (None: it is already on).
+    activation_checkpointing_fits: bool | None = None
 
 
 def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
@@ -91,11 +93,15 @@ def fit_advice(
         fsdp_fits = total(with_training(fsdp=True)) <= device_bytes
     elif world_size > 1:
         fsdp_fits = total(plan) <= device_bytes
+    checkpointing_fits: bool | None = None
+    if not training.activation_checkpointing:
+        checkpointing_fits = total(with_training(activation_checkpointing=True)) <= device_bytes
     return FitAdvice(
         num_anchors=anchors,
         per_device_train_batch_size=batch,
         training_seq_len=seq_len,
         fsdp_fits=fsdp_fits,
+        activation_checkpointing_fits=checkpointing_fits,
     )
 
 
@@ -130,12 +136,17 @@ def exceed_message(
         fixes.append(f"training.per_device_train_batch_size: {advice.per_device_train_batch_size}")
     if advice.training_seq_len is not None and advice.training_seq_len < training.training_seq_len:
         fixes.append(f"training.training_seq_len: {advice.training_seq_len}")
+    if advice.activation_checkpointing_fits:
+        fixes.append("training.activation_checkpointing: true")
+    knobs = "dflash_num_anchors, per_device_train_batch_size or training_seq_len"
+    if advice.activation_checkpointing_fits is not None:  # searched: it is off
+        knobs = "dflash_num_anchors, per_device_train_batch_size, training_seq_len or "
+        knobs += "activation_checkpointing"
     hint = (
         "any one of these fits (the others as planned): " + "; ".join(fixes)
         if fixes
-        else "no single change of dflash_num_anchors, per_device_train_batch_size or "
-        "training_seq_len fits: the weights, gradients and optimizer states alone need "
-        f"{gib(memory.total - memory.activations)} GiB with the allowance"
+        else f"no single change of {knobs} fits: the weights, gradients and optimizer states "
+        f"alone need {gib(memory.total - memory.activations)} GiB with the allowance"
     )
     if advice.fsdp_fits is not None and not training.fsdp:
         verdict = "would fit" if advice.fsdp_fits else "would not fit either"

@@ -123,6 +123,7 @@ def build_models(
     # The drafter's master weights in training.drafter_master_dtype (float32 by default); the
     # frozen target keeps the plan dtype.
     drafter.to(master_dtype(plan))
+    drafter.activation_checkpointing = training.activation_checkpointing
     step = DraftStep(
         drafter, lm_head(target), plan.draft.objective, max_chunk_logits=max_chunk_logits
     )
