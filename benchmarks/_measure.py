@@ -146,3 +146,31 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def write_wide_target(folder: Path, hidden: int, layers: int, *, intermediate: int = 0) -> Path:
+    """A random Qwen3 target of `hidden` and `layers` (intermediate ``4 * hidden`` unless
+    given; heads of 64), float32, saved to `folder` with the demo target's tokenizer: a target
+    wider and deeper than the demo's, for the benchmarks that need its cost to show."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate or 4 * hidden,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        vocab_size=392,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    demo = REPO / "dflash_recipes" / "demo_data" / "target"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(demo / name, folder / name)
+    return folder

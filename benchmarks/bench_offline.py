@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from _measure import write_wide_target
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.capture import capture_plan
@@ -38,27 +37,6 @@ from dflash_recipes.plan.run_plan import RunPlan
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 DEMO_TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
-
-
-def _wide_target(folder: Path, hidden: int, layers: int) -> Path:
-    config = Qwen3Config(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=4 * hidden,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
-        vocab_size=392,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(DEMO_TARGET / name, folder / name)
-    return folder
 
 
 def _plan(target: Path, out: Path, steps: int, capture: Path | None) -> RunPlan:
@@ -135,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
         root = Path(tmp)
         demo = _bench("demo target", DEMO_TARGET, root / "demo", args.steps, args.rounds)
-        wide_dir = _wide_target(root / "wide-target", args.wide_hidden, args.wide_layers)
+        wide_dir = write_wide_target(root / "wide-target", args.wide_hidden, args.wide_layers)
         wide = _bench(
             f"wide target ({args.wide_hidden} x {args.wide_layers} layers)",
             wide_dir,

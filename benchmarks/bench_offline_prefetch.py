@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import statistics
 import tempfile
 import time
@@ -34,8 +33,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from _measure import print_table
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from _measure import print_table, write_wide_target
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.capture import capture_plan
@@ -52,27 +50,6 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 DEMO = REPO / "dflash_recipes" / "demo_data"
 ARMS = ("prefetch", "on the loop")
-
-
-def _target(folder: Path, hidden: int, layers: int) -> Path:
-    config = Qwen3Config(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=2 * hidden,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
-        vocab_size=392,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(DEMO / "target" / name, folder / name)
-    return folder
 
 
 def _plan(folder: Path, target: Path, args: argparse.Namespace, *extra: str) -> RunPlan:
@@ -158,7 +135,9 @@ def main() -> None:
     logging.disable(logging.INFO)
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
-        target = _target(Path(tmp) / "target", args.hidden, args.layers)
+        target = write_wide_target(
+            Path(tmp) / "target", args.hidden, args.layers, intermediate=2 * args.hidden
+        )
         capture = Path(tmp) / "capture"
         source = _plan(Path(tmp) / "capture-run", target, args)
         assert capture_plan(source, capture, progress=False).complete

@@ -25,43 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _measure import Command, print_table, run_child
+from _measure import Command, print_table, run_child, write_wide_target
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
-DEMO = REPO / "dflash_recipes" / "demo_data"
 ARMS = ("in-process", "served")
-
-
-def _target(folder: Path, hidden: int, layers: int) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=4 * hidden,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
-        vocab_size=392,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(DEMO / "target" / name, folder / name)
-    return folder
 
 
 def _recipe(folder: Path, target: Path, url: str | None, storage: Path) -> Path:
@@ -135,7 +109,7 @@ def main() -> None:
     rss: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        target = _target(folder / "target", args.hidden, args.layers)
+        target = write_wide_target(folder / "target", args.hidden, args.layers)
         weights = sum(p.stat().st_size for p in target.glob("*.safetensors"))
         storage = folder / "shm"
         storage.mkdir()
