@@ -320,6 +320,7 @@ def build_plan(
             drafter_master_dtype=training.drafter_master_dtype,
             max_nonfinite_steps=training.max_nonfinite_steps,
             distributed_timeout_s=training.distributed_timeout_s,
+            activation_checkpointing=training.activation_checkpointing,
         ),
         draft=DraftPlan(
             block_size=dflash.dflash_block_size,

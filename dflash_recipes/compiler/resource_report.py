@@ -42,6 +42,8 @@ def render_resources(
     """
     memory, step, disk = resources.memory, resources.step, resources.disk
     sharding = ", target sharded (fsdp)" if resources.fsdp_sharded else ""
+    if resources.activation_checkpointing:
+        sharding += ", draft layers recomputed (activation_checkpointing)"
     lines = [
         f"resources per rank (estimate: {resources.world_size} rank(s), {resources.device}"
         f'{sharding}; docs/dflash.md "Will it fit?"):',

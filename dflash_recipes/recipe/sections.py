@@ -184,6 +184,11 @@ class TrainingSection(Record):
     #: ranks before the job fails with a timeout, e.g. while rank 0 alone saves, exports or
     #: evaluates: the process group's timeout (torchrun). Raise it for very slow saves.
     distributed_timeout_s: int = attrs.field(default=1800, validator=IntRange(1, 7 * 24 * 3600))
+    #: Recompute each draft decoder layer's activations in the backward instead of keeping
+    #: them (torch.utils.checkpoint, non-reentrant): only each layer's input stays, for about
+    #: one more forward of the layers; the losses and gradients are the same. For long
+    #: training_seq_len or many anchors; compile's memory advice says when it would fit.
+    activation_checkpointing: bool = False
     #: TF32 tensor cores for float32 matmuls and convolutions on CUDA (no effect on CPU).
     tf32: bool = True
     #: The drafter's parameter dtype while it trains: float32 | bfloat16. Its gradients and
