@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from testkit.readme import README, assert_quoted_output, output_differences, quoted_block
+from testkit.readme import (
+    README,
+    assert_quoted_output,
+    intro,
+    output_differences,
+    quoted_block,
+    unkeepable_figures,
+)
 
 from dflash_recipes.cli import main
 
@@ -38,3 +45,25 @@ def test_a_figure_may_differ_in_its_last_digit_and_nothing_else() -> None:
 def test_a_block_the_readme_does_not_quote_is_named() -> None:
     with pytest.raises(AssertionError, match=r"README\.md has 0 blocks starting '\$ dflash"):
         quoted_block("$ dflash-recipe no-such-command")
+
+
+def test_the_install_lines_quote_no_figure_the_readme_cannot_keep() -> None:
+    """Issue 49: package counts and timings drifted (57 and 161 packages; "the tests about 10"
+    [minutes] took 20 on a busy 2-core machine). The README says how to see them instead."""
+    text = intro()
+    assert unkeepable_figures(text) == []
+    assert "pip install --dry-run torch==2.13.0 -e '.[dev,plot]'" in " ".join(text.split())
+    assert "--durations=10" in text
+
+
+def test_the_figure_finder_catches_what_the_readme_used_to_say() -> None:
+    old = (
+        "(57 packages: torch, transformers, matplotlib), 3.5 minutes with pip's cache warm and "
+        "6 without it; 161 packages: 11 minutes, up to an hour; took 34 s and 69 s; the tests "
+        "about 10."
+    )
+    assert unkeepable_figures(old) == [
+        "57 packages", "3.5 minutes", "161 packages", "11 minutes", "an hour", "34 s", "69 s",
+        "about 10",
+    ]  # fmt: skip
+    assert unkeepable_figures("torch==2.13.0, -n 2, block size 16, Python 3.11") == []
