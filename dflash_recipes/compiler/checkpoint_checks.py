@@ -53,7 +53,6 @@ from dflash_recipes.compiler.codes import (
     TAPS_OUT_OF_RANGE,
 )
 from dflash_recipes.compiler.id_checks import DraftIds
-from dflash_recipes.compiler.staging_steps import staging_hint
 from dflash_recipes.compiler.state import (
     ARCH_PATH,
     INIT_PATH,
@@ -85,7 +84,7 @@ def read_init_checkpoint(
             f"init-checkpoint-{problem.kind}",
             INIT_PATH,
             problem.message,
-            staging_hint(inputs, problem),
+            inputs.folder_fix(problem),
         )
         return InitCheckpoint(broken=True)
     broken, weights, name_clash = False, None, False

@@ -37,7 +37,6 @@ from dflash_recipes.compiler.codes import (
     TARGET_LAYER_TYPE_UNKNOWN,
     TRACKER_LIBRARY_MISSING,
 )
-from dflash_recipes.compiler.staging_steps import staging_hint
 from dflash_recipes.compiler.state import (
     INIT_PATH,
     MODEL_PATH,
@@ -61,7 +60,7 @@ def resolve_base_model(inputs: CompileInputs, report: Report) -> TargetFacts | N
     problem = inspect_model_dir(value, base_dir=inputs.base_dir)
     if problem is not None:
         report.emit(
-            f"base-model-{problem.kind}", MODEL_PATH, problem.message, staging_hint(inputs, problem)
+            f"base-model-{problem.kind}", MODEL_PATH, problem.message, inputs.folder_fix(problem)
         )
         return None
     read = read_target_config(inputs.absolute(value))

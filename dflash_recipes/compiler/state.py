@@ -25,13 +25,14 @@ from pathlib import Path
 import attrs
 
 from dflash_recipes.checkpoint.hfconfig import CheckpointConfigFacts, ConfigProblem
-from dflash_recipes.checkpoint.model_paths import resolve_local_path
+from dflash_recipes.checkpoint.model_paths import CheckpointDirProblem, resolve_local_path
 from dflash_recipes.checkpoint.target_facts import TargetFacts
 from dflash_recipes.checkpoint.tensor_layout import CheckpointDims
 from dflash_recipes.checkpoint.weight_index import CheckpointWeights
 from dflash_recipes.diagnostics import Diagnostic, Severity, SourceMap, code_severity
 from dflash_recipes.plan.parts import ResumePlan
 from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.headers import header_download_step
 from dflash_recipes.recipe.sections import DFlashArchitectureConfig, Recipe
 from dflash_recipes.records import Record
 
@@ -68,6 +69,17 @@ class CompileInputs(Record):
     def absolute(self, value: str) -> Path:
         """A recipe path made absolute (`~` expanded, relative to :attr:`base_dir`)."""
         return resolve_local_path(value, base_dir=self.base_dir)
+
+    def folder_fix(self, problem: CheckpointDirProblem) -> str:
+        """`problem`'s fix, or for a folder that is missing or empty the recipe header's own
+        download step for it (:func:`~dflash_recipes.recipe.headers.header_download_step`)."""
+        if self.recipe_file is not None and problem.kind in ("not-found", "empty-directory"):
+            step = header_download_step(
+                self.recipe_file, Path(problem.path), base_dir=self.base_dir
+            )
+            if step is not None:
+                return f"stage it as the recipe's header says: {step}"
+        return problem.hint
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

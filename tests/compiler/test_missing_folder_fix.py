@@ -1,4 +1,5 @@
-"""A missing model folder's fix is the recipe header's own download step for it (issue 49)."""
+"""A missing model folder's fix is the recipe header's own download step for it (issue 49;
+recipe/headers.py finds it, CompileInputs.folder_fix uses it)."""
 
 from __future__ import annotations
 
