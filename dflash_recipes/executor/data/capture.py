@@ -430,10 +430,8 @@ class _Capture:
         device = self.env.device
         longest = max(len(r.input_ids) for r in rows)
         ids = torch.zeros(len(rows), longest, dtype=torch.long)
-        attention = torch.zeros(len(rows), longest, dtype=torch.long)
         for row, example in enumerate(rows):
             ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
-            attention[row, : len(example.input_ids)] = 1
         seen: list[Tensor] = []
         hook = None
         if manifest.last_hidden_state:
@@ -442,10 +440,12 @@ class _Capture:
         taps_per_layer = len(manifest.target_layer_ids)
         try:
             with torch.no_grad():
+                # right-padded rows need no mask (causal attention never sees the padding
+                # after a real position): the states training would compute for these rows
                 tapped = target_states(
                     model,  # type: ignore[arg-type]
                     ids.to(device),
-                    attention.to(device),
+                    None,
                     manifest.target_layer_ids,
                     with_logits=False,
                 ).tapped

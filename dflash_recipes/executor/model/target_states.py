@@ -170,6 +170,29 @@ def packed_attention(
     return mapping, positions
 
 
+def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype) -> object:
+    """The attention mask of unpadded (or right-padded) rows, built without a host read-back.
+
+    For a model whose config declares only attention ``layer_types``: one mask per layer type
+    from transformers' own mask functions, given no 2-D mask and no positions, so they test
+    nothing on the host (SDPA's gets None: its causal fast path); the model takes the mapping
+    as it is. Other models get None and build their causal mask themselves (transformers then
+    reads one value back from the device to detect packed positions). Right padding needs no
+    mask: under causal attention no real position sees the padding after it.
+    """
+    layer_types = getattr(_text_config(model), "layer_types", None)
+    if not layer_types or any(t not in _MASK_BUILDERS for t in layer_types):
+        return None
+    from transformers import masking_utils
+
+    config = _text_config(model)
+    stub = torch.empty(*input_ids.shape, 1, dtype=dtype, device=input_ids.device)
+    return {
+        layer_type: getattr(masking_utils, _MASK_BUILDERS[layer_type])(config, stub, None, None)
+        for layer_type in dict.fromkeys(layer_types)
+    }
+
+
 def _document_chunks(positions: Tensor, chunk: int) -> dict[str, object]:
     """Mask functions that make a chunked-attention mask count chunks from each document's
     start: ``(causal and chunk by index) or (causal and same chunk by position)``, then ``and
@@ -296,15 +319,18 @@ def target_states(
     run (:func:`layers_up_to`). With logits the whole causal LM runs, so the logits are
     exactly the model's (any scaling or soft-capping included). A packed row passes
     `document_ids` (``[B, S]``, the document number of each token, -1 for the filler): see
-    :func:`packed_attention`.
+    :func:`packed_attention`. Unpadded or right-padded rows may pass no `attention_mask`
+    (:func:`causal_attention`: no host read-back for most targets).
     Call it under ``torch.no_grad()``. Works under any wrapper that keeps the layer modules
     (FSDP2's ``fully_shard`` hooks are module hooks too).
     """
     extra: dict[str, object] = {}
     mask: object = attention_mask
+    dtype = next(model.parameters()).dtype
     if document_ids is not None:
-        dtype = next(model.parameters()).dtype
         mask, extra["position_ids"] = packed_attention(model, document_ids, dtype=dtype)
+    elif attention_mask is None:
+        mask = causal_attention(model, input_ids, dtype=dtype)
     runner: nn.Module = model if with_logits else decoder_stack(model)
     last = None if with_logits else stop_after
     with TapRecorder(model, target_layer_ids) as recorder, layers_up_to(model, last):
@@ -462,6 +488,7 @@ __all__ = [
     "IsolationReport",
     "TapRecorder",
     "TargetStates",
+    "causal_attention",
     "check_packed_isolation",
     "decoder_layers",
     "decoder_stack",

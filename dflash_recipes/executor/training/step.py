@@ -227,7 +227,7 @@ def step_inputs(
     is its own document before the anchor, and the drafter's positions restart per document, so each
     conversation's blocks get what they would get alone in a row.
     """
-    ids, attention, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
+    ids, loss_mask = batch.input_ids, batch.loss_mask
     docs = batch.document_ids
     if docs is not None and captured is not None and not captured.documents_alone:
         msg = "packed rows cannot be trained from a capture; set data.packing: false offline"
@@ -239,10 +239,12 @@ def step_inputs(
     with torch.no_grad():
         if captured is None:  # hooks on the taps; without a teacher, stops after the deepest
             taps = spec.target_layer_ids
+            # Rows are right-padded: under causal attention no real position sees the padding
+            # after it, so no 2-D mask (whose padding test reads the device from the host).
             out = target_states(
                 target,
                 ids,
-                attention,
+                None,
                 taps,
                 with_logits=teacher,
                 stop_after=stop_after_layer(taps, needs_logits=teacher),

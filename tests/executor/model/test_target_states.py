@@ -24,6 +24,7 @@ from dflash_recipes.executor.model.convert import convert, lm_head
 from dflash_recipes.executor.model.draft import taps_from_hidden_states
 from dflash_recipes.executor.model.masks import document_causal_mask
 from dflash_recipes.executor.model.target_states import (
+    causal_attention,
     check_packed_isolation,
     decoder_layers,
     decoder_stack,
@@ -262,3 +263,27 @@ def test_every_attention_implementation_keeps_packed_documents_apart(
     last = len(decoder_layers(model)) - 1
     errors = _packed_vs_alone(model, (13, 3, 22), [0, 1, last])
     assert max(errors) < 1e-4, errors
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3", "gemma2", "gemma3_text", "gpt_oss", "llama", "qwen3_next"]
+)
+def test_right_padded_rows_need_no_mask(name: str) -> None:
+    """Training hands the target no 2-D mask (no host read-back of its padding test): every
+    real position's states equal those under the padding mask, windows and eager included."""
+    model = build_target(_family(name))
+    last = len(decoder_layers(model)) - 1
+    ids = torch.randint(3, 380, (3, 21))
+    attention = torch.ones_like(ids)
+    attention[1, 14:] = 0  # right padding, as training batches are padded
+    attention[2, 9:] = 0
+    with torch.no_grad():
+        masked = target_states(model, ids, attention, [0, last], with_logits=True)
+        free = target_states(model, ids, None, [0, last], with_logits=True)
+    real = attention.bool()
+    torch.testing.assert_close(free.tapped[real], masked.tapped[real], rtol=1e-5, atol=1e-5)
+    assert free.logits is not None and masked.logits is not None
+    torch.testing.assert_close(free.logits[real], masked.logits[real], rtol=1e-5, atol=1e-5)
+    declared = getattr(model.config, "layer_types", None) or []
+    attention_only = bool(declared) and "linear_attention" not in declared
+    assert (causal_attention(model, ids, dtype=torch.float32) is not None) == attention_only

@@ -201,12 +201,14 @@ def test_when_no_server_answers_the_finished_steps_are_saved_and_a_rerun_resumes
     with _serving(storage, reference, port) as server:
         run_plan(reference, progress=False)
 
-        def fails_from_the_third_batch(self: batch_states.ServedBatchStates, batch: Any) -> Any:
+        def fails_from_the_third_batch(
+            self: batch_states.ServedBatchStates, batch: Any, names: Any = None
+        ) -> Any:
             nonlocal asked
             asked += 1
             if asked == 3:  # the server errors on every request from the third batch on
                 server.control(fail_500=10**6)
-            return call(self, batch)
+            return call(self, batch, names)
 
         monkeypatch.setattr(batch_states.ServedBatchStates, "__call__", fails_from_the_third_batch)
         with pytest.raises(TargetServerUnavailable) as failed:
