@@ -128,11 +128,12 @@ def packed_attention(
 
     Positions restart per document. A model whose config declares ``layer_types`` gets one
     mask per attention layer type, each built by transformers' own mask function for that type
-    from the packed positions (so a sliding window or an attention chunk counts positions
-    within the document), in the format of its attention implementation; other models get no
-    mask and build their causal mask from the packed positions themselves (transformers'
-    packed-sequence detection). Raises PlanError for a declared layer type no mask can isolate
-    (linear attention, state-space layers).
+    with a mask function that keeps the documents apart (an attention chunk counted from each
+    document's start; a sliding window's distances are the same within a document), in the
+    format of its attention implementation, with nothing read back to the host; other models
+    get no mask and build their causal mask from the packed positions themselves
+    (transformers' packed-sequence detection, one read-back). Raises PlanError for a declared
+    layer type no mask can isolate (linear attention, state-space layers).
     """
     positions = document_position_ids(document_ids)
     config = _text_config(model)
@@ -154,19 +155,14 @@ def packed_attention(
             )
             raise PlanError(msg)
         build: Callable[..., object] = getattr(masking_utils, builder_name)
-        extra: dict[str, object] = {}
         chunk = getattr(config, "attention_chunk_size", None)
-        # releases that remap packed positions already count chunks per document (and hand
-        # these functions positions, not indices)
-        remaps = hasattr(masking_utils, "remap_positions_for_packed_sequence")
-        if (
-            layer_type == "chunked_attention"
-            and isinstance(chunk, int)
-            and chunk > 0
-            and not remaps
-        ):
-            extra = _document_chunks(positions, chunk)
-        mapping[layer_type] = build(config, stub, None, None, position_ids=positions, **extra)
+        if layer_type == "chunked_attention" and isinstance(chunk, int) and chunk > 0:
+            extra = _document_chunks(document_ids, positions, chunk)
+        else:
+            extra = _document_masks(document_ids)
+        # no positions given: transformers tests nothing on the host (no packed-sequence
+        # detection), windows count row indices (the same distances within a document)
+        mapping[layer_type] = build(config, stub, None, None, **extra)
     return mapping, positions
 
 
@@ -193,15 +189,29 @@ def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype)
     }
 
 
-def _document_chunks(positions: Tensor, chunk: int) -> dict[str, object]:
+def _document_masks(document_ids: Tensor) -> dict[str, object]:
+    """The mask function that keeps a packed row's documents apart (``and`` with the causal,
+    window or chunk mask transformers builds)."""
+
+    def same_document(batch: Tensor, head: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        del head
+        same: Tensor = document_ids[batch, q] == document_ids[batch, kv]
+        return same
+
+    return {"and_mask_function": same_document}
+
+
+def _document_chunks(document_ids: Tensor, positions: Tensor, chunk: int) -> dict[str, object]:
     """Mask functions that make a chunked-attention mask count chunks from each document's
-    start: ``(causal and chunk by index) or (causal and same chunk by position)``, then ``and
-    same chunk by position`` leaves exactly causal-within-the-document's-chunk. For releases
-    whose masks count chunks from the row's start (no remapping of packed positions, 5.17)."""
+    start and keep documents apart: ``(causal and chunk by index) or (causal and same chunk by
+    position)``, then ``and (same document and same chunk by position)`` leaves exactly
+    causal-within-the-document's-chunk."""
 
     def same_chunk(batch: Tensor, head: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         del head
-        same: Tensor = positions[batch, q] // chunk == positions[batch, kv] // chunk
+        same: Tensor = (positions[batch, q] // chunk == positions[batch, kv] // chunk) & (
+            document_ids[batch, q] == document_ids[batch, kv]
+        )
         return same
 
     def causal_same_chunk(batch: Tensor, head: Tensor, q: Tensor, kv: Tensor) -> Tensor:

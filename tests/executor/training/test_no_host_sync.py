@@ -209,3 +209,15 @@ def test_offline_training_reads_its_states_off_the_loop_thread_without_a_sync(
     counter = _count_syncs(monkeypatch, tmp_path / "run", f"data.hidden_states_path={capture}")
     assert counter.between == [], "\n".join(counter.between)
     assert readers and threading.main_thread() not in readers  # the prefetch thread's work
+
+
+def test_packed_rows_make_no_host_sync_either(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed rows: the target's per-document masks are built by transformers' mask functions
+    with a document mask and no positions, so nothing is read back (issue 49)."""
+    counter = _count_syncs(
+        monkeypatch, tmp_path / "run", "data.packing=true", "training.training_seq_len=160"
+    )
+    assert counter.between == [], "\n".join(counter.between)
+    assert counter.at_logging > 0
