@@ -131,16 +131,26 @@ def packed_attention(
     with a mask function that keeps the documents apart (an attention chunk counted from each
     document's start; a sliding window's distances are the same within a document), in the
     format of its attention implementation, with nothing read back to the host; other models
-    get no mask and build their causal mask from the packed positions themselves
-    (transformers' packed-sequence detection, one read-back). Raises PlanError for a declared
+    get the one mask they would build for every layer (causal, or sliding when the config sets
+    a window), the same way, as a 4-D mask they take as it is. Raises PlanError for a declared
     layer type no mask can isolate (linear attention, state-space layers).
     """
     positions = document_position_ids(document_ids)
     config = _text_config(model)
     layer_types = getattr(config, "layer_types", None)
-    if not layer_types:
-        return None, positions
     from transformers import masking_utils
+
+    if not layer_types:
+        # one mask for every layer, as the model would build it (a window when the config
+        # sets one), handed over whole (a 4-D mask is taken as it is); None for an
+        # implementation that takes no mask (flash-attention: the packed positions then)
+        window = getattr(config, "sliding_window", None)
+        name = _MASK_BUILDERS["sliding_attention" if window else "full_attention"]
+        stub = torch.empty(*document_ids.shape, 1, dtype=dtype, device=document_ids.device)
+        whole = getattr(masking_utils, name)(
+            config, stub, None, None, **_document_masks(document_ids)
+        )
+        return whole, positions
 
     # the mask functions read only the shape, dtype and device of the embeddings
     stub = torch.empty(*document_ids.shape, 1, dtype=dtype, device=document_ids.device)

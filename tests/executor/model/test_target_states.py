@@ -8,12 +8,14 @@ shorter than the documents used here, so those layers are exercised.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from testkit.families import FAMILIES, Family, build_target, missing_reason
 from testkit.tiny import tiny_plan, tiny_target
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from dflash_recipes.compiler.codes import TARGET_NO_DECODER
@@ -247,6 +249,7 @@ def test_the_check_documents_cover_the_window_within_the_row() -> None:
         # flex compiles its kernel on the CPU (seconds): the windowed and the chunked family
         ("gemma3_text", "flex_attention"),
         ("llama4_text", "flex_attention"),
+        ("mistral", "flex_attention"),  # no layer_types: one 4-D block mask, taken whole
     ],
 )
 def test_every_attention_implementation_keeps_packed_documents_apart(
@@ -287,3 +290,33 @@ def test_right_padded_rows_need_no_mask(name: str) -> None:
     declared = getattr(model.config, "layer_types", None) or []
     attention_only = bool(declared) and "linear_attention" not in declared
     assert (causal_attention(model, ids, dtype=torch.float32) is not None) == attention_only
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the ops that read a device value back to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3_text", "llama4_text"])
+def test_a_packed_forward_reads_nothing_back_from_the_device(name: str) -> None:
+    """Packed masks built without positions: no packed-sequence detection reads the device."""
+    model = build_target(_family(name))
+    ids = torch.randint(3, 380, (2, 24))
+    docs = torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [-1] * 4])
+    with torch.no_grad(), _Reads() as counter:
+        target_states(model, ids, None, [0, 1], with_logits=False, document_ids=docs)
+    assert counter.reads == 0
