@@ -89,7 +89,7 @@ def export_evidence(directory: Path) -> str | None:
     """
     try:
         names = {child.name for child in directory.iterdir()}
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a path with a NUL byte (its own error says so)
         return None
     if EXPORT_MARKER in names:
         return f"its {EXPORT_MARKER}"

@@ -316,7 +316,7 @@ def _recorded(model, input_ids, attention_mask, target_layer_ids, *, stop_after,
 
         report = {
             "input_ids": input_ids.cpu(),
-            "attention_mask": attention_mask.cpu(),
+            "attention_mask": None if attention_mask is None else attention_mask.cpu(),
             "tapped": tapped.cpu(),
             "stop_after": stop_after,
             "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
@@ -342,7 +342,9 @@ def _unsharded_taps(plan_overrides: tuple[str, ...], report: dict[str, object]) 
     assert result.plan is not None, result.diagnostics
     target = load_base_model(result.plan)
     ids, attention = report["input_ids"], report["attention_mask"]
-    assert isinstance(ids, torch.Tensor) and isinstance(attention, torch.Tensor)
+    assert isinstance(ids, torch.Tensor)
+    # the trainer hands right-padded rows no mask: the reference runs them the same way
+    assert attention is None or isinstance(attention, torch.Tensor)
     with torch.no_grad():
         states = target(input_ids=ids, attention_mask=attention, output_hidden_states=True)
     taps = result.plan.resolved_draft().target_layer_ids
