@@ -183,6 +183,16 @@ class StepVote:
             watch.request_stop(agreed[0])
         return agreed[0], bool(agreed[1])
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any: a blocking all-reduce on the CPU
+        group (no device sync), for a decision the ranks must take at the same point (one
+        process: `flag` itself). Every rank must call it at the same point of the loop."""
+        if not self._distributed:
+            return flag
+        flags = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flags.item())
+
     def _collect(self) -> tuple[int, int]:
         assert self._pending is not None
         work, flags = self._pending

@@ -36,7 +36,12 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from dflash_recipes.errors import Interrupted, RunIOError, TargetServerUnavailable
+from dflash_recipes.errors import (
+    Interrupted,
+    RunIOError,
+    TargetServerError,
+    TargetServerUnavailable,
+)
 from dflash_recipes.executor.collectives import barrier
 from dflash_recipes.executor.coordination import StepVote, require_same_plan
 from dflash_recipes.executor.dist_env import (
@@ -317,12 +322,24 @@ def fit(
             opt.optimizer.zero_grad(set_to_none=True)
             for micro in range(training.gradient_accumulation_steps):
                 try:
-                    prepared = next(batches)
-                except TargetServerUnavailable:
-                    # no server answers: keep every finished step, then stop (a rerun resumes)
+                    prepared, failed = next(batches), None
+                except TargetServerError as exc:
+                    failed = exc
+                # a served target: every rank learns at this same micro-step whether any
+                # rank's servers failed (a CPU all-reduce), so all stop together
+                served = run.data.served is not None
+                if vote.any_rank(failed is not None) if served else failed is not None:
+                    # keep every finished step, then stop (a rerun resumes exactly)
                     if not saved:
                         run.saving.save(progress.done, finished, nonfinite.check(progress.done))
-                    raise
+                    if failed is not None:
+                        raise failed
+                    msg = (
+                        "run stopped with the other ranks: another rank could not get its "
+                        "batch's states from the target servers (its error says why); the "
+                        f"finished steps are saved (step {progress.done}): rerun to resume"
+                    )
+                    raise TargetServerUnavailable(msg)
                 position = (prepared.batch.epoch, prepared.batch.next_index)
                 last = micro == training.gradient_accumulation_steps - 1
                 with models.gradient_sync(last_micro_batch=last):

@@ -330,3 +330,71 @@ def test_a_packed_run_through_the_server_trains_what_the_in_process_packed_run_t
     for a, b in zip(ours, theirs, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+#: Rank 1's servers go away at its third batch (a sitecustomize of the ranks' processes).
+_RANK1_LOSES_ITS_SERVERS = """
+import os
+
+from dflash_recipes.errors import TargetServerUnavailable
+from dflash_recipes.executor.target_server import batch_states
+
+_call = batch_states.ServedBatchStates.__call__
+_asked = [0]
+
+
+def _failing(self, batch, names=None):
+    _asked[0] += 1
+    if os.environ.get("RANK") == "1" and _asked[0] >= 3:
+        raise TargetServerUnavailable("rank 1's target servers are gone")
+    return _call(self, batch, names)
+
+
+batch_states.ServedBatchStates.__call__ = _failing
+"""
+
+
+@pytest.mark.slow
+def test_ranks_stop_together_when_one_ranks_servers_fail(
+    tmp_path: Path, storage: Path, port: int
+) -> None:
+    """Every rank learns at the same micro-step that a rank's servers failed: all save the
+    finished steps and stop (no rank left waiting in a collective), and a rerun resumes."""
+    import os
+    import subprocess
+    import sys
+
+    plan = _plan(
+        _recipe(tmp_path, [_url(port)], storage),
+        tmp_path / "run",
+        "training.max_steps=4",
+        "training.save_steps=10",
+        "training.per_device_train_batch_size=1",
+        "training.distributed_timeout_s=60",  # a rank left waiting fails the test in a minute
+    )
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json(), encoding="utf-8")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_RANK1_LOSES_ITS_SERVERS, encoding="utf-8")
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "dflash_recipes", "run", str(plan_file)]
+    command += ["--nproc-per-node", "2", "--no-progress"]
+    with _serving(storage, plan, port):
+        failing = {
+            **env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")])),
+        }
+        failed = subprocess.run(command, env=failing, capture_output=True, text=True, timeout=240)
+        assert failed.returncode != 0
+        assert "rank 1's target servers are gone" in failed.stderr
+        assert "another rank could not get its batch's states" in failed.stderr  # rank 0
+        saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+        assert saved == ["checkpoint-00000002"]  # the steps both ranks finished
+        resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
+    train = _train_rows(tmp_path / "run")
+    assert [row["step"] for row in train] == [1, 2, 3, 4]  # 1-2 before the failure, 3-4 after
