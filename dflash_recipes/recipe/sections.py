@@ -402,10 +402,11 @@ class TargetServerSection(Record):
     #: Seconds to wait for the lock vLLM holds on a file until it has written it; a file whose
     #: lock is not acquired by then fails its attempt.
     lock_timeout_s: float = attrs.field(default=30.0, validator=positive_float)
-    #: What happens to a file once read and checked: delete | capture (kept as a verified
-    #: capture shard in capture_dir, for offline training with data.hidden_states_path).
+    #: What happens to a file once read and checked: delete | capture (the checked vLLM file
+    #: is kept, as vLLM wrote it, in capture_dir; a capture offline training reads is written
+    #: by `dflash-recipe capture` with this section).
     keep_files: KeepFiles = attrs.field(default="delete", validator=one_of(KEEP_FILES))
-    #: Where keep_files: capture keeps the shards; null: <training.output_dir>/target-states.
+    #: Where keep_files: capture keeps the files; null: <training.output_dir>/target-states.
     capture_dir: str | None = attrs.field(default=None, validator=path_str)
     #: NAME of the environment variable holding the servers' API key (vLLM's --api-key or
     #: VLLM_API_KEY), never the key itself; null: the servers take no key.
