@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+from dflash_recipes.compiler.compilation import compile_file
+from dflash_recipes.plan.run_plan import RunPlan
 from testkit.st_fixtures import (
     QWEN3_MASK_TOKEN_ID,
     base_model_config,
@@ -201,3 +203,22 @@ def make_fixture(out_dir: Path, *, target_weights: bool = False) -> list[str]:
         f"{data}: 1 conversation",
         f"{recipe}: fine-tuning recipe",
     ]
+
+
+#: The Qwen3-8B seed recipe the resource tests compile against the fixture.
+SEED_8B = (
+    Path(__file__).resolve().parents[2] / "recipes" / "Qwen" / "Qwen3-8B" / "hf_online_dflash.yaml"
+)
+
+
+def seed_8b_plan(fixture: Path, *extra: str) -> RunPlan:
+    """The seed recipe compiled against a :func:`make_fixture` folder, then `extra` overrides."""
+    overrides = (
+        f"model.model_name_or_path={fixture / 'base'}",
+        f"data.data_path={fixture / 'data' / 'train.jsonl'}",
+        f"training.output_dir={fixture / 'runs' / 'seed'}",
+        *extra,
+    )
+    result = compile_file(SEED_8B, overrides=overrides)
+    assert result.plan is not None, [str(d) for d in result.diagnostics]
+    return result.plan

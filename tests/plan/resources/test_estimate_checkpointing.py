@@ -8,16 +8,14 @@ from pathlib import Path
 
 import attrs
 import pytest
-from testkit.fixture_8b import make_fixture
+from testkit.fixture_8b import make_fixture, seed_8b_plan
 
-from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.compiler.resource_report import render_resources
 from dflash_recipes.plan.resources.estimate import estimate_resources
 from dflash_recipes.plan.resources.fit import exceed_message, fit_advice
 from dflash_recipes.plan.run_plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[3]
-SEED_8B = ROOT / "recipes" / "Qwen" / "Qwen3-8B" / "hf_online_dflash.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +26,7 @@ def qwen3_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _plan(fixture: Path, *extra: str) -> RunPlan:
-    overrides = (
-        f"model.model_name_or_path={fixture / 'base'}",
-        f"data.data_path={fixture / 'data' / 'train.jsonl'}",
-        f"training.output_dir={fixture / 'runs' / 'seed'}",
-        *extra,
-    )
-    result = compile_file(SEED_8B, overrides=overrides)
-    assert result.plan is not None, [str(d) for d in result.diagnostics]
-    return result.plan
+    return seed_8b_plan(fixture, *extra)
 
 
 def _layers(plan: RunPlan, count: int) -> RunPlan:
