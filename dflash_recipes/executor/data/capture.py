@@ -377,26 +377,27 @@ class _Capture:
         from dflash_recipes.executor.target_server.batch_states import (
             client_settings,
             served_target,
+            split_rows,
         )
         from dflash_recipes.executor.target_server.client import TargetServerClient
 
         served = served_target(plan)
         assert served.tap_rows is not None
-        taps = list(served.tap_rows)
-        final = served.final_row if manifest.last_hidden_state else None
+        tap_rows = served.tap_rows
+        final_row = served.final_row if manifest.last_hidden_state else None
         with TargetServerClient(client_settings(plan)) as client:
 
             def answered(rows: Sequence[TokenizedExample], names: Sequence[int]) -> _Parts:
                 answers = client.states([r.input_ids for r in rows], indices=names)
                 for example, answer in zip(rows, answers, strict=True):
-                    states = answer.hidden_states
+                    taps, last = split_rows(answer.hidden_states, tap_rows, final_row)
                     parts = [
                         torch.tensor(example.input_ids, dtype=torch.int32),
                         torch.tensor(example.loss_mask, dtype=torch.uint8),
-                        states[:, taps].contiguous(),
+                        taps.contiguous(),
                     ]
-                    if final is not None:
-                        parts.append(states[:, final].contiguous())
+                    if last is not None:
+                        parts.append(last.contiguous())
                     yield tuple(parts)
 
             yield answered

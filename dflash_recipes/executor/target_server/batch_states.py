@@ -87,6 +87,15 @@ def batch_conversations(batch: Batch) -> list[tuple[int, int, int]]:
     return spans
 
 
+def split_rows(
+    states: Tensor, tap_rows: Sequence[int], final_row: int | None
+) -> tuple[Tensor, Tensor | None]:
+    """A served file's ``[T, n_layers, H]`` states as ``([T, n_taps, H]`` taps in
+    ``target_layer_ids`` order, ``[T, H]`` last layer before the final norm or None)."""
+    taps = states[:, list(tap_rows)]
+    return taps, None if final_row is None else states[:, final_row]
+
+
 class ServedBatchStates:
     """Each batch's states from the servers, laid out like the batch (see the module
     docstring); `names` (optional) say what the messages call each conversation."""
@@ -116,17 +125,22 @@ class ServedBatchStates:
         rows, length = batch.input_ids.shape
         first = answers[0].hidden_states
         hidden, dtype = int(first.shape[-1]), first.dtype
-        taps = list(self.tap_rows)
-        tapped = torch.zeros(rows, length, len(taps) * hidden, dtype=dtype)
+        tapped = torch.zeros(rows, length, len(self.tap_rows) * hidden, dtype=dtype)
         last: Tensor | None = None
         if self.final_row is not None:
             last = torch.zeros(rows, length, hidden, dtype=dtype)
         for (row, start, end), answer in zip(spans, answers, strict=True):
-            states = answer.hidden_states
-            tapped[row, start:end] = states[:, taps].reshape(end - start, -1)
-            if last is not None:
-                last[row, start:end] = states[:, self.final_row]
+            taps, final = split_rows(answer.hidden_states, self.tap_rows, self.final_row)
+            tapped[row, start:end] = taps.reshape(end - start, -1)
+            if last is not None and final is not None:
+                last[row, start:end] = final
         return CapturedStates(tapped, last, documents_alone=True)
 
 
-__all__ = ["ServedBatchStates", "batch_conversations", "client_settings", "served_target"]
+__all__ = [
+    "ServedBatchStates",
+    "batch_conversations",
+    "client_settings",
+    "served_target",
+    "split_rows",
+]
