@@ -32,20 +32,15 @@ import time
 from pathlib import Path
 
 from _measure import Command, print_table, run_child, write_wide_target
+from testkit.compiling import tiny_served_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 ARMS = ("in-process", "served")
 
 
 def _recipe(folder: Path, target: Path, url: str | None, storage: Path) -> Path:
-    text = RECIPE.read_text(encoding="utf-8").replace("../../", f"{REPO}/")
-    text = text.replace(f"{REPO}/dflash_recipes/demo_data/target", str(target))
-    if url is not None:
-        text += f"target_server:\n  urls: [{url}]\n  storage_dir: {storage}\n"
     path = folder / f"recipe-{'served' if url else 'local'}.yaml"
-    path.write_text(text, encoding="utf-8")
-    return path
+    return tiny_served_recipe(path, None if url is None else [url], storage, target=target)
 
 
 def child(args: argparse.Namespace) -> None:

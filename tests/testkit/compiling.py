@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from dflash_recipes.compiler.compilation import CompileResult, compile_file, compile_recipe
@@ -84,3 +84,26 @@ def recompile_after_checkpoint_without_drafter(
     (output_dir / PLAN_FILE).write_text(first.plan.to_json(), encoding="utf-8")
     shutil.rmtree(drafter)
     return compile_in(tmp_path, recipe)
+
+
+def tiny_served_recipe(
+    path: Path,
+    urls: Sequence[str] | None,
+    storage: Path,
+    *,
+    target: Path | None = None,
+    settings: Mapping[str, object] | None = None,
+) -> Path:
+    """The tiny from-scratch recipe written to `path` with its paths made absolute (the demo
+    target replaced by `target`), and a target_server section of `urls`, `storage` and
+    `settings` (no section when `urls` is None); returns `path`."""
+    repo = TINY_SCRATCH.parents[2]
+    text = TINY_SCRATCH.read_text(encoding="utf-8").replace("../../", f"{repo}/")
+    if target is not None:
+        text = text.replace(f"{repo}/dflash_recipes/demo_data/target", str(target))
+    if urls is not None:
+        lines = [f"urls: [{', '.join(urls)}]", f"storage_dir: {storage}"]
+        lines += [f"{key}: {value}" for key, value in (settings or {}).items()]
+        text += "target_server:\n" + "".join(f"  {line}\n" for line in lines)
+    path.write_text(text, encoding="utf-8")
+    return path

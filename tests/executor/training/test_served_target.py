@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
-from testkit.compiling import SMALL_RUN
+from testkit.compiling import SMALL_RUN, tiny_served_recipe
 from testkit.vllm_server import VllmServer, dead_url, launch, wait_for_port
 
 from dflash_recipes.compiler.compilation import compile_file
@@ -26,7 +26,6 @@ from dflash_recipes.executor.training.setup import models as models_module
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[3]
-RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
 TARGET = REPO / "dflash_recipes" / "demo_data" / "target"
 STEPS = 3
 
@@ -34,20 +33,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _recipe(tmp_path: Path, urls: list[str] | None, storage: Path) -> Path:
-    """The tiny from-scratch recipe, paths made absolute, with a target_server section."""
-    text = RECIPE.read_text(encoding="utf-8").replace("../../", f"{REPO}/")
-    if urls is not None:
-        text += (
-            "target_server:\n"
-            f"  urls: [{', '.join(urls)}]\n"
-            f"  storage_dir: {storage}\n"
-            "  retries: 0\n"
-            "  backoff_s: 0\n"
-            "  timeout_s: 20\n"
-        )
+    """The tiny from-scratch recipe with a target_server section that fails fast."""
     path = tmp_path / f"recipe-{len(list(tmp_path.glob('recipe-*')))}.yaml"
-    path.write_text(text, encoding="utf-8")
-    return path
+    fast = {"retries": 0, "backoff_s": 0, "timeout_s": 20}
+    return tiny_served_recipe(path, urls, storage, settings=fast)
 
 
 def _plan(recipe: Path, output: Path, *overrides: str) -> RunPlan:

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from testkit.compiling import tiny_served_recipe
+
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.plan.resources.estimate import estimate_resources
-
-REPO = Path(__file__).resolve().parents[3]
-RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
+from dflash_recipes.plan.run_plan import RunPlan
 
 
-def _plan(tmp_path: Path, *, served: bool, eval_steps: str = "0"):  # type: ignore[no-untyped-def]
-    text = RECIPE.read_text(encoding="utf-8").replace("../../", f"{REPO}/")
-    if served:
-        (tmp_path / "shm").mkdir(exist_ok=True)
-        text += f"target_server:\n  urls: [http://127.0.0.1:8000]\n  storage_dir: {tmp_path}/shm\n"
-    recipe = tmp_path / f"recipe-{served}.yaml"
-    recipe.write_text(text, encoding="utf-8")
+def _plan(tmp_path: Path, *, served: bool, eval_steps: str = "0") -> RunPlan:
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    urls = ["http://127.0.0.1:8000"] if served else None
+    recipe = tiny_served_recipe(tmp_path / f"recipe-{served}.yaml", urls, tmp_path / "shm")
     result = compile_file(
         recipe,
         overrides=(f"training.output_dir={tmp_path / 'run'}", f"training.eval_steps={eval_steps}"),
