@@ -140,20 +140,18 @@ def packed_attention(
     layer_types = getattr(config, "layer_types", None)
     from transformers import masking_utils
 
+    # the mask functions read only the shape, dtype and device of the embeddings
+    stub = torch.empty(*document_ids.shape, 1, dtype=dtype, device=document_ids.device)
     if not layer_types:
         # one mask for every layer, as the model would build it (a window when the config
         # sets one), handed over whole (a 4-D mask is taken as it is); None for an
         # implementation that takes no mask (flash-attention: the packed positions then)
         window = getattr(config, "sliding_window", None)
         name = _MASK_BUILDERS["sliding_attention" if window else "full_attention"]
-        stub = torch.empty(*document_ids.shape, 1, dtype=dtype, device=document_ids.device)
         whole = getattr(masking_utils, name)(
             config, stub, None, None, **_document_masks(document_ids)
         )
         return whole, positions
-
-    # the mask functions read only the shape, dtype and device of the embeddings
-    stub = torch.empty(*document_ids.shape, 1, dtype=dtype, device=document_ids.device)
     mapping: dict[str, object] = {}
     for layer_type in dict.fromkeys(layer_types):
         builder_name = _MASK_BUILDERS.get(layer_type)
@@ -186,12 +184,12 @@ def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype)
     reads one value back from the device to detect packed positions). Right padding needs no
     mask: under causal attention no real position sees the padding after it.
     """
-    layer_types = getattr(_text_config(model), "layer_types", None)
+    config = _text_config(model)
+    layer_types = getattr(config, "layer_types", None)
     if not layer_types or any(t not in _MASK_BUILDERS for t in layer_types):
         return None
     from transformers import masking_utils
 
-    config = _text_config(model)
     stub = torch.empty(*input_ids.shape, 1, dtype=dtype, device=input_ids.device)
     return {
         layer_type: getattr(masking_utils, _MASK_BUILDERS[layer_type])(config, stub, None, None)
