@@ -402,9 +402,10 @@ class TargetServerSection(Record):
     #: Seconds to wait for the lock vLLM holds on a file until it has written it; a file whose
     #: lock is not acquired by then fails its attempt.
     lock_timeout_s: float = attrs.field(default=30.0, validator=positive_float)
-    #: What happens to a file once read and checked: delete | capture (the checked vLLM file
-    #: is kept, as vLLM wrote it, in capture_dir; a capture offline training reads is written
-    #: by `dflash-recipe capture` with this section).
+    #: What happens to a file once read and checked: delete | capture (kept in capture_dir,
+    #: named by its token ids: later epochs, a resume and a rerun read it there instead of
+    #: asking the servers again; a capture for data.hidden_states_path is `dflash-recipe
+    #: capture`'s).
     keep_files: KeepFiles = attrs.field(default="delete", validator=one_of(KEEP_FILES))
     #: Where keep_files: capture keeps the files; null: <training.output_dir>/target-states.
     capture_dir: str | None = attrs.field(default=None, validator=path_str)

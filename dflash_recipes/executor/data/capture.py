@@ -376,19 +376,23 @@ class _Capture:
             return
         from dflash_recipes.executor.target_server.batch_states import (
             client_settings,
+            kept_states,
             served_target,
             split_rows,
         )
         from dflash_recipes.executor.target_server.client import TargetServerClient
+        from dflash_recipes.executor.target_server.kept_states import ServedConversations
 
         served = served_target(plan)
         assert served.tap_rows is not None
         tap_rows = served.tap_rows
         final_row = served.final_row if manifest.last_hidden_state else None
-        with TargetServerClient(client_settings(plan)) as client:
+        kept = kept_states(plan)  # what a run with keep_files: capture kept: not asked again
+        with TargetServerClient(client_settings(plan, kept)) as client:
+            conversations = ServedConversations(client, kept)
 
             def answered(rows: Sequence[TokenizedExample], names: Sequence[int]) -> _Parts:
-                answers = client.states([r.input_ids for r in rows], indices=names)
+                answers = conversations([r.input_ids for r in rows], names)
                 for example, answer in zip(rows, answers, strict=True):
                     taps, last = split_rows(answer.hidden_states, tap_rows, final_row)
                     parts = [

@@ -10,7 +10,10 @@ as :class:`~dflash_recipes.executor.model.convert.CapturedStates`: the taps in
 ``target_layer_ids`` order (each tap's row of the file, vLLM id ``k + 1`` for tap ``k``) and,
 when the objective has a teacher, the last decoder layer's output before the final norm
 (vLLM id ``num_hidden_layers``), which is the input of the final norm the trainer's teacher
-logits are computed from. It runs on the prefetch thread, ahead of the step.
+logits are computed from. It runs on the prefetch thread, ahead of the step. With
+``keep_files: capture`` (:func:`kept_states`) a conversation answered once is read back from
+its kept file in later epochs, on a resume and in a rerun, without a request
+(:mod:`~dflash_recipes.executor.target_server.kept_states`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ from dflash_recipes.errors import PlanError
 from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.model.convert import CapturedStates
 from dflash_recipes.executor.target_server.client import TargetServerClient
+from dflash_recipes.executor.target_server.kept_states import (
+    KeptStates,
+    ServedConversations,
+    kept_folder,
+)
 from dflash_recipes.executor.target_server.settings import TargetServerSettings
-from dflash_recipes.executor.target_server.states_file import ServedStates
+from dflash_recipes.executor.target_server.states_file import ExpectedStates, ServedStates
 from dflash_recipes.plan.parts import TargetServerPlan
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -41,8 +49,26 @@ def served_target(plan: RunPlan) -> TargetServerPlan:
     return served
 
 
-def client_settings(plan: RunPlan) -> TargetServerSettings:
-    """The client's settings from the plan (PlanError for an unresolved plan)."""
+def kept_states(plan: RunPlan) -> KeptStates | None:
+    """The folder of kept states of the plan (``keep_files: capture``; created), else None."""
+    served = served_target(plan)
+    facts = plan.base_model.facts
+    if served.keep_files != "capture" or served.capture_dir is None or facts is None:
+        return None
+    assert served.vllm_layer_ids is not None
+    expected = ExpectedStates(served.vllm_layer_ids, facts.hidden_size, served.dtype)
+    folder = kept_folder(
+        Path(served.capture_dir),
+        base_model=Path(plan.base_model.path),
+        served_model_name=served.served_model_name,
+        expected=expected,
+    )
+    return KeptStates(folder, expected)
+
+
+def client_settings(plan: RunPlan, kept: KeptStates | None = None) -> TargetServerSettings:
+    """The client's settings from the plan (PlanError for an unresolved plan); checked files
+    are moved into `kept`'s folder (None: deleted once read)."""
     served = served_target(plan)
     facts = plan.base_model.facts
     if facts is None:
@@ -50,9 +76,6 @@ def client_settings(plan: RunPlan) -> TargetServerSettings:
         raise PlanError(msg)
     assert served.vllm_layer_ids is not None
     api_key = os.environ.get(served.api_key_env) if served.api_key_env else None
-    keep = served.capture_dir if served.keep_files == "capture" else None
-    if keep is not None:
-        Path(keep).mkdir(parents=True, exist_ok=True)
     return TargetServerSettings(
         urls=served.urls,
         storage_dir=Path(served.storage_dir),
@@ -65,7 +88,7 @@ def client_settings(plan: RunPlan) -> TargetServerSettings:
         retries=served.retries,
         backoff_s=served.backoff_s,
         lock_timeout_s=served.lock_timeout_s,
-        keep_dir=None if keep is None else Path(keep),
+        keep_dir=None if kept is None else kept.folder,
         api_key=api_key,
     )
 
@@ -100,18 +123,22 @@ class ServedBatchStates:
     """Each batch's states from the servers, laid out like the batch (see the module
     docstring); `names` (optional) say what the messages call each conversation."""
 
-    def __init__(self, client: TargetServerClient, plan: RunPlan) -> None:
+    def __init__(
+        self, client: TargetServerClient, plan: RunPlan, kept: KeptStates | None = None
+    ) -> None:
         served = served_target(plan)
         assert served.tap_rows is not None
         self.client = client
+        #: The conversations' states: read back from `kept`, or asked of the servers.
+        self.conversations = ServedConversations(client, kept)
         self.tap_rows = served.tap_rows
         self.final_row = served.final_row
 
     def __call__(self, batch: Batch, names: Sequence[int] | None = None) -> CapturedStates:
         spans = batch_conversations(batch)
         ids = batch.input_ids
-        answers = self.client.states(
-            [ids[row, start:end].tolist() for row, start, end in spans], indices=names
+        answers = self.conversations(
+            [ids[row, start:end].tolist() for row, start, end in spans], names
         )
         return self.layout(batch, spans, answers)
 
@@ -141,6 +168,7 @@ __all__ = [
     "ServedBatchStates",
     "batch_conversations",
     "client_settings",
+    "kept_states",
     "served_target",
     "split_rows",
 ]

@@ -387,3 +387,55 @@ def test_ranks_stop_together_when_one_ranks_servers_fail(
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
     train = _train_rows(tmp_path / "run")
     assert [row["step"] for row in train] == [1, 2, 3, 4]  # 1-2 before the failure, 3-4 after
+
+
+def _few_conversations(tmp_path: Path, count: int) -> Path:
+    """The first `count` conversations of the demo's training file (an epoch of count / 2
+    steps at the small run's two rows a batch)."""
+    lines = (REPO / "dflash_recipes" / "demo_data" / "data" / "domain.jsonl").read_text()
+    path = tmp_path / f"few-{count}.jsonl"
+    path.write_text("".join(lines.splitlines(keepends=True)[:count]), encoding="utf-8")
+    return path
+
+
+def test_kept_states_train_later_epochs_and_a_rerun_without_the_server(
+    tmp_path: Path, storage: Path, port: int
+) -> None:
+    data = _few_conversations(tmp_path, 6)  # 3 steps an epoch: 6 steps are two epochs
+    two_epochs = (f"data.data_path={data}", "training.max_steps=6", "training.save_steps=6")
+    kept = tmp_path / "kept"
+    keep = ("target_server.keep_files=capture", f"target_server.capture_dir={kept}")
+    recipe = _recipe(tmp_path, [_url(port)], storage)
+    deleting = _plan(recipe, tmp_path / "deleting", *two_epochs)
+    keeping = _plan(recipe, tmp_path / "keeping", *two_epochs, *keep)
+    with _serving(storage, deleting, port) as server:
+        run_plan(deleting, progress=False)
+        # every conversation asked in each epoch (and a batch prepared ahead of the last step)
+        assert server.stats()["answered"] >= 12
+        server.reset()
+        run_plan(keeping, progress=False)
+        assert server.stats()["answered"] == 6  # later epochs read what the first one kept
+    assert _losses(tmp_path / "keeping") == _losses(tmp_path / "deleting")
+    assert len(list(kept.glob("states-*/*.safetensors"))) == 6
+    assert not list(storage.glob("*.safetensors"))
+
+    # no server at all: a rerun trains from the kept states, the same steps
+    offline = _plan(
+        _recipe(tmp_path, [dead_url()], storage), tmp_path / "offline", *two_epochs, *keep
+    )
+    run_plan(offline, progress=False)
+    assert _losses(tmp_path / "offline") == _losses(tmp_path / "deleting")
+    ours, theirs = _export(tmp_path / "offline"), _export(tmp_path / "deleting")
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+    # a conversation that was never kept needs a server: none answers, the run stops
+    more = _few_conversations(tmp_path, 8)
+    unkept = _plan(
+        _recipe(tmp_path, [dead_url()], storage),
+        tmp_path / "unkept",
+        f"data.data_path={more}",
+        "training.max_steps=4",
+        *keep,
+    )
+    with pytest.raises(TargetServerUnavailable):
+        run_plan(unkept, progress=False)

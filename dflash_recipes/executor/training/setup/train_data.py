@@ -21,7 +21,7 @@ import attrs
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.data.conversations import Conversation
-from dflash_recipes.errors import DataError
+from dflash_recipes.errors import DataError, TargetServerUnavailable
 from dflash_recipes.executor.data.holdout import held_out_conversations, split_dataset
 from dflash_recipes.executor.data.offline import CaptureReader, capture_dataset, open_capture
 from dflash_recipes.executor.data.packing import (
@@ -41,7 +41,11 @@ from dflash_recipes.executor.data.train_dataset import (
 )
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.model.convert import CapturedStates
-from dflash_recipes.executor.target_server.batch_states import ServedBatchStates, client_settings
+from dflash_recipes.executor.target_server.batch_states import (
+    ServedBatchStates,
+    client_settings,
+    kept_states,
+)
 from dflash_recipes.executor.target_server.client import TargetServerClient
 from dflash_recipes.executor.training.anchors import batch_positions
 from dflash_recipes.plan.run_plan import RunPlan
@@ -239,22 +243,7 @@ def build_train_data(
             "capture holds one conversation per row; set data.packing: false or train online"
         )
         raise DataError(msg)
-    served: ServedBatchStates | None = None
-    if plan.target_server is not None:
-        client = TargetServerClient(client_settings(plan))
-        try:
-            answering = client.probe()  # a server must answer before anything trains
-        except BaseException:
-            client.close()
-            raise
-        if is_main(env):
-            logger.info(
-                "target: served by %s (%s; vLLM layer ids %s)",
-                ", ".join(answering),
-                plan.target_server.served_model_name,
-                list(plan.target_server.vllm_layer_ids or ()),
-            )
-        served = ServedBatchStates(client, plan)
+    served = _served_states(plan, env) if plan.target_server is not None else None
     return TrainData(
         dataset=dataset,
         capture=capture,
@@ -265,6 +254,48 @@ def build_train_data(
         env=env,
         packed_seq_len=training.training_seq_len if plan.data.packing else None,
     )
+
+
+def _served_states(plan: RunPlan, env: DistEnv) -> ServedBatchStates:
+    """What asks the servers for a batch's states, once a server answers; with kept states
+    (``keep_files: capture``) a run may start with none answering: what was kept trains, and
+    the first conversation not kept stops the run as a server failure does."""
+    assert plan.target_server is not None
+    kept = kept_states(plan)
+    client = TargetServerClient(client_settings(plan, kept))
+    answering: tuple[str, ...] = ()
+    try:
+        answering = client.probe()  # a server must answer before anything trains
+    except TargetServerUnavailable as exc:
+        if kept is None or not len(kept):
+            client.close()
+            raise
+        if is_main(env):
+            logger.warning(
+                "%s; training from the %d conversation(s) kept in %s: the first conversation "
+                "not kept there stops the run (a checkpoint of the last finished step is saved)",
+                exc,
+                len(kept),
+                kept.folder,
+            )
+    except BaseException:
+        client.close()
+        raise
+    if is_main(env):
+        if answering:
+            logger.info(
+                "target: served by %s (%s; vLLM layer ids %s)",
+                ", ".join(answering),
+                plan.target_server.served_model_name,
+                list(plan.target_server.vllm_layer_ids or ()),
+            )
+        if kept is not None:
+            logger.info(
+                "target: %d conversation(s) kept in %s are read there, not asked again",
+                len(kept),
+                kept.folder,
+            )
+    return ServedBatchStates(client, plan, kept)
 
 
 __all__ = ["TrainData", "build_train_data"]
