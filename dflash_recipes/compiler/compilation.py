@@ -286,6 +286,8 @@ def build_plan(
             num_proc=data.num_proc,
             packing=data.packing,
             eval_holdout=data.eval_holdout,
+            supervise=data.supervise,
+            unrenderable_rows=data.unrenderable_rows,
         ),
         training=TrainingPlan(
             output_dir=str(absolute(training.output_dir)),

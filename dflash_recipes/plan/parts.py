@@ -9,12 +9,13 @@ take the parts from here, so none of them imports the plan that imports them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import attrs
 
 from dflash_recipes.checkpoint.target_facts import TargetFacts
 from dflash_recipes.recipe.choices import (
+    SUPERVISED_PARTS,
     Dtype,
     KeepFiles,
     LossObjective,
@@ -23,7 +24,10 @@ from dflash_recipes.recipe.choices import (
     ProjectorType,
     SchedulerType,
     SelectorMissingGold,
+    SupervisedPart,
+    ThinkingMode,
     TrackerName,
+    UnrenderableRows,
 )
 from dflash_recipes.records import Record
 
@@ -60,6 +64,12 @@ class DataPlan(Record):
     #: Conversations of data_path held out of training for the held-out measurement
     #: (executor/data/holdout.py); 0: none (eval_data_path, if any, is the held-out data).
     eval_holdout: int = 0
+    #: With answer_only_loss: the parts of an assistant turn supervised (answer, tool_calls,
+    #: reasoning), each as the chat template renders it.
+    supervise: tuple[SupervisedPart, ...] = cast("tuple[SupervisedPart, ...]", SUPERVISED_PARTS)
+    #: skip: a row the template cannot render (or renders without its tools or tool calls)
+    #: is counted and left out | error: the run stops naming the row and the part.
+    unrenderable_rows: UnrenderableRows = "skip"
 
     @property
     def has_eval_data(self) -> bool:
@@ -232,6 +242,9 @@ class RegeneratePlan(Record):
     first_turn_only: bool
     #: Absolute path of the regenerated JSONL, or None (then `--output` is required).
     output_path: str | None
+    #: template (no switch sent) | on | off (chat_template_kwargs.enable_thinking) | both
+    #: (two rows per conversation, thinking on and off).
+    thinking: ThinkingMode = "template"
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

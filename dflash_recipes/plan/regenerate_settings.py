@@ -146,6 +146,7 @@ def regenerate_plan(
         reasoning=section.reasoning,
         first_turn_only=section.first_turn_only,
         output_path=str(output) if output is not None else None,
+        thinking=section.thinking,
     )
 
 

@@ -87,8 +87,9 @@ def _sha256_constructor() -> Callable[[bytes], Any]:
 #: one leaves out of its JSON, so those plans, their bytes and fingerprints, are unchanged (a
 #: reader that does not know the key refuses a plan that has it, as an unknown key). 11: the
 #: training's `max_nonfinite_steps` (skipped non-finite steps), `distributed_timeout_s` and
-#: `activation_checkpointing`.
-PLAN_FORMAT_VERSION = 11
+#: `activation_checkpointing`. 12: the data's `supervise` and `unrenderable_rows` (tool calls
+#: and reasoning in training rows) and the regenerate settings' `thinking`.
+PLAN_FORMAT_VERSION = 12
 #: The plan key left out of the JSON when it is None (a reader takes its default, None).
 _OPTIONAL_KEY = "target_server"
 #: What to do about a plan that is refused.

@@ -26,6 +26,15 @@ MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 SelectorMissingGold = Literal["skip", "inject"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ReasoningPolicy = Literal["keep", "drop"]
+#: The parts of an assistant turn `data.supervise` may name: its text, its tool-call text
+#: and its reasoning (each as the chat template renders it).
+SupervisedPart = Literal["answer", "tool_calls", "reasoning"]
+#: What a row the chat template cannot render (or renders without one of its parts) does:
+#: stop the run with an error naming the row and the part, or be skipped and counted.
+UnrenderableRows = Literal["error", "skip"]
+#: `regenerate.thinking`: template: send no switch (the template's default); on / off: send
+#: ``chat_template_kwargs.enable_thinking``; both: one row with thinking on, one with it off.
+ThinkingMode = Literal["template", "on", "off", "both"]
 #: What the trainer does with a vLLM hidden-states file once it is read and checked: delete it,
 #: or keep it as a verified capture shard (``target_server.keep_files``).
 KeepFiles = Literal["delete", "capture"]
@@ -47,6 +56,9 @@ SELECTOR_MISSING_GOLD: tuple[str, ...] = get_args(SelectorMissingGold)
 DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 REASONING_POLICIES: tuple[str, ...] = get_args(ReasoningPolicy)
+SUPERVISED_PARTS: tuple[str, ...] = get_args(SupervisedPart)
+UNRENDERABLE_ROWS: tuple[str, ...] = get_args(UnrenderableRows)
+THINKING_MODES: tuple[str, ...] = get_args(ThinkingMode)
 KEEP_FILES: tuple[str, ...] = get_args(KeepFiles)
 TRACKERS: tuple[str, ...] = get_args(TrackerName)
 #: The package each tracker imports. It comes with ``pip install 'dflash-recipes[NAME]'``: the
@@ -70,8 +82,11 @@ __all__ = [
     "REASONING_POLICIES",
     "SCHEDULERS",
     "SELECTOR_MISSING_GOLD",
+    "SUPERVISED_PARTS",
+    "THINKING_MODES",
     "TRACKERS",
     "TRACKER_LIBRARIES",
+    "UNRENDERABLE_ROWS",
     "DeviceChoice",
     "Dtype",
     "KeepFiles",
@@ -83,5 +98,8 @@ __all__ = [
     "ReasoningPolicy",
     "SchedulerType",
     "SelectorMissingGold",
+    "SupervisedPart",
+    "ThinkingMode",
     "TrackerName",
+    "UnrenderableRows",
 ]

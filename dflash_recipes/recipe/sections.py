@@ -12,6 +12,8 @@ annotations``): the converter then reads type objects instead of compiling a str
 every process, part of keeping `dflash-recipe compile` start-up low (issue 15).
 """
 
+from typing import cast
+
 import attrs
 
 from dflash_recipes.recipe.choices import (
@@ -25,6 +27,9 @@ from dflash_recipes.recipe.choices import (
     REASONING_POLICIES,
     SCHEDULERS,
     SELECTOR_MISSING_GOLD,
+    SUPERVISED_PARTS,
+    THINKING_MODES,
+    UNRENDERABLE_ROWS,
     DeviceChoice,
     Dtype,
     KeepFiles,
@@ -35,7 +40,10 @@ from dflash_recipes.recipe.choices import (
     ReasoningPolicy,
     SchedulerType,
     SelectorMissingGold,
+    SupervisedPart,
+    ThinkingMode,
     TrackerName,
+    UnrenderableRows,
 )
 from dflash_recipes.recipe.validators import (
     HUB_LICENSE,
@@ -53,6 +61,7 @@ from dflash_recipes.recipe.validators import (
     hub_repo_id_list,
     layer_id_list,
     layer_type_list,
+    non_empty_distinct_items,
     non_empty_str,
     non_negative_float,
     one_of,
@@ -99,6 +108,18 @@ class DataSection(Record):
     chat_template: str | None = attrs.field(default=None, validator=path_str)
     #: Supervise only assistant tokens (prompt tokens get no loss and open no blocks).
     answer_only_loss: bool = True
+    #: With answer_only_loss, the parts of an assistant turn that are supervised, each as the
+    #: chat template renders it: answer (its text and end of turn), tool_calls (the call
+    #: text), reasoning (the thinking). Tool results, system and user text never are.
+    supervise: tuple[SupervisedPart, ...] = attrs.field(
+        default=cast("tuple[SupervisedPart, ...]", SUPERVISED_PARTS),
+        validator=non_empty_distinct_items,
+    )
+    #: A row the chat template cannot render, or renders without its tools or tool calls:
+    #: skip (counted in the data summary) | error (the run stops, naming the row and part).
+    unrenderable_rows: UnrenderableRows = attrs.field(
+        default="skip", validator=one_of(UNRENDERABLE_ROWS)
+    )
     #: Optional held-out conversations (same formats) for `eval` and `training.eval_steps`.
     eval_data_path: str | None = attrs.field(default=None, validator=path_str)
     #: Hold this many conversations of data.data_path out of training (a seeded choice, the
@@ -368,6 +389,9 @@ class RegenerateSection(Record):
     #: keep: the thinking stays in the answer as a <think>...</think> block (how Qwen3 chat
     #: templates read it) | drop: reasoning_content and <think> blocks are removed.
     reasoning: ReasoningPolicy = attrs.field(default="keep", validator=one_of(REASONING_POLICIES))
+    #: template: no thinking switch is sent (the chat template's default) | on | off: the
+    #: request sets chat_template_kwargs.enable_thinking | both: two rows per conversation.
+    thinking: ThinkingMode = attrs.field(default="template", validator=one_of(THINKING_MODES))
     #: Regenerate only up to the first assistant turn (later turns are dropped).
     first_turn_only: bool = False
     #: Where the regenerated JSONL goes (shards in OUTPUT.parts/); `--output` overrides it.

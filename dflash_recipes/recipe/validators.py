@@ -211,6 +211,16 @@ def distinct_items(instance: object, attribute: attrs.Attribute[Any], value: Any
         seen.add(item)
 
 
+def non_empty_distinct_items(
+    instance: object, attribute: attrs.Attribute[Any], value: Any
+) -> None:
+    """A non-empty tuple that names nothing twice."""
+    if not value:
+        msg = f"{_name(attribute)} must name at least one item; list what to keep"
+        raise ValueError(msg)
+    distinct_items(instance, attribute, value)
+
+
 @attrs.frozen(repr=False, eq=False, slots=False)
 class IntRange(Record):
     """Validator: an int in [minimum, maximum] (None passes); `even` also requires evenness.

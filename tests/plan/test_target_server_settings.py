@@ -129,10 +129,11 @@ def test_a_plan_without_a_served_target_keeps_its_json_and_fingerprint() -> None
     data = plan.to_dict()
     assert "target_server" not in data  # left out, not null
     assert b"target_server" not in plan.canonical_json()
-    # the fingerprint this plan has without the key (format 11: computed when
-    # training.activation_checkpointing was added, which changed every plan's JSON; format 10,
-    # before target_server existed, gave c87b80e9df827695...)
-    assert plan.fingerprint == "98732fde2c753112a9cf65949f52fe8ff5415d656b8c730d5ba93bcc8b123c8e"
+    # the fingerprint this plan has without the key (format 12: computed when data.supervise,
+    # data.unrenderable_rows and regenerate.thinking were added, which changed every plan's
+    # JSON; format 11 gave 98732fde2c753112..., format 10, before target_server existed,
+    # c87b80e9df827695...)
+    assert plan.fingerprint == "6eccda62823d264c067aed58ae06f6054cfce74dab53827a60502db9ede23d71"
     again = RunPlan.from_json(plan.to_json())
     assert again == plan and again.target_server is None
 

@@ -150,6 +150,7 @@ def test_an_edited_regenerate_section_is_revalidated(plan_dict: dict[str, Any]) 
         "reasoning": "keep",
         "first_turn_only": False,
         "output_path": None,
+        "thinking": "template",
     }
     with pytest.raises(PlanError, match=r"regenerate\.max_concurrency"):
         RunPlan.from_dict(refingerprint({**plan_dict, "regenerate": regenerate}))

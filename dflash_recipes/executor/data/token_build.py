@@ -32,8 +32,6 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.data.conversations import (
     Conversation,
-    Message,
-    Role,
     SkippedLine,
     iter_conversations,
     no_usable_conversation,
@@ -56,6 +54,7 @@ from dflash_recipes.executor.data.token_cache import (
 )
 from dflash_recipes.executor.data.tokenize import (
     DatasetStats,
+    UnrenderablePart,
     opens_a_block,
     tokenize_to_arrays,
 )
@@ -70,8 +69,8 @@ CHUNK = 256
 INLINE_LIMIT = 4096
 _INT32_MAX = 2**31 - 1
 
-#: One conversation as it travels to a worker: (line, ((role, content), ...)).
-RawConversation = tuple[int, tuple[tuple[Role, str], ...]]
+#: One conversation as it travels to a worker (its line, messages and tools).
+RawConversation = Conversation
 
 
 class ChunkResult:
@@ -97,24 +96,36 @@ class ChunkResult:
 def tokenize_chunk(
     tokenizer: PreTrainedTokenizerBase, settings: TokenizeSettings, chunk: list[RawConversation]
 ) -> ChunkResult:
-    """Tokenize, mask and check (the block-opening rule) each conversation of `chunk`."""
+    """Tokenize, mask and check (the block-opening rule) each conversation of `chunk`.
+
+    A conversation the template cannot render is skipped with its reason, or, with
+    ``unrenderable_rows`` "error", stops the build with a DataError naming its line."""
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     lengths: list[int] = []
     truncated: list[bool] = []
     skipped: list[tuple[int, str, str]] = []
-    for line, turns in chunk:
-        messages = tuple(Message(role, content) for role, content in turns)
+    for conversation in chunk:
+        line = conversation.line
         try:
             example_ids, mask, cut = tokenize_to_arrays(
                 tokenizer,
-                messages,
+                conversation.messages,
                 chat_template=settings.chat_template,
                 answer_only_loss=settings.answer_only_loss,
                 max_len=settings.max_len,
+                tools=conversation.tools,
+                supervise=settings.supervise,
             )
         except DataError as exc:
-            skipped.append((line, "template error", str(exc)))
+            kind = "unrenderable part" if isinstance(exc, UnrenderablePart) else "template error"
+            if settings.unrenderable_rows == "error":
+                msg = (
+                    f"data row {line} ({kind}): {exc}; fix the row, or set "
+                    "data.unrenderable_rows: skip to leave such rows out (counted)"
+                )
+                raise DataError(msg) from None
+            skipped.append((line, kind, str(exc)))
             continue
         if not opens_a_block(mask, settings.block_size):
             reason = (
@@ -171,7 +182,7 @@ def chunk_stream(
         if not isinstance(item, Conversation):
             skipped.append(item)
             continue
-        chunk.append((item.line, tuple((m.role, m.content) for m in item.messages)))
+        chunk.append(item)
         if len(chunk) == CHUNK:
             yield chunk
             chunk = []
@@ -299,8 +310,7 @@ def tokenize_all(
     settings: TokenizeSettings,
 ) -> ChunkResult:
     """Tokenize conversations in this process, as one chunk (for tests and the benchmark)."""
-    chunk = [(c.line, tuple((m.role, m.content) for m in c.messages)) for c in conversations]
-    return tokenize_chunk(tokenizer, settings, chunk)
+    return tokenize_chunk(tokenizer, settings, list(conversations))
 
 
 def wait_seconds() -> float:

@@ -59,12 +59,14 @@ from dflash_recipes.files.jsonio import (
     read_regular_file,
     shorten,
 )
+from dflash_recipes.recipe.choices import SUPERVISED_PARTS
 from dflash_recipes.records import Record
 
 logger = logging.getLogger(__name__)
 
 #: Bump whenever tokenizing, masking or the block rule changes the tokens a conversation gets.
-CACHE_FORMAT_VERSION = 1
+#: 2: rows with tool turns, tool calls, reasoning and `tools` are tokenized (they were skipped).
+CACHE_FORMAT_VERSION = 2
 _FORMAT = CACHE_FORMAT_NAME
 #: (file name, numpy dtype) of the arrays of an entry.
 ARRAYS = (
@@ -78,7 +80,7 @@ DEFAULT_WAIT_S = 7200.0
 WAIT_ENV = "DFLASH_DATA_CACHE_WAIT_S"
 _MAX_META_BYTES = 1 << 30
 #: The parts of the key that name an entry's folder.
-_NAMED_BY = ("data_sha256", "answer_only_loss", "training_seq_len", "block_size")
+_NAMED_BY = ("data_sha256", "answer_only_loss", "supervise", "training_seq_len", "block_size")
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -92,6 +94,10 @@ class TokenizeSettings(Record):
     max_len: int
     #: draft.block_size: conversations that cannot open a block are skipped.
     block_size: int
+    #: data.supervise: the assistant parts that keep their loss with answer_only_loss.
+    supervise: tuple[str, ...] = SUPERVISED_PARTS
+    #: data.unrenderable_rows: a row the template cannot render is skipped, or stops the build.
+    unrenderable_rows: str = "skip"
 
 
 def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -120,6 +126,8 @@ def cache_key(
     return {
         "data_sha256": content_sha256(source) if data_sha256 is None else data_sha256,
         "answer_only_loss": settings.answer_only_loss,
+        "supervise": list(settings.supervise),
+        "unrenderable_rows": settings.unrenderable_rows,
         "training_seq_len": settings.max_len,
         "block_size": settings.block_size,
         "tokenizer_sha256": tokenizer_sha256(tokenizer),

@@ -249,7 +249,7 @@ def row_blocks(
             if isinstance(item, SkippedLine):
                 skipped.append(item)
             elif item is not None:
-                chunk.append((item.line, tuple((m.role, m.content) for m in item.messages)))
+                chunk.append(item)
         yield chunk
 
 

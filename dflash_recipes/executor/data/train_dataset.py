@@ -105,6 +105,8 @@ def build_dataset(
         answer_only_loss=data.answer_only_loss,
         max_len=plan.training.training_seq_len,
         block_size=plan.draft.block_size,
+        supervise=data.supervise,
+        unrenderable_rows=data.unrenderable_rows,
     )
     # compile decided it; a plan without one (made by hand) takes the same default
     cache_dir = data.cache_dir or str(

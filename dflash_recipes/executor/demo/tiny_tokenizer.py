@@ -29,15 +29,40 @@ SPARE_TOKENS: tuple[str, ...] = tuple(f"<|spare_{i}|>" for i in range(NUM_SPARE_
 #: Learned vocabulary size before the spare tokens (specials + bytes + merges, at most).
 DEFAULT_BPE_VOCAB_SIZE = 384
 
-#: ChatML with the assistant content and its end-of-turn token inside generation markers.
+#: ChatML with the assistant content and its end-of-turn token inside generation markers, and
+#: this project's own tool and reasoning syntax: a row's `tools` are listed in a system turn
+#: (after the row's own system text), an assistant's reasoning is a ``<think>`` block before its
+#: text, each tool call a ``<call>{"name": ..., "arguments": {...}}</call>`` after it, and a
+#: tool result a ``tool`` turn. A row without tools, calls or reasoning renders as plain ChatML.
 TINY_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- 'You may call these tools:\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson + '\\n' -}}{%- endfor -%}"
+    '{{- \'Call one with <call>{"name": ..., "arguments": {...}}</call>.<|im_end|>\\n\' -}}'
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['role'] == 'assistant' -%}"
-    "{%- generation -%}{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
+    "{%- generation -%}"
+    "{%- if message.get('reasoning_content') -%}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n' -}}"
+    "{%- endif -%}"
+    "{{- message['content'] -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{- '<call>' + {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson + '</call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
     "{{- '\\n' -}}"
     "{%- else -%}"
     "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"

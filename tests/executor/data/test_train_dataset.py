@@ -183,7 +183,8 @@ def test_sharegpt_unknown_speaker_is_named(tmp_path: Path) -> None:
     line = json.dumps({"conversations": [{"from": "bot", "value": "x"}]})
     file = read_conversations(_write(tmp_path / "d.jsonl", [line, _openai(("assistant", "ok"))]))
     assert file.skipped[0].reason == (
-        "conversations[0] has from 'bot'; expected one of system, human, user, gpt, assistant"
+        "conversations[0] has from 'bot'; expected one of system, human, user, gpt, assistant, "
+        "tool, observation, function_response, function_call"
     )
 
 

@@ -1,0 +1,151 @@
+"""Tool calls, tool results, reasoning and `tools` through a real chat template with tool support
+(issue 52): exactly the parts data.supervise names keep their loss, token by token, under a
+template with generation markers (the tiny demo's) and one masked by rendering (Qwen3's layout);
+a template that drops tools or tool calls is an error naming the part, or a counted skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from testkit.tool_chat import (
+    PLAIN_TEMPLATE,
+    QUESTION,
+    QWEN_STYLE_TEMPLATE,
+    TOOL_RESULT,
+    tool_row,
+    tool_tokenizer,
+)
+
+from dflash_recipes.data.conversations import Conversation, conversation_of
+from dflash_recipes.errors import DataError
+from dflash_recipes.executor.data.token_build import tokenize_all
+from dflash_recipes.executor.data.token_cache import TokenizeSettings
+from dflash_recipes.executor.data.tokenize import UnrenderablePart, tokenize_conversation
+from dflash_recipes.executor.demo.tiny_tokenizer import TINY_CHAT_TEMPLATE
+
+CALL_QWEN = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_TINY = '<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>'
+THINK_1 = "<think>\nThe user wants the weather, so call the tool first.\n</think>\n"
+THINK_2 = "<think>\nThe tool said sunny and 18.\n</think>\n"
+ANSWER = "Paris is sunny at 18 degrees today."
+END = "<|im_end|>"
+
+#: Per template: the supervised runs of text each setting of data.supervise gives. The turn's
+#: end goes with any part of it that is supervised; a turn with none loses its end too.
+#: (Qwen's layout puts a blank line after </think>, the tiny template one newline.)
+EXPECTED = {
+    "qwen": {
+        ("answer", "tool_calls", "reasoning"): [
+            THINK_1 + "\n" + CALL_QWEN + END,
+            THINK_2 + "\n" + ANSWER + END,
+        ],
+        ("answer",): [ANSWER + END],
+        ("tool_calls",): [CALL_QWEN + END],
+        ("reasoning",): [THINK_1 + "\n", END, THINK_2 + "\n", END],
+        ("answer", "tool_calls"): [CALL_QWEN + END, ANSWER + END],
+    },
+    "tiny": {
+        ("answer", "tool_calls", "reasoning"): [
+            THINK_1 + CALL_TINY + END,
+            THINK_2 + ANSWER + END,
+        ],
+        ("answer",): [ANSWER + END],
+        ("tool_calls",): [CALL_TINY + END],
+        ("reasoning",): [THINK_1, END, THINK_2, END],
+        ("answer", "tool_calls"): [CALL_TINY + END, ANSWER + END],
+    },
+}
+TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "tiny": TINY_CHAT_TEMPLATE}
+
+
+def _conversation() -> Conversation:
+    conversation = conversation_of(1, tool_row(), answer_only_loss=True)
+    assert isinstance(conversation, Conversation)
+    return conversation
+
+
+def _supervised_runs(template: str, supervise: tuple[str, ...]) -> list[str]:
+    tok = tool_tokenizer()
+    conversation = _conversation()
+    example = tokenize_conversation(
+        tok,
+        conversation.messages,
+        chat_template=template,
+        answer_only_loss=True,
+        max_len=4096,
+        tools=conversation.tools,
+        supervise=supervise,
+    )
+    runs: list[str] = []
+    current: list[int] = []
+    for token, supervised in zip(example.input_ids, example.loss_mask, strict=True):
+        if supervised:
+            current.append(token)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    if current:
+        runs.append(tok.decode(current))
+    return runs
+
+
+@pytest.mark.parametrize("name", ["qwen", "tiny"])
+@pytest.mark.parametrize("supervise", list(EXPECTED["qwen"]))
+def test_exactly_the_named_parts_are_supervised(name: str, supervise: tuple[str, ...]) -> None:
+    assert _supervised_runs(TEMPLATES[name], supervise) == EXPECTED[name][supervise]
+
+
+@pytest.mark.parametrize("name", ["qwen", "tiny"])
+def test_tool_results_system_user_and_schemas_are_never_supervised(name: str) -> None:
+    runs = "".join(_supervised_runs(TEMPLATES[name], ("answer", "tool_calls", "reasoning")))
+    for text in (TOOL_RESULT, QUESTION, "weather assistant", 'get_weather", "description'):
+        assert text not in runs
+
+
+@pytest.mark.parametrize("name", ["qwen", "tiny"])
+def test_the_tools_and_the_calls_are_rendered_by_the_template(name: str) -> None:
+    tok = tool_tokenizer()
+    conversation = _conversation()
+    example = tokenize_conversation(
+        tok,
+        conversation.messages,
+        chat_template=TEMPLATES[name],
+        answer_only_loss=False,
+        max_len=4096,
+        tools=conversation.tools,
+    )
+    text = tok.decode(example.input_ids)
+    assert '"description": "Today\'s weather in a city"' in text  # the schema, via `tools`
+    assert (CALL_QWEN if name == "qwen" else CALL_TINY) in text
+    assert TOOL_RESULT in text
+    assert np.all(np.asarray(example.loss_mask) == 1)
+
+
+def test_a_template_without_tool_support_is_an_error_naming_the_part() -> None:
+    conversation = _conversation()
+    with pytest.raises(UnrenderablePart, match=r"renders the row's 'tools' the same as no tools"):
+        tokenize_conversation(
+            tool_tokenizer(), conversation.messages, chat_template=PLAIN_TEMPLATE,
+            answer_only_loss=True, max_len=4096, tools=conversation.tools,
+        )  # fmt: skip
+    with pytest.raises(UnrenderablePart, match=r"leaves out messages\[2\]\.tool_calls"):
+        tokenize_conversation(
+            tool_tokenizer(), conversation.messages, chat_template=PLAIN_TEMPLATE,
+            answer_only_loss=True, max_len=4096, tools=None,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["skip", "error"])
+def test_unrenderable_rows_are_counted_skips_or_a_stop(choice: str) -> None:
+    settings = TokenizeSettings(PLAIN_TEMPLATE, True, 4096, 4, unrenderable_rows=choice)
+    turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]
+    plain = conversation_of(2, {"messages": turns}, answer_only_loss=True)
+    assert isinstance(plain, Conversation)
+    if choice == "skip":
+        result = tokenize_all([_conversation(), plain], tool_tokenizer(), settings)
+        assert len(result.lengths) == 1  # the plain row trains
+        assert [(line, kind) for line, kind, _ in result.skipped] == [(1, "unrenderable part")]
+    else:
+        with pytest.raises(DataError, match=r"data row 1 \(unrenderable part\): .*tools.*"
+                           r"data\.unrenderable_rows: skip"):  # fmt: skip
+            tokenize_all([_conversation(), plain], tool_tokenizer(), settings)
