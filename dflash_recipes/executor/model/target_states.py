@@ -174,27 +174,95 @@ def packed_attention(
     return mapping, positions
 
 
-def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype) -> object:
-    """The attention mask of unpadded (or right-padded) rows, built without a host read-back.
+#: The name under which SDPA attention runs with the mask handed to the model as it is (None:
+#: SDPA's causal kernel): registered in transformers' attention functions but not in its mask
+#: functions, so the model's own mask preparation (and its packed-sequence test, a host
+#: read-back) is skipped for the forwards that run under it (:func:`causal_attention`).
+CAUSAL_SDPA = "dflash_prepared_sdpa"
 
-    For a model whose config declares only attention ``layer_types``: one mask per layer type
-    from transformers' own mask functions, given no 2-D mask and no positions, so they test
-    nothing on the host (SDPA's gets None: its causal fast path); the model takes the mapping
-    as it is. Other models get None and build their causal mask themselves (transformers then
-    reads one value back from the device to detect packed positions). Right padding needs no
-    mask: under causal attention no real position sees the padding after it.
+
+@attrs.frozen(eq=False)
+class CausalAttention:
+    """What unpadded (or right-padded) rows hand the target (:func:`causal_attention`)."""
+
+    #: The ``attention_mask`` argument: None, a tensor, a block mask or one per layer type.
+    mask: object
+    #: The attention implementation to run the forward under (None: the model's own).
+    implementation: str | None = None
+
+
+def _windowless(config: object) -> bool:
+    """No sliding window and no attention chunks: every layer attends causally to the row."""
+    for name in ("sliding_window", "attention_chunk_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return False
+    return True
+
+
+def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype) -> CausalAttention:
+    """The attention of unpadded (or right-padded) rows, prepared without a host read-back.
+
+    - A model whose config declares only attention ``layer_types``: one mask per layer type
+      from transformers' own mask functions, given no 2-D mask and no positions, so they test
+      nothing on the host (SDPA's gets None: its causal fast path); the model takes the mapping
+      as it is.
+    - A model without ``layer_types``, window or chunks (Llama, DeepSeek-V3, Granite, OLMo 2,
+      GLM, and Mistral or Mixtral as released, with ``sliding_window: null``): transformers'
+      ``create_causal_mask`` built the same way. Eager's 4-D mask and flex's block mask are
+      taken as they are; SDPA's None (the causal kernel) runs under :data:`CAUSAL_SDPA`, the
+      same SDPA function with the model's mask preparation skipped, since that preparation
+      would read the device back to test the positions for packing.
+    - Others (a window without ``layer_types``, recurrent layers) get None and build their
+      mask themselves; transformers then reads one value back from the device per forward.
+
+    Right padding needs no mask: under causal attention no real position sees the padding
+    after it.
     """
     config = _text_config(model)
     layer_types = getattr(config, "layer_types", None)
-    if not layer_types or any(t not in _MASK_BUILDERS for t in layer_types):
-        return None
     from transformers import masking_utils
 
     stub = torch.empty(*input_ids.shape, 1, dtype=dtype, device=input_ids.device)
-    return {
-        layer_type: getattr(masking_utils, _MASK_BUILDERS[layer_type])(config, stub, None, None)
-        for layer_type in dict.fromkeys(layer_types)
-    }
+    if not layer_types:
+        if not _windowless(config):
+            return CausalAttention(None)
+        mask = masking_utils.create_causal_mask(config, stub, None, None)
+        if mask is None and getattr(config, "_attn_implementation", None) == "sdpa":
+            _register_causal_sdpa()
+            return CausalAttention(None, CAUSAL_SDPA)
+        return CausalAttention(mask) if mask is not None else CausalAttention(None)
+    if any(t not in _MASK_BUILDERS for t in layer_types):
+        return CausalAttention(None)
+    return CausalAttention(
+        {
+            layer_type: getattr(masking_utils, _MASK_BUILDERS[layer_type])(config, stub, None, None)
+            for layer_type in dict.fromkeys(layer_types)
+        }
+    )
+
+
+def _register_causal_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Run the forwards inside the block under the attention implementation `name` (the
+    decoder's config says so for the time of the block; None: unchanged)."""
+    config = _text_config(model)
+    if name is None or config is None:
+        yield
+        return
+    before = getattr(config, "_attn_implementation", None)
+    config._attn_implementation = name  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        config._attn_implementation = before  # type: ignore[attr-defined]
 
 
 def _document_masks(document_ids: Tensor) -> dict[str, object]:
@@ -338,20 +406,27 @@ def target_states(
     exactly the model's (any scaling or soft-capping included). A packed row passes
     `document_ids` (``[B, S]``, the document number of each token, -1 for the filler): see
     :func:`packed_attention`. Unpadded or right-padded rows may pass no `attention_mask`
-    (:func:`causal_attention`: no host read-back for most targets).
+    (:func:`causal_attention`: no host read-back unless the target has a sliding window but
+    no ``layer_types``, or recurrent layers).
     Call it under ``torch.no_grad()``. Works under any wrapper that keeps the layer modules
     (FSDP2's ``fully_shard`` hooks are module hooks too).
     """
     extra: dict[str, object] = {}
     mask: object = attention_mask
+    implementation: str | None = None
     dtype = next(model.parameters()).dtype
     if document_ids is not None:
         mask, extra["position_ids"] = packed_attention(model, document_ids, dtype=dtype)
     elif attention_mask is None:
-        mask = causal_attention(model, input_ids, dtype=dtype)
+        causal = causal_attention(model, input_ids, dtype=dtype)
+        mask, implementation = causal.mask, causal.implementation
     runner: nn.Module = model if with_logits else decoder_stack(model)
     last = None if with_logits else stop_after
-    with TapRecorder(model, target_layer_ids) as recorder, layers_up_to(model, last):
+    with (
+        TapRecorder(model, target_layer_ids) as recorder,
+        layers_up_to(model, last),
+        attention_implementation(model, implementation),
+    ):
         out = runner(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra)
     logits = getattr(out, "logits", None) if with_logits else None
     return TargetStates(recorder.tapped(), logits)
@@ -502,10 +577,13 @@ def check_packed_isolation(
 
 
 __all__ = [
+    "CAUSAL_SDPA",
     "ISOLATION_TOLERANCE",
+    "CausalAttention",
     "IsolationReport",
     "TapRecorder",
     "TargetStates",
+    "attention_implementation",
     "causal_attention",
     "check_packed_isolation",
     "decoder_layers",

@@ -26,6 +26,7 @@ from dflash_recipes.executor.model.convert import convert, lm_head
 from dflash_recipes.executor.model.draft import taps_from_hidden_states
 from dflash_recipes.executor.model.masks import document_causal_mask
 from dflash_recipes.executor.model.target_states import (
+    CAUSAL_SDPA,
     causal_attention,
     check_packed_isolation,
     decoder_layers,
@@ -287,9 +288,6 @@ def test_right_padded_rows_need_no_mask(name: str) -> None:
     torch.testing.assert_close(free.tapped[real], masked.tapped[real], rtol=1e-5, atol=1e-5)
     assert free.logits is not None and masked.logits is not None
     torch.testing.assert_close(free.logits[real], masked.logits[real], rtol=1e-5, atol=1e-5)
-    declared = getattr(model.config, "layer_types", None) or []
-    attention_only = bool(declared) and "linear_attention" not in declared
-    assert (causal_attention(model, ids, dtype=torch.float32) is not None) == attention_only
 
 
 class _Reads(TorchDispatchMode):
@@ -320,3 +318,71 @@ def test_a_packed_forward_reads_nothing_back_from_the_device(name: str) -> None:
     with torch.no_grad(), _Reads() as counter:
         target_states(model, ids, None, [0, 1], with_logits=False, document_ids=docs)
     assert counter.reads == 0
+
+
+#: Families whose unpadded forward is prepared without a host read-back: attention-only
+#: ``layer_types``, or no layer types and no window or chunks.
+_PREPARED = {
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt_oss",
+    "olmo2",
+    "deepseek_v3",
+    "glm",
+    "glm4",
+    "glm4_moe",
+    "granite",
+    "llama4_text",
+}
+
+
+def _prepared(name: str, model: nn.Module) -> bool:
+    """What the rule says of `model` (checked against :data:`_PREPARED` by the test)."""
+    config = model.config
+    declared = getattr(config, "layer_types", None) or []
+    if declared:
+        return "linear_attention" not in declared
+    window = getattr(config, "sliding_window", None) or getattr(
+        config, "attention_chunk_size", None
+    )
+    return not window
+
+
+@pytest.mark.parametrize("implementation", ["default", "eager"])
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_an_unpadded_forward_is_the_models_own_and_reads_nothing_back(
+    name: str, implementation: str
+) -> None:
+    """Unpadded rows: the states equal the model's own masked forward (transformers' mask
+    preparation), and where the rule prepares the mask no value is read back from the device;
+    the model's attention implementation is its own again afterwards. "default": the family's
+    own choice (SDPA, or eager for a family without SDPA support)."""
+    family = _family(name)
+    torch.manual_seed(0)
+    chosen = {} if implementation == "default" else {"attn_implementation": implementation}
+    model = AutoModelForCausalLM.from_config(family.config(), **chosen)
+    model.eval()
+    implementation = model.config._attn_implementation  # SDPA where the family has it
+    last = len(decoder_layers(model)) - 1
+    ids = torch.randint(3, 380, (2, 21))
+    with torch.no_grad():
+        reference = target_states(model, ids, torch.ones_like(ids), [0, last], with_logits=True)
+        with _Reads() as counter:
+            free = target_states(model, ids, None, [0, last], with_logits=True)
+    torch.testing.assert_close(free.tapped, reference.tapped, rtol=1e-5, atol=1e-5)
+    assert free.logits is not None and reference.logits is not None
+    torch.testing.assert_close(free.logits, reference.logits, rtol=1e-5, atol=1e-5)
+    assert _prepared(name, model) == (name in _PREPARED)
+    if name in _PREPARED:
+        assert counter.reads == 0, name
+    assert model.config._attn_implementation == implementation
+    prepared = causal_attention(model, ids, dtype=torch.float32)
+    runs_sdpa_unprepared = implementation == "sdpa" and not getattr(
+        model.config, "layer_types", None
+    )
+    assert (prepared.implementation == CAUSAL_SDPA) == (runs_sdpa_unprepared and name in _PREPARED)
