@@ -11,15 +11,20 @@ transformers) or with a fixed text (``--canned``), and lists its one model at
     drop         close the connection of the next N chat requests without answering
     status_4xx   answer every chat request with this HTTP status (0: off)
     api_key      require `Authorization: Bearer <api_key>` (401 otherwise; "": no key)
-    reasoning    return a `reasoning_content` field and a <think> block in the content
+    reasoning    return a `reasoning_content` field and a <think> block in the content (not
+                 when the request sets chat_template_kwargs.enable_thinking false)
+    tool_call_on when the request has `tools` and its last message is a user turn containing
+                 this text, answer with a call of the first tool (arguments {"query": that
+                 text}, id call_<request number>) and no text ("": off)
     not_json     answer every chat request with a 200 whose body is not JSON
     trickle      send the headers of a chat answer, then its body one byte a second
     hang         read every chat request and never answer it
     hang_after   answer this many more chat requests, then hang every later one (-1: off)
     oversized    answer every chat request with a 200 JSON body of this many bytes (0: off)
 
-``GET /stats`` returns ``{"requests", "in_flight", "max_in_flight"}``; ``POST /reset`` zeroes
-them. The chosen port is printed on stdout as ``PORT <n>`` once the server listens.
+``GET /stats`` returns ``{"requests", "in_flight", "max_in_flight"}``; ``GET /requests`` the
+bodies of the last chat requests (at most 64), oldest first; ``POST /reset`` zeroes both. The
+chosen port is printed on stdout as ``PORT <n>`` once the server listens.
 
     python tools/openai_test_server.py --model-dir dflash_recipes/demo_data/target --port 8000
 """
@@ -53,7 +58,10 @@ DEFAULT_KNOBS: dict[str, Any] = {
     "hang": False,
     "hang_after": -1,
     "oversized": 0,
+    "tool_call_on": "",
 }
+#: Chat request bodies kept for ``GET /requests``.
+KEPT_REQUESTS = 64
 
 
 class State:
@@ -66,6 +74,7 @@ class State:
         self.requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.bodies: list[Any] = []
         self.canned: str | None = args.canned
         self.served = args.served_name
         self.model: Any = None
@@ -97,7 +106,9 @@ class State:
                 self.knobs["hang_after"] = left - 1
             return left == 0
 
-    def generate(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, bool]:
+    def generate(
+        self, messages: list[dict[str, Any]], max_tokens: int, tools: Any = None
+    ) -> tuple[str, int, bool]:
         """(text, tokens, cut at max_tokens)."""
         if self.model is None:
             text = self.canned or "ok"
@@ -105,7 +116,9 @@ class State:
         import torch
 
         tok = self.tokenizer
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         room = int(self.model.config.max_position_embeddings) - int(ids.shape[1])
         budget = max(1, min(max_tokens, room))
@@ -157,6 +170,10 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": state.served}]})
+            elif self.path == "/requests":
+                with state.lock:
+                    bodies = list(state.bodies)
+                self._json(200, bodies)
             elif self.path == "/stats":
                 with state.lock:
                     stats = {
@@ -178,6 +195,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if self.path == "/reset":
                 with state.lock:
                     state.requests = state.in_flight = state.max_in_flight = 0
+                    state.bodies.clear()
                 self._json(200, {})
                 return
             if self.path != "/v1/chat/completions":
@@ -185,6 +203,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 return
             with state.lock:
                 state.requests += 1
+                state.bodies = [*state.bodies[-(KEPT_REQUESTS - 1) :], body]
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
@@ -213,7 +232,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 message = f"The model `{body.get('model')}` does not exist."
                 self._json(404, {"error": {"message": message, "type": "NotFoundError"}})
                 return
-            last = body["messages"][-1].get("content", "") if body.get("messages") else ""
+            last = (body["messages"][-1].get("content") or "") if body.get("messages") else ""
             if state.take("fail_503") or (knobs["fail_503_on"] and knobs["fail_503_on"] in last):
                 self._json(503, {"error": {"message": "injected overload"}})
                 return
@@ -230,11 +249,28 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if knobs["trickle"]:
                 self._trickle()
                 return
-            text, tokens, cut = state.generate(body["messages"], int(body.get("max_tokens", 256)))
-            reply: dict[str, Any] = {"role": "assistant", "content": text}
-            if knobs["reasoning"]:
+            messages = body["messages"]
+            tools = body.get("tools")
+            trigger = knobs["tool_call_on"]
+            reply: dict[str, Any]
+            if trigger and tools and messages[-1].get("role") == "user" and trigger in last:
+                name = tools[0].get("function", tools[0]).get("name", "tool")
+                call = {
+                    "id": f"call_{state.requests}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps({"query": last})},
+                }
+                reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+                tokens, cut = 8, False
+            else:
+                text, tokens, cut = state.generate(
+                    messages, int(body.get("max_tokens", 256)), tools
+                )
+                reply = {"role": "assistant", "content": text}
+            switches = body.get("chat_template_kwargs") or {}
+            if knobs["reasoning"] and switches.get("enable_thinking") is not False:
                 reply["reasoning_content"] = "the user wants a short answer"
-                reply["content"] = "<think>let me think</think>\n\n" + text
+                reply["content"] = "<think>let me think</think>\n\n" + (reply["content"] or "")
             self._json(
                 200,
                 {

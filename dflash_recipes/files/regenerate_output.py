@@ -28,13 +28,21 @@ def summary_path(output: Path) -> Path:
     return output.with_name(output.name + SUMMARY_SUFFIX)
 
 
-def prompt_key(turns: Sequence[tuple[str, str | None]]) -> str:
+def prompt_key(
+    turns: Sequence[tuple[str, str | None]],
+    *,
+    tools: str | None = None,
+    thinking: bool | None = None,
+) -> str:
     """Content hash of a conversation's prompt turns: (role, content) pairs, where assistant
-    turns (the part regenerate replaces) are given with content None.
+    turns (the part regenerate replaces) are given with content None, with the row's `tools`
+    (JSON text) and the thinking switch sent, when there are any.
 
     The same prompts give the same key in any file order, so a reordered input still resumes.
+    A conversation without tools or a thinking switch keeps the key it always had.
     """
-    canonical = json.dumps(
-        [[role, content] for role, content in turns], ensure_ascii=False, separators=(",", ":")
-    )
+    payload: list[object] = [[role, content] for role, content in turns]
+    if tools is not None or thinking is not None:
+        payload = [payload, tools, thinking]
+    canonical = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -22,6 +22,7 @@ from dflash_recipes.recipe.choices import (
     MarkovHeadType,
     MasterDtype,
     ProjectorType,
+    ReasoningPolicy,
     SchedulerType,
     SelectorMissingGold,
     SupervisedPart,
@@ -238,7 +239,7 @@ class RegeneratePlan(Record):
     max_new_tokens: int
     request_timeout_s: float
     max_retries: int
-    reasoning: Literal["keep", "drop"]
+    reasoning: ReasoningPolicy
     first_turn_only: bool
     #: Absolute path of the regenerated JSONL, or None (then `--output` is required).
     output_path: str | None

@@ -25,7 +25,9 @@ MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 #: place of the last candidate (speculators).
 SelectorMissingGold = Literal["skip", "inject"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
-ReasoningPolicy = Literal["keep", "drop"]
+#: `regenerate.reasoning`: keep (a <think> block in the text), separate (the server's
+#: reasoning_content kept as the turn's own field), drop.
+ReasoningPolicy = Literal["keep", "separate", "drop"]
 #: The parts of an assistant turn `data.supervise` may name: its text, its tool-call text
 #: and its reasoning (each as the chat template renders it).
 SupervisedPart = Literal["answer", "tool_calls", "reasoning"]

@@ -109,8 +109,9 @@ class DataSection(Record):
     #: Supervise only assistant tokens (prompt tokens get no loss and open no blocks).
     answer_only_loss: bool = True
     #: With answer_only_loss, the parts of an assistant turn that are supervised, each as the
-    #: chat template renders it: answer (its text and end of turn), tool_calls (the call
-    #: text), reasoning (the thinking). Tool results, system and user text never are.
+    #: chat template renders it: answer (its text), tool_calls (the call text), reasoning (the
+    #: thinking); the turn's end goes with any of them. Tool results, system and user text
+    #: never are.
     supervise: tuple[SupervisedPart, ...] = attrs.field(
         default=cast("tuple[SupervisedPart, ...]", SUPERVISED_PARTS),
         validator=non_empty_distinct_items,
@@ -387,7 +388,9 @@ class RegenerateSection(Record):
     #: Retries of a request after 429/5xx/connection errors, with exponential backoff.
     max_retries: int = attrs.field(default=5, validator=IntRange(0, 1000))
     #: keep: the thinking stays in the answer as a <think>...</think> block (how Qwen3 chat
-    #: templates read it) | drop: reasoning_content and <think> blocks are removed.
+    #: templates read it) | separate: the server's reasoning_content is kept as the turn's
+    #: reasoning_content (the chat template renders it; data.supervise can leave it out) |
+    #: drop: reasoning_content and <think> blocks are removed.
     reasoning: ReasoningPolicy = attrs.field(default="keep", validator=one_of(REASONING_POLICIES))
     #: template: no thinking switch is sent (the chat template's default) | on | off: the
     #: request sets chat_template_kwargs.enable_thinking | both: two rows per conversation.

@@ -211,9 +211,7 @@ def distinct_items(instance: object, attribute: attrs.Attribute[Any], value: Any
         seen.add(item)
 
 
-def non_empty_distinct_items(
-    instance: object, attribute: attrs.Attribute[Any], value: Any
-) -> None:
+def non_empty_distinct_items(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """A non-empty tuple that names nothing twice."""
     if not value:
         msg = f"{_name(attribute)} must name at least one item; list what to keep"

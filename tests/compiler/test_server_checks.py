@@ -198,7 +198,7 @@ def test_overrides_reach_the_section_and_bad_values_are_refused(
     assert result.plan.regenerate.reasoning == "drop"
     bad = compile_file(path, ["regenerate.reasoning=maybe"], resolve=False)
     assert bad.plan is None
-    assert any("keep, drop" in d.message for d in bad.diagnostics)
+    assert any("keep, separate, drop" in d.message for d in bad.diagnostics)
 
 
 def test_prompt_key_depends_on_the_prompts_only() -> None:

@@ -1,10 +1,15 @@
 """`dflash-recipe regenerate`: training conversations answered by the target itself.
 
-The user and system turns of each input conversation are kept; every assistant turn is replaced
-by the target's answer to the conversation up to that point, turn by turn, so later turns see
-the target's own earlier answers. A conversation that ends with a user turn gets an answer
-appended (a file of prompts works too). With ``first_turn_only`` the conversation is cut after
-its first assistant turn.
+The user, system and tool turns of each input conversation are kept; every assistant turn is
+replaced by the target's answer to the conversation up to that point, turn by turn, so later
+turns see the target's own earlier answers (their tool calls and reasoning too) and the
+original tool results. The row's ``tools`` go with every request and into the output row; the
+target's tool calls are kept as it returns them (see
+:mod:`~dflash_recipes.executor.regenerate.types` for a target that calls other tools than the
+row answers). ``regenerate.thinking`` sends ``chat_template_kwargs.enable_thinking`` (on, off,
+or both: two output rows per conversation, marked ``"thinking": true/false``). A conversation
+that ends with a user turn gets an answer appended (a file of prompts works too). With
+``first_turn_only`` the conversation is cut after its first assistant turn.
 
 Two backends: an OpenAI-compatible server (``regenerate.base_url``: vLLM, SGLang; see
 :mod:`dflash_recipes.executor.regenerate.server`) or local transformers generation with the
@@ -34,7 +39,7 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.data.conversations import read_conversations, summarize
+from dflash_recipes.data.conversations import openai_messages, read_conversations, summarize
 from dflash_recipes.errors import DataError, RegenerateError
 from dflash_recipes.executor.regenerate.types import (
     Answer,
@@ -218,6 +223,8 @@ class RegenerateSummary:
     failure_reasons: dict[str, int] = attrs.field(factory=dict)
     #: Input lines that could not be used: [{"line": n, "kind": "...", "reason": "..."}].
     bad_lines: list[dict[str, object]] = attrs.field(factory=list)
+    #: Conversations that ended early: the target's tool calls did not match the row's results.
+    diverged: int = 0
     #: Answered turns, and how many stopped at max_new_tokens or came back empty.
     turns: int = 0
     truncated: int = 0
@@ -240,7 +247,8 @@ class RegenerateSummary:
                 self.failures.append({"line": outcome.job.line, "reason": reason})
             return
         self.answered += 1
-        self.turns += sum(1 for m in outcome.job.messages if m.role == "assistant")
+        self.turns += sum(1 for m in outcome.messages if m.role == "assistant")
+        self.diverged += outcome.diverged
         self.truncated += outcome.truncated
         self.empty += outcome.empty
         self.tokens_generated += outcome.tokens
@@ -258,6 +266,11 @@ class RegenerateSummary:
             f"({self.tokens_per_s:.1f} tokens/s); {self.truncated} answer(s) cut at "
             f"max_new_tokens, {self.empty} empty",
         ]
+        if self.diverged:
+            lines.append(
+                f"  {self.diverged} conversation(s) end early: the target's tool calls did not "
+                "match the row's tool results"
+            )
         if self.failure_reasons:
             reasons = ", ".join(f"{n} {kind}" for kind, n in self.failure_reasons.items())
             lines.append(f"  failures: {reasons} (rerun the same command to retry them)")
@@ -277,10 +290,22 @@ def _reason_kind(reason: str) -> str:
 
 
 def _record_for(outcome: Outcome) -> dict[str, object]:
-    return {
-        "line": outcome.job.line,
-        "messages": [{"role": m.role, "content": m.content} for m in outcome.messages],
+    job = outcome.job
+    record: dict[str, object] = {
+        "line": job.line,
+        "messages": openai_messages(outcome.messages),
     }
+    if job.tools is not None:
+        record["tools"] = json.loads(job.tools)
+    if job.tag is not None:
+        record["tag"] = job.tag
+    if job.thinking is not None:
+        record["thinking"] = job.thinking
+    return record
+
+
+#: The keys of a stored record the final JSONL keeps (besides messages, when present).
+_ROW_KEYS = ("tools", "tag", "thinking")
 
 
 def resolve_paths(
@@ -333,8 +358,9 @@ def run_regenerate(
     source, output = resolve_paths(plan, input_path, output_path)
     file = read_conversations(source, answer_only_loss=False, setting="--input (or data.data_path)")
     jobs, unusable = build_jobs(
-        ((c.line, c.messages) for c in file.conversations),
+        ((c.line, c.messages, c.tools, c.tag) for c in file.conversations),
         first_turn_only=settings.first_turn_only,
+        thinking=settings.thinking,
     )
     bad = sorted([*file.skipped, *unusable], key=lambda s: s.line)
     if bad:
@@ -443,7 +469,9 @@ def _assemble(store: ShardStore, wanted: set[str], output: Path) -> int:
         for record in store.records():
             if record["key"] not in wanted:
                 continue
-            handle.write(json.dumps({"messages": record["messages"]}, ensure_ascii=False))
+            row = {"messages": record["messages"]}
+            row.update({k: record[k] for k in _ROW_KEYS if k in record})
+            handle.write(json.dumps(row, ensure_ascii=False))
             handle.write("\n")
             count += 1
     return count

@@ -4,13 +4,18 @@ For small targets, the demo and the tests: conversations go in batches of ``max_
 and turn k of every conversation of a batch is generated in one left-padded ``generate`` call
 (greedy when ``temperature`` is 0, seeded sampling otherwise). A conversation that cannot be
 answered (a prompt too long for the target, a chat-template error) fails alone; the batch goes
-on. What to answer and where answers go is :mod:`dflash_recipes.executor.regenerate.job`'s.
+on. The row's ``tools`` and the job's thinking switch (``enable_thinking``) go to the chat
+template; the answers are text (no tool-call parser runs here, so a tool conversation ends at
+the first turn the row answers with tool results). What to answer and where answers go is
+:mod:`dflash_recipes.executor.regenerate.job`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from dflash_recipes.data.conversations import template_messages, tool_schemas
 from dflash_recipes.executor.regenerate.types import (
     Answer,
     Job,
@@ -48,15 +53,23 @@ def regenerate_locally(
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(plan.training.seed)  # sampling (temperature > 0) is reproducible
 
-    def generate(histories: list[list[dict[str, str]]]) -> list[Answer | str]:
-        """One answer per history, or why that one could not be generated."""
+    def generate(histories: list[tuple[Job, list[Answer]]]) -> list[Answer | str]:
+        """One answer per (job, answers so far), or why that one could not be generated."""
         results: list[Answer | str] = ["" for _ in histories]
         texts: dict[int, str] = {}
-        for i, history in enumerate(histories):
+        for i, (job, so_far) in enumerate(histories):
+            switch: dict[str, Any] = {}  # the template's keyword arguments
+            if job.thinking is not None:
+                switch["enable_thinking"] = job.thinking
             try:
                 text = str(
                     tokenizer.apply_chat_template(
-                        history, chat_template=template, tokenize=False, add_generation_prompt=True
+                        template_messages(finished_outcome(job, so_far).messages),  # type: ignore[arg-type]
+                        tools=tool_schemas(job.tools),  # type: ignore[arg-type]
+                        chat_template=template,
+                        tokenize=False,
+                        add_generation_prompt=True,
+                        **switch,
                     )
                 )
             except Exception as exc:  # jinja raises many kinds, templates raise their own
@@ -105,38 +118,34 @@ def regenerate_locally(
     size = settings.max_concurrency
     for start in range(0, len(todo), size):
         group = list(todo[start : start + size])
-        histories: list[list[dict[str, str]]] = [[] for _ in group]
         answers: list[list[Answer]] = [[] for _ in group]
         failures: dict[int, str] = {}
-        cursors = [0] * len(group)
         while True:
-            waiting = []
-            for i, job in enumerate(group):
-                if i in failures:
-                    continue
-                while cursors[i] < len(job.messages) and job.messages[cursors[i]].role != (
-                    "assistant"
-                ):
-                    m = job.messages[cursors[i]]
-                    histories[i].append({"role": m.role, "content": m.content})
-                    cursors[i] += 1
-                if cursors[i] < len(job.messages):
-                    waiting.append(i)
+            waiting = [
+                i
+                for i, job in enumerate(group)
+                if i not in failures and _turns_left(job, answers[i])
+            ]
             if not waiting:
                 break
-            generated = generate([histories[i] for i in waiting])
+            generated = generate([(group[i], answers[i]) for i in waiting])
             for i, answer in zip(waiting, generated, strict=True):
                 if isinstance(answer, str):
                     failures[i] = answer
                     continue
                 answers[i].append(answer)
-                histories[i].append({"role": "assistant", "content": answer.content})
-                cursors[i] += 1
         for i, job in enumerate(group):
             if i in failures:
                 done(Outcome(job=job, failure=failures[i]))
             else:
                 done(finished_outcome(job, answers[i]))
+
+
+def _turns_left(job: Job, answers: list[Answer]) -> bool:
+    """Whether `job` has an assistant turn still to answer after `answers` (none once the
+    conversation has ended early, see finished_outcome)."""
+    turns = sum(1 for m in job.messages if m.role == "assistant")
+    return len(answers) < turns and not finished_outcome(job, answers).diverged
 
 
 __all__ = ["regenerate_locally"]

@@ -7,6 +7,12 @@ a connection error is retried ``max_retries`` times with exponential backoff (ji
 numeric ``Retry-After`` is honoured); then its conversation is recorded as failed and the run
 goes on. Another 4xx fails the conversation at once.
 
+Each request carries the conversation so far in the OpenAI format (tool calls with their
+arguments as JSON text, tool results with their call ids), the row's ``tools``, and
+``chat_template_kwargs.enable_thinking`` when the job sets a thinking switch (vLLM and SGLang
+pass it to the chat template). The answer's ``tool_calls`` are kept as returned; a call whose
+arguments are not a JSON object is a bad response.
+
 ``request_timeout_s`` is a deadline for the whole request (connect, send, the first byte and
 the whole body), not for each read: a server that trickles its answer a byte at a time is cut
 off there like one that never answers, and retried. The body is bounded by what a chat
@@ -22,12 +28,14 @@ the environment variable named by ``regenerate.api_key_env``; it is never in a r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 from collections.abc import Callable, Sequence
 
 import httpx
 
+from dflash_recipes.data.conversations import ToolCall, openai_messages
 from dflash_recipes.errors import RegenerateError
 from dflash_recipes.executor.regenerate.types import (
     Answer,
@@ -35,7 +43,9 @@ from dflash_recipes.executor.regenerate.types import (
     Outcome,
     TurnFailed,
     apply_reasoning,
+    calls_match,
     finished_outcome,
+    kept_reasoning,
 )
 from dflash_recipes.plan.regenerate_settings import chat_completions_url, models_url
 from dflash_recipes.plan.run_plan import RegeneratePlan
@@ -123,13 +133,48 @@ def parse_completion(payload: object, policy: str) -> Answer:
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     usage = payload.get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    thinking = reasoning if isinstance(reasoning, str) else None
     return Answer(
-        content=apply_reasoning(
-            content or "", reasoning if isinstance(reasoning, str) else None, policy
-        ),
+        content=apply_reasoning(content or "", thinking, policy),
         tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0,
         truncated=choice.get("finish_reason") == "length",
+        tool_calls=_tool_calls(message.get("tool_calls")),
+        reasoning=kept_reasoning(thinking, policy),
     )
+
+
+def _tool_calls(raw: object) -> tuple[ToolCall, ...]:
+    """The tool calls of an answer's message; _BadResponse names what is malformed."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        msg = f"choices[0].message.tool_calls is a {type(raw).__name__}, not a list"
+        raise _BadResponse(msg)
+    calls = []
+    for index, item in enumerate(raw):
+        where = f"choices[0].message.tool_calls[{index}]"
+        function = item.get("function") if isinstance(item, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(name, str) or not name:
+            msg = f"{where} has no function name"
+            raise _BadResponse(msg)
+        arguments = function.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            msg = f"{where}.function.arguments is not a JSON object: {str(arguments)[:80]}"
+            raise _BadResponse(msg)
+        call_id = item.get("id")
+        calls.append(
+            ToolCall(
+                name,
+                json.dumps(parsed, ensure_ascii=False),
+                call_id if isinstance(call_id, str) else None,
+            )
+        )
+    return tuple(calls)
 
 
 class ServerClient:
@@ -184,16 +229,28 @@ class ServerClient:
         base = min(_MAX_BACKOFF_S, self.backoff_base_s * 2.0**attempt)
         return base * (0.5 + random.random())
 
-    async def answer(self, messages: list[dict[str, str]], *, strict: bool) -> Answer:
-        """One assistant turn; TurnFailed after the retries (RegenerateError when `strict`)."""
+    async def answer(
+        self,
+        messages: list[dict[str, object]],
+        *,
+        strict: bool,
+        tools: str | None = None,
+        thinking: bool | None = None,
+    ) -> Answer:
+        """One assistant turn; TurnFailed after the retries (RegenerateError when `strict`).
+        `tools`: the row's schemas (JSON text); `thinking`: the switch sent, None for none."""
         s = self.settings
-        body = {
+        body: dict[str, object] = {
             "model": self.model,
             "messages": messages,
             "max_tokens": s.max_new_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
         }
+        if tools is not None:
+            body["tools"] = json.loads(tools)
+        if thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": thinking}
         attempt = 0
         limit = max_body_bytes(s.max_new_tokens)
         while True:
@@ -290,19 +347,26 @@ class ServerClient:
         )
 
     async def conversation(self, job: Job, *, strict: bool) -> Outcome:
-        """Answer every assistant turn of `job` in order, feeding earlier answers back."""
-        history: list[dict[str, str]] = []
+        """Answer every assistant turn of `job` in order, feeding earlier answers back (and
+        the tool results, with the ids of the target's calls they answer)."""
         answers: list[Answer] = []
-        for message in job.messages:
+        for position, message in enumerate(job.messages):
             if message.role != "assistant":
-                history.append({"role": message.role, "content": message.content})
                 continue
+            # the turns before this one: the target's earlier answers, the row's other turns
+            history = openai_messages(finished_outcome(job, answers).messages)
             try:
-                answer = await self.answer(history, strict=strict and not answers)
+                answer = await self.answer(
+                    history,
+                    strict=strict and not answers,
+                    tools=job.tools,
+                    thinking=job.thinking,
+                )
             except TurnFailed as exc:
                 return Outcome(job=job, failure=str(exc))
             answers.append(answer)
-            history.append({"role": "assistant", "content": answer.content})
+            if not calls_match(answer, job.messages, position):
+                break  # the row's tool results answer other calls: the conversation ends here
         return finished_outcome(job, answers)
 
 

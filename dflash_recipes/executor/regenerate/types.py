@@ -1,5 +1,13 @@
 """The units of work of `regenerate` that the job and both backends share: jobs, answers,
-outcomes."""
+outcomes.
+
+Tool conversations: the target answers every assistant turn given the conversation so far, its
+own earlier answers (their tool calls and reasoning included) and the original tool results. A
+tool result answers the call at its position in the target's turn before it (its
+``tool_call_id`` becomes the target's call id). When the target's turn makes another number of
+calls than the tool results that follow it in the row, those results answer nothing the target
+asked: the conversation ends with that answer (counted as ``diverged``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from dflash_recipes.data.conversations import Message, SkippedLine
+from dflash_recipes.data.conversations import Message, SkippedLine, ToolCall
 from dflash_recipes.files.regenerate_output import prompt_key
 from dflash_recipes.records import Record
 
@@ -26,16 +34,38 @@ class Job(Record):
     key: str
     line: int
     messages: tuple[Message, ...]
+    #: The row's tool schemas (JSON text), sent with every request; None: none.
+    tools: str | None = None
+    #: The thinking switch sent (chat_template_kwargs.enable_thinking); None: none is sent.
+    thinking: bool | None = None
+    #: The row's workload tag, kept in the output.
+    tag: str | None = None
+
+
+#: The thinking switches each regenerate.thinking mode sends, one job per entry.
+THINKING_SWITCHES: dict[str, tuple[bool | None, ...]] = {
+    "template": (None,),
+    "on": (True,),
+    "off": (False,),
+    "both": (True, False),
+}
 
 
 def build_jobs(
-    conversations: Iterable[tuple[int, Sequence[Message]]], *, first_turn_only: bool
+    conversations: Iterable[tuple[int, Sequence[Message]]]
+    | Iterable[tuple[int, Sequence[Message], str | None, str | None]],
+    *,
+    first_turn_only: bool,
+    thinking: str = "template",
 ) -> tuple[list[Job], list[SkippedLine]]:
-    """Jobs for (line, messages) pairs, and the conversations that cannot be regenerated."""
+    """Jobs for (line, messages[, tools, tag]) rows, and the conversations that cannot be
+    regenerated. `thinking` (regenerate.thinking) "both" makes two jobs of each row."""
     jobs: list[Job] = []
     skipped: list[SkippedLine] = []
     seen: collections.Counter[str] = collections.Counter()
-    for line, given in conversations:
+    for row in conversations:
+        line, given = row[0], row[1]
+        tools, tag = (row[2], row[3]) if len(row) == 4 else (None, None)
         messages = list(given)
         assistant_at = [i for i, m in enumerate(messages) if m.role == "assistant"]
         if first_turn_only and assistant_at:
@@ -55,11 +85,12 @@ def build_jobs(
         if messages[-1].role != "assistant":
             messages.append(Message("assistant", ""))
         turns = [(m.role, None if m.role == "assistant" else m.content) for m in messages]
-        digest = prompt_key(turns)
-        occurrence = seen[digest]
-        seen[digest] += 1
-        key = digest if occurrence == 0 else f"{digest}-{occurrence}"
-        jobs.append(Job(key, line, tuple(messages)))
+        for switch in THINKING_SWITCHES[thinking]:
+            digest = prompt_key(turns, tools=tools, thinking=switch)
+            occurrence = seen[digest]
+            seen[digest] += 1
+            key = digest if occurrence == 0 else f"{digest}-{occurrence}"
+            jobs.append(Job(key, line, tuple(messages), tools, switch, tag))
     return jobs, skipped
 
 
@@ -72,6 +103,14 @@ class Answer(Record):
     tokens: int
     #: Generation stopped at max_new_tokens (finish_reason "length").
     truncated: bool
+    #: The tool calls the target made, as it returned them.
+    tool_calls: tuple[ToolCall, ...] = ()
+    #: The target's reasoning as a field of its own (regenerate.reasoning: separate).
+    reasoning: str | None = None
+
+    def message(self) -> Message:
+        """The assistant turn this answer is."""
+        return Message("assistant", self.content, self.tool_calls, self.reasoning)
 
 
 def apply_reasoning(content: str, reasoning: str | None, policy: str) -> str:
@@ -79,9 +118,12 @@ def apply_reasoning(content: str, reasoning: str | None, policy: str) -> str:
 
     keep: a separate `reasoning_content` is put back in front of the answer as a
     ``<think>\\n...\\n</think>\\n\\n`` block, the form Qwen3 chat templates parse (and strip
-    from earlier turns themselves). drop: every ``<think>...</think>`` block, any text before a
-    lone ``</think>`` and an unclosed ``<think>`` to the end are removed.
+    from earlier turns themselves). separate: the text is left as it is (the reasoning stays in
+    its own field, see :func:`kept_reasoning`). drop: every ``<think>...</think>`` block, any
+    text before a lone ``</think>`` and an unclosed ``<think>`` to the end are removed.
     """
+    if policy == "separate":
+        return content
     if policy == "keep":
         if reasoning and reasoning.strip() and "<think>" not in content:
             return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
@@ -94,6 +136,11 @@ def apply_reasoning(content: str, reasoning: str | None, policy: str) -> str:
     return text.strip()
 
 
+def kept_reasoning(reasoning: str | None, policy: str) -> str | None:
+    """The reasoning kept as a field of its own: the server's under "separate", else None."""
+    return reasoning if policy == "separate" and reasoning else None
+
+
 @attrs.frozen(repr=False, eq=False, slots=False)
 class Outcome(Record):
     """A finished conversation: its messages, or why it failed."""
@@ -104,26 +151,57 @@ class Outcome(Record):
     tokens: int = 0
     truncated: int = 0
     empty: int = 0
+    #: 1 when the conversation ended early: the target's calls did not match the tool results.
+    diverged: int = 0
 
 
 class TurnFailed(Exception):
     """A turn could not be answered after its retries (the conversation is recorded failed)."""
 
 
+def calls_match(answer: Answer, messages: Sequence[Message], after: int) -> bool:
+    """Whether the tool results right after position `after` of `messages` answer the calls of
+    `answer` one for one (true when no tool result follows)."""
+    results = 0
+    for message in messages[after + 1 :]:
+        if message.role != "tool":
+            break
+        results += 1
+    return results == 0 or results == len(answer.tool_calls)
+
+
 def finished_outcome(job: Job, answers: Sequence[Answer]) -> Outcome:
-    """The Outcome of `job` whose assistant turns got `answers`, in order."""
+    """The Outcome of `job` whose assistant turns got `answers`, in order: each tool result
+    takes the id of the target's call it answers; the conversation ends at an answer whose
+    calls the following tool results do not match (module docstring)."""
     messages: list[Message] = []
     index = 0
-    for message in job.messages:
+    calls: tuple[ToolCall, ...] = ()
+    result = 0
+    diverged = 0
+    for position, message in enumerate(job.messages):
         if message.role == "assistant":
-            messages.append(Message("assistant", answers[index].content))
+            if index >= len(answers):
+                break
+            answer = answers[index]
+            messages.append(answer.message())
             index += 1
+            calls, result = answer.tool_calls, 0
+            if not calls_match(answer, job.messages, position):
+                diverged = 1
+                break
+        elif message.role == "tool":
+            call_id = calls[result].id if result < len(calls) else None
+            messages.append(attrs.evolve(message, tool_call_id=call_id or message.tool_call_id))
+            result += 1
         else:
             messages.append(message)
+    used = answers[:index]
     return Outcome(
         job=job,
         messages=tuple(messages),
-        tokens=sum(a.tokens for a in answers),
-        truncated=sum(a.truncated for a in answers),
-        empty=sum(not a.content.strip() for a in answers),
+        tokens=sum(a.tokens for a in used),
+        truncated=sum(a.truncated for a in used),
+        empty=sum(not a.content.strip() and not a.tool_calls for a in used),
+        diverged=diverged,
     )
