@@ -9,9 +9,11 @@ called directly, or the directory changed since) raises
 :class:`~dflash_recipes.errors.WarmStartError` listing every tensor.
 
 Tensors are streamed one at a time (``safetensors.safe_open``) straight into the existing
-parameters: no state dict, no second full copy. A copy is exact by construction: the
-parameter's dtype is the checkpoint's, or a wider float that holds every value of it
-(BF16/F16 -> F32/F64, F32 -> F64); anything else is refused, because it would round.
+parameters: no state dict, no second full copy. A drafter already sharded with FSDP2 reads on
+each rank only the rows that rank keeps (the same values, bit for bit, once gathered). A copy
+is exact by construction: the parameter's dtype is the checkpoint's, or a wider float that
+holds every value of it (BF16/F16 -> F32/F64, F32 -> F64); anything else is refused, because
+it would round.
 
 Head variants may start from a plain DFlash checkpoint: head submodules absent from the
 checkpoint keep their fresh initialisation (warning names them); a partly present head
@@ -49,6 +51,7 @@ from dflash_recipes.checkpoint.tensor_layout import (
 )
 from dflash_recipes.checkpoint.weight_index import CheckpointWeights, read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
+from dflash_recipes.executor.model.shard_reads import local_part, read_local
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 from dflash_recipes.plan.run_plan import RunPlan
 from dflash_recipes.records import Record
@@ -185,7 +188,10 @@ def check_exact_copy(
 def stream_tensors(module: nn.Module, weights: CheckpointWeights, names: Iterable[str]) -> int:
     """Copy the checkpoint tensors ``names`` into ``module``'s same-named tensors, one at a time.
 
-    Shapes and dtypes must already be checked (:func:`check_exact_copy`). Returns the count.
+    Shapes and dtypes must already be checked (:func:`check_exact_copy`). A module sharded with
+    FSDP2 (its parameters DTensors, on meta or not: materialise them first with ``to_empty``)
+    gets on each rank only the rows that rank holds, read from the file without the rest
+    (:func:`~dflash_recipes.executor.model.shard_reads.read_local`). Returns the count.
     """
     targets = module.state_dict(keep_vars=True)
     by_file: dict[str, list[str]] = {}
@@ -200,8 +206,9 @@ def stream_tensors(module: nn.Module, weights: CheckpointWeights, names: Iterabl
             path = weights.directory / file_name
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in wanted:
-                    source = handle.get_tensor(stored_name(weights, name))
-                    targets[name].copy_(source)
+                    # a sharded drafter's parameter (a DTensor) reads only its own rows
+                    source = read_local(handle, stored_name(weights, name), targets[name])
+                    local_part(targets[name]).copy_(source)
                     del source
                     loaded += 1
     return loaded

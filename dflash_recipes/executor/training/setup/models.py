@@ -1,7 +1,9 @@
 """The models builder: the frozen target, the drafter on it, its warm start, and the step module.
 
 :func:`build_models` checks that the plan fits the device, loads the target (without its
-decoder when training offline and nothing needs it), attaches the drafter, warm-starts it from
+decoder when training offline and nothing needs it; with ``training.fsdp`` on several ranks
+built on meta and read shard by shard, :mod:`~dflash_recipes.executor.model.meta_load`),
+attaches the drafter, warm-starts it from
 ``dflash_init_checkpoint`` on a fresh run (a resume restores it later), shards the target over
 the ranks (``training.fsdp``) or moves it to the device, proves on it that a packed row keeps
 its conversations apart (``data.packing``: one short forward, logged; a target that leaks
@@ -29,6 +31,7 @@ from dflash_recipes.executor.model.convert import (
     load_base_model,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.meta_load import load_target_on_meta, materialize_target
 from dflash_recipes.executor.model.target_states import check_packed_isolation
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
@@ -99,14 +102,20 @@ def build_models(
         log=is_main(env),
         skip=skip_memory_check,
     )
-    base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
+    sharded_target = training.fsdp and env.is_distributed
+    if needs_decoder and sharded_target:
+        # No full copy per process: the decoder layers stay on meta until they are sharded.
+        base = load_target_on_meta(plan)
+    else:
+        base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
     target = convert(base, plan, init=False)
     drafter = dflash_module(target)
     # Before anything moves the drafter, so the loaded values are the checkpoint's.
     report = warm_start(drafter, plan) if warm else None
-    if training.fsdp and env.is_distributed:
+    if sharded_target:
         # Shard before moving: each decoder layer reaches the device already sharded.
         shard_target_fsdp2(target, env)
+        materialize_target(target, plan, env.device)  # each rank reads the rows it keeps
     else:
         nn.Module.to(target, env.device)
     if plan.data.packing and not offline:

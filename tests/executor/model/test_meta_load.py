@@ -1,0 +1,283 @@
+"""The target built on meta and read shard by shard (issue 51): what a plain load gives, bit for
+bit, without a full copy of the target in any process; and the drafter's warm start into a
+sharded drafter, bit for bit.
+
+The multi-rank tests start this file as a script on each rank (gloo, as torchrun would); the
+workers write what they found and the test compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_recipes.executor.model.meta_load import build_target_on_meta, layout_problems
+
+TESTS = Path(__file__).resolve().parents[2]
+
+
+def test_the_meta_build_holds_no_tensor_data_but_computes_its_buffers(tmp_path: Path) -> None:
+    from testkit.tiny import tiny_plan, tiny_target
+
+    from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+    from dflash_recipes.executor.model.convert import load_base_model
+
+    plan = tiny_plan(tmp_path)
+    tiny_target(plan, save=True)
+    meta = build_target_on_meta(plan.base_model)
+    plain = load_base_model(plan)
+    assert all(p.is_meta for p in meta.parameters())
+    assert dict(meta.named_parameters()).keys() == dict(plain.named_parameters()).keys()
+    # RoPE's inv_freq (not persistent, never in the files) is what a plain load computes
+    buffers = dict(meta.named_buffers())
+    assert buffers.keys() == dict(plain.named_buffers()).keys() and buffers
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffers[name], buffer), name
+    weights = read_checkpoint_weights(Path(plan.base_model.path))
+    assert layout_problems(meta, weights) == []
+    assert nn_register_is_restored()
+
+
+def nn_register_is_restored() -> bool:
+    """A module built after the meta build gets real parameters again."""
+    return not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def test_files_that_are_not_the_modules_tensors_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from testkit.tiny import tiny_plan, tiny_target
+
+    from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+
+    plan = tiny_plan(tmp_path)
+    tiny_target(plan, save=True)
+    folder = Path(plan.base_model.path)
+    tensors = {
+        name.replace("mlp.up_proj", "mlp.w3"): t.contiguous()
+        for name, t in tiny_target(plan).state_dict().items()
+    }
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    problems = layout_problems(
+        build_target_on_meta(plan.base_model), read_checkpoint_weights(folder)
+    )
+    assert "model.layers.0.mlp.up_proj.weight: not in the files" in problems
+
+
+# ---------------------------------------------------------------------------------------------
+# several ranks, gloo
+# ---------------------------------------------------------------------------------------------
+
+
+def _ranks(argv: list[str], world_size: int, what: str) -> None:
+    from testkit.ranks import run_ranks
+
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    results = run_ranks(argv, world_size=world_size, env=env, what=what)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.slow
+def test_three_ranks_read_the_plain_loads_weights_bit_for_bit(tmp_path: Path) -> None:
+    """Three ranks: the target's dims (64, 128) split unevenly (22, 22, 20 rows of 64), as FSDP2
+    pads; gathered, every parameter and buffer equals a plain load's, and the sharded target's
+    forward gives its logits. The warm start of a sharded drafter gathers to the plain one."""
+    from testkit.tiny import tiny_plan, tiny_target
+
+    plan = tiny_plan(tmp_path, target_model_type="llama")
+    tiny_target(plan, save=True)
+    _ranks([sys.executable, __file__, "equal", str(tmp_path)], 3, "the 3-rank meta load (a hang?)")
+    for rank in range(3):
+        found = json.loads((tmp_path / f"equal{rank}.json").read_text())
+        assert found["mismatched"] == [], f"rank {rank}"
+        assert found["buffers_mismatched"] == [], f"rank {rank}"
+        assert found["logits_equal"], f"rank {rank}"
+        # the decoder layers were sharded, each rank holding its rows only
+        assert found["sharded"] == 9 * found["layers"]  # 7 matrices and 2 norms a layer
+        assert found["local_rows"] == [22, 22, 20][rank]  # q_proj's 64 rows
+        assert found["whole_read_on_host"] == [
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+        ]
+        assert found["drafter_mismatched"] == [] and found["drafter_sharded"] > 0, f"rank {rank}"
+
+
+#: A bound on the host memory one of two ranks adds while it loads the target: its half of the
+#: decoder layers (on the CPU its device holds them in host memory too), the tensors kept whole
+#: (small here) and one tensor's rows in flight. A plain load holds the whole target (1.0).
+RSS_BOUND = 0.65
+
+
+@pytest.mark.slow
+def test_two_ranks_each_hold_well_below_a_full_copy_of_a_1_gb_target(tmp_path: Path) -> None:
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    from _measure import write_wide_target  # benchmarks/ is no package
+
+    folder = write_wide_target(tmp_path / "target", 1024, 16)
+    target_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert target_bytes > 0.9 * 2**30
+    _ranks([sys.executable, __file__, "rss", str(tmp_path)], 2, "the 2-rank 1 GB meta load")
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rss{rank}.json").read_text())
+        grown = found["peak_rss"] - found["start_rss"]
+        assert found["materialized"] > 0
+        assert grown < RSS_BOUND * target_bytes, (
+            f"rank {rank} grew by {grown / 2**20:.0f} MiB while loading a "
+            f"{target_bytes / 2**20:.0f} MiB target (bound {RSS_BOUND})"
+        )
+    # the same measurement sees a plain load's full copy (one process, no sharding)
+    _ranks([sys.executable, __file__, "plain", str(tmp_path)], 1, "the plain 1 GB load")
+    plain = json.loads((tmp_path / "plain0.json").read_text())
+    assert plain["peak_rss"] - plain["start_rss"] > 0.95 * target_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# the workers
+# ---------------------------------------------------------------------------------------------
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    msg = f"/proc/self/status has no {field}"
+    raise RuntimeError(msg)
+
+
+def _equal_worker(folder: Path) -> None:
+    import attrs
+    from testkit.tiny import tiny_plan, with_init_checkpoint
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from dflash_recipes.executor.dist_env import (
+        detect_dist_env,
+        init_distributed,
+        shutdown_distributed,
+    )
+    from dflash_recipes.executor.model.convert import load_base_model
+    from dflash_recipes.executor.model.draft import DFlashDraftModel
+    from dflash_recipes.executor.model.export import export_drafter
+    from dflash_recipes.executor.model.meta_load import load_target_on_meta, materialize_target
+    from dflash_recipes.executor.model.warmstart import warm_start
+    from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2
+
+    env = detect_dist_env("cpu")
+    init_distributed(env)
+    found: dict[str, object] = {}
+    try:
+        plan = tiny_plan(folder, target_model_type="llama")
+        plain = load_base_model(plan)
+        model = load_target_on_meta(plan)
+        loaded = sorted(n for n, p in model.named_parameters() if not p.is_meta)
+        shard_target_fsdp2(model, env)
+        materialize_target(model, plan, env.device)
+        expected = dict(plain.named_parameters())
+        mismatched, sharded, rows = [], 0, None
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                sharded += 1
+                if name == "model.layers.0.self_attn.q_proj.weight":
+                    rows = param.to_local().shape[0]
+                full = param.full_tensor()
+            else:
+                full = param
+            if full.dtype != expected[name].dtype or not torch.equal(full, expected[name]):
+                mismatched.append(name)
+        own = dict(model.named_buffers())
+        found["buffers_mismatched"] = [
+            n for n, b in plain.named_buffers() if not torch.equal(own[n], b)
+        ]
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+        with torch.no_grad():
+            found["logits_equal"] = torch.equal(model(ids).logits, plain(ids).logits)
+        found.update(
+            mismatched=mismatched,
+            sharded=sharded,
+            layers=len(model.model.layers),
+            local_rows=rows,
+            whole_read_on_host=loaded,
+        )
+
+        # the drafter's warm start into a drafter sharded first (each rank its own rows)
+        source = DFlashDraftModel(plan.resolved_draft(), generator=torch.Generator().manual_seed(7))
+        init = folder / f"init{env.rank}"
+        export_drafter(source, plan, init, dtype="bfloat16")
+        warm = with_init_checkpoint(attrs.evolve(plan), init)
+        reference = DFlashDraftModel(warm.resolved_draft(), generator=torch.Generator())
+        warm_start(reference, warm)
+        drafter = DFlashDraftModel(warm.resolved_draft(), generator=torch.Generator())
+        for layer in drafter.layers:
+            fully_shard(layer)
+        fully_shard(drafter)
+        warm_start(drafter, warm)
+        wanted = dict(reference.named_parameters())
+        drafter_mismatched, drafter_sharded = [], 0
+        for name, param in drafter.named_parameters():
+            if isinstance(param, DTensor):
+                drafter_sharded += 1
+                param = param.full_tensor()
+            if not torch.equal(param, wanted[name]):
+                drafter_mismatched.append(name)
+        found.update(drafter_mismatched=drafter_mismatched, drafter_sharded=drafter_sharded)
+    finally:
+        shutdown_distributed()
+    (folder / f"equal{env.rank}.json").write_text(json.dumps(found), encoding="utf-8")
+
+
+def _rss_worker(folder: Path, *, plain: bool = False) -> None:
+    import attrs
+    from testkit.tiny import tiny_plan
+
+    from dflash_recipes.executor.dist_env import (
+        detect_dist_env,
+        init_distributed,
+        shutdown_distributed,
+    )
+    from dflash_recipes.executor.model.convert import load_base_model
+    from dflash_recipes.executor.model.meta_load import load_target_on_meta, materialize_target
+    from dflash_recipes.executor.model.shard_reads import local_part
+    from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2
+
+    env = detect_dist_env("cpu")
+    init_distributed(env)
+    try:
+        plan = tiny_plan(folder)
+        plan = attrs.evolve(
+            plan, base_model=attrs.evolve(plan.base_model, path=str(folder / "target"))
+        )
+        # VmHWM, not ru_maxrss: a process started by fork and exec keeps its parent's
+        # high-water mark in ru_maxrss; writing 5 to clear_refs resets VmHWM to the current RSS.
+        Path("/proc/self/clear_refs").write_text("5")
+        start = _rss_kib("VmRSS")
+        if plain:
+            model = load_base_model(plan)
+            count = len(model.state_dict())
+        else:
+            model = load_target_on_meta(plan)
+            shard_target_fsdp2(model, env)
+            count = materialize_target(model, plan, env.device)
+        # Read every value this process holds: a plain load's parameters may be views of the
+        # memory-mapped file, whose pages count only once touched (as training touches them).
+        with torch.no_grad():
+            for param in model.parameters():
+                local_part(param).sum()
+        peak = _rss_kib("VmHWM")
+    finally:
+        shutdown_distributed()
+    found = {"start_rss": start * 1024, "peak_rss": peak * 1024, "materialized": count}
+    name = "plain" if plain else "rss"
+    (folder / f"{name}{env.rank}.json").write_text(json.dumps(found), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "equal":
+        _equal_worker(Path(sys.argv[2]))
+    else:
+        _rss_worker(Path(sys.argv[2]), plain=sys.argv[1] == "plain")
