@@ -18,7 +18,8 @@ CLI) can catch one type and print a clean message instead of a traceback::
      ├── Interrupted              a signal stopped a command at a boundary (exit 128 + signal)
      ├── TrackerError             a tracker in training.report_to cannot start (library missing)
      ├── ResourceError            a plan's resources cannot be estimated, or do not fit the device
- ├── TrainingDivergedError    too many optimiser steps in a row had a NaN or Inf gradient norm
+     ├── TrainingDivergedError    too many optimiser steps in a row had a NaN or Inf gradient norm
+     ├── RanksOutOfStepError      a rank waited past distributed_timeout_s for another rank's work
      ├── RegenerateError          `regenerate` cannot start: unusable server, settings or output
      └── TargetServerError        a served target (vLLM) cannot give the tap states a run needs
           ├── TargetServerUnavailable   no server answered (each host:port and what it did)
@@ -156,6 +157,11 @@ class TrainingDivergedError(DFlashRecipeError):
     norm: each was skipped, and the run stops without saving after them."""
 
 
+class RanksOutOfStepError(DFlashRecipeError):
+    """A rank waited longer than ``training.distributed_timeout_s`` for the work one rank does
+    alone (a checkpoint, the export, a restore); the message names that rank and the work."""
+
+
 __all__ = [
     "CheckpointError",
     "CompileError",
@@ -165,6 +171,7 @@ __all__ = [
     "Interrupted",
     "LaunchError",
     "PlanError",
+    "RanksOutOfStepError",
     "RecipeError",
     "RegenerateError",
     "ReplaceRefusedError",

@@ -51,11 +51,6 @@ EVAL_GATE_UNMEASURED = _code(
     _E,
     "training.eval_min_tau is set but the run measures no held-out tau to compare with it",
 )
-FSDP_EVAL = _code(
-    "fsdp-eval",
-    _E,
-    "training.fsdp with a training-time held-out evaluation (rank 0 alone would hang)",
-)
 
 _DIR_KINDS: dict[str, str] = {
     "hub-id": "is a Hugging Face Hub id, which is not fetched; stage it with `hf download`",

@@ -20,7 +20,6 @@ from dflash_recipes.compiler.codes import (
     EVAL_GATE_UNMEASURED,
     EVAL_HOLDOUT_OFFLINE,
     EVAL_HOLDOUT_SMALL,
-    FSDP_EVAL,
     HEAD_FIELD_MISSING,
     HEAD_FIELD_UNUSED,
     KV_HEADS_NOT_DIVISOR,
@@ -63,7 +62,6 @@ def check_schema(inputs: CompileInputs, dims: CheckpointDims, report: Report) ->
             "training.eval_steps: null",
         )
     check_eval_gate(inputs, report)
-    check_fsdp_eval(inputs, report)
     check_eval_holdout(inputs, report)
 
 
@@ -105,37 +103,12 @@ def check_eval_holdout(inputs: CompileInputs, report: Report) -> None:
 
 def resolved_eval_steps(training: TrainingSection, data: DataSection) -> int | None:
     """The plan's training.eval_steps: the recipe's (0: never), or by default every save_steps
-    when there is eval data (never under training.fsdp, which cannot evaluate: see
-    :func:`check_fsdp_eval`)."""
+    when there is eval data (under training.fsdp too: every rank measures in step)."""
     if training.eval_steps is not None:
         return training.eval_steps or None
-    if not data.has_eval_data or training.fsdp:
+    if not data.has_eval_data:
         return None
     return training.save_steps
-
-
-def check_fsdp_eval(inputs: CompileInputs, report: Report) -> None:
-    """training.fsdp shards the target's decoder layers over the ranks, and the training-time
-    evaluation drafts on rank 0 alone: its forward would wait for all-gathers the other ranks
-    never join. Refused, with the two ways out."""
-    training, data = inputs.recipe.training, inputs.recipe.data
-    if not training.fsdp or not data.has_eval_data:
-        return
-    if training.eval_steps:
-        path, what = "training.eval_steps", f"training.eval_steps is {training.eval_steps}"
-    elif training.eval_min_tau is not None:
-        path, what = "training.eval_min_tau", f"training.eval_min_tau is {training.eval_min_tau}"
-    else:
-        return
-    report.emit(
-        FSDP_EVAL,
-        path,
-        f"{what} with training.fsdp: the held-out evaluation runs on rank 0 alone while the "
-        "target's decoder layers are sharded over every rank, so rank 0 would wait for "
-        "all-gathers the other ranks never join (the run would hang at the first evaluation)",
-        "set training.eval_steps: 0 (and training.eval_min_tau: null) and measure the export "
-        "with `dflash-recipe eval` after the run, or set training.fsdp: false",
-    )
 
 
 def check_eval_gate(inputs: CompileInputs, report: Report) -> None:

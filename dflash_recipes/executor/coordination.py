@@ -17,6 +17,10 @@ single process, and every rank calls it at the same point.
   evaluation), received by every rank, so that no rank acts on a value the others lack.
 - :class:`StepVote`: the stop and checkpoint-now decision at each step boundary; any rank's
   signal counts (the MAX over ranks), one asynchronous all-reduce per step.
+- :func:`wait_for_rank0`: where every rank meets after work rank 0 does alone (a whole
+  checkpoint, the export, a restore): a rank that waits longer than
+  ``training.distributed_timeout_s`` stops with a message naming rank 0 and that work, not
+  the backend's bare timeout.
 
 What needs no collective: a decision computed only from values every rank holds identically
 (the optimiser step, the plan, the vote's agreed flags): when to log, evaluate and save, and
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dflash_recipes import errors
-from dflash_recipes.errors import DFlashRecipeError, PlanError
+from dflash_recipes.errors import DFlashRecipeError, PlanError, RanksOutOfStepError
 from dflash_recipes.executor.collectives import broadcast_text, first_rank_where, gather_texts
 from dflash_recipes.executor.dist_env import DistEnv, joined
 from dflash_recipes.executor.signals import SignalWatch
@@ -207,10 +211,45 @@ class StepVote:
             self._collect()
 
 
+#: The CPU (gloo) group each process group's waits use, made at the first wait (every rank
+#: waits at the same points, so every rank makes it at the same point).
+_WAIT_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def wait_for_rank0(env: DistEnv, what: str, *, timeout_s: float | None) -> None:
+    """Every rank meets here once rank 0 has done `what` alone (say it as "save the checkpoint
+    of step 4"); a no-op for a single process.
+
+    A rank that waits longer than `timeout_s` (``training.distributed_timeout_s``) raises
+    :class:`~dflash_recipes.errors.RanksOutOfStepError` naming itself, rank 0 and `what`, and
+    the fix. The wait is on a CPU group, so it never blocks the accelerator and fails the same
+    way under NCCL.
+    """
+    if not joined(env):
+        return
+    world = dist.group.WORLD
+    key = id(world)
+    group = _WAIT_GROUPS.get(key)
+    if group is None:
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        group = _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as exc:  # gloo's timeout, or a rank that left
+        waited = "" if timeout_s is None else f" (training.distributed_timeout_s: {timeout_s:g})"
+        msg = (
+            f"rank {env.rank} stopped waiting for rank 0 to {what}{waited}: rank 0 took "
+            "longer or stopped (its own log says which); if the work is just slow (a large "
+            "drafter, a slow filesystem), raise training.distributed_timeout_s"
+        )
+        raise RanksOutOfStepError(msg) from exc
+
+
 __all__ = [
     "StepVote",
     "rank0_decides",
     "rank0_measurement",
     "require_same_plan",
     "stop_if_any_rank_failed",
+    "wait_for_rank0",
 ]

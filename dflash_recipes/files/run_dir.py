@@ -9,6 +9,11 @@ output_dir/
     model.safetensors         draft weights, z-lab keys
     trainer_state.json        step, data position, RNG seeds, plan fingerprint
     optimizer.pt              optimizer + scheduler state (torch.save, loaded weights_only)
+  checkpoint-00000200/        a sharded one (training.fsdp on several ranks): no model.safetensors
+    sharded/                  torch.distributed.checkpoint: each rank's part of the weights and
+                              AdamW's moments (.metadata written last, when every part is)
+    trainer_state.json        as above
+    optimizer.pt              the param groups and the scheduler (the moments are in sharded/)
   .tmp-checkpoint-*/          being written; never read, removed on the next save
   metrics.jsonl               one JSON object per logging step
   plan.json                   the plan the run used
@@ -29,6 +34,11 @@ TMP_PREFIX = ".tmp-"
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
 CHECKPOINT_FILES: tuple[str, ...] = (WEIGHTS_FILE, TRAINER_STATE, OPTIMIZER_STATE)
+#: The folder of a sharded checkpoint's torch.distributed.checkpoint files.
+SHARDED_DIR = "sharded"
+#: The file torch.distributed.checkpoint writes last, once every rank's part is written.
+SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
+SHARDED_CHECKPOINT_FILES: tuple[str, ...] = (SHARDED_METADATA, TRAINER_STATE, OPTIMIZER_STATE)
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
 EXPORT_DIR = "export"
@@ -50,10 +60,25 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def is_complete_checkpoint(path: Path) -> bool:
-    """A checkpoint directory with every file the trainer needs to resume."""
+    """A checkpoint directory with every file the trainer needs to resume, whole or sharded."""
     if checkpoint_step(path) is None or not path.is_dir():
         return False
-    return all((path / name).is_file() for name in CHECKPOINT_FILES)
+    return any(
+        all((path / name).is_file() for name in files)
+        for files in (CHECKPOINT_FILES, SHARDED_CHECKPOINT_FILES)
+    )
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A checkpoint whose weights are sharded (torch.distributed.checkpoint), not one
+    model.safetensors."""
+    return (path / SHARDED_METADATA).is_file() and not (path / WEIGHTS_FILE).is_file()
+
+
+def missing_checkpoint_files(path: Path) -> list[str]:
+    """The files an incomplete checkpoint lacks (of the sharded layout when it has begun one)."""
+    files = SHARDED_CHECKPOINT_FILES if (path / SHARDED_DIR).is_dir() else CHECKPOINT_FILES
+    return [name for name in files if not (path / name).is_file()]
 
 
 def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -83,11 +108,16 @@ __all__ = [
     "METRICS_FILE",
     "OPTIMIZER_STATE",
     "PLAN_FILE",
+    "SHARDED_CHECKPOINT_FILES",
+    "SHARDED_DIR",
+    "SHARDED_METADATA",
     "TMP_PREFIX",
     "TRAINER_STATE",
     "checkpoint_dir_name",
     "checkpoint_step",
     "complete_checkpoints",
     "is_complete_checkpoint",
+    "is_sharded_checkpoint",
     "latest_complete_checkpoint",
+    "missing_checkpoint_files",
 ]

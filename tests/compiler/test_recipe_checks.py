@@ -167,42 +167,21 @@ def test_an_acceptance_gate_without_a_measurement_is_an_error(
     assert "eval-gate-unmeasured" not in codes(lint(by_default))
 
 
-@pytest.mark.parametrize(
-    ("training", "path"),
-    [
-        ({"fsdp": True, "eval_steps": 10}, "training.eval_steps"),
-        ({"fsdp": True, "eval_min_tau": 2.0}, "training.eval_min_tau"),
-    ],
-)
-def test_fsdp_with_a_training_time_evaluation_is_refused(
-    make_recipe: RecipeFactory, training: dict[str, object], path: str
-) -> None:
-    """Rank 0 alone would run the FSDP-sharded target: a hang at the first evaluation."""
-    recipe = make_recipe(training=training, data={"eval_data_path": "t.jsonl"})
-    result = lint(recipe)
-    assert not result.ok
-    d = only(result, "fsdp-eval")
-    assert d.path == path
-    assert "rank 0 alone" in d.message and "hang" in d.message
-    assert d.hint is not None and "training.eval_steps: 0" in d.hint
-    assert "training.fsdp: false" in d.hint
-
-
-def test_fsdp_with_eval_data_but_no_evaluation_asked_compiles(make_recipe: RecipeFactory) -> None:
-    """Under FSDP the default interval is never (eval data stays for `dflash-recipe eval`)."""
-    for training in ({"fsdp": True}, {"fsdp": True, "eval_steps": 0}):
+def test_fsdp_evaluates_during_training_as_without_it(make_recipe: RecipeFactory) -> None:
+    """Every rank measures in step under FSDP (issue 51): no refusal, and the default interval
+    is every save_steps, as without it."""
+    for training in ({"fsdp": True, "eval_steps": 10}, {"fsdp": True, "eval_min_tau": 2.0}):
         result = lint(make_recipe(training=training, data={"eval_data_path": "t.jsonl"}))
-        assert "fsdp-eval" not in codes(result), training
-        # and the plan really never evaluates (a default of every save_steps would hang)
-        compiled = compile_recipe(
-            make_recipe(training=training, data={"eval_data_path": "t.jsonl"}), resolve=False
-        )
-        assert compiled.plan is not None, compiled.diagnostics
-        assert compiled.plan.training.eval_steps is None, training
+        assert result.ok, [(d.code, d.message) for d in result.diagnostics]
+    compiled = compile_recipe(
+        make_recipe(training={"fsdp": True}, data={"eval_data_path": "t.jsonl"}), resolve=False
+    )
+    assert compiled.plan is not None, compiled.diagnostics
+    assert compiled.plan.training.eval_steps == compiled.plan.training.save_steps
 
 
 def test_a_held_out_slice_is_eval_data_for_every_eval_rule(make_recipe: RecipeFactory) -> None:
-    """data.eval_holdout counts as eval data: the default interval, the gate, the FSDP rule."""
+    """data.eval_holdout counts as eval data: the default interval and the gate."""
     holdout = {"eval_holdout": 8}
     plain = lint(make_recipe(training={"eval_steps": 50}, data=holdout))
     assert "eval-data-unset" not in codes(plain)
@@ -212,8 +191,6 @@ def test_a_held_out_slice_is_eval_data_for_every_eval_rule(make_recipe: RecipeFa
     assert default.plan.data.eval_holdout == 8 and default.plan.data.has_eval_data
     gated = lint(make_recipe(training={"eval_min_tau": 3.0}, data=holdout))
     assert "eval-gate-unmeasured" not in codes(gated)
-    fsdp = lint(make_recipe(training={"fsdp": True, "eval_steps": 10}, data=holdout))
-    assert only(fsdp, "fsdp-eval").path == "training.eval_steps"
 
 
 def test_a_held_out_slice_and_an_eval_file_are_refused_together(

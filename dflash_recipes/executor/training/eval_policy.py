@@ -10,6 +10,13 @@ on the first ``training.eval_num_prompts`` conversations of ``data.eval_data_pat
 (:func:`~dflash_recipes.executor.coordination.rank0_measurement`), so no rank acts on a value
 the others lack. Without eval data nothing is measured and the tau is None. The step decision
 needs no collective: every rank holds the same step and the same agreed stop.
+
+Under ``training.fsdp`` on several ranks the target and the drafter are sharded, and a sharded
+module forwards only on every rank at once: every rank runs the same measurement in step (the
+same prompts, the same seeded draws, so the same forwards), with the drafter's root parameters
+gathered for it (:func:`~dflash_recipes.executor.sharded_drafter.root_gathered`; its layers
+gather in their own forwards); rank 0 alone logs it. Otherwise the other ranks wait for rank
+0's measurement, past ``training.distributed_timeout_s`` with a message saying so.
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.card.acceptance import eval_step_gate_note
 from dflash_recipes.data.conversations import Conversation
-from dflash_recipes.executor.coordination import rank0_measurement
+from dflash_recipes.executor.coordination import rank0_measurement, wait_for_rank0
 from dflash_recipes.executor.dist_env import DistEnv, is_main
+from dflash_recipes.executor.sharded_drafter import root_gathered
 from dflash_recipes.executor.training.setup.models import Models
 from dflash_recipes.executor.training.trackers.fanout import TrackerSet
 from dflash_recipes.files.metrics_rows import eval_row
@@ -42,7 +50,8 @@ class EvalPolicy:
     trackers: TrackerSet
     #: The run's last optimiser step (measured too when training.eval_min_tau is set).
     final_step: int = 0
-    #: Rank 0: the conversations data.eval_holdout holds out of training.
+    #: The conversations data.eval_holdout holds out of training (rank 0; every rank under
+    #: training.fsdp, where every rank measures).
     held_out: tuple[Conversation, ...] = ()
 
     def due(self, step: int, *, stopping: bool) -> bool:
@@ -56,15 +65,30 @@ class EvalPolicy:
         # The gate judges the last measurement: make it the exported weights'.
         return training.eval_min_tau is not None and step == self.final_step
 
+    @property
+    def in_step(self) -> bool:
+        """Whether every rank measures (sharded modules forward only on every rank at once)."""
+        return self.env.is_distributed and self.plan.training.fsdp
+
     def measure(self, step: int) -> float | None:
-        """Rank 0 measures tau after `step` and logs it; every rank returns rank 0's tau."""
+        """Rank 0 measures tau after `step` and logs it (every rank measures with it under
+        ``training.fsdp``); every rank returns rank 0's tau."""
         tau = None
-        if is_main(self.env) and self.plan.data.has_eval_data:
-            tau = self._measure_on_rank0(step)
+        if self.plan.data.has_eval_data and self.in_step:
+            with root_gathered(self.models.step):
+                tau = self._measure(step)
+        elif is_main(self.env) and self.plan.data.has_eval_data:
+            tau = self._measure(step)
         self.models.training_modes()
+        if not self.in_step:
+            wait_for_rank0(
+                self.env,
+                f"measure the held-out acceptance after step {step}",
+                timeout_s=self.plan.training.distributed_timeout_s,
+            )
         return rank0_measurement(tau, self.env)
 
-    def _measure_on_rank0(self, step: int) -> float:
+    def _measure(self, step: int) -> float:
         from dflash_recipes.executor.evaluation.evaluate import evaluate_on_plan_data
 
         drafter = self.models.drafter
@@ -81,6 +105,8 @@ class EvalPolicy:
             held_out=self.held_out,
         )
         drafter.train(was_training)
+        if not is_main(self.env):  # measured in step with rank 0, which logs it
+            return report.tau
         self.trackers.log_row({**report.to_dict(), **eval_row(step=step, tau=report.tau)})
         logger.info(
             "eval at step %d: held-out tau %.3f (measured on %d prompt(s) x %d new tokens)",
@@ -114,8 +140,7 @@ def schedule_line(plan: RunPlan) -> str:
         else f"{data.eval_holdout} conversation(s) held out of data.data_path"
     )
     if training.eval_steps is None:
-        when = "never during training (training.eval_steps: 0"
-        when += ", or training.fsdp)" if training.fsdp else ")"
+        when = "never during training (training.eval_steps: 0)"
         if training.eval_min_tau is not None:
             when += ", once at the last step for training.eval_min_tau"
     else:

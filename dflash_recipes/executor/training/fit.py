@@ -42,8 +42,7 @@ from dflash_recipes.errors import (
     TargetServerError,
     TargetServerUnavailable,
 )
-from dflash_recipes.executor.collectives import barrier
-from dflash_recipes.executor.coordination import StepVote, require_same_plan
+from dflash_recipes.executor.coordination import StepVote, require_same_plan, wait_for_rank0
 from dflash_recipes.executor.dist_env import (
     DistEnv,
     detect_dist_env,
@@ -53,6 +52,7 @@ from dflash_recipes.executor.dist_env import (
 )
 from dflash_recipes.executor.model.convert import load_tokenizer
 from dflash_recipes.executor.model.export import export_drafter
+from dflash_recipes.executor.sharded_drafter import whole_drafter_on_rank0
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
 from dflash_recipes.executor.training.eval_policy import EvalPolicy, schedule_line
 from dflash_recipes.executor.training.loss import LossOutput
@@ -220,7 +220,13 @@ def setup(
             plan, models.trainable, batches_per_epoch=data.batches_per_epoch
         )
         start = restore(
-            chosen, output_dir, models.drafter, optimization.optimizer, optimization.scheduler, env
+            chosen,
+            output_dir,
+            models.drafter,
+            optimization.optimizer,
+            optimization.scheduler,
+            env,
+            timeout_s=plan.training.distributed_timeout_s,
         )
         if start.checkpoint is not None:  # the plan's rate and decay, not the checkpoint's
             optimization.follow_plan(start.step)
@@ -240,7 +246,11 @@ def setup(
                 plan, output_dir / METRICS_FILE, resumed_from=start.resumed_from
             )
         try:  # a failure from here on (another rank's setup) ends the tracker process too
-            barrier(env)
+            wait_for_rank0(
+                env,
+                "write plan.json and open the trackers",
+                timeout_s=plan.training.distributed_timeout_s,
+            )
             return Run(
                 plan=plan,
                 spec=plan.resolved_draft(),
@@ -453,15 +463,21 @@ def _log_window(
 
 
 def finish(run: Run, progress: Progress) -> TrainSummary:
-    """Export (rank 0, a finished run only), then the summary (also metrics.jsonl's last row)."""
+    """Export (rank 0, a finished run only; a sharded drafter is gathered to rank 0 first, by
+    every rank), then the summary (also metrics.jsonl's last row)."""
     env, done, total = run.env, progress.done, run.optimization.total_steps
     export_dir: Path | None = None
     if done < total:
         logger.info("stopped after step %d of %d as asked (no export)", done, total)
-    elif is_main(env):
-        export_dir = export_drafter(run.models.drafter, run.plan, run.output_dir / EXPORT_DIR)
-        logger.info("exported the drafter to %s", export_dir)
-    barrier(env)
+    else:
+        drafter = run.models.drafter
+        whole = whole_drafter_on_rank0(drafter, env) if run.models.sharded else drafter
+        if is_main(env):
+            assert whole is not None
+            export_dir = export_drafter(whole, run.plan, run.output_dir / EXPORT_DIR)
+            logger.info("exported the drafter to %s", export_dir)
+        del whole
+    wait_for_rank0(env, "export the drafter", timeout_s=run.plan.training.distributed_timeout_s)
     last_row = progress.last_row
     if not last_row:  # nothing logged in this run (a finished run resumed): the last row
         last_row = last_train_row(run.output_dir / METRICS_FILE, done) or {}

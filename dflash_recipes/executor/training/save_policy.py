@@ -6,7 +6,11 @@ whenever the loop is told to (the ranks agreed to stop on a signal, SIGUSR1 aske
 (:func:`~dflash_recipes.executor.training.checkpoints.save_training_checkpoint`, which keeps at
 most ``training.save_total_limit``) with the trainer state a resume needs (the data position,
 the seed, the plan fingerprint, the world size) and a copy of the plan (``plan.json``, which a
-resume with another plan compares); every rank waits for the save to finish.
+resume with another plan compares); every rank waits for the save to finish
+(:func:`~dflash_recipes.executor.coordination.wait_for_rank0`: past
+``training.distributed_timeout_s`` with a message naming the save). A sharded drafter is saved
+by every rank, each writing its part
+(:func:`~dflash_recipes.executor.training.checkpoints.save_sharded_training_checkpoint`).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from pathlib import Path
 
 import attrs
 
-from dflash_recipes.executor.collectives import barrier
+from dflash_recipes.executor.coordination import wait_for_rank0
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.checkpoints import (
     NONFINITE_STREAK,
+    save_sharded_training_checkpoint,
     save_training_checkpoint,
 )
 from dflash_recipes.executor.training.setup.models import Models
@@ -49,15 +54,30 @@ class SavePolicy:
         that pruning keeps the last checkpoint of a finite step); every rank returns once it
         is written."""
         plan, env = self.plan, self.env
+        state = {
+            "epoch": position[0],
+            "next_index": position[1],
+            "seed": plan.training.seed,
+            "plan_fingerprint": plan.fingerprint,
+            "world_size": env.world_size,
+            NONFINITE_STREAK: nonfinite_streak,
+        }
+        if self.models.sharded:  # every rank writes its part
+            path = save_sharded_training_checkpoint(
+                Path(plan.training.output_dir),
+                step,
+                self.models.drafter,
+                self.optimization.optimizer,
+                self.optimization.scheduler,
+                state,
+                env,
+                save_total_limit=plan.training.save_total_limit,
+                plan_json=plan.to_json(),
+            )
+            if is_main(env):
+                logger.info("saved %s (sharded over %d ranks)", path, env.world_size)
+            return
         if is_main(env):
-            state = {
-                "epoch": position[0],
-                "next_index": position[1],
-                "seed": plan.training.seed,
-                "plan_fingerprint": plan.fingerprint,
-                "world_size": env.world_size,
-                NONFINITE_STREAK: nonfinite_streak,
-            }
             path = save_training_checkpoint(
                 Path(plan.training.output_dir),
                 step,
@@ -69,7 +89,11 @@ class SavePolicy:
                 plan_json=plan.to_json(),
             )
             logger.info("saved %s", path)
-        barrier(env)
+        wait_for_rank0(
+            env,
+            f"save the checkpoint of step {step}",
+            timeout_s=plan.training.distributed_timeout_s,
+        )
 
 
 __all__ = ["SavePolicy"]

@@ -8,14 +8,24 @@ attaches the drafter, warm-starts it from
 the ranks (``training.fsdp``) or moves it to the device, proves on it that a packed row keeps
 its conversations apart (``data.packing``: one short forward, logged; a target that leaks
 stops the run here, before any step), and builds the
-:class:`~dflash_recipes.executor.training.step.DraftStep` the loop calls. The step is wrapped in
-DDP after the resume (:meth:`Models.wrap_for_ranks`), so a restored drafter is the one wrapped.
+:class:`~dflash_recipes.executor.training.step.DraftStep` the loop calls.
+
+On several ranks the drafter is either replicated or sharded:
+
+- ``training.fsdp: false``: the step is wrapped in DDP after the resume
+  (:meth:`Models.wrap_for_ranks`), so a restored drafter is the one wrapped; every rank holds
+  the whole drafter, its gradients and AdamW's moments.
+- ``training.fsdp: true``: the drafter is sharded with FSDP2 here, before the optimizer is
+  built over its sharded parameters (:mod:`~dflash_recipes.executor.sharded_drafter`); the
+  resume then loads each rank's part, and checkpoints are sharded
+  (:mod:`~dflash_recipes.executor.training.sharded_checkpoints`).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import attrs
 from torch import nn
@@ -35,8 +45,9 @@ from dflash_recipes.executor.model.meta_load import load_target_on_meta, materia
 from dflash_recipes.executor.model.target_states import check_packed_isolation
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
+from dflash_recipes.executor.sharded_drafter import shard_drafter_fsdp2
 from dflash_recipes.executor.training.device_memory import check_device_memory
-from dflash_recipes.executor.training.setup.precision import master_dtype
+from dflash_recipes.executor.training.setup.precision import autocast_dtype, master_dtype
 from dflash_recipes.executor.training.step import DraftStep
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -50,22 +61,30 @@ class Models:
     #: The frozen target with the drafter attached (``target.dflash_module``).
     target: ConvertedModel
     drafter: DFlashDraftModel
-    #: The step module: DDP-wrapped on several ranks once :meth:`wrap_for_ranks` has run.
+    #: The step module: DDP-wrapped on several ranks once :meth:`wrap_for_ranks` has run
+    #: (the FSDP2 root instead when the drafter is sharded).
     step: nn.Module
-    #: The drafter's parameters that train (the optimiser's).
+    #: The drafter's parameters that train (the optimiser's; DTensors when sharded).
     trainable: list[nn.Parameter]
     #: What the warm start loaded (None: a resume, or no init checkpoint).
     warm: WarmStartReport | None
     distributed: bool
+    #: The drafter is sharded over the ranks with FSDP2 (``training.fsdp`` on several ranks).
+    sharded: bool = False
 
     def wrap_for_ranks(self, env: DistEnv) -> None:
-        """Wrap the step module in DDP (no-op for a single process); after the resume."""
-        self.step = wrap_ddp(self.step, env)
+        """Wrap the step module in DDP (no-op for a single process or a sharded drafter);
+        after the resume."""
+        if not self.sharded:
+            self.step = wrap_ddp(self.step, env)
 
     def gradient_sync(self, *, last_micro_batch: bool) -> AbstractContextManager[object]:
-        """DDP's ``no_sync`` for every micro-batch but the last of an optimiser step."""
+        """No gradient reduction for every micro-batch but the last of an optimiser step:
+        DDP's ``no_sync``, or FSDP2's ``set_requires_gradient_sync(False)``."""
         if last_micro_batch or not self.distributed:
             return nullcontext()
+        if self.sharded:
+            return _fsdp_no_sync(self.step)
         return self.step.no_sync()  # type: ignore[operator, no-any-return]
 
     def training_modes(self) -> None:
@@ -136,6 +155,14 @@ def build_models(
     step = DraftStep(
         drafter, lm_head(target), plan.draft.objective, max_chunk_logits=max_chunk_logits
     )
+    sharded = training.fsdp and env.is_distributed
+    if sharded:  # before the optimizer: sharding replaces every parameter
+        shard_drafter_fsdp2(
+            step,
+            drafter.layers,
+            env,
+            param_dtype=autocast_dtype(env.device.type, plan.base_model.dtype),
+        )
     return Models(
         target=target,
         drafter=drafter,
@@ -143,7 +170,18 @@ def build_models(
         trainable=[p for p in drafter.parameters() if p.requires_grad],
         warm=report,
         distributed=env.is_distributed,
+        sharded=sharded,
     )
+
+
+@contextmanager
+def _fsdp_no_sync(step: nn.Module) -> Iterator[None]:
+    """FSDP2 keeps this micro-batch's gradients unreduced (accumulated whole) for the body."""
+    step.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        step.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 __all__ = ["Models", "build_models"]

@@ -134,8 +134,15 @@ def build_optimizer(
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float) -> Tensor:
     """Clip the gradients' global norm to `max_norm` with the multi-tensor kernels; returns
-    the norm before clipping as a tensor (no host sync)."""
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    the norm before clipping as a plain tensor (no host sync).
+
+    With a sharded drafter the gradients are DTensors: the norm is the global one (the
+    squares summed over every rank's shard by one all-reduce) and comes back replicated, so
+    every rank holds the same value and skips a non-finite step alike."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 __all__ = [

@@ -32,7 +32,11 @@ import attrs
 from torch import nn
 
 from dflash_recipes.errors import CheckpointError, PlanError, WarmStartError
-from dflash_recipes.executor.coordination import rank0_decides, stop_if_any_rank_failed
+from dflash_recipes.executor.coordination import (
+    rank0_decides,
+    stop_if_any_rank_failed,
+    wait_for_rank0,
+)
 from dflash_recipes.executor.data.train_dataset import batches_per_epoch
 from dflash_recipes.executor.dist_env import DistEnv, is_main
 from dflash_recipes.executor.training.checkpoints import Stateful, restore_training_checkpoint
@@ -325,23 +329,36 @@ def restore(
     optimizer: Stateful,
     scheduler: Stateful,
     env: DistEnv,
+    *,
+    timeout_s: float | None = None,
 ) -> ResumePoint:
     """Restore `chosen` (from :func:`resume_checkpoint`) into every rank; :data:`FRESH` for None.
 
     Rank 0 restores it, or the newest older complete checkpoint that reads cleanly
-    (:func:`restore_newest_readable`); the other ranks wait, then restore the checkpoint rank 0
-    read. A rank that cannot read it stops every rank (CheckpointError naming the rank). On
-    rank 0 the rows of steps after the checkpoint leave ``metrics.jsonl``: they are redone.
+    (:func:`restore_newest_readable`); the other ranks wait (past `timeout_s`,
+    ``training.distributed_timeout_s``, with a message saying so), then restore the checkpoint
+    rank 0 read. A rank that cannot read it stops every rank (CheckpointError naming the rank).
+    Neither layout needs a collective to read: a sharded checkpoint is read by each rank alone
+    (:mod:`~dflash_recipes.executor.training.sharded_checkpoints`), into a sharded drafter or
+    not, so this order holds for both. On rank 0 the rows of steps after the checkpoint leave
+    ``metrics.jsonl``: they are redone.
     """
     if chosen is None:
         return FRESH
     point = FRESH
+    read: str | Exception = str(chosen)
+    if env.rank == 0:  # alone, before the others read what it read
+        try:
+            used, state = restore_newest_readable(chosen, output_dir, module, optimizer, scheduler)
+            point, read = _resume_point(used, state), str(used)
+        except Exception as exc:  # every rank hears of it, below
+            read = exc
+    wait_for_rank0(env, f"read checkpoint {chosen}", timeout_s=timeout_s)
 
     def read_on_rank0() -> str:
-        nonlocal point
-        used, state = restore_newest_readable(chosen, output_dir, module, optimizer, scheduler)
-        point = _resume_point(used, state)
-        return str(used)
+        if isinstance(read, Exception):
+            raise read
+        return read
 
     used = Path(rank0_decides(read_on_rank0, env) or chosen)
     problem: CheckpointError | None = None

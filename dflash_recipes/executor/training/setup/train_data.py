@@ -63,7 +63,8 @@ class TrainData:
     batch_size: int
     seed: int
     env: DistEnv
-    #: Rank 0: the conversations data.eval_holdout holds out of training (else empty).
+    #: The conversations data.eval_holdout holds out of training, on the ranks that measure on
+    #: them (rank 0; every rank under training.fsdp), else empty.
     held_out: tuple[Conversation, ...] = ()
     #: data.packing: the row length (training_seq_len) whole conversations are packed into;
     #: None: one conversation per row, padded.
@@ -220,7 +221,9 @@ def build_train_data(
     whole = dataset
     dataset, indices = split_dataset(plan, whole)
     held_out: tuple[Conversation, ...] = ()
-    if indices and is_main(env) and plan.data.data_path is not None:
+    # Rank 0 measures on them; under training.fsdp every rank measures with it, in step.
+    measures = is_main(env) or plan.training.fsdp
+    if indices and measures and plan.data.data_path is not None:
         held_out = tuple(
             held_out_conversations(
                 plan.data.data_path,
@@ -229,6 +232,7 @@ def build_train_data(
                 answer_only_loss=plan.data.answer_only_loss,
             )
         )
+    if indices and is_main(env):
         logger.info(
             "data: %d conversation(s) held out for the held-out measurement "
             "(data.eval_holdout, seed %d); training on %d",

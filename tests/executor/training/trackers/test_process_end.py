@@ -116,10 +116,10 @@ def test_a_setup_failure_after_the_trackers_started_ends_their_process(
 
     monkeypatch.setattr(TrackerProcess, "close", recording_close)
 
-    def failing_barrier(env: object) -> None:
+    def failing_wait(env: object, what: str, *, timeout_s: float | None) -> None:
         raise RuntimeError("rank 1 failed its setup")
 
-    monkeypatch.setattr(fit_module, "barrier", failing_barrier)
+    monkeypatch.setattr(fit_module, "wait_for_rank0", failing_wait)
     plan = tiny_scratch_plan(
         tmp_path / "run", "training.max_steps=2", "training.report_to=[tensorboard]"
     )
