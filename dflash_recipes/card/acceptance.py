@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash_recipes.card.facts import Measurement
+from dflash_recipes.card.facts import Measurement, TagMeasurement
 from dflash_recipes.files.metrics_rows import KEY_KIND, KIND_EVAL, METRICS_MAX_BYTES
 from dflash_recipes.files.run_dir import METRICS_FILE
 from dflash_recipes.plan.run_plan import RunPlan
@@ -92,7 +92,23 @@ def measurement_from_report(
         source=source,
         step=step,
         decoding=decoding_description(found),
+        per_tag=_per_tag(report.get("tau_per_tag")),
     )
+
+
+def _per_tag(value: object) -> tuple[TagMeasurement, ...]:
+    """A report's ``tau_per_tag`` ({tag: {"tau", "num_prompts", ...}}); what is not a finite
+    tau is left out."""
+    if not isinstance(value, dict):
+        return ()
+    found = []
+    for tag, figures in sorted(value.items()):
+        if not isinstance(tag, str) or not isinstance(figures, dict):
+            continue
+        tau = _number(figures, "tau")
+        if tau is not None:
+            found.append(TagMeasurement(tag, tau, _int(figures, "num_prompts") or 0))
+    return tuple(found)
 
 
 def decoding_description(settings: Mapping[str, object]) -> str | None:

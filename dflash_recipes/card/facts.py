@@ -113,6 +113,16 @@ class TrainingFacts(Record):
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
+class TagMeasurement(Record):
+    """The acceptance of the prompts of one workload tag (chat, code, tool, ...)."""
+
+    tag: str
+    #: Pooled tau over this tag's verification steps.
+    tau: float
+    num_prompts: int
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
 class Measurement(Record):
     """A held-out acceptance measurement and the settings that make it comparable."""
 
@@ -143,6 +153,8 @@ class Measurement(Record):
     #: drafts sampled, seed S)`` (None: not recorded; every measurement before sampling existed
     #: was greedy).
     decoding: str | None = None
+    #: Tau per workload tag when the prompts carried tags (empty: none did).
+    per_tag: tuple[TagMeasurement, ...] = ()
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -222,6 +234,7 @@ __all__ = [
     "DataFile",
     "DrafterFacts",
     "Measurement",
+    "TagMeasurement",
     "TrainingFacts",
     "card_data_json",
     "parse_card_data",

@@ -195,13 +195,23 @@ def _measured(m: Measurement | None) -> list[str]:
         else "Greedy speculative decoding against the target, the verification keeping the "
         "longest correct prefix plus one token"
     )
-    return [
+    lines = [
         f"{how}; tau is comparable only at the same settings:",
         "",
         "| | |",
         "|---|---|",
         *(f"| {k} | {v} |" for k, v in rows),
     ]
+    if m.per_tag:
+        lines += [
+            "",
+            "Per workload (the prompts' tags), at the same settings:",
+            "",
+            "| workload | prompts | tau (pooled) |",
+            "|---|---|---|",
+            *(f"| {t.tag} | {t.num_prompts} | {t.tau:.3f} |" for t in m.per_tag),
+        ]
+    return lines
 
 
 def _serving(facts: CardFacts) -> list[str]:

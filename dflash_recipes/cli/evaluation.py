@@ -268,6 +268,12 @@ def _print_report(
         "acceptance length tau, mean of per-prompt means (z-lab's benchmark figure): "
         f"{report.tau_per_prompt_mean:.3f}"
     )
+    if report.tau_per_tag:
+        tags = ", ".join(
+            f"{t.tag} {t.tau:.3f} ({t.num_prompts} prompt{'' if t.num_prompts == 1 else 's'})"
+            for t in report.tau_per_tag
+        )
+        click.echo(f"acceptance length tau per workload tag, pooled: {tags}")
     click.echo(f"head measured: {report.head}, as the serving engine applies it")
     settings = report.settings
     sampled = settings is not None and settings.decoding == "sampling"

@@ -34,7 +34,12 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_recipes.checkpoint.kinds.registry import kind_facts
-from dflash_recipes.data.conversations import Conversation, read_conversations
+from dflash_recipes.data.conversations import (
+    Conversation,
+    read_conversations,
+    template_messages,
+    tool_schemas,
+)
 from dflash_recipes.data.sources import input_sha256
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.data.holdout import plan_held_out_conversations
@@ -53,6 +58,7 @@ from dflash_recipes.executor.evaluation.prompt_files import (
 from dflash_recipes.executor.evaluation.report import (
     AcceptanceReport,
     acceptance_from_steps,
+    acceptance_per_tag,
     mean_of,
     step_taus,
 )
@@ -84,8 +90,10 @@ def evaluate_acceptance(
     batch_size: int = 1,
     settings: EvalSettings | None = None,
     sampling: Sampling | None = None,
+    tags: Sequence[str | None] | None = None,
 ) -> AcceptanceReport:
-    """Speculative decoding on every prompt: tau, per-position acceptance, losslessness.
+    """Speculative decoding on every prompt: tau, per-position acceptance, losslessness, and
+    tau per workload tag when `tags` (one per prompt, None for an untagged one) name any.
 
     Greedy verification by default. With `sampling` the target samples at its temperature
     (:mod:`~dflash_recipes.executor.evaluation.sampling`); no output is compared with greedy
@@ -108,6 +116,9 @@ def evaluate_acceptance(
         raise DataError(msg)
     if batch_size < 1:
         msg = f"batch_size must be at least 1, got {batch_size}"
+        raise ValueError(msg)
+    if tags is not None and len(tags) != len(prompts):
+        msg = f"{len(tags)} tags for {len(prompts)} prompts; give one per prompt (None: none)"
         raise ValueError(msg)
     check_positions(target, prompts, max_new_tokens)  # all of them, before any generation
     # Eval mode for the measurement, then every submodule's own mode back (the target may hold
@@ -185,6 +196,7 @@ def evaluate_acceptance(
         tau_without_head=None if headless is None else mean_of(headless[0]),
         tau_without_head_per_prompt_mean=None if headless is None else mean_of(headless[1]),
         mismatched_prompts_without_head=mismatched_headless,
+        tau_per_tag=acceptance_per_tag(results, tags or [None] * len(results)),
     )
 
 
@@ -200,14 +212,14 @@ def _measures_without_head(drafter: nn.Module | BlockDrafter, spec: ResolvedDraf
 # ---------------------------------------------------------------------------------------------
 
 
-def prompt_messages(conversation: Conversation) -> list[dict[str, str]]:
+def prompt_messages(conversation: Conversation) -> list[dict[str, object]]:
     """The turns before the first assistant turn, as chat-template dicts (maybe empty)."""
-    messages: list[dict[str, str]] = []
+    turns = []
     for message in conversation.messages:
         if message.role == "assistant":
             break
-        messages.append({"role": message.role, "content": message.content})
-    return messages
+        turns.append(message)
+    return template_messages(turns)
 
 
 def prompts_from_conversations(
@@ -222,10 +234,32 @@ def prompts_from_conversations(
     """Token ids of each conversation's prompt, in order, at most ``limit`` of them.
 
     ``chat_template`` is template text (None: the tokenizer's own). ``enable_thinking`` is
-    passed to the template when not None (Qwen3-style thinking switch). A conversation that
-    opens with an assistant turn has no prompt and is left out. ``unit`` names what a
-    conversation's number counts in error messages (line, item, row).
+    passed to the template when not None (Qwen3-style thinking switch), and a row's ``tools``
+    as the template's `tools`. A conversation that opens with an assistant turn has no prompt
+    and is left out. ``unit`` names what a conversation's number counts in error messages
+    (line, item, row). :func:`tagged_prompts` gives each prompt's workload tag too.
     """
+    tagged = tagged_prompts(
+        conversations,
+        tokenizer,
+        chat_template=chat_template,
+        limit=limit,
+        enable_thinking=enable_thinking,
+        unit=unit,
+    )
+    return [ids for ids, _ in tagged]
+
+
+def tagged_prompts(
+    conversations: Iterable[Conversation],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    limit: int | None = None,
+    enable_thinking: bool | None = None,
+    unit: str = "line",
+) -> list[tuple[list[int], str | None]]:
+    """:func:`prompts_from_conversations` with each prompt's workload tag (None: none)."""
     template = chat_template if chat_template is not None else tokenizer.chat_template
     if template is None:
         msg = (
@@ -237,7 +271,7 @@ def prompts_from_conversations(
     template_kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         template_kwargs["enable_thinking"] = enable_thinking
-    prompts: list[list[int]] = []
+    prompts: list[tuple[list[int], str | None]] = []
     for conversation in conversations:
         if limit is not None and len(prompts) >= limit:
             break
@@ -246,7 +280,8 @@ def prompts_from_conversations(
             continue
         try:
             encoded = tokenizer.apply_chat_template(
-                messages,
+                messages,  # type: ignore[arg-type]
+                tools=tool_schemas(conversation.tools),  # type: ignore[arg-type]
                 chat_template=template,
                 add_generation_prompt=True,
                 tokenize=True,
@@ -262,7 +297,7 @@ def prompts_from_conversations(
         if not isinstance(ids, list) or not ids:
             msg = f"{unit} {conversation.line}: the chat template rendered no prompt tokens"
             raise DataError(msg)
-        prompts.append([int(i) for i in ids])
+        prompts.append(([int(i) for i in ids], conversation.tag))
     return prompts
 
 
@@ -281,8 +316,29 @@ def load_prompts(
     chat JSONL, whose unusable lines are skipped (and logged with the file's summary) as for
     training data; a JSON list; a Parquet ``column``.
     """
+    tagged = load_tagged_prompts(
+        path,
+        tokenizer,
+        chat_template=chat_template,
+        limit=limit,
+        enable_thinking=enable_thinking,
+        column=column,
+    )
+    return [ids for ids, _ in tagged]
+
+
+def load_tagged_prompts(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    limit: int | None = None,
+    enable_thinking: bool | None = None,
+    column: str | None = None,
+) -> list[tuple[list[int], str | None]]:
+    """:func:`load_prompts` with each prompt's workload tag (a JSONL row's ``tag``)."""
     conversations = read_prompt_conversations(path, column=column)
-    prompts = prompts_from_conversations(
+    prompts = tagged_prompts(
         conversations,
         tokenizer,
         chat_template=chat_template,
@@ -455,11 +511,12 @@ def _measure(
     prompts: Sequence[Sequence[int]] | None = None,
     held_out_slice: str | None = None,
     sampling: Sampling | None = None,
+    tags: Sequence[str | None] | None = None,
 ) -> AcceptanceReport:
     spec = plan.resolved_draft()
     chat_template = read_chat_template(plan.data.chat_template)
     if prompts is None:
-        prompts = load_prompts(
+        tagged = load_tagged_prompts(
             source,
             tokenizer,
             chat_template=chat_template,
@@ -467,6 +524,7 @@ def _measure(
             enable_thinking=enable_thinking,
             column=prompt_column,
         )
+        prompts, tags = [ids for ids, _ in tagged], [tag for _, tag in tagged]
     eos = tokenizer.eos_token_id
     eos_id = int(eos) if eos is not None else None
     settings = eval_settings(
@@ -494,6 +552,7 @@ def _measure(
         batch_size=batch_size,
         settings=settings,
         sampling=sampling,
+        tags=tags,
     )
 
 
@@ -544,8 +603,9 @@ def run_eval(
             num_prompts,
             enable_thinking,
         )
+        tags = None
     else:
-        prompts = load_prompts(
+        tagged = load_tagged_prompts(
             source,
             tokenizer,
             chat_template=read_chat_template(plan.data.chat_template),
@@ -553,6 +613,7 @@ def run_eval(
             enable_thinking=enable_thinking,
             column=prompt_column,
         )
+        prompts, tags = [ids for ids, _ in tagged], [tag for _, tag in tagged]
     target = load_base_model(plan)
     drafter.to(dtype=torch_dtype(plan.base_model.dtype))
     return _measure(
@@ -569,6 +630,7 @@ def run_eval(
         prompts=prompts,
         held_out_slice=held_out_slice(plan) if holdout else None,
         sampling=sampling,
+        tags=tags,
     )
 
 
@@ -580,8 +642,10 @@ __all__ = [
     "evaluate_on_plan_data",
     "load_drafter_weights",
     "load_prompts",
+    "load_tagged_prompts",
     "prompt_messages",
     "prompts_from_conversations",
     "read_prompt_conversations",
     "run_eval",
+    "tagged_prompts",
 ]

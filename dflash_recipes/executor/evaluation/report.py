@@ -1,6 +1,6 @@
 """What a measurement of acceptance reports: :class:`AcceptanceReport`, and the arithmetic
-that turns verification steps into its figures (tau pooled and per prompt, per-position
-acceptance)."""
+that turns verification steps into its figures (tau pooled, per prompt and per workload tag,
+per-position acceptance)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,30 @@ import attrs
 from dflash_recipes.executor.evaluation.eval_settings import EvalSettings
 from dflash_recipes.executor.evaluation.speculative import SpecResult
 from dflash_recipes.records import Record
+
+#: The tag of the prompts without one, in a report whose other prompts carry one.
+UNTAGGED = "untagged"
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
+class TagAcceptance(Record):
+    """The acceptance of the prompts of one workload tag (chat, code, tool, ...)."""
+
+    tag: str
+    #: Pooled tau over this tag's verification steps.
+    tau: float
+    #: Mean of this tag's per-prompt taus.
+    tau_per_prompt_mean: float
+    num_prompts: int
+    steps: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "tau": self.tau,
+            "tau_per_prompt_mean": self.tau_per_prompt_mean,
+            "num_prompts": self.num_prompts,
+            "steps": self.steps,
+        }
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -65,6 +89,9 @@ class AcceptanceReport(Record):
     #: Indices of prompts whose head-off output differed from greedy (also make ``lossless``
     #: false); empty when lossless or not measured.
     mismatched_prompts_without_head: list[int] = attrs.field(factory=list)
+    #: Tau per workload tag when the prompts carry one (a prompt row's ``tag``), in tag order;
+    #: prompts without one are counted as :data:`UNTAGGED`. Empty when no prompt has a tag.
+    tau_per_tag: list[TagAcceptance] = attrs.field(factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -107,6 +134,7 @@ class AcceptanceReport(Record):
             "tau_without_head": self.tau_without_head,
             "tau_without_head_per_prompt_mean": self.tau_without_head_per_prompt_mean,
             "mismatched_prompts_without_head": list(self.mismatched_prompts_without_head),
+            "tau_per_tag": {t.tag: t.to_dict() for t in self.tau_per_tag},
         }
 
 
@@ -137,9 +165,34 @@ def step_taus(results: Sequence[SpecResult]) -> tuple[list[int], list[float]]:
     return steps, own
 
 
+def acceptance_per_tag(
+    results: Sequence[SpecResult], tags: Sequence[str | None]
+) -> list[TagAcceptance]:
+    """Tau per tag of the prompts `results` answered (`tags` in the same order); empty when
+    no prompt has a tag, and :data:`UNTAGGED` for those without one when others have."""
+    if not any(tag is not None for tag in tags):
+        return []
+    groups: dict[str, list[SpecResult]] = {}
+    for result, tag in zip(results, tags, strict=True):
+        groups.setdefault(tag if tag is not None else UNTAGGED, []).append(result)
+    found = []
+    for tag in sorted(groups):
+        steps, own = step_taus(groups[tag])
+        found.append(TagAcceptance(tag, mean_of(steps), mean_of(own), len(groups[tag]), len(steps)))
+    return found
+
+
 def mean_of(values: Sequence[float]) -> float:
     """The mean (0.0 of nothing)."""
     return sum(values) / len(values) if values else 0.0
 
 
-__all__ = ["AcceptanceReport", "acceptance_from_steps", "mean_of", "step_taus"]
+__all__ = [
+    "UNTAGGED",
+    "AcceptanceReport",
+    "TagAcceptance",
+    "acceptance_from_steps",
+    "acceptance_per_tag",
+    "mean_of",
+    "step_taus",
+]
