@@ -83,13 +83,3 @@ def test_eval_prints_tau_per_tag(exported: tuple[Path, Path, Path]) -> None:
     assert result.exit_code == 0, result.output
     line = next(x for x in result.stdout.splitlines() if "per workload tag" in x)
     assert "chat" in line and "(2 prompts)" in line and "untagged" in line and "(1 prompt)" in line
-
-
-def test_prompts_without_tags_report_none() -> None:
-    from dflash_recipes.executor.evaluation.report import acceptance_per_tag
-    from dflash_recipes.executor.evaluation.speculative import SpecResult
-
-    results = [SpecResult(tokens=[1, 2], accepted_per_step=[2, 1], block_size=4)]
-    assert acceptance_per_tag(results, [None]) == []
-    (found,) = acceptance_per_tag(results, ["code"])
-    assert (found.tag, found.tau, found.num_prompts, found.steps) == ("code", 1.5, 1, 2)
