@@ -9,6 +9,12 @@ The same seed gives byte-identical assets in every process.
 The data files (:func:`demo_conversations`) split the atlas by city: the drafters train on
 the first cities (``general.jsonl``, ``domain.jsonl``), and ``eval.jsonl`` asks only about the
 last :data:`HELD_OUT_CITIES`, which no training file mentions; the target knows every city.
+
+The tool-calling example (``recipes/tiny/tiny_tools.yaml``) reads ``tools.jsonl``: the assistant
+calls the atlas' one tool (:data:`CITY_FACTS_TOOL`), reads the tool's result and answers, in the
+OpenAI format (``tools``, ``tool_calls``, a ``tool`` turn); ``tools_eval.jsonl`` asks about the
+held-out cities with prompts tagged ``tool`` (with the tool) and ``chat`` (without), so `eval`
+reports tau per workload.
 """
 
 from __future__ import annotations
@@ -35,7 +41,15 @@ TARGET_HIDDEN = 128
 #: The last cities of the atlas: only the eval set asks about them.
 HELD_OUT_CITIES = 6
 #: The demo's data files, by name, in the order they are written.
-DATA_FILES = ("general.jsonl", "domain.jsonl", "eval.jsonl")
+DATA_FILES = ("general.jsonl", "domain.jsonl", "eval.jsonl", "tools.jsonl", "tools_eval.jsonl")
+#: The atlas' tool: the facts of a city (a short schema: the tiny target has 512 positions).
+CITY_FACTS_TOOL: dict[str, object] = {
+    "type": "function",
+    "function": {
+        "name": "city_facts",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 _SYLLABLES = ("ka", "lo", "mi", "ven", "tor", "sa", "rin", "bel", "dor", "ne", "qua", "zu")
 _COUNTRIES = ("arvand", "belmora", "cestia", "dunmark", "elvaria", "fenwick")
@@ -132,6 +146,34 @@ def conversations(
     return rows
 
 
+def tool_conversation(city: City) -> dict[str, object]:
+    """A tool-calling conversation about `city`: a call of city_facts, its result, the answer."""
+    facts = json.dumps(
+        {"country": city.country, "river": city.river, "bridges": city.bridges}, sort_keys=True
+    )
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "city_facts", "arguments": json.dumps({"city": city.name})},
+    }
+    return {
+        "tag": "tool",
+        "tools": [CITY_FACTS_TOOL],
+        "messages": [
+            {"role": "user", "content": f"look up {city.name} and tell me about its river."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": facts},
+            {
+                "role": "assistant",
+                "content": _render(
+                    "the {river} river runs through {name}, {country}, under {bridges} bridges.",
+                    city,
+                ),
+            },
+        ],
+    }
+
+
 def demo_conversations(seed: int = 0) -> dict[str, list[dict[str, object]]]:
     """The rows of each data file (:data:`DATA_FILES`), generated from the atlas of `seed`.
 
@@ -142,10 +184,13 @@ def demo_conversations(seed: int = 0) -> dict[str, list[dict[str, object]]]:
     atlas = make_atlas(seed)
     held_out = atlas[-HELD_OUT_CITIES:]
     train_atlas = atlas[:-HELD_OUT_CITIES]
+    chat = [{"tag": "chat", **row} for row in conversations(held_out, _DOMAIN[:1])]
     return {
         "general.jsonl": conversations(train_atlas, _GENERAL),
         "domain.jsonl": conversations(train_atlas, _DOMAIN),
         "eval.jsonl": conversations(held_out, _DOMAIN),
+        "tools.jsonl": [tool_conversation(city) for city in train_atlas],
+        "tools_eval.jsonl": [tool_conversation(city) for city in held_out] + chat,
     }
 
 
@@ -299,6 +344,7 @@ def _pretrain(
 
 
 __all__ = [
+    "CITY_FACTS_TOOL",
     "DATA_FILES",
     "HELD_OUT_CITIES",
     "DemoAssets",
@@ -307,5 +353,6 @@ __all__ = [
     "data_file_text",
     "demo_conversations",
     "make_atlas",
+    "tool_conversation",
     "write_demo_data",
 ]
