@@ -16,9 +16,8 @@ tree is left out of the sharding (``ignored_params``) as the target's sharding d
 A sharded module forwards only on every rank at once (each forward all-gathers). What reads
 the drafter outside the training step therefore runs on every rank, in step:
 
-- :func:`root_gathered`: the root's parameters whole for the body (held-out evaluation calls
-  ``fuse_context`` and the drafter directly); the layers gather one by one in their forward, as
-  in training.
+- :func:`whole_drafter`: an unsharded copy of the drafter on every rank (held-out evaluation
+  calls the layers' attention directly, outside the forwards FSDP hooks).
 - :func:`full_state_on_rank0`: the drafter's state dict whole, tensor by tensor, on rank 0's
   CPU; :func:`whole_drafter_on_rank0` makes it an unsharded drafter there (the export).
 - :func:`placed_like`: a whole tensor placed as a sharded parameter is (a single-process
@@ -26,9 +25,6 @@ the drafter outside the training step therefore runs on every rank, in step:
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -85,20 +81,27 @@ def is_sharded(module: nn.Module) -> bool:
     return any(isinstance(sub, FSDPModule) for sub in module.modules())
 
 
-@contextmanager
-def root_gathered(step: nn.Module) -> Iterator[None]:
-    """The sharded root's own parameters whole for the body, resharded after it (a plain
-    module: nothing happens). Every rank must enter it at the same point."""
-    from torch.distributed.fsdp import FSDPModule
+def whole_drafter(drafter: DFlashDraftModel, device: torch.device) -> DFlashDraftModel:
+    """An unsharded copy of a sharded `drafter` on `device`, on every rank (every rank must
+    call it at the same point: each tensor is all-gathered in turn).
 
-    if not isinstance(step, FSDPModule):
-        yield
-        return
-    step.unshard()
-    try:
-        yield
-    finally:
-        step.reshard()
+    For code that calls the drafter's submodules outside their forwards (held-out evaluation
+    builds each layer's context keys and values with ``self_attn.context_kv``), where FSDP's
+    hooks would not gather them. The copy is separate from the sharded drafter, whose FSDP
+    state stays as training left it; it costs one whole drafter per rank while it lives.
+    """
+    from torch.distributed.tensor import DTensor
+
+    dtype = next(iter(drafter.parameters())).dtype
+    with torch.device(device):
+        copy = DFlashDraftModel(drafter.spec).to(dtype)
+    state = {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in drafter.state_dict().items()
+    }
+    copy.load_state_dict(state, strict=True)
+    copy.train(drafter.training)
+    return copy
 
 
 def full_state_on_rank0(module: nn.Module, env: DistEnv) -> dict[str, Tensor]:
@@ -152,7 +155,7 @@ __all__ = [
     "is_sharded",
     "local_tensor",
     "placed_like",
-    "root_gathered",
     "shard_drafter_fsdp2",
+    "whole_drafter",
     "whole_drafter_on_rank0",
 ]

@@ -13,10 +13,12 @@ needs no collective: every rank holds the same step and the same agreed stop.
 
 Under ``training.fsdp`` on several ranks the target and the drafter are sharded, and a sharded
 module forwards only on every rank at once: every rank runs the same measurement in step (the
-same prompts, the same seeded draws, so the same forwards), with the drafter's root parameters
-gathered for it (:func:`~dflash_recipes.executor.sharded_drafter.root_gathered`; its layers
-gather in their own forwards); rank 0 alone logs it. Otherwise the other ranks wait for rank
-0's measurement, past ``training.distributed_timeout_s`` with a message saying so.
+same prompts, the same seeded draws, so the same forwards), on an unsharded copy of the drafter
+gathered on every rank (:func:`~dflash_recipes.executor.sharded_drafter.whole_drafter`: the
+measurement calls the layers' attention outside their forwards, where FSDP does not gather);
+rank 0 alone logs it. Otherwise the other
+ranks wait for rank 0's measurement, past ``training.distributed_timeout_s`` with a message
+saying so.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dflash_recipes.card.acceptance import eval_step_gate_note
 from dflash_recipes.data.conversations import Conversation
 from dflash_recipes.executor.coordination import rank0_measurement, wait_for_rank0
 from dflash_recipes.executor.dist_env import DistEnv, is_main
-from dflash_recipes.executor.sharded_drafter import root_gathered
+from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.sharded_drafter import whole_drafter
 from dflash_recipes.executor.training.setup.models import Models
 from dflash_recipes.executor.training.trackers.fanout import TrackerSet
 from dflash_recipes.files.metrics_rows import eval_row
@@ -74,11 +77,14 @@ class EvalPolicy:
         """Rank 0 measures tau after `step` and logs it (every rank measures with it under
         ``training.fsdp``); every rank returns rank 0's tau."""
         tau = None
+        drafter = self.models.drafter
         if self.plan.data.has_eval_data and self.in_step:
-            with root_gathered(self.models.step):
-                tau = self._measure(step)
+            if self.models.sharded:
+                drafter = whole_drafter(drafter, self.env.device)
+            tau = self._measure(step, drafter)
+            del drafter
         elif is_main(self.env) and self.plan.data.has_eval_data:
-            tau = self._measure(step)
+            tau = self._measure(step, drafter)
         self.models.training_modes()
         if not self.in_step:
             wait_for_rank0(
@@ -88,10 +94,9 @@ class EvalPolicy:
             )
         return rank0_measurement(tau, self.env)
 
-    def _measure(self, step: int) -> float:
+    def _measure(self, step: int, drafter: DFlashDraftModel) -> float:
         from dflash_recipes.executor.evaluation.evaluate import evaluate_on_plan_data
 
-        drafter = self.models.drafter
         was_training = drafter.training
         drafter.eval()
         training = self.plan.training

@@ -135,6 +135,41 @@ def test_accumulated_micro_batches_skip_the_reduction_until_the_last(tmp_path: P
 
 
 # ---------------------------------------------------------------------------------------------
+# held-out evaluation: every rank in step
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "held_out",
+    [(), ("data.eval_data_path=null", "data.eval_holdout=2")],
+    ids=["eval-file", "eval-holdout"],
+)
+def test_held_out_evaluation_runs_on_every_rank_under_fsdp(
+    tmp_path: Path, held_out: tuple[str, ...]
+) -> None:
+    """Target and drafter sharded: every rank measures in step (rank 0 alone would wait for
+    all-gathers the others never join) and the tau is DDP's, where rank 0 measures alone."""
+    evaluate = (
+        "training.eval_steps=2",
+        "training.eval_num_prompts=2",
+        "training.eval_max_new_tokens=8",
+        *held_out,
+    )
+    ddp, sharded = tmp_path / "ddp", tmp_path / "fsdp"
+    _train(ddp, "training.fsdp=false", *evaluate)
+    _train(sharded, "training.fsdp=true", *evaluate)
+
+    def taus(out: Path) -> list[tuple[object, object]]:
+        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        return [(r["step"], r["tau"]) for r in map(json.loads, lines) if r["kind"] == "eval"]
+
+    assert [step for step, _ in taus(ddp)] == [2, 4]
+    assert taus(sharded) == pytest.approx(taus(ddp))
+    _assert_same_run(ddp, sharded)
+
+
+# ---------------------------------------------------------------------------------------------
 # resuming a sharded checkpoint on another number of ranks
 # ---------------------------------------------------------------------------------------------
 
