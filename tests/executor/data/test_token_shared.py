@@ -166,10 +166,12 @@ def test_a_second_start_reads_the_entry_and_a_corrupt_one_is_rebuilt_with_a_warn
 
 
 def test_slices_that_do_not_fit_together_are_refused(tmp_path: Path) -> None:
+    from dflash_recipes.data.conversations import Conversation, Message
     from dflash_recipes.executor.data.token_build import tokenize_chunk
     from dflash_recipes.executor.data.token_shared import merged_results, write_part
 
-    chunk = [(i, (("user", "hello"), ("assistant", "paris is the capital"))) for i in range(3)]
+    turns = (Message("user", "hello"), Message("assistant", "paris is the capital"))
+    chunk = [Conversation(i, turns) for i in range(3)]
     result = tokenize_chunk(cache_tokenizer(), SETTINGS, chunk)
     write_part(tmp_path / "part-0", [result, result])
     write_part(tmp_path / "part-1", [result])
