@@ -227,15 +227,14 @@ def wait_for_rank0(env: DistEnv, what: str, *, timeout_s: float | None) -> None:
     """
     if not joined(env):
         return
-    world = dist.group.WORLD
-    key = id(world)
-    group = _WAIT_GROUPS.get(key)
-    if group is None:
-        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        group = _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
+    key = id(dist.group.WORLD)
     try:
+        group = _WAIT_GROUPS.get(key)
+        if group is None:  # its making waits for every rank too
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+            group = _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
         dist.barrier(group=group)
-    except RuntimeError as exc:  # gloo's timeout, or a rank that left
+    except RuntimeError as exc:  # the timeout (a DistError), or a rank that left
         waited = "" if timeout_s is None else f" (training.distributed_timeout_s: {timeout_s:g})"
         msg = (
             f"rank {env.rank} stopped waiting for rank 0 to {what}{waited}: rank 0 took "

@@ -43,6 +43,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE
 from dflash_recipes.checkpoint.tensor_layout import compare_layout, format_layout_diff
@@ -194,7 +195,7 @@ def save_sharded_training_checkpoint(
         raise _save_failed(step, final, exc) from exc
     try:
         write_sharded_state(staging / SHARDED_DIR, drafter, optimizer)
-    except Exception as exc:  # DCP raises the same CheckpointException on every rank
+    except (Exception, CheckpointException) as exc:  # DCP's, the same on every rank
         if env.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise _save_failed(step, final, exc) from exc

@@ -13,18 +13,25 @@ whole checkpoint): into a drafter sharded over any number of ranks, or into an u
 resume on one rank), DCP reading from every rank's file what the tensors placed here need.
 Everything is read into fresh buffers before the drafter changes.
 
+Nothing is unpickled freely: DCP's ``.metadata`` is a pickle, read here by an unpickler that
+finds only DCP's own metadata classes, torch's dtypes and sizes and paths
+(:class:`_MetadataUnpickler`); the parts' tensors are read by DCP with ``weights_only=True``.
+
 The keys: ``model/<z-lab name>`` for the weights, ``optim/<z-lab name>/<AdamW state key>`` for
 the moments and the step counter.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -67,7 +74,7 @@ def read_sharded_state(
     CheckpointError for unreadable files, or (with `mismatch`) for tensors that are not this
     drafter's: other names or shapes, or a dtype the copy would round.
     """
-    reader = FileSystemReader(directory)
+    reader = _CheckedReader(directory)
     try:
         stored = reader.read_metadata().state_dict_metadata
     except Exception as exc:  # a missing or corrupt .metadata fails anywhere in the unpickler
@@ -109,7 +116,7 @@ def read_sharded_state(
                 moments[index] = state
     try:
         load(buffers, storage_reader=reader, no_dist=True)
-    except Exception as exc:  # a truncated or missing part fails in the reader or the planner
+    except (Exception, CheckpointException) as exc:  # a truncated or missing part
         msg = (
             f"{directory} cannot be read ({type(exc).__name__}: {_first_line(exc)}); it is "
             "truncated or corrupt"
@@ -121,6 +128,49 @@ def read_sharded_state(
         if key.startswith(MODEL_KEY)
     }
     return weights, moments
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: a global outside DCP's metadata classes,
+    torch's dtypes, ``torch.Size``, the tensor layout and paths is refused."""
+
+    _ALLOWED = frozenset(
+        {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("collections", "OrderedDict"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module, name) in self._ALLOWED
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            msg = f"{module}.{name} is not part of a checkpoint's metadata: refused"
+            raise pickle.UnpicklingError(msg)
+        return super().find_class(module, name)
+
+
+class _CheckedReader(FileSystemReader):
+    """DCP's file reader whose ``.metadata`` goes through :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with Path(self.path, ".metadata").open("rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            msg = f"{self.path}/.metadata holds a {type(metadata).__name__}, not DCP metadata"
+            raise pickle.UnpicklingError(msg)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
