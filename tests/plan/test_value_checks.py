@@ -267,6 +267,7 @@ def _full_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
         "reasoning": "keep",
         "first_turn_only": False,
         "output_path": None,
+        "thinking": "template",
     }
     resume = {"checkpoint_dir": "out/checkpoint-000010", "step": 10}
     return {**plan_dict, "regenerate": regenerate, "resume": resume}
