@@ -18,7 +18,13 @@ from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
 from dflash_recipes.executor.model.warmstart import load_exact_weights
-from dflash_recipes.files.run_dir import EXPORT_DIR, complete_checkpoints
+from dflash_recipes.executor.training.sharded_checkpoints import read_sharded_state
+from dflash_recipes.files.run_dir import (
+    EXPORT_DIR,
+    SHARDED_DIR,
+    complete_checkpoints,
+    is_sharded_checkpoint,
+)
 from dflash_recipes.plan.draft_spec import ResolvedDraft
 
 logger = logging.getLogger(__name__)
@@ -39,15 +45,27 @@ def trained_for_note(checkpoint_dir: Path, spec: ResolvedDraft) -> tuple[str, bo
 def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int:
     """Copy the z-lab weights of ``checkpoint_dir`` into ``drafter`` exactly; the tensor count.
 
-    ``checkpoint_dir`` is an export or a training checkpoint (``model.safetensors`` or shards).
-    CheckpointError when the weights are missing, any tensor name or shape differs from the
-    drafter's, or a dtype would round (load before casting the drafter). A head checkpoint
-    trained for another alignment than the drafter's plan logs :func:`trained_for_note`'s line
-    (a warning when they differ, an info for an earlier export loaded as it was trained).
+    ``checkpoint_dir`` is an export or a training checkpoint (``model.safetensors`` or shards,
+    or a sharded training checkpoint of ``training.fsdp``, read whole here with
+    torch.distributed.checkpoint). CheckpointError when the weights are missing, any tensor
+    name or shape differs from the drafter's, or a dtype would round (load before casting the
+    drafter). A head checkpoint trained for another alignment than the drafter's plan logs
+    :func:`trained_for_note`'s line (a warning when they differ, an info for an earlier export
+    loaded as it was trained).
     """
     if not checkpoint_dir.is_dir():
         msg = f"checkpoint directory {checkpoint_dir} does not exist"
         raise CheckpointError(msg)
+    mismatch = (
+        f"{checkpoint_dir} does not hold the drafter the plan describes; evaluate it with "
+        "the plan (or recipe) it was trained with"
+    )
+    if is_sharded_checkpoint(checkpoint_dir):
+        weights_read, _ = read_sharded_state(
+            checkpoint_dir / SHARDED_DIR, drafter, None, mismatch=mismatch
+        )
+        drafter.load_state_dict(weights_read, strict=True)
+        return len(weights_read)
     if not (checkpoint_dir / WEIGHTS_FILE).is_file():
         candidates = [checkpoint_dir / EXPORT_DIR] if (checkpoint_dir / EXPORT_DIR).is_dir() else []
         candidates += [path for _, path in complete_checkpoints(checkpoint_dir)][-1:]
@@ -61,11 +79,4 @@ def load_drafter_weights(drafter: DFlashDraftModel, checkpoint_dir: Path) -> int
     note = trained_for_note(checkpoint_dir, drafter.spec)
     if note is not None:
         logger.log(logging.WARNING if note[1] else logging.INFO, "%s", note[0])
-    return load_exact_weights(
-        drafter,
-        weights,
-        mismatch=(
-            f"{checkpoint_dir} does not hold the drafter the plan describes; evaluate it with "
-            "the plan (or recipe) it was trained with"
-        ),
-    )
+    return load_exact_weights(drafter, weights, mismatch=mismatch)

@@ -245,3 +245,17 @@ def test_a_crafted_metadata_file_is_refused_without_running_it(tmp_path: Path) -
     with pytest.raises(CheckpointError, match="not part of a checkpoint's metadata"):
         restore_training_checkpoint(path, trained(tmp_path)[0])
     assert not marker.exists()
+
+
+def test_export_and_eval_read_a_sharded_checkpoint_whole(tmp_path: Path) -> None:
+    """`dflash-recipe export` / `eval` of a sharded checkpoint load the drafter it holds."""
+    from dflash_recipes.executor.model.weights import load_drafter_weights
+
+    module, optimizer, scheduler = trained(tmp_path)
+    path = save_sharded_training_checkpoint(
+        tmp_path / "out", 2, module, optimizer, scheduler, {}, ONE_PROCESS
+    )
+    fresh = DFlashDraftModel(tiny_plan(tmp_path).resolved_draft())
+    assert load_drafter_weights(fresh, path) == len(module.state_dict())
+    for (name, a), b in zip(module.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
