@@ -250,6 +250,57 @@ def test_kill_9_during_a_sharded_save_resumes_the_previous_checkpoint(tmp_path: 
     _assert_same_run(reference, out)
 
 
+@pytest.mark.slow
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's shard of one gradient turns NaN at step 2: the global norm (over every rank's
+    shard) is NaN on both ranks, so both skip it; the weights of step 2 are step 1's."""
+    from testkit.ranks import run_ranks
+
+    from dflash_recipes.executor.model.draft import DFlashDraftModel
+    from dflash_recipes.executor.model.weights import load_drafter_weights
+    from dflash_recipes.plan.run_plan import RunPlan
+
+    out = tmp_path / "run"
+    keep = "training.save_total_limit=null"
+    argv = [sys.executable, __file__, str(out), "0", *RUN, keep, "training.fsdp=true"]
+    results = run_ranks(argv, env={"DFLASH_TEST_NAN_STEP": "2"}, what="the NaN run")
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stderr[-4000:]}"
+    rows = _rows(out)
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 0), (4, 0)]
+    plan = RunPlan.from_json((out / "plan.json").read_text(encoding="utf-8"))
+    weights = []
+    for step in (1, 2, 3):
+        drafter = DFlashDraftModel(plan.resolved_draft())
+        load_drafter_weights(drafter, out / f"checkpoint-{step:08d}")
+        weights.append(drafter.state_dict())
+    one, two, three = weights
+    assert all(torch.equal(one[k], two[k]) for k in one)  # the skipped step changed nothing
+    assert not all(torch.equal(two[k], three[k]) for k in two)  # the next one trained
+    assert all(torch.isfinite(t).all() for t in three.values())
+
+
+def _nan_hook() -> None:
+    """DFLASH_TEST_NAN_STEP=N: rank 1's shard of the first gradient is NaN at step N."""
+    step = os.environ.get("DFLASH_TEST_NAN_STEP")
+    if not step or os.environ.get("RANK") != "1":
+        return
+    import dflash_recipes.executor.training.fit as fit_module
+
+    clip = fit_module.clip_gradients
+    calls = [0]
+
+    def clip_with_nan(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == int(step):
+            grad = params[0].grad
+            assert grad is not None
+            grad.fill_(float("nan"))
+        return clip(params, max_norm)
+
+    fit_module.clip_gradients = clip_with_nan  # type: ignore[assignment]
+
+
 def _slow_save_hook() -> None:
     """DFLASH_TEST_SLOW_SAVE=N: the DCP write of step N's checkpoint pauses (for the kill)."""
     step = os.environ.get("DFLASH_TEST_SLOW_SAVE")
@@ -268,5 +319,6 @@ def _slow_save_hook() -> None:
 
 
 if __name__ == "__main__":
+    _nan_hook()
     _slow_save_hook()
     _worker(*sys.argv[1:])
