@@ -41,7 +41,10 @@ def render_resources(
     `sequences` (the training set's size) is known; `per_step_rows` is sequences per step.
     """
     memory, step, disk = resources.memory, resources.step, resources.disk
-    sharding = ", target sharded (fsdp)" if resources.fsdp_sharded else ""
+    sharding = ""
+    if resources.fsdp_sharded:
+        drafter = " and drafter" if resources.drafter_sharded else ""
+        sharding = f", target{drafter} sharded (fsdp)"
     if resources.activation_checkpointing:
         sharding += ", draft layers recomputed (activation_checkpointing)"
     lines = [
@@ -59,6 +62,12 @@ def render_resources(
         ("total", memory.total),
     ):
         lines.append(f"  {name:<18}{gib(value):>9}")
+    host = resources.host_memory
+    how = "decoder layers read shard by shard" if host.sharded_load else "target read whole"
+    lines.append(
+        f"host memory per process while loading: {gib(host.total)} GiB (target "
+        f"{gib(host.target)}, {how}; drafter {gib(host.drafter)}, built whole)"
+    )
     lines.append(
         f"step (all ranks): {step.tokens:,} tokens, {step.supervised_positions:,} supervised "
         f"block positions, {step.flops / 1e12:,.1f} TFLOP (target {step.target_flops / 1e12:,.1f}, "

@@ -13,7 +13,10 @@ Memory per rank, in bytes:
   ``lm_head``) whole on every rank. Offline training without evaluation loads no decoder.
 - ``drafter_weights``, ``optimizer_states``: the drafter's master weights and AdamW's two
   moments in ``training.drafter_master_dtype`` (float32, or bfloat16 for half of each), plus
-  its per-tensor step counters, exact from the layout.
+  its per-tensor step counters, exact from the layout. With ``training.fsdp`` over more than
+  one rank the drafter is sharded too (``executor/sharded_drafter.py``: ``fully_shard`` per
+  draft layer and at the root): each tensor split on its first dim over the world size (padded
+  up), and so its gradients and AdamW's moments.
 - ``activations`` and ``gradients``: the largest phase of a step, with the gradients alive in
   it (all of them, in the master dtype, are :attr:`ResourcePlan.gradient_bytes`). The phases:
   the target's forward (the tapped layers' outputs, recorded by hooks; without a teacher
@@ -24,13 +27,27 @@ Memory per rank, in bytes:
   when the master dtype is not the autocast dtype, plus the larger of one chunk of
   logits/loss, sized as :mod:`~dflash_recipes.plan.resources.chunk_budget` sizes it, and one
   layer's backward transients; with ``training.activation_checkpointing`` only each layer's
-  input instead, plus one layer's activations as its backward recomputes them); the end of
+  input instead, and in the backward one layer's activations as it recomputes them with one
+  layer's backward transients, against the loss's chunk); the end of
   the backward. The first two hold gradients only
   when they outlive a micro-step (gradient accumulation) and DDP's buckets (a second copy,
-  allocated up front on several ranks); the last holds them all.
+  allocated up front on several ranks); the last holds them all. A sharded drafter has no
+  buckets: its drafter phase and the end of its backward hold the parameters FSDP2 gathers
+  (the root's, ``fc``, the norms and a kind's head, for the whole step, and two draft layers:
+  the one running and the one prefetched) in the dtype it computes in (the autocast dtype on
+  CUDA for a bfloat16 or float16 target, so no autocast weight copies; the master dtype
+  otherwise), the end of the backward one layer's unsharded gradients (that dtype, and float32
+  for the reduction) besides the sharded ones; accumulated micro-steps keep the unsharded
+  gradients whole in float32 until the last.
 - ``allowance``: a stated margin for what no tensor count sees: :data:`CUDA_CONTEXT_BYTES` of
   CUDA context and library workspaces plus :data:`FRAGMENTATION` of the activations for the
   caching allocator's fragmentation (none on CPU).
+
+``host_memory`` is what one process holds in host memory while it loads (not a device
+figure): the target as read (whole; with ``training.fsdp`` over several ranks only what stays
+whole on every rank, the decoder layers read shard by shard by
+:mod:`~dflash_recipes.executor.model.meta_load`, one tensor's rows at a time) and the drafter,
+built whole on the host in the master dtype before it moves to the device.
 
 What would fit a smaller device is :mod:`~dflash_recipes.plan.resources.fit`'s (loaded
 only when a plan does not fit). The activation model is validated against real training steps by
@@ -112,6 +129,24 @@ class MemoryPerRank(Record):
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
+class HostMemory(Record):
+    """Bytes one process holds in host memory while it loads, at most (not the device's)."""
+
+    #: The target as read into the host: all of it, or with a sharded load the tensors kept
+    #: whole on every rank plus one decoder tensor's rows.
+    target: int
+    #: The drafter, built whole on the host in the master dtype before it moves.
+    drafter: int
+    #: The target is read shard by shard (``training.fsdp`` on several ranks, decoder loaded).
+    sharded_load: bool
+
+    @property
+    def total(self) -> int:
+        """Both together."""
+        return self.target + self.drafter
+
+
+@attrs.frozen(repr=False, eq=False, slots=False)
 class ActivationParts(Record):
     """The activation estimate's pieces (bytes); ``activations`` is the larger phase."""
 
@@ -127,11 +162,20 @@ class ActivationParts(Record):
     loss_peak: int
     #: One draft layer's gradients of activations during backward.
     backward_transient: int
+    #: A sharded drafter's parameters FSDP2 holds gathered (the root's and two layers').
+    fsdp_gathered: int = 0
+    #: With activation checkpointing: one layer's activations, recomputed in the backward.
+    recompute: int = 0
 
     @property
     def drafter_phase(self) -> int:
         """Peak of the drafter's forward and backward."""
-        return self.step_inputs + self.drafter_saved + max(self.loss_peak, self.backward_transient)
+        return (
+            self.step_inputs
+            + self.drafter_saved
+            + self.fsdp_gathered
+            + max(self.loss_peak, self.recompute + self.backward_transient)
+        )
 
     @property
     def peak(self) -> int:
@@ -198,6 +242,10 @@ class ResourcePlan(Record):
     gradient_bytes: int = 0
     #: The draft layers are recomputed in the backward (training.activation_checkpointing).
     activation_checkpointing: bool = False
+    #: The drafter, its gradients and AdamW's moments are sharded (training.fsdp, several ranks).
+    drafter_sharded: bool = False
+    #: Host memory of one process while it loads.
+    host_memory: HostMemory = HostMemory(target=0, drafter=0, sharded_load=False)
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form: fixed keys (scripts rely on them), bytes and counts as integers."""
@@ -206,6 +254,7 @@ class ResourcePlan(Record):
             "world_size": self.world_size,
             "device": self.device,
             "fsdp_sharded": self.fsdp_sharded,
+            "drafter_sharded": self.drafter_sharded,
             "activation_checkpointing": self.activation_checkpointing,
             "target_source": self.target_source,
             "parameters": {"drafter": self.drafter_parameters, "target": self.target_parameters},
@@ -226,6 +275,14 @@ class ResourcePlan(Record):
                 "attention": parts.attention,
                 "loss_peak": parts.loss_peak,
                 "backward_transient": parts.backward_transient,
+                "fsdp_gathered": parts.fsdp_gathered,
+                "recompute": parts.recompute,
+            },
+            "host_memory_per_rank": {
+                "target": self.host_memory.target,
+                "drafter": self.host_memory.drafter,
+                "total": self.host_memory.total,
+                "sharded_load": self.host_memory.sharded_load,
             },
             "step": {
                 "tokens": self.step.tokens,
@@ -319,6 +376,12 @@ def estimate_resources(
     layout = expected_layout(spec)
     drafter_numel = sum(math.prod(shape) for shape in layout.values())
     n_tensors = len(layout)
+    # The drafter is sharded with the target (training.fsdp): each tensor on its first dim.
+    local_numel = (
+        sum(sharded_numel(shape, world_size) for shape in layout.values())
+        if fsdp
+        else drafter_numel
+    )
 
     # -- activations ----------------------------------------------------------------------
     cuda = device == "cuda"
@@ -328,10 +391,13 @@ def estimate_resources(
         autocast = cuda and plan.base_model.dtype in AUTOCAST_DTYPES
     # The dtype the drafter's matmuls run in: autocast's (the target's), else the weights'.
     mm = 2 if autocast else mb
+    # The dtype of the weights the drafter's forward sees: a sharded drafter's FSDP2 gathers
+    # them in the autocast dtype (its mixed precision policy), else the master weights.
+    wd = mm if fsdp else mb
     # Autocast casts weights and matmul inputs only when the weights are not already in its
-    # dtype (a bfloat16 master under bfloat16 autocast casts nothing).
-    casts = autocast and master != plan.base_model.dtype
-    rq = max(mm, mb)  # what the q/k norm weights promote the roped queries and keys to
+    # dtype (a bfloat16 master under bfloat16 autocast casts nothing, nor a gathered drafter).
+    casts = autocast and master != plan.base_model.dtype and not fsdp
+    rq = max(mm, wd)  # what the q/k norm weights promote the roped queries and keys to
     f32 = 4
     b, t = training.per_device_train_batch_size, training.training_seq_len
     n, k = objective.num_anchors, plan.draft.block_size
@@ -354,12 +420,12 @@ def estimate_resources(
     # [Q, I] tensors.
     kv_rows = t + q
     per_layer = b * (
-        q * h * (f32 + mb + mm)
+        q * h * (f32 + wd + mm)
         + kv_rows * h * mm * (2 if casts else 1)
         + q * nh * d * (f32 + mm)
         + kv_rows * nkv * d * (f32 + mm)
         + q * nh * d * mm
-        + q * h * (f32 + mb + mm * (2 if casts else 1))
+        + q * h * (f32 + wd + mm * (2 if casts else 1))
         + 4 * q * inter * mm
     )
     if cuda:
@@ -381,16 +447,18 @@ def estimate_resources(
             + q * nh * f32
             + -(-q // chunks) * keys * mm
         )
-    layer_input = b * q * h * mb  # what a checkpointed layer keeps: its input, the weights' dtype
+    layer_input = b * q * h * wd  # what a checkpointed layer keeps: its input, the weights' dtype
+    recompute = 0
     if training.activation_checkpointing:
         # Each layer keeps its input; its backward recomputes its forward, holding one layer's
-        # activations at a time.
-        drafter_saved = layers * layer_input + per_layer + attention
+        # activations at a time, in the backward (after the loss's chunks are gone).
+        drafter_saved = layers * layer_input
+        recompute = per_layer + attention
     else:
         drafter_saved = layers * (per_layer + attention)
     # Once per step: hidden_norm's float32 input and its normed states (cast back to the
     # matmul dtype), and the final norm's input and normed states.
-    drafter_saved += b * t * h * (f32 + mm) + b * q * h * (f32 + mb)
+    drafter_saved += b * t * h * (f32 + mm) + b * q * h * (f32 + wd)
     if casts:
         drafter_saved += drafter_numel * 2  # autocast's cached half-precision weight copies
     # Logits and loss: per chunk of blocks (recomputed in backward) when they exceed the
@@ -402,13 +470,33 @@ def estimate_resources(
     per_block = max(1, b * k * v)
     # Everything alive when the step sizes its chunks (the drafter's forward is done; on the
     # first micro-step no gradient exists yet), for the budget's free memory.
-    grads = drafter_numel * mb
-    buckets = grads if world_size > 1 else 0  # DDP's gradient buckets, allocated up front
-    grads_in_forward = buckets + (grads if training.gradient_accumulation_steps > 1 else 0)
-    static = target_numel * pd + drafter_numel * 3 * mb + n_tensors * 4
+    grads = local_numel * mb  # this rank's gradients (its shards' when sharded)
+    accumulates = training.gradient_accumulation_steps > 1
+    if fsdp:
+        # No buckets; accumulated micro-steps keep the unsharded gradients whole in float32
+        # (FSDP2 reduces only on the last), the sharded ones exist after it.
+        buckets = 0
+        grads_in_forward = drafter_numel * f32 if accumulates else 0
+    else:
+        buckets = grads if world_size > 1 else 0  # DDP's gradient buckets, allocated up front
+        grads_in_forward = buckets + (grads if accumulates else 0)
+    # A sharded drafter's gathered parameters (in the dtype it computes in): the root's own
+    # (outside the draft layers), gathered for the whole step, and two layers at a time.
+    gathered = 0
+    layer_grads_transient = 0
+    if fsdp:
+        per_draft_layer = {
+            name: math.prod(shape) for name, shape in layout.items() if name.startswith("layers.")
+        }
+        root_numel = drafter_numel - sum(per_draft_layer.values())
+        one_layer = sum(per_draft_layer.values()) // max(1, layers)
+        gathered = (root_numel + 2 * one_layer) * wd
+        # the end of the backward: one layer's unsharded gradients and their float32 copy
+        layer_grads_transient = one_layer * (wd + f32)
+    static = target_numel * pd + local_numel * 3 * mb + n_tensors * 4
     free = None
     if cuda and device_bytes is not None:
-        used = static + grads_in_forward + inputs + drafter_saved
+        used = static + grads_in_forward + inputs + drafter_saved + gathered
         free = device_bytes - CUDA_CONTEXT_BYTES - used
     budget = logits_budget(
         free, vocab=v, hidden=h, dtype_bytes=pd, teacher=needs_teacher, override=chunk_logits
@@ -461,26 +549,30 @@ def estimate_resources(
         attention=attention if training.activation_checkpointing else layers * attention,
         loss_peak=loss_peak,
         backward_transient=backward_transient,
+        fsdp_gathered=gathered,
+        recompute=recompute,
     )
     # The step's peak is the largest phase with the gradients alive in it: the target's forward
     # and the drafter's forward-to-backward turn hold the gradients only when they outlive a
     # micro-step (accumulation) or are DDP's buckets; the end of the backward holds them all
     # with only the step's inputs left.
+    end_grads = grads + buckets + (grads_in_forward if fsdp else 0)
     phases = (
         (parts.target_forward_peak, grads_in_forward),
         (parts.drafter_phase, grads_in_forward),
-        (inputs + backward_transient, grads + buckets),
+        (inputs + backward_transient + gathered + layer_grads_transient, end_grads),
     )
     activations, gradients_at_peak = max(phases, key=sum)
     allowance = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * activations) if cuda else 0
     memory = MemoryPerRank(
         target_weights=target_numel * pd,
-        drafter_weights=drafter_numel * mb,
+        drafter_weights=local_numel * mb,
         gradients=gradients_at_peak,
-        optimizer_states=drafter_numel * 2 * mb + n_tensors * 4,
+        optimizer_states=local_numel * 2 * mb + n_tensors * 4,
         activations=activations,
         allowance=allowance,
     )
+    host = _host_memory(target, pd, drafter_numel * mb, decoder_loaded=decoder_loaded, fsdp=fsdp)
 
     # -- step -----------------------------------------------------------------------------
     rows = b * world_size * training.gradient_accumulation_steps
@@ -562,7 +654,30 @@ def estimate_resources(
         target_source=target.source,
         gradient_bytes=grads,
         activation_checkpointing=training.activation_checkpointing,
+        drafter_sharded=fsdp,
+        host_memory=host,
     )
+
+
+def _host_memory(
+    target: TargetDims, pd: int, drafter_bytes: int, *, decoder_loaded: bool, fsdp: bool
+) -> HostMemory:
+    """What one process reads into host memory while it loads (see the module docstring)."""
+    whole = 0
+    layer_tensors = []
+    for name, shape in target.shapes.items():
+        if is_decoder_layer_tensor(name):
+            layer_tensors.append(math.prod(shape))
+        else:
+            whole += math.prod(shape)
+    sharded_load = fsdp and decoder_loaded
+    if not decoder_loaded:
+        read = whole
+    elif sharded_load:
+        read = whole + max(layer_tensors, default=0)  # one tensor's rows in flight, at most
+    else:
+        read = whole + sum(layer_tensors)
+    return HostMemory(target=read * pd, drafter=drafter_bytes, sharded_load=sharded_load)
 
 
 def gib(value: int) -> str:
@@ -578,6 +693,7 @@ __all__ = [
     "ActivationParts",
     "Device",
     "DiskFigures",
+    "HostMemory",
     "MemoryPerRank",
     "ResourcePlan",
     "StepFigures",

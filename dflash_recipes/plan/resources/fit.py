@@ -37,6 +37,12 @@ class FitAdvice(Record):
     fsdp_fits: bool | None
     #: Whether the plan with training.activation_checkpointing fits (None: it is already on).
     activation_checkpointing_fits: bool | None = None
+    #: Whether the plan with a bfloat16 drafter_master_dtype fits (None: it is already).
+    bfloat16_master_fits: bool | None = None
+    #: The settings that fit together when no single one does: training.fsdp (several ranks),
+    #: then activation_checkpointing, then a bfloat16 master, added in that order until the
+    #: plan fits (empty: none needed or even all of them do not fit).
+    together: tuple[str, ...] = ()
 
 
 def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
@@ -69,7 +75,7 @@ def fit_advice(
         found = estimate_resources(candidate, world_size=ranks, device=device, target=target)
         return found.memory.total
 
-    def with_training(**changes: int | bool) -> RunPlan:
+    def with_training(**changes: object) -> RunPlan:
         return attrs.evolve(plan, training=attrs.evolve(training, **changes))  # type: ignore[arg-type]
 
     def with_anchors(count: int) -> RunPlan:
@@ -96,13 +102,64 @@ def fit_advice(
     checkpointing_fits: bool | None = None
     if not training.activation_checkpointing:
         checkpointing_fits = total(with_training(activation_checkpointing=True)) <= device_bytes
+    bf16_fits: bool | None = None
+    if training.drafter_master_dtype != "bfloat16":
+        bf16_fits = total(with_training(drafter_master_dtype="bfloat16")) <= device_bytes
+    singles = (anchors, batch, seq_len)
+    one_fits = (
+        any(
+            value is not None and value < planned
+            for value, planned in zip(
+                singles,
+                (draft.objective.num_anchors, training.per_device_train_batch_size, seq),
+                strict=True,
+            )
+        )
+        or fsdp_fits is True
+        or checkpointing_fits is True
+        or bf16_fits is True
+    )
+    together: tuple[str, ...] = ()
+    if not one_fits:
+        together = _together(plan, device_bytes, world_size, lambda p: total(p))
     return FitAdvice(
         num_anchors=anchors,
         per_device_train_batch_size=batch,
         training_seq_len=seq_len,
         fsdp_fits=fsdp_fits,
         activation_checkpointing_fits=checkpointing_fits,
+        bfloat16_master_fits=bf16_fits,
+        together=together,
     )
+
+
+def _together(
+    plan: RunPlan, device_bytes: int, world_size: int, total: Callable[[RunPlan], int]
+) -> tuple[str, ...]:
+    """The settings (as recipe lines) that fit together, added one at a time in the order that
+    costs the least: sharding (several ranks), recomputing the draft layers, a bfloat16 master;
+    empty when even all of them do not fit."""
+    steps: list[tuple[str, dict[str, object]]] = []
+    training = plan.training
+    if world_size > 1 and not training.fsdp:
+        steps.append(("training.fsdp: true", {"fsdp": True}))
+    if not training.activation_checkpointing:
+        steps.append(
+            ("training.activation_checkpointing: true", {"activation_checkpointing": True})
+        )
+    if training.drafter_master_dtype != "bfloat16":
+        steps.append(
+            ("training.drafter_master_dtype: bfloat16", {"drafter_master_dtype": "bfloat16"})
+        )
+    changes: dict[str, object] = {}
+    named: list[str] = []
+    for line, change in steps:
+        changes.update(change)
+        named.append(line)
+        candidate = attrs.evolve(plan, training=attrs.evolve(training, **changes))  # type: ignore[arg-type]
+        if total(candidate) <= device_bytes:
+            return tuple(named)
+    return ()
 
 
 def exceed_message(
@@ -136,22 +193,32 @@ def exceed_message(
         fixes.append(f"training.per_device_train_batch_size: {advice.per_device_train_batch_size}")
     if advice.training_seq_len is not None and advice.training_seq_len < training.training_seq_len:
         fixes.append(f"training.training_seq_len: {advice.training_seq_len}")
+    if advice.fsdp_fits and not training.fsdp:
+        fixes.append(
+            f"training.fsdp: true (over {resources.world_size} ranks: the target's decoder "
+            "layers, the drafter, its gradients and AdamW states sharded)"
+        )
     if advice.activation_checkpointing_fits:
         fixes.append("training.activation_checkpointing: true")
-    knobs = "dflash_num_anchors, per_device_train_batch_size or training_seq_len"
+    if advice.bfloat16_master_fits:
+        fixes.append("training.drafter_master_dtype: bfloat16")
+    knobs = ["dflash_num_anchors", "per_device_train_batch_size", "training_seq_len"]
     if advice.activation_checkpointing_fits is not None:  # searched: it is off
-        knobs = "dflash_num_anchors, per_device_train_batch_size, training_seq_len or "
-        knobs += "activation_checkpointing"
+        knobs.append("activation_checkpointing")
+    if advice.bfloat16_master_fits is not None:  # searched: the master is float32
+        knobs.append("drafter_master_dtype")
+    if advice.fsdp_fits is not None and not training.fsdp:
+        knobs.append(f"fsdp (over {resources.world_size} ranks)")
     hint = (
         "any one of these fits (the others as planned): " + "; ".join(fixes)
         if fixes
-        else f"no single change of {knobs} fits: the weights, gradients and optimizer states "
-        f"alone need {gib(memory.total - memory.activations)} GiB with the allowance"
+        else f"no single change of {', '.join(knobs[:-1])} or {knobs[-1]} fits: the weights, "
+        f"gradients and optimizer states alone need {gib(memory.total - memory.activations)} "
+        "GiB with the allowance"
     )
-    if advice.fsdp_fits is not None and not training.fsdp:
-        verdict = "would fit" if advice.fsdp_fits else "would not fit either"
-        hint += f"; training.fsdp: true over {resources.world_size} ranks {verdict}"
-    elif resources.world_size == 1:
+    if advice.together:
+        hint += "; these fit together: " + ", ".join(advice.together)
+    if resources.world_size == 1:
         hint += "; or shard the target with training.fsdp: true over several ranks (--world-size N)"
     return message, hint
 
