@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from testkit.fuzzing import FUZZ
 from testkit.tool_chat import (
     PLAIN_TEMPLATE,
     QUESTION,
@@ -149,3 +152,70 @@ def test_unrenderable_rows_are_counted_skips_or_a_stop(choice: str) -> None:
         with pytest.raises(DataError, match=r"data row 1 \(unrenderable part\): .*tools.*"
                            r"data\.unrenderable_rows: skip"):  # fmt: skip
             tokenize_all([_conversation(), plain], tool_tokenizer(), settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# whatever a readable row holds, tokenizing it gives a mask or a DataError (property test)
+# ---------------------------------------------------------------------------------------------
+
+_texts = st.text(alphabet=st.sampled_from("ab <>{}\"'\n\\%#"), max_size=12)
+_calls = st.lists(
+    st.fixed_dictionaries(
+        {
+            "function": st.fixed_dictionaries(
+                {
+                    "name": _texts.filter(lambda t: t.strip() != ""),
+                    "arguments": st.dictionaries(_texts, _texts | st.integers(), max_size=2),
+                }
+            )
+        },
+        optional={"id": _texts},
+    ),
+    max_size=2,
+)
+_turns = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": _texts},
+        optional={"tool_calls": _calls, "reasoning_content": _texts, "tool_call_id": _texts},
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@FUZZ
+@given(
+    turns=_turns,
+    tools=st.none() | st.just([tool_row()["tools"][0]]),
+    name=st.sampled_from(["qwen", "tiny", "plain"]),
+    supervise=st.sets(st.sampled_from(["answer", "tool_calls", "reasoning"]), min_size=1),
+    answer_only_loss=st.booleans(),
+)
+def test_any_readable_row_tokenizes_or_is_a_data_error(
+    turns: list[dict[str, object]],
+    tools: list[dict[str, object]] | None,
+    name: str,
+    supervise: set[str],
+    answer_only_loss: bool,
+) -> None:
+    for turn in turns:  # the reader refuses calls outside assistant turns (tested above)
+        if turn["role"] != "assistant":
+            turn.pop("tool_calls", None)
+    row = {"messages": turns} if tools is None else {"messages": turns, "tools": tools}
+    conversation = conversation_of(1, row, answer_only_loss=False)
+    assert isinstance(conversation, Conversation)
+    template = {**TEMPLATES, "plain": PLAIN_TEMPLATE}[name]
+    try:
+        example = tokenize_conversation(
+            tool_tokenizer(),
+            conversation.messages,
+            chat_template=template,
+            answer_only_loss=answer_only_loss,
+            max_len=512,
+            tools=conversation.tools,
+            supervise=tuple(sorted(supervise)),
+        )
+    except DataError:
+        return
+    assert len(example.input_ids) == len(example.loss_mask) <= 512
+    assert set(example.loss_mask) <= {0, 1}
