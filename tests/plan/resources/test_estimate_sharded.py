@@ -17,7 +17,6 @@ from testkit.fixture_8b import make_fixture, seed_8b_plan
 from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
 from dflash_recipes.compiler.codes import RESOURCES_EXCEED_DEVICE
 from dflash_recipes.plan.resources.estimate import estimate_resources, sharded_numel
-from dflash_recipes.plan.resources.fit import exceed_message, fit_advice
 from dflash_recipes.plan.run_plan import RunPlan
 
 #: Llama-3.3-70B-Instruct's config.json (the values that size it).
@@ -164,19 +163,6 @@ def test_the_host_holds_no_full_target_per_process_under_fsdp(qwen3_8b: Path) ->
     # one process, fsdp or not, reads the whole target
     alone = estimate_resources(seed_8b_plan(qwen3_8b, "training.fsdp=true"), world_size=1)
     assert not alone.host_memory.sharded_load
-
-
-def test_a_bfloat16_master_is_advised_when_it_alone_fits(qwen3_8b: Path) -> None:
-    plan = seed_8b_plan(qwen3_8b)
-    f32 = estimate_resources(plan).memory.total
-    bf16 = estimate_resources(seed_8b_plan(qwen3_8b, "training.drafter_master_dtype=bfloat16"))
-    device = (f32 + bf16.memory.total) // 2
-    advice = fit_advice(plan, device, world_size=1)
-    assert advice.bfloat16_master_fits is True
-    _, hint = exceed_message(plan, estimate_resources(plan), device, advice, where="here")
-    assert "training.drafter_master_dtype: bfloat16" in hint
-    already = seed_8b_plan(qwen3_8b, "training.drafter_master_dtype=bfloat16")
-    assert fit_advice(already, device, world_size=1).bfloat16_master_fits is None
 
 
 def test_a_70b_recipe_from_init_fits_8_x_80_gib_with_fsdp(llama_70b: Path) -> None:
