@@ -166,3 +166,23 @@ def test_a_killed_tool_run_resumes_and_its_output_trains(tmp_path: Path, server:
     plan = _plan(recipe, f"data.data_path={out}", "training.training_seq_len=512")
     trained = run_plan(plan, progress=False)
     assert trained.steps == 1
+
+
+def test_the_local_backend_renders_the_tools_as_the_server_does(
+    tmp_path: Path, server: Server
+) -> None:
+    """Both backends give the template the row's tools: the greedy first answers agree, and
+    without a call parser the local backend's conversation ends at that answer."""
+    data = _write_jsonl(tmp_path / "in.jsonl", [_tool_row("Lima")])
+    remote = _recipe(tmp_path, data, base_url=server.url, model="tiny-target", thinking="off")
+    local = _recipe(tmp_path, data, name="local.yaml", thinking="off")
+    run_regenerate(_plan(remote), output_path=tmp_path / "r.jsonl", progress=False, echo=len)
+    summary = run_regenerate(
+        _plan(local), output_path=tmp_path / "l.jsonl", progress=False, echo=lambda _: None
+    )
+    assert (summary.answered, summary.turns, summary.diverged) == (1, 1, 1)
+    (by_server,), (by_local,) = _read(tmp_path / "r.jsonl"), _read(tmp_path / "l.jsonl")
+    assert by_local == by_server
+    assert by_local["thinking"] is False and by_local["tools"] == [WEATHER_TOOL]
+    (request,) = _requests(server)
+    assert request["chat_template_kwargs"] == {"enable_thinking": False}
