@@ -23,8 +23,12 @@ The values are the files' values cast to the parameter's dtype, as ``from_pretra
 them: bit for bit a plain load's (tests/executor/model/test_meta_load.py gathers and compares).
 
 A target whose module names or shapes are not its files' (a family that transformers converts on
-load, such as fused MoE experts) cannot be read slice by slice: :func:`load_target_on_meta` then
-logs a warning and loads it whole, as before, and :func:`materialize_target` finds nothing to do.
+load: the MoE families whose checkpoints store each expert apart while the modules fuse them,
+``mlp.experts.gate_up_proj``, such as Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next and GLM-4-MoE)
+cannot be read slice by slice: :func:`load_target_on_meta` then logs a warning and loads it
+whole, as before, and :func:`materialize_target` finds nothing to do. The dense families (Llama,
+Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2, GLM, Granite, Llama 4's text model) and gpt-oss load
+shard by shard (tests/executor/model/test_meta_load.py runs the family matrix).
 One process (no ``fsdp``, or one rank) never comes here: its load is unchanged.
 
 The rule for "the rows of a file tensor that this rank's tensor holds" is

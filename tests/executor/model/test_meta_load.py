@@ -68,6 +68,54 @@ def test_files_that_are_not_the_modules_tensors_are_named(tmp_path: Path) -> Non
     assert "model.layers.0.mlp.up_proj.weight: not in the files" in problems
 
 
+#: The families whose checkpoints store each expert apart while transformers' modules fuse
+#: them (``mlp.experts.gate_up_proj``): their files cannot be read by module name, so a sharded
+#: run loads them whole, with a warning.
+FUSED_EXPERTS = {"qwen3_moe", "mixtral", "deepseek_v3", "qwen3_next", "glm4_moe"}
+
+
+@pytest.mark.slow
+def test_every_family_loads_from_meta_bit_for_bit_or_whole_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One process, no sharding: what load_target_on_meta reads whole and materialize_target
+    fills is every parameter and buffer of a plain load, and its logits."""
+    import attrs
+    from testkit.families import FAMILIES, missing_reason, write_target
+    from testkit.tiny import tiny_plan
+
+    from dflash_recipes.executor.model.convert import load_base_model
+    from dflash_recipes.executor.model.meta_load import load_target_on_meta, materialize_target
+
+    ids = torch.tensor([[5, 7, 9, 11, 13, 15, 17, 19, 21, 23]])
+    read_by_name = set()
+    for family in FAMILIES:
+        if missing_reason(family) is not None:
+            continue
+        folder = write_target(family, tmp_path / family.name)
+        plan = tiny_plan(tmp_path)
+        plan = attrs.evolve(plan, base_model=attrs.evolve(plan.base_model, path=str(folder)))
+        caplog.clear()
+        model = load_target_on_meta(plan)
+        fell_back = "loads the whole target" in caplog.text
+        assert fell_back == (family.name in FUSED_EXPERTS), family.name
+        if not fell_back:
+            read_by_name.add(family.name)
+            assert any(p.is_meta for p in model.parameters()), family.name
+        materialize_target(model, plan, torch.device("cpu"))
+        plain = load_base_model(plan)
+        expected = dict(plain.named_parameters())
+        for name, param in model.named_parameters():
+            assert param.dtype == expected[name].dtype, f"{family.name}: {name}"
+            assert torch.equal(param, expected[name]), f"{family.name}: {name}"
+        buffers = dict(plain.named_buffers())
+        for name, buffer in model.named_buffers():
+            assert torch.equal(buffer, buffers[name]), f"{family.name}: {name}"
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain(ids).logits), family.name
+    assert {"llama", "qwen3", "gemma3_text", "gpt_oss", "llama4_text"} <= read_by_name
+
+
 # ---------------------------------------------------------------------------------------------
 # several ranks, gloo
 # ---------------------------------------------------------------------------------------------
