@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from dflash_recipes.files.jsonio import JsonProblem, parse_json, shorten
+from dflash_recipes.recipe.choices import SUPERVISED_PARTS
 from dflash_recipes.records import Record
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class TrainingFacts(Record):
     optimiser: str
     seed: int
     plan_fingerprint: str
+    #: With answer_only_loss, the assistant parts supervised (data.supervise).
+    supervised_parts: tuple[str, ...] = SUPERVISED_PARTS
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)

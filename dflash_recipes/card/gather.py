@@ -40,6 +40,7 @@ from dflash_recipes.errors import DFlashRecipeError
 from dflash_recipes.files.jsonio import FileReadProblem, JsonProblem, parse_json, read_regular_file
 from dflash_recipes.files.run_dir import TRAINER_STATE, checkpoint_step, latest_complete_checkpoint
 from dflash_recipes.plan.run_plan import RunPlan
+from dflash_recipes.recipe.choices import SUPERVISED_PARTS
 
 #: Data files are hashed up to this many bytes in all (an export waits for the hashing; past
 #: the limit a file is listed with its size and a note instead of its sha256).
@@ -135,11 +136,13 @@ def _cache_stats(plan: RunPlan) -> tuple[int | None, int | None, int | None]:
     data, cache = plan.data, plan.data.cache_dir
     if cache is None or data.data_path is None:
         return None, None, None
-    wanted = {
+    wanted: dict[str, object] = {
         "answer_only_loss": data.answer_only_loss,
         "training_seq_len": plan.training.training_seq_len,
         "block_size": plan.draft.block_size,
     }
+    if tuple(data.supervise) != SUPERVISED_PARTS:  # an entry without the key has the default
+        wanted["supervise"] = list(data.supervise)
     best: tuple[float, dict[str, object]] | None = None
     try:
         entries = [p for p in Path(cache).iterdir() if p.is_dir()]
@@ -310,6 +313,7 @@ def training_facts(
         supervised_tokens=supervised,
         conversations=conversations,
         answer_only_loss=data.answer_only_loss,
+        supervised_parts=tuple(data.supervise),
         objective=_objective(plan),
         optimiser=(
             f"AdamW, learning rate {training.learning_rate:g}, {training.lr_scheduler_type} "

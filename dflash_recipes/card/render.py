@@ -28,6 +28,7 @@ from dflash_recipes.card.facts import (
     TrainingFacts,
 )
 from dflash_recipes.checkpoint.kinds.registry import FAMILY, kind_facts
+from dflash_recipes.recipe.choices import SUPERVISED_PARTS
 
 #: As released DFlash drafters' cards say (the drafter loads with AutoModel and remote code).
 LIBRARY_NAME = "transformers"
@@ -132,6 +133,8 @@ def _how_trained(t: TrainingFacts) -> list[str]:
     steps = f"{t.steps:,} optimiser steps" if t.steps is not None else "not recorded"
     lines.append(f"- Steps: {steps} (the plan: {t.planned}); {per_step}.")
     supervised = "assistant tokens only" if t.answer_only_loss else "every token"
+    if t.answer_only_loss and tuple(t.supervised_parts) != SUPERVISED_PARTS:
+        supervised += f" ({', '.join(t.supervised_parts)})"
     seen = ""
     if t.steps is not None and t.sequences_per_step is not None:
         seen = f"; {t.steps * t.sequences_per_step:,} sequences drawn in all"
