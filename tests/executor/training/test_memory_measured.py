@@ -28,6 +28,7 @@ def _within(estimate: int, measured: int) -> bool:
     return abs(estimate / measured - 1) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_is_sized_as_a_real_step_holds_it(tmp_path: Path) -> None:
     plan = measurement_plan(tmp_path, MEDIUM, "training.activation_checkpointing=true")
     estimate = estimate_resources(plan, device="cpu")
