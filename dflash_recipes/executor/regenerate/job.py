@@ -358,7 +358,7 @@ def run_regenerate(
     source, output = resolve_paths(plan, input_path, output_path)
     file = read_conversations(source, answer_only_loss=False, setting="--input (or data.data_path)")
     jobs, unusable = build_jobs(
-        ((c.line, c.messages, c.tools, c.tag) for c in file.conversations),
+        file.conversations,
         first_turn_only=settings.first_turn_only,
         thinking=settings.thinking,
     )

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from dflash_recipes.data.conversations import Message, SkippedLine, ToolCall
+from dflash_recipes.data.conversations import Conversation, Message, SkippedLine, ToolCall
 from dflash_recipes.files.regenerate_output import prompt_key
 from dflash_recipes.records import Record
 
@@ -52,20 +52,16 @@ THINKING_SWITCHES: dict[str, tuple[bool | None, ...]] = {
 
 
 def build_jobs(
-    conversations: Iterable[tuple[int, Sequence[Message]]]
-    | Iterable[tuple[int, Sequence[Message], str | None, str | None]],
-    *,
-    first_turn_only: bool,
-    thinking: str = "template",
+    conversations: Iterable[Conversation], *, first_turn_only: bool, thinking: str = "template"
 ) -> tuple[list[Job], list[SkippedLine]]:
-    """Jobs for (line, messages[, tools, tag]) rows, and the conversations that cannot be
-    regenerated. `thinking` (regenerate.thinking) "both" makes two jobs of each row."""
+    """Jobs for the conversations read, and those that cannot be regenerated.
+    `thinking` (regenerate.thinking) "both" makes two jobs of each conversation."""
     jobs: list[Job] = []
     skipped: list[SkippedLine] = []
     seen: collections.Counter[str] = collections.Counter()
-    for row in conversations:
-        line, given = row[0], row[1]
-        tools, tag = (row[2], row[3]) if len(row) == 4 else (None, None)
+    for conversation in conversations:
+        line, given = conversation.line, conversation.messages
+        tools, tag = conversation.tools, conversation.tag
         messages = list(given)
         assistant_at = [i for i, m in enumerate(messages) if m.role == "assistant"]
         if first_turn_only and assistant_at:
