@@ -200,7 +200,8 @@ class TrainingSection(Record):
     eval_max_new_tokens: int = attrs.field(default=32, validator=IntRange(1, 2**16))
     #: Compute device: auto (CUDA when available) | cpu | cuda.
     device: DeviceChoice = attrs.field(default="auto", validator=one_of(DEVICES))
-    #: Shard the frozen target with FSDP2 under torchrun (for targets too large per device).
+    #: Shard the frozen target and the trained drafter (its gradients and AdamW states) with
+    #: FSDP2 under torchrun; checkpoints are then sharded (torch.distributed.checkpoint).
     fsdp: bool = False
     #: Seconds a rank waits in a collective (barrier, all-reduce, broadcast) for the other
     #: ranks before the job fails with a timeout, e.g. while rank 0 alone saves, exports or

@@ -17,8 +17,8 @@ from dflash_recipes.checkpoint.model_files import WEIGHTS_FILE
 from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
 from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.sharded_state import read_sharded_state
 from dflash_recipes.executor.model.warmstart import load_exact_weights
-from dflash_recipes.executor.training.sharded_checkpoints import read_sharded_state
 from dflash_recipes.files.run_dir import (
     EXPORT_DIR,
     SHARDED_DIR,

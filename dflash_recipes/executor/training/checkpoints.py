@@ -22,7 +22,7 @@ state is ``torch.save``'d and read back with ``weights_only=True`` (no arbitrary
 A drafter sharded over the ranks (``training.fsdp``) is saved by every rank at once
 (:func:`save_sharded_training_checkpoint`): rank 0 makes the staging directory, every rank
 writes its part of the weights and AdamW's moments into its ``sharded/`` folder
-(:mod:`~dflash_recipes.executor.training.sharded_checkpoints`, no gather to rank 0), then rank 0
+(:mod:`~dflash_recipes.executor.model.sharded_state`, no gather to rank 0), then rank 0
 adds the trainer state, the param groups and the scheduler, renames it into place and prunes,
 by the same rules. Either layout restores into either drafter: a sharded checkpoint into one
 process (or another number of ranks), a whole one into a sharded drafter (each rank cutting
@@ -52,12 +52,12 @@ from dflash_recipes.errors import CheckpointError, RunIOError
 from dflash_recipes.executor.coordination import rank0_decides
 from dflash_recipes.executor.dist_env import DistEnv
 from dflash_recipes.executor.model.convert import dflash_module
-from dflash_recipes.executor.model.warmstart import check_exact_copy, load_exact_weights
-from dflash_recipes.executor.sharded_drafter import is_sharded, local_tensor, placed_like
-from dflash_recipes.executor.training.sharded_checkpoints import (
+from dflash_recipes.executor.model.sharded_state import (
     read_sharded_state,
     write_sharded_state,
 )
+from dflash_recipes.executor.model.warmstart import check_exact_copy, load_exact_weights
+from dflash_recipes.executor.sharded_drafter import is_sharded, local_tensor, placed_like
 from dflash_recipes.files.crashsafe import (
     publish_directory,
     remove_staging_dirs,

@@ -18,7 +18,7 @@ On several ranks the drafter is either replicated or sharded:
 - ``training.fsdp: true``: the drafter is sharded with FSDP2 here, before the optimizer is
   built over its sharded parameters (:mod:`~dflash_recipes.executor.sharded_drafter`); the
   resume then loads each rank's part, and checkpoints are sharded
-  (:mod:`~dflash_recipes.executor.training.sharded_checkpoints`).
+  (:mod:`~dflash_recipes.executor.model.sharded_state`).
 """
 
 from __future__ import annotations

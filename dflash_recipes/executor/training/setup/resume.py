@@ -339,7 +339,7 @@ def restore(
     ``training.distributed_timeout_s``, with a message saying so), then restore the checkpoint
     rank 0 read. A rank that cannot read it stops every rank (CheckpointError naming the rank).
     Neither layout needs a collective to read: a sharded checkpoint is read by each rank alone
-    (:mod:`~dflash_recipes.executor.training.sharded_checkpoints`), into a sharded drafter or
+    (:mod:`~dflash_recipes.executor.model.sharded_state`), into a sharded drafter or
     not, so this order holds for both. On rank 0 the rows of steps after the checkpoint leave
     ``metrics.jsonl``: they are redone.
     """
