@@ -26,8 +26,8 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   ``training.fsdp`` does), run through the trainer's own ``step_inputs`` (taps captured by
   forward hooks, the forward stopped after the deepest tap: ``target_states``), gives
   the plain target's ``output_hidden_states`` taps, and so does a teacher objective's path
-  (``target_states`` with logits) on the sharded target; one AdamW step of a sharded drafter
-  (not something the trainer does; checked for use) equals the plain one;
+  (``target_states`` with logits) on the sharded target; one AdamW step of the drafter sharded
+  as the trainer shards it (``shard_drafter_fsdp2``) equals the plain one;
 - ``step``: a timed training step at real proportions (CUDA; tiny dims in a dry run): the
   drafter of Qwen3-8B (hidden 4096, 5 layers, 32 heads / 8 kv heads x 128, intermediate 12288,
   vocab 151936, block 16, 5 taps) on a Qwen3-8B-wide target truncated to 6 layers (built from a
@@ -115,6 +115,7 @@ from dflash_recipes.executor.model.target_states import (
     target_states,
 )
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
+from dflash_recipes.executor.sharded_drafter import shard_drafter_fsdp2
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
@@ -696,7 +697,7 @@ def _ddp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
 
 def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
     try:
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2 is there)
     except ImportError as exc:
         report.note(f"BAD  FSDP2 is not available in torch {torch.__version__}: {exc}")
         report.failed = True
@@ -745,33 +746,27 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
         rtol=1e-5,
     )
 
-    # The drafter: not sharded by the trainer (DDP); this checks FSDP2 can take it.
+    # The drafter, sharded as training.fsdp shards it (per decoder layer and at the step root).
     inputs = inputs_for(plain, plan, batch)
     drafter = dflash_module(plain)
     shard_copy = copy.deepcopy(drafter)
-    for layer in shard_copy.layers:
-        fully_shard(layer)
-    fully_shard(shard_copy)
-    # fuse_context runs outside forward: FSDP2 must gather fc/hidden_norm for it too.
-    register_fsdp_forward_method(shard_copy, "fuse_context")
+    sharded_step = DraftStep(shard_copy, lm_head(plain), plan.draft.objective)
+    shard_drafter_fsdp2(sharded_step, shard_copy.layers, env, param_dtype=None)
     results = []
-    for module in (shard_copy, drafter):
-        step = DraftStep(module, lm_head(plain), plan.draft.objective)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for step in (sharded_step, DraftStep(drafter, lm_head(plain), plan.draft.objective)):
+        optimizer = torch.optim.AdamW(step.drafter.parameters(), lr=1e-3)
         out = run_step(step, inputs, autocast=False)
         optimizer.step()
         results.append(out.loss.detach())
-    report.close("drafter loss, fully_shard vs plain", results[0], results[1], atol=1e-5, rtol=1e-5)
+    report.close(
+        "drafter loss, shard_drafter_fsdp2 vs plain", results[0], results[1], atol=1e-5, rtol=1e-5
+    )
     report.grads(
-        "drafter after one AdamW step, fully_shard vs plain",
+        "drafter after one AdamW step, shard_drafter_fsdp2 vs plain",
         shard_copy,
         drafter,
         tol=1e-5,
         full=True,
-    )
-    report.note(
-        "FSDP2 takes the drafter when fuse_context is registered "
-        "(register_fsdp_forward_method); the trainer uses DDP for it"
     )
 
 

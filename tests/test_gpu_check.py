@@ -81,6 +81,7 @@ def test_the_fsdp_check_shards_over_two_gloo_ranks() -> None:
     assert done.returncode == 0, out
     assert "gloo on the CPU, 2 process(es)" in done.stdout, out
     assert "ok   target taps, step_inputs on shard_target_fsdp2 over 2 rank(s)" in done.stdout, out
+    assert "ok   drafter loss, shard_drafter_fsdp2 vs plain" in done.stdout, out
     assert "\nPASS fsdp (" in done.stdout and "BAD" not in done.stdout, out
 
 
