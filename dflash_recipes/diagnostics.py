@@ -63,6 +63,7 @@ CODE_MODULES: tuple[str, ...] = (
     "dflash_recipes.plan.regenerate_settings",
     "dflash_recipes.compiler.server_checks",
     "dflash_recipes.compiler.codes",
+    "dflash_recipes.compiler.input_checks",
     "dflash_recipes.cli.group",
 )
 

@@ -45,12 +45,19 @@ from dflash_recipes.compiler.state import (
     Report,
 )
 from dflash_recipes.data.sources import hub_id_hint
+from dflash_recipes.diagnostics import Severity, register_code
 from dflash_recipes.errors import DataError, DFlashRecipeError
 from dflash_recipes.files.jsonio import FileReadProblem, clip, file_kind, read_regular_file
 from dflash_recipes.files.run_dir import PLAN_FILE, latest_complete_checkpoint
 from dflash_recipes.plan.parts import ResumePlan
 from dflash_recipes.plan.run_plan import RunPlan
-from dflash_recipes.recipe.choices import TRACKER_LIBRARIES
+from dflash_recipes.recipe.choices import SUPERVISED_PARTS, TRACKER_LIBRARIES
+
+DATA_SUPERVISE_UNUSED = register_code(
+    "data-supervise-unused",
+    Severity.WARNING,
+    "data.supervise leaves parts out, but without data.answer_only_loss every token is supervised",
+)
 
 
 def resolve_base_model(inputs: CompileInputs, report: Report) -> TargetFacts | None:
@@ -139,6 +146,15 @@ def check_data(inputs: CompileInputs, report: Report) -> None:
             "row's per-document mask, so packed rows cannot be read from it",
             "set data.packing: false for offline training, or drop data.hidden_states_path "
             "to train online (the target runs per packed row)",
+        )
+    if not data.answer_only_loss and tuple(data.supervise) != SUPERVISED_PARTS:
+        report.emit(
+            DATA_SUPERVISE_UNUSED,
+            "data.supervise",
+            f"data.supervise is {list(data.supervise)}, but data.answer_only_loss is false: "
+            "every token is supervised, so no part is left out of the loss",
+            "set data.answer_only_loss: true to supervise only those assistant parts, or drop "
+            "data.supervise",
         )
     fields = (
         ("data_path", data.data_path, "a JSONL file of training conversations"),

@@ -152,6 +152,20 @@ def test_a_hub_dataset_id_is_refused_with_the_download_command(
     assert "then set data.data_path to the folder" in d.hint
 
 
+def test_supervised_parts_without_answer_only_loss_are_a_warning(
+    tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
+) -> None:
+    data = {"answer_only_loss": False, "supervise": ["answer"]}
+    d = only(compile_in(tmp_path, make_recipe(data=data)), "data-supervise-unused")
+    assert d.severity is Severity.WARNING and d.path == "data.supervise"
+    assert "data.supervise is ['answer'], but data.answer_only_loss is false" in d.message
+    assert "set data.answer_only_loss: true" in d.hint  # type: ignore[operator]
+    kept = {"answer_only_loss": True, "supervise": ["answer"]}
+    assert "data-supervise-unused" not in codes(compile_in(tmp_path, make_recipe(data=kept)))
+    every = {"answer_only_loss": False}
+    assert "data-supervise-unused" not in codes(compile_in(tmp_path, make_recipe(data=every)))
+
+
 def test_an_input_without_a_conversation_column_names_its_columns(
     tmp_path: Path, make_recipe: RecipeFactory, drafter: Path
 ) -> None:
