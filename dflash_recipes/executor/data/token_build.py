@@ -120,10 +120,12 @@ def tokenize_chunk(
         except DataError as exc:
             kind = "unrenderable part" if isinstance(exc, UnrenderablePart) else "template error"
             if settings.unrenderable_rows == "error":
-                msg = (
-                    f"data row {line} ({kind}): {exc}; fix the row, or set "
-                    "data.unrenderable_rows: skip to leave such rows out (counted)"
-                )
+                msg = f"data row {line} ({kind}, data.unrenderable_rows: error): {exc}"
+                if "data.unrenderable_rows: skip" not in msg:
+                    msg += (
+                        "; fix the row or the template (data.chat_template), or set "
+                        "data.unrenderable_rows: skip to leave such rows out (counted)"
+                    )
                 raise DataError(msg) from None
             skipped.append((line, kind, str(exc)))
             continue

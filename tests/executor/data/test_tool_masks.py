@@ -5,6 +5,7 @@ a template that drops tools or tool calls is an error naming the part, or a coun
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -149,9 +150,14 @@ def test_unrenderable_rows_are_counted_skips_or_a_stop(choice: str) -> None:
         assert len(result.lengths) == 1  # the plain row trains
         assert [(line, kind) for line, kind, _ in result.skipped] == [(1, "unrenderable part")]
     else:
-        with pytest.raises(DataError, match=r"data row 1 \(unrenderable part\): .*tools.*"
-                           r"data\.unrenderable_rows: skip"):  # fmt: skip
+        with pytest.raises(DataError) as raised:
             tokenize_all([_conversation(), plain], tool_tokenizer(), settings)
+        assert str(raised.value) == (
+            "data row 1 (unrenderable part, data.unrenderable_rows: error): the chat template "
+            "renders the row's 'tools' the same as no tools (it has no tool support); set "
+            "data.chat_template to a template that renders tools, or data.unrenderable_rows: "
+            "skip to leave such rows out"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,3 +225,24 @@ def test_any_readable_row_tokenizes_or_is_a_data_error(
         return
     assert len(example.input_ids) == len(example.loss_mask) <= 512
     assert set(example.loss_mask) <= {0, 1}
+
+
+def test_a_template_that_refuses_a_turn_stops_the_build_naming_the_row_and_the_fix() -> None:
+    refusing = (
+        "{%- for m in messages -%}{%- if m['role'] == 'tool' -%}"
+        "{{ raise_exception('tool turns are not supported') }}{%- endif -%}"
+        "{{- m['role'] + ': ' + m['content'] + '\\n' -}}{%- endfor -%}"
+    )
+    settings = TokenizeSettings(refusing, True, 4096, 4, unrenderable_rows="error")
+    with pytest.raises(DataError) as raised:
+        tokenize_all([_conversation()], tool_tokenizer(), settings)
+    message = str(raised.value)
+    assert message.startswith("data row 1 (template error, data.unrenderable_rows: error): ")
+    assert "tool turns are not supported" in message
+    assert message.endswith(
+        "; fix the row or the template (data.chat_template), or set data.unrenderable_rows: "
+        "skip to leave such rows out (counted)"
+    )
+    skipping = attrs.evolve(settings, unrenderable_rows="skip")
+    result = tokenize_all([_conversation()], tool_tokenizer(), skipping)
+    assert [(line, kind) for line, kind, _ in result.skipped] == [(1, "template error")]
