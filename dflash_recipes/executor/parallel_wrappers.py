@@ -1,9 +1,10 @@
-"""How the models are spread over the ranks: DDP for the trainable drafter, FSDP2 for the target.
+"""How the target and a replicated drafter are spread over the ranks: DDP and FSDP2.
 
 :func:`wrap_ddp` averages the drafter's gradients over the ranks (each rank trains on its share
-of the global batch); :func:`shard_target_fsdp2` (``training.fsdp``) shards the frozen target's
-decoder layers when the target does not fit on one device beside the drafter. Both return the
-module unchanged for a single process.
+of the global batch; ``training.fsdp: false``); :func:`shard_target_fsdp2` (``training.fsdp``)
+shards the frozen target's decoder layers when the target does not fit on one device beside the
+drafter. Both return the module unchanged for a single process. Under ``training.fsdp`` the
+drafter is sharded too, instead of DDP: :mod:`dflash_recipes.executor.sharded_drafter`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformers import PreTrainedModel
 
 from dflash_recipes.errors import LaunchError
 from dflash_recipes.executor.dist_env import DistEnv, joined
-from dflash_recipes.executor.model.draft import DFlashDraftModel
+from dflash_recipes.executor.model.target_states import decoder_stack
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -57,10 +58,11 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
 
     Limitations:
 
-    - Only the decoder layers (the `nn.ModuleList` named `layers`, as in Hugging Face
-      Qwen3/Llama models) are sharded. Embeddings, the final norm and `lm_head` stay whole on
-      every rank, because the drafter calls `embed_tokens` and `lm_head` outside the target's
-      forward, where FSDP-sharded weights are not gathered.
+    - Only the decoder layers (the ``layers`` of the decoder stack the taps are read from,
+      :func:`~dflash_recipes.executor.model.target_states.decoder_stack`) are sharded.
+      Embeddings, the final norm and `lm_head` stay whole on every rank, because the drafter
+      calls `embed_tokens` and `lm_head` outside the target's forward, where FSDP-sharded
+      weights are not gathered.
     - Inference only: run the target under `torch.no_grad()`; it is never trained or saved
       through FSDP state dicts.
     - Every target forward all-gathers each layer's weights (communication per step); use it
@@ -84,7 +86,10 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
     if not joined(env):
         msg = "shard_target_fsdp2 needs the process group: call init_distributed(env) first"
         raise LaunchError(msg)
-    parent, layers = _find_decoder_layers(model)
+    # The decoder stack the taps are read from (a converted target's drafter is not part of it).
+    parent = decoder_stack(model)
+    layers = parent.layers
+    assert isinstance(layers, nn.ModuleList)
     restore_recording = _keep_output_recording(model)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     for layer in layers:
@@ -136,33 +141,6 @@ def _keep_output_recording(model: nn.Module) -> Callable[[], None]:
                 registry[key(module)] = records
 
     return restore
-
-
-def _find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    found: list[tuple[str, nn.Module, nn.ModuleList]] = []
-    # A converted target carries its drafter (`dflash_module.layers`): that is not the target's.
-    drafter_parts = {
-        id(part)
-        for sub in model.modules()
-        if isinstance(sub, DFlashDraftModel)
-        for part in sub.modules()
-    }
-    for name, module in model.named_modules():
-        if id(module) in drafter_parts:
-            continue
-        for child_name, child in module.named_children():
-            if child_name == "layers" and isinstance(child, nn.ModuleList) and len(child) > 0:
-                found.append((f"{name}.{child_name}" if name else child_name, module, child))
-    if len(found) != 1:
-        names = ", ".join(n for n, _, _ in found) or "none"
-        msg = (
-            "training.fsdp: cannot tell which modules are the target's decoder layers "
-            f"(expected exactly one nn.ModuleList named `layers`, found: {names}); "
-            "set training.fsdp: false"
-        )
-        raise LaunchError(msg)
-    _, parent, layers = found[0]
-    return parent, layers
 
 
 __all__ = ["shard_target_fsdp2", "wrap_ddp"]
