@@ -103,8 +103,8 @@ def _sharded_files(checkpoint: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [(), ("data.packing=true",), DOMINO],
-    ids=["padded", "packed", "domino"],
+    [(), ("data.packing=true",), DOMINO, ("training.activation_checkpointing=true",)],
+    ids=["padded", "packed", "domino", "activation-checkpointing"],
 )
 def test_a_sharded_drafter_trains_as_ddp_does(tmp_path: Path, extra: tuple[str, ...]) -> None:
     ddp, sharded = tmp_path / "ddp", tmp_path / "fsdp"
