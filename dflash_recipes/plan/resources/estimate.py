@@ -43,11 +43,8 @@ Memory per rank, in bytes:
   CUDA context and library workspaces plus :data:`FRAGMENTATION` of the activations for the
   caching allocator's fragmentation (none on CPU).
 
-``host_memory`` is what one process holds in host memory while it loads (not a device
-figure): the target as read (whole; with ``training.fsdp`` over several ranks only what stays
-whole on every rank, the decoder layers read shard by shard by
-:mod:`~dflash_recipes.executor.model.meta_load`, one tensor's rows at a time) and the drafter,
-built whole on the host in the master dtype before it moves to the device.
+``host_memory`` is what one process holds in host memory while it loads, not a device figure
+(:mod:`~dflash_recipes.plan.resources.host_memory`).
 
 What would fit a smaller device is :mod:`~dflash_recipes.plan.resources.fit`'s (loaded
 only when a plan does not fit). The activation model is validated against real training steps by
@@ -67,6 +64,7 @@ from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec
 from dflash_recipes.errors import ResourceError
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 from dflash_recipes.plan.resources.chunk_budget import logits_budget
+from dflash_recipes.plan.resources.host_memory import NOTHING_LOADED, HostMemory, host_memory
 from dflash_recipes.plan.resources.target_dims import (
     TargetDims,
     decoder_layer_index,
@@ -126,24 +124,6 @@ class MemoryPerRank(Record):
             + self.activations
             + self.allowance
         )
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class HostMemory(Record):
-    """Bytes one process holds in host memory while it loads, at most (not the device's)."""
-
-    #: The target as read into the host: all of it, or with a sharded load the tensors kept
-    #: whole on every rank plus one decoder tensor's rows.
-    target: int
-    #: The drafter, built whole on the host in the master dtype before it moves.
-    drafter: int
-    #: The target is read shard by shard (``training.fsdp`` on several ranks, decoder loaded).
-    sharded_load: bool
-
-    @property
-    def total(self) -> int:
-        """Both together."""
-        return self.target + self.drafter
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -245,7 +225,7 @@ class ResourcePlan(Record):
     #: The drafter, its gradients and AdamW's moments are sharded (training.fsdp, several ranks).
     drafter_sharded: bool = False
     #: Host memory of one process while it loads.
-    host_memory: HostMemory = HostMemory(target=0, drafter=0, sharded_load=False)
+    host_memory: HostMemory = NOTHING_LOADED
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form: fixed keys (scripts rely on them), bytes and counts as integers."""
@@ -572,7 +552,7 @@ def estimate_resources(
         activations=activations,
         allowance=allowance,
     )
-    host = _host_memory(target, pd, drafter_numel * mb, decoder_loaded=decoder_loaded, fsdp=fsdp)
+    host = host_memory(target, pd, drafter_numel * mb, decoder_loaded=decoder_loaded, fsdp=fsdp)
 
     # -- step -----------------------------------------------------------------------------
     rows = b * world_size * training.gradient_accumulation_steps
@@ -657,27 +637,6 @@ def estimate_resources(
         drafter_sharded=fsdp,
         host_memory=host,
     )
-
-
-def _host_memory(
-    target: TargetDims, pd: int, drafter_bytes: int, *, decoder_loaded: bool, fsdp: bool
-) -> HostMemory:
-    """What one process reads into host memory while it loads (see the module docstring)."""
-    whole = 0
-    layer_tensors = []
-    for name, shape in target.shapes.items():
-        if is_decoder_layer_tensor(name):
-            layer_tensors.append(math.prod(shape))
-        else:
-            whole += math.prod(shape)
-    sharded_load = fsdp and decoder_loaded
-    if not decoder_loaded:
-        read = whole
-    elif sharded_load:
-        read = whole + max(layer_tensors, default=0)  # one tensor's rows in flight, at most
-    else:
-        read = whole + sum(layer_tensors)
-    return HostMemory(target=read * pd, drafter=drafter_bytes, sharded_load=sharded_load)
 
 
 def gib(value: int) -> str:
