@@ -27,6 +27,7 @@ from dflash_recipes.files.capture_manifest import (
     read_manifest,
     shard_problem,
 )
+from dflash_recipes.recipe.choices import SUPERVISED_PARTS
 from dflash_recipes.records import Record
 
 _E, _W = Severity.ERROR, Severity.WARNING
@@ -51,7 +52,9 @@ CAPTURE_SEQ_LEN_MISMATCH = _code(
     "capture-seq-len-mismatch", _E, "the capture was truncated at another training_seq_len"
 )
 CAPTURE_LOSS_MASK_MISMATCH = _code(
-    "capture-loss-mask-mismatch", _E, "the capture's loss masks follow another answer_only_loss"
+    "capture-loss-mask-mismatch",
+    _E,
+    "the capture's loss masks follow another answer_only_loss or data.supervise",
 )
 CAPTURE_NO_TEACHER_STATES = _code(
     "capture-no-teacher-states",
@@ -106,6 +109,8 @@ class CaptureExpectation(Record):
     #: sha256 of data.data_path, or None when the recipe names no data file.
     data_sha256: str | None = None
     block_size: int | None = None
+    #: data.supervise (the parts of an assistant turn the loss masks keep).
+    supervise: tuple[str, ...] = SUPERVISED_PARTS
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -171,6 +176,17 @@ def check_manifest(manifest: CaptureManifest, expect: CaptureExpectation) -> lis
                 f"the capture's loss masks were made with answer_only_loss {value}, the plan "
                 f"says {str(expect.answer_only_loss).lower()}",
                 f"set data.answer_only_loss: {value}, or {RECAPTURE}",
+            )
+        )
+    kept = manifest.supervise if manifest.supervise is not None else SUPERVISED_PARTS
+    if expect.answer_only_loss and manifest.answer_only_loss and set(kept) != set(expect.supervise):
+        value = ", ".join(kept)
+        found.append(
+            CaptureFinding(
+                CAPTURE_LOSS_MASK_MISMATCH,
+                f"the capture's loss masks supervise [{value}] of each assistant turn, the plan's "
+                f"data.supervise is [{', '.join(expect.supervise)}]",
+                f"set data.supervise: [{value}], or {RECAPTURE}",
             )
         )
     if expect.needs_last_hidden and not manifest.last_hidden_state:

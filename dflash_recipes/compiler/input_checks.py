@@ -259,6 +259,7 @@ def check_capture(
         dtype=recipe.model.dtype,
         training_seq_len=recipe.training.training_seq_len,
         answer_only_loss=data.answer_only_loss,
+        supervise=tuple(data.supervise),
         needs_last_hidden=needs_teacher(
             inputs.arch.projector_type,
             ObjectiveTerms(

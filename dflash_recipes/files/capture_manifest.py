@@ -272,6 +272,9 @@ class CaptureManifest(Record):
     shards: tuple[ShardEntry, ...]
     #: False until every shard is written and sized.
     complete: bool = False
+    #: The parts of an assistant turn the loss masks supervise (``data.supervise``); None in a
+    #: capture made before the setting existed, whose masks supervise every part.
+    supervise: tuple[str, ...] | None = None
 
     def identity(self) -> dict[str, object]:
         """Everything but the progress fields: two captures with equal identities are equal."""
@@ -288,6 +291,7 @@ class CaptureManifest(Record):
         """The JSON object of ``manifest.json`` (format and version first)."""
         body = attrs.asdict(self, recurse=True)
         body["target_layer_ids"] = list(self.target_layer_ids)
+        body["supervise"] = None if self.supervise is None else list(self.supervise)
         body["shards"] = [attrs.asdict(s) for s in self.shards]
         return {"format": CAPTURE_FORMAT, "format_version": CAPTURE_FORMAT_VERSION, **body}
 
@@ -375,6 +379,13 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
     if len(taps) > MAX_LIST_ENTRIES or max(taps) > MAX_LAYER_INDEX:
         want = f"at most {MAX_LIST_ENTRIES} layer ids in [0, {MAX_LAYER_INDEX}]"
         raise bad(f"target_layer_ids must be {want}")
+    supervise = raw.get("supervise")
+    if supervise is not None and (
+        not isinstance(supervise, list)
+        or len(supervise) > MAX_LIST_ENTRIES
+        or not all(isinstance(part, str) and 0 < len(part) <= _MAX_NAME for part in supervise)
+    ):
+        raise bad("supervise must be null or a list of the supervised parts' names")
     dtype = raw.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is not hashable
         dtype = None
@@ -427,6 +438,7 @@ def parse_manifest(text: str, where: str) -> CaptureManifest:
         data_path=raw.get("data_path"),
         data_sha256=raw.get("data_sha256"),
         answer_only_loss=raw["answer_only_loss"],
+        supervise=None if supervise is None else tuple(supervise),
         target_layer_ids=tuple(taps),
         hidden_size=raw["hidden_size"],
         dtype=raw["dtype"],

@@ -110,6 +110,11 @@ def test_other_taps_are_an_error_naming_both_lists(capture: Path) -> None:
         ),
         ("data.answer_only_loss=false", "capture-loss-mask-mismatch", "answer_only_loss: true"),
         (
+            "data.supervise=[answer]",
+            "capture-loss-mask-mismatch",
+            "set data.supervise: [answer, tool_calls, reasoning]",
+        ),
+        (
             "dflash.dflash_self_logit_distillation=true",
             "capture-no-teacher-states",
             "rerun `dflash-recipe capture",
@@ -352,6 +357,29 @@ def test_each_manifest_check_gives_one_finding_word_for_word(code: str) -> None:
     changes, expect_changes, message, hint = MANIFEST_CASES[code]
     found = check_manifest(_manifest(**changes), attrs.evolve(_EXPECT, **expect_changes))
     assert [(f.code, f.message, f.hint) for f in found] == [(code, message, hint)]
+
+
+def test_a_capture_supervising_other_parts_is_named_with_both_lists() -> None:
+    """Issue 52's data.supervise: a capture whose masks keep other parts of a turn trains on
+    them; one made before the setting (none recorded) kept every part."""
+    found = check_manifest(_manifest(supervise=("answer",)), _EXPECT)
+    assert [(f.code, f.message, f.hint) for f in found] == [
+        (
+            "capture-loss-mask-mismatch",
+            "the capture's loss masks supervise [answer] of each assistant turn, the plan's "
+            "data.supervise is [answer, tool_calls, reasoning]",
+            f"set data.supervise: [answer], or {_RE}",
+        )
+    ]
+    assert check_manifest(_manifest(supervise=None), _EXPECT) == []  # an older capture: all
+    assert check_manifest(_manifest(supervise=("reasoning", "answer", "tool_calls")), _EXPECT) == []
+    one = attrs.evolve(_EXPECT, supervise=("answer",))
+    assert [f.code for f in check_manifest(_manifest(supervise=None), one)] == [
+        "capture-loss-mask-mismatch"
+    ]
+    # every token supervised on both sides: which parts were named does not matter
+    everything = attrs.evolve(_EXPECT, answer_only_loss=False, supervise=("answer",))
+    assert check_manifest(_manifest(answer_only_loss=False), everything) == []
 
 
 def test_one_differing_model_file_is_named_alone() -> None:

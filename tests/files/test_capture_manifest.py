@@ -74,6 +74,10 @@ def test_a_written_manifest_reads_back_equal() -> None:
     written = manifest()
     again = parse_manifest(written.to_json(), "m")
     assert again.to_dict() == written.to_dict()
+    parts = manifest(supervise=("answer", "tool_calls"))
+    assert parse_manifest(parts.to_json(), "m").supervise == ("answer", "tool_calls")
+    older = {k: v for k, v in raw().items() if k != "supervise"}  # before data.supervise
+    assert parse_manifest(json.dumps(older), "m").supervise is None
     assert json.loads(written.to_json())["format_version"] == 2
     assert written.to_json().endswith("}\n")
     # progress fields are not identity: a half-written capture is the same capture
@@ -119,6 +123,14 @@ def test_each_flag_is_true_or_false(name: str) -> None:
         (
             {"base_model_path": None},
             "dtype must be one of float32, bfloat16, float16 and base_model_path a string",
+        ),
+        (
+            {"supervise": "answer"},
+            "supervise must be null or a list of the supervised parts' names",
+        ),
+        (
+            {"supervise": ["answer", 3]},
+            "supervise must be null or a list of the supervised parts' names",
         ),
         ({"shards": {}}, "shards must be a list"),
         ({"shards": ["shard-00000.safetensors"]}, "shards[0] must be an object with a file name"),

@@ -131,6 +131,7 @@ def planned_manifest(
         data_path=data_path,
         data_sha256=input_sha256(Path(data_path)) if data_path is not None else None,
         answer_only_loss=plan.data.answer_only_loss,
+        supervise=tuple(plan.data.supervise),
         target_layer_ids=taps,
         hidden_size=facts.hidden_size,
         dtype=dtype,

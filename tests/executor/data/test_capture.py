@@ -66,6 +66,7 @@ def test_offline_training_equals_online(
     assert summary.complete and summary.shards > 2
     manifest = read_manifest(tmp_path / "capture")
     assert manifest.last_hidden_state == (variant == "self-distillation")
+    assert manifest.supervise == online.data.supervise  # compile compares it (issue 52)
 
     offline = _plan(tmp_path, "offline", *extra, f"data.hidden_states_path={tmp_path / 'capture'}")
     run_plan(online, progress=False)
