@@ -4,7 +4,7 @@ plan's estimated memory per rank (:mod:`~dflash_recipes.plan.resources.estimate`
 Imported only on that path, so a compile that fits pays nothing for it. The compiler turns the
 advice into the `resources-exceed-device` diagnostic
 (:func:`~dflash_recipes.compiler.resource_report.device_diagnostic`); `run` refuses with the same
-message and hint (:mod:`~dflash_recipes.executor.training.device_memory`).
+message and hint (:mod:`~dflash_recipes.executor.training.setup.device_memory`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from dflash_recipes.executor.model.target_states import check_packed_isolation
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
 from dflash_recipes.executor.sharded_drafter import shard_drafter_fsdp2
-from dflash_recipes.executor.training.device_memory import check_device_memory
+from dflash_recipes.executor.training.setup.device_memory import check_device_memory
 from dflash_recipes.executor.training.setup.precision import autocast_dtype, master_dtype
 from dflash_recipes.executor.training.step import DraftStep
 from dflash_recipes.plan.run_plan import RunPlan

@@ -10,7 +10,7 @@ import torch
 from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.errors import ResourceError
-from dflash_recipes.executor.training.device_memory import check_device_memory
+from dflash_recipes.executor.training.setup.device_memory import check_device_memory
 from dflash_recipes.executor.training.fit import run_plan
 from dflash_recipes.files.run_dir import EXPORT_DIR
 from dflash_recipes.plan.resources.estimate import GIB, estimate_resources
@@ -112,7 +112,7 @@ def test_the_check_sizes_the_loss_chunks_from_the_devices_memory(tmp_path: Path)
     from dflash_recipes.plan.resources.estimate import gib
 
     make_fixture(tmp_path, target_weights=True)
-    recipe = Path(__file__).resolve().parents[3] / "recipes/Qwen/Qwen3-8B/hf_online_dflash.yaml"
+    recipe = Path(__file__).resolve().parents[4] / "recipes/Qwen/Qwen3-8B/hf_online_dflash.yaml"
     result = compile_file(
         recipe,
         overrides=(
