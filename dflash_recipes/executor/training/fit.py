@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import nullcontext
 from pathlib import Path
 
 import attrs
-import torch
-from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from dflash_recipes.errors import (
@@ -55,7 +52,6 @@ from dflash_recipes.executor.model.export import export_drafter
 from dflash_recipes.executor.sharded_drafter import whole_drafter_on_rank0
 from dflash_recipes.executor.signals import Abandoned, SignalWatch, abandoned_run, stopped_run
 from dflash_recipes.executor.training.eval_policy import EvalPolicy, schedule_line
-from dflash_recipes.executor.training.loss import LossOutput
 from dflash_recipes.executor.training.metrics import (
     MetricWindow,
     accuracies,
@@ -65,17 +61,9 @@ from dflash_recipes.executor.training.metrics import (
 from dflash_recipes.executor.training.nonfinite import NonfiniteSteps
 from dflash_recipes.executor.training.progress_bar import ProgressBar
 from dflash_recipes.executor.training.save_policy import SavePolicy
-from dflash_recipes.executor.training.setup.accumulation import GradientAccumulation
-from dflash_recipes.executor.training.setup.models import Models, build_models
+from dflash_recipes.executor.training.setup.models import Models
 from dflash_recipes.executor.training.setup.optimizer import (
     Optimization,
-    build_optimization,
-    clip_gradients,
-)
-from dflash_recipes.executor.training.setup.precision import (
-    apply_tf32,
-    autocast_dtype,
-    build_grad_scaler,
 )
 from dflash_recipes.executor.training.setup.prefetch import Prefetch, PreparedBatch, prepare_batch
 from dflash_recipes.executor.training.setup.resume import (
@@ -86,11 +74,11 @@ from dflash_recipes.executor.training.setup.resume import (
     world_size_change,
 )
 from dflash_recipes.executor.training.setup.train_data import TrainData, build_train_data
-from dflash_recipes.executor.training.step import step_inputs
 from dflash_recipes.executor.training.summary import TrainSummary
 from dflash_recipes.executor.training.trackers.fanout import TrackerSet, open_trackers
 from dflash_recipes.executor.training.trackers.protocol import Outcome
 from dflash_recipes.executor.training.trackers.registry import check_tracker_libraries
+from dflash_recipes.executor.training.train_step import TrainStep, build_step, optimizer_step
 from dflash_recipes.files.crashsafe import write_text_atomic
 from dflash_recipes.files.export_target import check_export_target
 from dflash_recipes.files.metrics_rows import KEY_ACCEPTANCE_LENGTH_ESTIMATE, last_train_row
@@ -166,28 +154,46 @@ def run_plan(
 
 @attrs.define(eq=False)
 class Run:
-    """What :func:`setup` builds for :func:`fit` and :func:`finish`."""
+    """What :func:`setup` builds for :func:`fit` and :func:`finish`: the training step's parts
+    (:class:`~dflash_recipes.executor.training.train_step.TrainStep`) and what a run adds."""
 
-    plan: RunPlan
-    #: The drafter the plan resolves to (block size, label shift, taps).
-    spec: ResolvedDraft
-    env: DistEnv
+    #: The models, optimizer, precision and loss settings (:func:`.train_step.build_step`).
+    train: TrainStep
     output_dir: Path
     tokenizer: PreTrainedTokenizerBase
     data: TrainData
-    models: Models
-    optimization: Optimization
     #: Where training starts (step 0 of epoch 0 for a fresh run).
     start: ResumePoint
     #: Where the metrics rows go: metrics.jsonl and training.report_to (rank 0; else nowhere).
     trackers: TrackerSet
     evaluation: EvalPolicy
     saving: SavePolicy
-    accumulation: GradientAccumulation
-    #: The skip of a step whose gradient norm is NaN or Inf, and its counters (:mod:`.nonfinite`).
-    nonfinite: NonfiniteSteps
-    #: Loss scaling of a float16-autocast step (:mod:`~.setup.precision`); None: none.
-    scaler: torch.amp.GradScaler | None = None
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.train.plan
+
+    @property
+    def spec(self) -> ResolvedDraft:
+        """The drafter the plan resolves to (block size, label shift, taps)."""
+        return self.train.spec
+
+    @property
+    def env(self) -> DistEnv:
+        return self.train.env
+
+    @property
+    def models(self) -> Models:
+        return self.train.models
+
+    @property
+    def optimization(self) -> Optimization:
+        return self.train.optimization
+
+    @property
+    def nonfinite(self) -> NonfiniteSteps:
+        """The skip of a step whose gradient norm is NaN or Inf, and its counters."""
+        return self.train.nonfinite
 
 
 def setup(
@@ -201,24 +207,23 @@ def setup(
     """Every part of the run from its builder, then plan.json and the trackers. Data problems
     stop the run here, before anything is written to output_dir."""
     output_dir = Path(plan.training.output_dir)
-    apply_tf32(plan, env.device)  # training.tf32, on CUDA only
     chosen = resume_checkpoint(plan, env)  # rank 0 decides, every rank receives
     if is_main(env):  # refuse now, not after hours of training
         check_export_target(output_dir / EXPORT_DIR)
     tokenizer = load_tokenizer(plan)
     data = build_train_data(plan, tokenizer, env, verify_capture=verify_capture)
     try:  # a failure from here on stops the servers' client too (a served target)
-        models = build_models(
+        train = build_step(
             plan,
-            env,
+            env=env,
             offline=data.offline,
             warm=chosen is None,
+            batches_per_epoch=data.batches_per_epoch,
             max_chunk_logits=max_chunk_logits,
             skip_memory_check=skip_memory_check,
+            wrap=False,  # after the restore: the restored drafter is the one wrapped
         )
-        optimization = build_optimization(
-            plan, models.trainable, batches_per_epoch=data.batches_per_epoch
-        )
+        models, optimization = train.models, train.optimization
         start = restore(
             chosen,
             output_dir,
@@ -252,14 +257,10 @@ def setup(
                 timeout_s=plan.training.distributed_timeout_s,
             )
             return Run(
-                plan=plan,
-                spec=plan.resolved_draft(),
-                env=env,
+                train=train,
                 output_dir=output_dir,
                 tokenizer=tokenizer,
                 data=data,
-                models=models,
-                optimization=optimization,
                 start=start,
                 trackers=trackers,
                 evaluation=EvalPolicy(
@@ -272,13 +273,6 @@ def setup(
                     held_out=data.held_out,
                 ),
                 saving=SavePolicy(plan, env, models, optimization),
-                accumulation=GradientAccumulation(
-                    plan.training.gradient_accumulation_steps, models.trainable, env
-                ),
-                nonfinite=NonfiniteSteps(
-                    plan.training.max_nonfinite_steps, env.device, output_dir=output_dir
-                ),
-                scaler=build_grad_scaler(plan, env.device),
             )
         except BaseException:
             trackers.close("failed")
@@ -328,9 +322,12 @@ def fit(
     finished, saved = position, True
     models.training_modes()
     with Prefetch(_prepared_batches(run), background=prefetch) as batches:
-        for step in range(run.start.step, opt.total_steps):
-            opt.optimizer.zero_grad(set_to_none=True)
-            for micro in range(training.gradient_accumulation_steps):
+
+        def micro_batches() -> Iterator[PreparedBatch]:
+            """This step's micro-batches; a served target's failure stops the run here,
+            with every finished step saved (a rerun resumes exactly)."""
+            nonlocal position
+            for _ in range(run.train.micro_batches):
                 try:
                     prepared, failed = next(batches), None
                 except TargetServerError as exc:
@@ -339,9 +336,9 @@ def fit(
                 # rank's servers failed (a CPU all-reduce), so all stop together
                 served = run.data.served is not None
                 if vote.any_rank(failed is not None) if served else failed is not None:
-                    # keep every finished step, then stop (a rerun resumes exactly)
                     if not saved:
-                        run.saving.save(progress.done, finished, nonfinite.check(progress.done))
+                        done_so_far = progress.done
+                        run.saving.save(done_so_far, finished, nonfinite.check(done_so_far))
                     if failed is not None:
                         raise failed
                     msg = (
@@ -351,16 +348,13 @@ def fit(
                     )
                     raise TargetServerUnavailable(msg)
                 position = (prepared.batch.epoch, prepared.batch.next_index)
-                last = micro == training.gradient_accumulation_steps - 1
-                with models.gradient_sync(last_micro_batch=last):
-                    window.add(*micro_step(run, prepared, step=step))
-            if run.scaler is not None:  # clip the true gradients
-                run.scaler.unscale_(opt.optimizer)
-            grad_norm = clip_gradients(models.trainable, training.max_grad_norm)
-            window.add_grad_norm(grad_norm)
-            # a NaN/Inf norm: fused AdamW's found_inf leaves weights and moments, no host sync
-            nonfinite.step(opt.optimizer, grad_norm, step=step, scaler=run.scaler)
-            opt.scheduler.step()  # advances on a skipped step too, as under GradScaler
+                yield prepared
+
+        for step in range(run.start.step, opt.total_steps):
+            out = optimizer_step(run.train, micro_batches(), index=step)
+            for result, tokens in out.micro:
+                window.add(result, tokens)
+            window.add_grad_norm(out.grad_norm)
             done = progress.done = step + 1
             finished, saved = position, False
             bar.advance()
@@ -399,37 +393,6 @@ def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:
             num_anchors=plan.draft.objective.num_anchors,
             states=run.data.captured_states if run.data.offline else None,
         )
-
-
-def micro_step(run: Run, prepared: PreparedBatch, *, step: int) -> tuple[LossOutput, Tensor]:
-    """One micro-batch: the step's inputs, forward and backward. Returns the step's loss
-    output and the batch's token count (a tensor: no host sync)."""
-    plan, device = run.plan, run.env.device
-    spec, objective = run.spec, plan.draft.objective
-    captured = prepared.captured_on(device)  # offline: the target's stored states
-    on_device, drawn = prepared.to(device)
-    inputs = step_inputs(
-        run.models.target,
-        spec,
-        objective,
-        on_device,
-        drawn,
-        step=step,
-        total_steps=run.optimization.total_steps,
-        captured=captured,
-        mask=prepared.mask,
-    )
-    dtype = autocast_dtype(device.type, plan.base_model.dtype)
-    autocast = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-    with autocast:
-        result: LossOutput = run.models.step(inputs)
-    # Normalised by the global weight sum of the whole step (DDP, accumulation).
-    loss = run.accumulation.loss(result)
-    if run.scaler is not None:
-        loss = run.scaler.scale(loss)
-    loss.backward()  # type: ignore[no-untyped-call]
-    run.accumulation.after_backward(result)
-    return result, on_device.attention_mask.sum()
 
 
 def _log_window(
@@ -503,4 +466,4 @@ def finish(run: Run, progress: Progress) -> TrainSummary:
     return summary
 
 
-__all__ = ["Progress", "Run", "finish", "fit", "micro_step", "run_plan", "setup"]
+__all__ = ["Progress", "Run", "finish", "fit", "run_plan", "setup"]

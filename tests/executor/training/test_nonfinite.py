@@ -18,6 +18,7 @@ from testkit.compiling import tiny_scratch_plan
 from torch import Tensor, nn
 
 import dflash_recipes.executor.training.fit as fit_module
+import dflash_recipes.executor.training.train_step as train_step_module
 from dflash_recipes.errors import TrainingDivergedError
 from dflash_recipes.executor.training.checkpoints import prune_checkpoints
 from dflash_recipes.files.run_dir import checkpoint_dir_name, complete_checkpoints
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _inject_nan(monkeypatch: pytest.MonkeyPatch, steps: Collection[int]) -> None:
     """Make the gradient of the first trainable parameter NaN at `steps` (1-based)."""
-    clip = fit_module.clip_gradients
+    clip = train_step_module.clip_gradients
     calls = [0]
 
     def clip_with_nan(params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -38,7 +39,7 @@ def _inject_nan(monkeypatch: pytest.MonkeyPatch, steps: Collection[int]) -> None
             grad.fill_(float("nan"))
         return clip(params, max_norm)
 
-    monkeypatch.setattr(fit_module, "clip_gradients", clip_with_nan)
+    monkeypatch.setattr(train_step_module, "clip_gradients", clip_with_nan)
 
 
 def _weights(checkpoint: Path) -> dict[str, Tensor]:

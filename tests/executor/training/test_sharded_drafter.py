@@ -285,9 +285,9 @@ def _nan_hook() -> None:
     step = os.environ.get("DFLASH_TEST_NAN_STEP")
     if not step or os.environ.get("RANK") != "1":
         return
-    import dflash_recipes.executor.training.fit as fit_module
+    import dflash_recipes.executor.training.train_step as train_step_module
 
-    clip = fit_module.clip_gradients
+    clip = train_step_module.clip_gradients
     calls = [0]
 
     def clip_with_nan(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -298,7 +298,7 @@ def _nan_hook() -> None:
             grad.fill_(float("nan"))
         return clip(params, max_norm)
 
-    fit_module.clip_gradients = clip_with_nan  # type: ignore[assignment]
+    train_step_module.clip_gradients = clip_with_nan  # type: ignore[assignment]
 
 
 def _slow_save_hook() -> None:

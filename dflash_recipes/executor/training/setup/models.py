@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import attrs
 from torch import nn
+from transformers import PreTrainedModel
 
 from dflash_recipes.checkpoint.kinds.registry import needs_teacher
 from dflash_recipes.executor.data.offline import load_target_without_decoder
@@ -101,6 +102,7 @@ def build_models(
     warm: bool,
     max_chunk_logits: int | None,
     skip_memory_check: bool = False,
+    loaded_target: PreTrainedModel | None = None,
 ) -> Models:
     """Load and place the target and the drafter as the plan says.
 
@@ -108,7 +110,8 @@ def build_models(
     measured evaluation needs it. `warm`: a fresh run (warm-start the drafter); a resume
     restores the drafter's weights afterwards instead. `max_chunk_logits` bounds the logits one
     chunk of blocks holds (None: the step's default). `skip_memory_check`: a plan the estimate
-    says will not fit is warned about, not refused (``run --skip-memory-check``).
+    says will not fit is warned about, not refused (``run --skip-memory-check``). `loaded_target`:
+    the frozen target already in memory (the drafter is attached to it), instead of loading it.
     """
     training = plan.training
     # Offline, the decoder runs only for measured evaluation (speculative decoding needs it).
@@ -122,7 +125,9 @@ def build_models(
         skip=skip_memory_check,
     )
     sharded_target = training.fsdp and env.is_distributed
-    if needs_decoder and sharded_target:
+    if loaded_target is not None:
+        base = loaded_target
+    elif needs_decoder and sharded_target:
         # No full copy per process: the decoder layers stay on meta until they are sharded.
         base = load_target_on_meta(plan)
     else:
@@ -134,7 +139,8 @@ def build_models(
     if sharded_target:
         # Shard before moving: each decoder layer reaches the device already sharded.
         shard_target_fsdp2(target, env)
-        materialize_target(target, plan, env.device)  # each rank reads the rows it keeps
+        if loaded_target is None:  # each rank reads the rows it keeps
+            materialize_target(target, plan, env.device)
     else:
         nn.Module.to(target, env.device)
     if plan.data.packing and not offline:
