@@ -17,10 +17,12 @@ rotates every round, so a noisy neighbour slows all three alike); figures are me
   cross-entropy and ``argmax`` accuracy, and the old per-step host syncs (loss, counts,
   gradient norm and tokens read back every step); the old step's always-built prefix tokens
   are gone from the code and no longer reproduced;
-- ``after``: the trainer's own code path: ``prefetch.prepare_batch`` (anchors and the split
-  mask; the loop runs it on its prefetch thread, here it runs inside the step), then
-  ``fit.micro_step`` (``step_inputs``, ``DraftStep``, backward), ``clip_gradients``, the AdamW
-  of ``build_optimizer`` and the trainer's metric window;
+- ``after``: what ``run`` runs, through the step library (issue 53): the step from
+  ``train_step.build_step`` (the target loaded from the plan, the drafter, AdamW and the
+  schedule), ``prepare_rows`` (anchors and the split mask through the prefetch thread's
+  function; the loop runs it on that thread, here it runs inside the step), then
+  ``optimizer_step`` (``step_inputs``, ``DraftStep``, backward, clipping, the non-finite
+  guard, AdamW, the schedule) and the trainer's metric window;
 - ``plain``: a plain PyTorch step written here: the same target forward, anchors from one
   ``torch.rand`` + ``topk``, one packed drafter forward under the dense block mask, lm_head,
   the decay-weighted cross-entropy, backward, ``clip_grad_norm_`` and a default ``AdamW``
@@ -28,8 +30,14 @@ rotates every round, so a noisy neighbour slows all three alike); figures are me
 
 Each step is split into target forward, drafter forward (fusion, drafter, lm_head, loss),
 backward, optimizer (clipping, AdamW, zero_grad, scheduler) and everything else (anchors, mask,
-embeddings, labels, metrics). Targets: at ``tiny`` the project's step is no slower than the
-plain step within 5% (plain / after >= 0.95); at the medium shapes after is no slower than
+embeddings, labels, metrics). In ``after`` nothing of the step is replaced: the target forward
+is the one phase function wrapped (``step.target_states``, as in the other two), the drafter
+forward is timed by forward hooks on the step module, the backward ends at the last gradient
+accumulated (parameter hooks), and the optimizer phase runs from there to the end of
+``optimizer_step`` (its ``zero_grad``, at the start, counts as everything else).
+
+Targets: at ``tiny`` the project's step is no slower than the plain step within 5%
+(plain / after >= 0.95); at the medium shapes after is no slower than
 before (before / after >= 1, within the same 5% of noise).
 """
 
@@ -45,7 +53,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -57,11 +64,8 @@ from dflash_recipes.executor.data.train_dataset import Batch
 from dflash_recipes.executor.dist_env import detect_dist_env
 from dflash_recipes.executor.kinds import dflash as dflash_kind
 from dflash_recipes.executor.model.convert import (
-    convert,
-    dflash_module,
     embed_tokens,
     lm_head,
-    load_base_model,
 )
 from dflash_recipes.executor.model.masks import build_dense_block_mask, build_split_block_mask
 from dflash_recipes.executor.model.target_states import target_states
@@ -74,11 +78,13 @@ from dflash_recipes.executor.training.anchors import (
     block_labels,
     sample_anchors,
 )
-from dflash_recipes.executor.training.fit import micro_step
-from dflash_recipes.executor.training.setup.accumulation import GradientAccumulation
-from dflash_recipes.executor.training.setup.optimizer import build_optimizer, clip_gradients
-from dflash_recipes.executor.training.setup.prefetch import prepare_batch
 from dflash_recipes.executor.training.step import DraftStep, step_inputs
+from dflash_recipes.executor.training.train_step import (
+    TrainStep,
+    build_step,
+    optimizer_step,
+    prepare_rows,
+)
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +106,14 @@ class Timer:
 
     def __init__(self) -> None:
         self.spent = dict.fromkeys(PHASES, 0.0)
+        self.started: dict[str, float] = {}
+
+    def start(self, name: str, at: float | None = None) -> None:
+        self.started[name] = time.perf_counter() if at is None else at
+
+    def stop(self, name: str, at: float | None = None) -> None:
+        ended = time.perf_counter() if at is None else at
+        self.spent[name] += ended - self.started.pop(name)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -150,6 +164,7 @@ class Shape:
             overrides=(
                 f"model.model_name_or_path={target_dir}",
                 "training.output_dir=/tmp/dflash-bench-unused",
+                "training.max_steps=1000",
                 f"training.per_device_train_batch_size={batch}",
                 f"training.training_seq_len={seq}",
                 f"dflash.dflash_block_size={block}",
@@ -166,10 +181,12 @@ class Shape:
         self.plan = result.plan
         self.spec = self.plan.resolved_draft()
         self.objective = self.plan.draft.objective
-        self.model = convert(load_base_model(self.plan), self.plan)
-        self.model.train(False)
-        drafter = dflash_module(self.model)
-        drafter.float()
+        self.env = detect_dist_env("cpu", {})
+        # The measured step, built as run builds it (the target from the plan's folder).
+        self.train: TrainStep = build_step(self.plan, env=self.env)
+        self.train.models.training_modes()
+        self.model = self.train.models.target
+        drafter = self.train.models.drafter
         self.head = lm_head(self.model)
         self.embed = embed_tokens(self.model)
         gen = torch.Generator().manual_seed(1)
@@ -177,7 +194,8 @@ class Shape:
         ones = torch.ones_like(ids)
         self.batch = Batch(ids, ones, ones.clone(), epoch=0, next_index=batch)
         self.seq, self.anchors, self.block, self.heads = seq, anchors, block, heads
-        self.drafters = {v: copy.deepcopy(drafter) for v in ("before", "after", "plain")}
+        # The baselines' own copies of the same (untrained) drafter.
+        self.drafters = {v: copy.deepcopy(drafter) for v in ("before", "plain")}
         for d in self.drafters.values():
             d.train(True)
         lr, wd = self.plan.training.learning_rate, self.plan.training.weight_decay
@@ -190,19 +208,38 @@ class Shape:
             "before": torch.optim.AdamW(
                 self.params["before"], lr=lr, weight_decay=wd, foreach=False
             ),
-            "after": build_optimizer(self.params["after"], lr=lr, weight_decay=wd),
             "plain": torch.optim.AdamW(self.params["plain"], lr=lr, weight_decay=wd),
         }
         self.schedulers = {
             v: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0)
             for v, o in self.optimizers.items()
         }
-        self.steps = {
-            v: DraftStep(self.drafters[v], self.head, self.objective) for v in ("before", "after")
-        }
+        self.steps = {"before": DraftStep(self.drafters["before"], self.head, self.objective)}
         self.window = metrics_module.MetricWindow(block)
-        self.env = detect_dist_env("cpu", {})
         self.step_count = 0
+        self._hook_after_phases()
+
+    def _hook_after_phases(self) -> None:
+        """Timing hooks on the measured step (nothing of it replaced): the step module's
+        forward, and each trainable parameter's gradient accumulation (the backward's end)."""
+        models = self.train.models
+
+        def forward_started(_module: nn.Module, _args: object) -> None:
+            _current[-1].start("drafter forward")
+
+        def forward_ended(_module: nn.Module, _args: object, _out: object) -> None:
+            timer = _current[-1]
+            timer.stop("drafter forward")
+            timer.start("backward")
+
+        def accumulated(_param: Tensor) -> None:
+            self.backward_ended = time.perf_counter()
+
+        models.step.register_forward_pre_hook(forward_started)
+        models.step.register_forward_hook(forward_ended)
+        for param in models.trainable:
+            param.register_post_accumulate_grad_hook(accumulated)
+        self.backward_ended = 0.0
 
     def describe(self) -> str:
         spec = self.spec
@@ -245,52 +282,26 @@ class Shape:
     def _project(self, timer: Timer, *, before: bool) -> float:
         if before:
             return self._before(timer)
-        # The trainer's own micro-step (anchors, step_inputs, DraftStep, backward), with the
-        # step module and Tensor.backward wrapped in timers, then its optimizer step.
-        step_module = self.steps["after"]
-
-        def timed_step(*args: object) -> object:
-            with timer.phase("drafter forward"):
-                return step_module(*args)
-
-        plain_backward = torch.Tensor.backward
-
-        def timed_backward(tensor: Tensor, *args: object, **kwargs: object) -> None:
-            with timer.phase("backward"):
-                plain_backward(tensor, *args, **kwargs)  # type: ignore[arg-type]
-
-        torch.Tensor.backward = timed_backward  # type: ignore[method-assign,assignment]
-        try:
-            # fit.micro_step reads these parts of a Run (the step module timed here)
-            run = SimpleNamespace(
-                plan=self.plan,
-                spec=self.spec,
-                env=self.env,
-                data=SimpleNamespace(captured_states=lambda batch, device: None),
-                models=SimpleNamespace(target=self.model, step=timed_step),
-                optimization=SimpleNamespace(total_steps=1000),
-                accumulation=GradientAccumulation(1, [], self.env),
-                scaler=None,  # float32 on the CPU: no loss scaling (fit's run.scaler)
-            )
-            # The loop prepares batches on its prefetch thread; here on this one, in the step.
-            prepared = prepare_batch(
-                self.batch,
-                env=self.env,
-                seed=self.plan.training.seed,
-                spec=self.spec,
-                num_anchors=self.objective.num_anchors,
-            )
-            out, tokens = micro_step(run, prepared, step=self.step_count)  # type: ignore[arg-type]
-        finally:
-            torch.Tensor.backward = plain_backward  # type: ignore[method-assign]
-        self.window.add(out, tokens)
-        with timer.phase("optimizer"):
-            self.window.add_grad_norm(clip_gradients(self.params["after"], 1.0))
-            self.optimizers["after"].step()
-            self.schedulers["after"].step()
-            self.optimizers["after"].zero_grad(set_to_none=True)
+        # What run runs: the rows prepared as the prefetch thread prepares them (here inside
+        # the step), then one optimiser step of one micro-batch; the hooks split it.
+        rows = self.batch
+        prepared = prepare_rows(
+            self.train,
+            rows.input_ids,
+            rows.loss_mask,
+            epoch=rows.epoch,
+            next_index=rows.next_index,
+        )
+        out = optimizer_step(self.train, [prepared], index=self.step_count)
+        ended = time.perf_counter()
+        timer.stop("backward", at=self.backward_ended)
+        timer.start("optimizer", at=self.backward_ended)
+        timer.stop("optimizer", at=ended)
+        for result, tokens in out.micro:
+            self.window.add(result, tokens)
+        self.window.add_grad_norm(out.grad_norm)
         self.step_count += 1
-        return float(out.loss.detach())
+        return float(out.loss)
 
     def _before(self, timer: Timer) -> float:
         """The step as the trainer ran it before issue 15 (see the module docstring)."""
