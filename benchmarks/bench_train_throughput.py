@@ -12,8 +12,12 @@ the decay-weighted loss and the backward pass. They differ only in how the draft
   z-lab module's forward does) plus the block: the straightforward per-block loop;
 - ``naive, shared fusion``: the same loop with the context fused once per sequence and sliced
   per block: a smarter loop that still projects the context's K/V once per block;
-- ``packed``: all blocks of the batch in ONE draft forward under the block mask (what
-  `dflash-recipe run` does on the CPU: the split mask, per chunk of blocks through SDPA).
+- ``packed``: all blocks of the batch in ONE draft forward under the block mask: what
+  `dflash-recipe run` runs, through the step library (issue 53): the step of
+  ``train_step.build_step``, the rows through ``prepare_rows`` (the split mask, per chunk of
+  blocks through SDPA on the CPU; its anchors are the ones every variant uses) and one
+  ``optimizer_step``. That is a whole optimiser step (clipping, AdamW, the schedule), which
+  the two loops do not run, so the ratio is, if anything, conservative.
 
 Reported per torch thread count (default: 1, then every core): drafted block tokens per
 second, median over repeated, interleaved steps, and the ratio against ``naive`` (target
@@ -35,18 +39,12 @@ from pathlib import Path
 import torch
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.data.train_dataset import Batch
+from dflash_recipes.executor.dist_env import detect_dist_env
 from dflash_recipes.executor.kinds.dflash import dflash_loss
-from dflash_recipes.executor.model.convert import (
-    convert,
-    dflash_module,
-    embed_tokens,
-    lm_head,
-    load_base_model,
-)
+from dflash_recipes.executor.model.convert import embed_tokens, lm_head
 from dflash_recipes.executor.model.target_states import target_states
-from dflash_recipes.executor.training.anchors import block_labels, sample_anchors
-from dflash_recipes.executor.training.step import DraftStep, step_inputs
+from dflash_recipes.executor.training.anchors import block_labels
+from dflash_recipes.executor.training.train_step import build_step, optimizer_step, prepare_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +72,7 @@ def main() -> None:
         REPO / "recipes" / "tiny" / "tiny_scratch.yaml",
         overrides=(
             "training.output_dir=/tmp/dflash-bench-unused",
+            "training.max_steps=1000",
             f"dflash.dflash_block_size={args.block}",
             f"dflash.dflash_num_anchors={args.anchors}",
             f"training.per_device_train_batch_size={args.batch}",
@@ -88,19 +87,15 @@ def main() -> None:
     ids = torch.randint(3, spec.mask_token_id, (args.batch, args.seq), generator=gen)
     attention = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids)
-    model = convert(load_base_model(plan), plan)
-    drafter = dflash_module(model)
+    # The measured step, built as run builds it (the target loaded from the plan).
+    train = build_step(plan, env=detect_dist_env("cpu", {}))
+    train.models.training_modes()
+    model, drafter = train.models.target, train.models.drafter
     embed, head = embed_tokens(model), lm_head(model)
     objective = plan.draft.objective
-    drawn = sample_anchors(
-        loss_mask,
-        attention,
-        block_size=spec.block_size,
-        num_anchors=args.anchors,
-        generator=torch.Generator().manual_seed(0),
-    )
-    anchors, valid = drawn.anchors, drawn.valid
-    token_batch = Batch(ids, attention, loss_mask, epoch=0, next_index=args.batch)
+    # The rows as run's prefetch thread prepares them; the loops reuse their anchors.
+    prepared = prepare_rows(train, ids, loss_mask, next_index=args.batch)
+    anchors, valid = prepared.drawn.anchors, prepared.drawn.valid
     size = spec.block_size
     batch, seq = ids.shape
     labels, label_mask = block_labels(ids, loss_mask, anchors, valid, block_size=size)
@@ -112,15 +107,13 @@ def main() -> None:
             taps = spec.target_layer_ids
             return target_states(model, ids, attention, taps, with_logits=False).tapped.float()
 
-    step_module = DraftStep(drafter, head, objective)
+    done = [0]
 
     def packed() -> float:
-        # The trainer's own micro-step: step_inputs (target forward included), then DraftStep.
-        drafter.zero_grad(set_to_none=True)
-        inputs = step_inputs(model, spec, objective, token_batch, drawn)
-        loss = step_module(inputs).loss
-        loss.backward()  # type: ignore[no-untyped-call]
-        return float(loss.detach())
+        # What run runs: one optimiser step over the prepared rows (target forward included).
+        out = optimizer_step(train, [prepared], index=done[0])
+        done[0] += 1
+        return float(out.loss)
 
     def per_block(shared_fusion: bool) -> float:
         drafter.zero_grad(set_to_none=True)
