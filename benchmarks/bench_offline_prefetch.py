@@ -5,14 +5,19 @@
 
 One capture of the demo data from a random Qwen3 target (``--hidden``, ``--layers``, bf16,
 the demo tokenizer; wide enough that the taps are most of a micro-batch's bytes) feeds both
-arms of the real :func:`~dflash_recipes.executor.training.fit.fit`, same shards, same steps:
+arms, same shards, same steps; both are the real
+:func:`~dflash_recipes.executor.training.fit.fit` over the run that ``setup`` builds (its step
+from :func:`~dflash_recipes.executor.training.train_step.build_step`, each step one
+:func:`~dflash_recipes.executor.training.train_step.optimizer_step`), nothing patched:
 
 - ``prefetch`` (the product, issue 49): the prefetch thread reads each micro-batch's states
-  from the shards, pads them in the stored dtype (bf16) and hands them over in host memory
-  (pinned on CUDA); the shards are hashed by a background thread ahead of the reads; the loop
-  only moves them to the device;
-- ``on the loop`` (before): the loop's thread reads, pads and upcasts the states to float32 at
-  every micro-step, and hashes each shard on first touch, in the middle of a step.
+  from the shards and pads them in the stored dtype (bf16) in host memory (pinned on CUDA);
+  the shards are hashed by a background thread ahead of the reads; the loop only moves them
+  to the device;
+- ``on the loop`` (the baseline): ``fit(..., prefetch=False)``, the same preparation on the
+  loop's thread at every micro-step, in the middle of the step. (Before issue 53 this arm also
+  upcast the states to float32 on the host and hashed each shard on first touch, by patching
+  the loop's micro-step; that copy of the loop is gone, so the ratio now isolates the thread.)
 
 Each round sets up a fresh run of each arm (untimed) and times ``fit`` alone; the arms
 alternate and swap order every round; figures are medians of the per-step time. On a CPU the
@@ -27,23 +32,16 @@ import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from unittest import mock
 
 import torch
 from _measure import print_table, write_wide_target
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.capture import capture_plan
-from dflash_recipes.executor.data.offline import CaptureReader
 from dflash_recipes.executor.dist_env import detect_dist_env
-from dflash_recipes.executor.model.convert import CapturedStates
 from dflash_recipes.executor.signals import SignalWatch
-from dflash_recipes.executor.training import fit as fit_module
 from dflash_recipes.executor.training.fit import fit, setup
-from dflash_recipes.executor.training.setup import prefetch as prefetch_module
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,51 +71,17 @@ def _plan(folder: Path, target: Path, args: argparse.Namespace, *extra: str) -> 
     return result.plan
 
 
-@contextmanager
-def _states_on_the_loop() -> Iterator[None]:
-    """Patches giving the loop's thread what it did before: no states prepared ahead, each
-    micro-step reading, padding and upcasting them itself, each shard hashed on first touch."""
-    prepare = prefetch_module.prepare_batch
-    original_micro_step = fit_module.micro_step
-
-    def without_states(batch: object, **kwargs: object) -> object:
-        return prepare(batch, **{**kwargs, "states": None})  # type: ignore[arg-type]
-
-    def reading_micro_step(run: object, prepared: object, *, step: int) -> object:
-        captured = run.data.captured_states(prepared.batch)  # type: ignore[attr-defined]
-        assert captured is not None
-        device = run.env.device  # type: ignore[attr-defined]
-        last = captured.last_hidden
-        moved = CapturedStates(
-            captured.tapped.float().to(device), None if last is None else last.to(device)
-        )
-        patched = prepared.__class__(  # type: ignore[attr-defined]
-            batch=prepared.batch,  # type: ignore[attr-defined]
-            drawn=prepared.drawn,  # type: ignore[attr-defined]
-            mask=prepared.mask,  # type: ignore[attr-defined]
-            captured=moved,
-        )
-        return original_micro_step(run, patched, step=step)  # type: ignore[arg-type]
-
-    with (
-        mock.patch.object(fit_module, "prepare_batch", without_states),
-        mock.patch.object(fit_module, "micro_step", reading_micro_step),
-        mock.patch.object(CaptureReader, "verify_in_background", lambda self: None),
-    ):
-        yield
-
-
 def one_fit(plan: RunPlan, steps: int, *, arm: str) -> float:
     """Seconds per optimiser step of one fresh run's ``fit`` (setup not timed)."""
     env = detect_dist_env(plan.training.device, {})
-    with _states_on_the_loop() if arm == "on the loop" else nullcontext():
-        run = setup(plan, env, None, verify_capture=False)
-        try:
-            started = time.perf_counter()
-            progress = fit(run, SignalWatch(), None, show_progress=False)
-            seconds = time.perf_counter() - started
-        finally:
-            run.trackers.close("finished")
+    run = setup(plan, env, None, verify_capture=False)
+    try:
+        started = time.perf_counter()
+        progress = fit(run, SignalWatch(), None, show_progress=False, prefetch=arm == "prefetch")
+        seconds = time.perf_counter() - started
+    finally:
+        run.trackers.close("finished")
+        run.data.close()
     assert progress.done == steps
     return seconds / steps
 
