@@ -9,14 +9,16 @@ fifth of each conversation is an unsupervised prompt. The model is the tests' ti
 target (4 layers, hidden 64, vocabulary 128) with a 2-layer drafter, block size 8, 64 anchors
 per row, on the CPU.
 
-Both arms run the trainer's own code on the same conversations in one process, their steps
-interleaved (each arm kept at the same fraction of its epoch, each step timed alone), so a
-machine whose load changes slows both alike: the epoch's
-batches (padded: :func:`~dflash_recipes.executor.data.train_dataset.batches`, each batch as
-long as its longest conversation; packed: :func:`~dflash_recipes.executor.data.packing.
-packed_batches` over :func:`~dflash_recipes.executor.data.packing.pack_epoch`, rows of exactly
-4096), ``prepare_batch`` (anchors, the CPU split mask), ``step_inputs`` (the target forward:
-SDPA, with the block-diagonal mask when packed), ``DraftStep`` and backward; no optimiser.
+Both arms run what ``run`` runs, through the step library (issue 53), on the same
+conversations in one process, their steps interleaved (each arm kept at the same fraction of
+its epoch, each step timed alone), so a machine whose load changes slows both alike: the
+epoch's batches (padded: :func:`~dflash_recipes.executor.data.train_dataset.batches`, each
+batch as long as its longest conversation; packed: :func:`~dflash_recipes.executor.data.
+packing.packed_batches` over :func:`~dflash_recipes.executor.data.packing.pack_epoch`, rows of
+exactly 4096), each through ``train_step.prepare_rows`` (anchors, the CPU split mask) and one
+``optimizer_step`` of the step ``build_step`` makes from the plan and the in-memory target
+(``step_inputs``: the target forward, SDPA, with the block-diagonal mask when packed;
+``DraftStep``, backward, clipping, AdamW).
 The headline is supervised conversation tokens per second (the same total both ways, so the
 ratio is the ratio of epoch times); also shown: drafter label positions per second and the
 number of distinct step shapes ``[batch, seq_len]`` (packed: 1).
@@ -42,11 +44,10 @@ from testkit.tiny import randomize, tiny_plan, tiny_target
 
 from dflash_recipes.executor.data.packing import example_lengths, pack_epoch, packed_batches
 from dflash_recipes.executor.data.tokenize import DatasetStats, TokenizedExample
-from dflash_recipes.executor.data.train_dataset import TrainDataset, batches
+from dflash_recipes.executor.data.train_dataset import Batch, TrainDataset, batches
 from dflash_recipes.executor.dist_env import detect_dist_env
-from dflash_recipes.executor.model.convert import convert, dflash_module, lm_head
-from dflash_recipes.executor.training.setup.prefetch import prepare_batch
-from dflash_recipes.executor.training.step import DraftStep, step_inputs
+from dflash_recipes.executor.training.setup.prefetch import PreparedBatch
+from dflash_recipes.executor.training.train_step import build_step, optimizer_step, prepare_rows
 
 SEQ_LEN = 4096
 MEDIAN = 600
@@ -72,12 +73,12 @@ class Arm:
     def __init__(self, name: str, dataset: TrainDataset, batch_size: int, tmp: Path) -> None:
         self.name = name
         self.plan = tiny_plan(tmp, block_size=BLOCK, training_seq_len=SEQ_LEN, num_anchors=ANCHORS)
-        self.model = convert(tiny_target(self.plan), self.plan)
-        self.drafter = dflash_module(self.model)
-        randomize(self.drafter)
-        self.spec = self.plan.resolved_draft()
-        self.step = DraftStep(self.drafter, lm_head(self.model), self.plan.draft.objective)
-        self.env = detect_dist_env("cpu", {})
+        self.step = build_step(
+            self.plan, env=detect_dist_env("cpu", {}), target=tiny_target(self.plan)
+        )
+        randomize(self.step.models.drafter)
+        self.step.models.training_modes()
+        self.pad_token_id = dataset.pad_token_id
         if name == "packed":
             packing = pack_epoch(
                 example_lengths(dataset.examples), seq_len=SEQ_LEN, seed=0, epoch=0
@@ -93,25 +94,39 @@ class Arm:
     def progress(self) -> float:
         return self.done / len(self.stream)
 
+    def prepare(self, batch: Batch) -> PreparedBatch:
+        """The batch's rows through ``prepare_rows``: a packed batch with its document ids, a
+        padded one as its rows of different lengths (right-padded again, as collated)."""
+        if batch.document_ids is not None:
+            return prepare_rows(
+                self.step,
+                batch.input_ids,
+                batch.loss_mask,
+                document_ids=batch.document_ids,
+                epoch=batch.epoch,
+                next_index=batch.next_index,
+            )
+        lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
+        return prepare_rows(
+            self.step,
+            [row[:n].tolist() for row, n in zip(batch.input_ids, lengths, strict=True)],
+            [row[:n].tolist() for row, n in zip(batch.loss_mask, lengths, strict=True)],
+            pad_token_id=self.pad_token_id,
+            epoch=batch.epoch,
+            next_index=batch.next_index,
+        )
+
     def run_step(self) -> None:
-        """The next batch through the trainer's code (anchors and masks, target, drafter,
-        backward), its time added to the arm's."""
+        """The next batch through the trainer's step (anchors and masks, target, drafter,
+        backward, optimiser), its time added to the arm's."""
         batch = self.stream[self.done]
         start = time.perf_counter()
-        prepared = prepare_batch(batch, env=self.env, seed=0, spec=self.spec, num_anchors=ANCHORS)
-        inputs = step_inputs(
-            self.model,
-            self.spec,
-            self.plan.draft.objective,
-            batch,
-            prepared.drawn,
-            mask=prepared.mask,
-        )
-        self.drafter.zero_grad(set_to_none=True)
-        self.step(inputs).loss.backward()
+        prepared = self.prepare(batch)
+        out = optimizer_step(self.step, [prepared], index=self.done)
         self.seconds += time.perf_counter() - start
         self.supervised += int(batch.loss_mask.sum())
-        self.labels += int(inputs.targets.label_mask.sum())
+        # the supervised label positions of the drafted blocks, as the loss counted them
+        self.labels += sum(int(result.per_position_count.sum()) for result, _ in out.micro)
         self.done += 1
 
     def figures(self) -> dict[str, float]:
