@@ -5,13 +5,18 @@
 
 Issue 25 changed what a Domino/DSpark step computes (next-token labels, position 0 scored,
 the first ``pure_draft_prefix_len`` positions left to the backbone). This measures one training
-micro-step (``step_inputs`` + ``DraftStep`` forward + backward, the trainer's call) of the same
-drafter, data and anchors with two versions of the package:
+micro-step (its inputs, the target and drafter forward, backward) of the same drafter, data and
+anchors with two versions of the package:
 
 - ``before``: the package at commit ``--before`` (default 58635a8, the commit issue 25 started
   from), unpacked with ``git archive`` into a temporary folder together with its own
-  ``tests/testkit``;
-- ``after``: this working tree.
+  ``tests/testkit``; the micro-step as its trainer called it then (``step_inputs`` +
+  ``DraftStep`` forward + backward, the anchors drawn before the clock starts);
+- ``after``: this working tree, what ``run`` runs, through the step library (issue 53): the
+  step of ``train_step.build_step`` (the in-memory target), each timed micro-step
+  ``prepare_rows`` (anchors and the CPU split mask, which ``run`` prepares on its prefetch
+  thread: counted here against this version) and ``train_step.micro_step`` (the micro-step
+  ``optimizer_step`` runs; the optimiser itself is left out, as the old code cannot run it).
 
 Each version runs in its own worker process (so both import their own ``dflash_recipes``);
 rounds alternate between the workers (the order flips every round, so a noisy neighbour slows
@@ -35,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 
@@ -60,34 +66,94 @@ KINDS = ("domino", "dflash")
 
 def _worker(steps: int, threads: int) -> None:
     import torch
+
+    try:  # this tree: the step library (issue 53)
+        from dflash_recipes.executor.training import train_step
+    except ImportError:  # the package at --before
+        _worker_before(steps, threads)
+        return
     from testkit.tiny import tiny_plan, tiny_target
 
-    from dflash_recipes.executor.data.train_dataset import Batch
+    from dflash_recipes.executor.dist_env import detect_dist_env
+    from dflash_recipes.executor.model.draft import DFlashDraftModel
+
+    torch.set_num_threads(threads)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-head-"))
+    env = detect_dist_env("cpu", {})
+    setups = {}
+    for kind in KINDS:
+        plan = tiny_plan(tmp, **_plan_fields(kind))
+        step = train_step.build_step(plan, env=env, target=tiny_target(plan, seed=0))
+        torch.manual_seed(1)  # the before worker's drafter, value for value
+        step.models.drafter.load_state_dict(DFlashDraftModel(plan.resolved_draft()).state_dict())
+        step.models.training_modes()
+        gen = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, 100, (SHAPE["batch"], SHAPE["seq"]), generator=gen)
+        setups[kind] = (step, ids)
+
+    def one(kind: str) -> float:
+        step, ids = setups[kind]
+        started = time.perf_counter()
+        prepared = train_step.prepare_rows(
+            step, ids, torch.ones_like(ids), next_index=SHAPE["batch"]
+        )
+        train_step.micro_step(step, prepared, index=1)
+        elapsed = time.perf_counter() - started
+        step.models.drafter.zero_grad(set_to_none=True)
+        return elapsed
+
+    _serve(one, steps)
+
+
+def _plan_fields(kind: str) -> dict[str, object]:
+    head = (
+        {"emb_dim": SHAPE["emb_dim"], "gru_hidden_dim": SHAPE["gru_hidden_dim"]}
+        if kind == "domino"
+        else {}
+    )
+    return {
+        "projector_type": kind,
+        "block_size": SHAPE["block_size"],
+        "num_anchors": SHAPE["anchors"],
+        "training_seq_len": SHAPE["seq"],
+        "target_hidden_size": SHAPE["target_hidden_size"],
+        "target_vocab_size": SHAPE["target_vocab_size"],
+        "target_max_position_embeddings": 4096,
+        "max_steps": 10,
+        **head,
+    }
+
+
+def _serve(one: Callable[[str], float], steps: int) -> None:
+    """Answer each kind named on stdin with the median seconds of `steps` micro-steps."""
+    for line in sys.stdin:
+        kind = line.strip()
+        if not kind:
+            continue
+        times = [one(kind) for _ in range(steps)]
+        print(json.dumps({"kind": kind, "seconds": statistics.median(times)}), flush=True)
+
+
+def _worker_before(steps: int, threads: int) -> None:
+    """The baseline: the micro-step as the package at --before assembled it."""
+    import torch
+    from testkit.tiny import tiny_plan, tiny_target
+
     from dflash_recipes.executor.model.convert import lm_head
     from dflash_recipes.executor.model.draft import DFlashDraftModel
     from dflash_recipes.executor.training.anchors import sample_batch_anchors
+
+    try:
+        from dflash_recipes.executor.data.train_dataset import Batch
+    except ImportError:  # its name before the executor's split (ee14a11)
+        from dflash_recipes.executor.data.conversations import Batch  # type: ignore[no-redef]
     from dflash_recipes.executor.training.step import DraftStep, step_inputs
 
     torch.set_num_threads(threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-head-"))
     setups = {}
     for kind in KINDS:
-        head = (
-            {"emb_dim": SHAPE["emb_dim"], "gru_hidden_dim": SHAPE["gru_hidden_dim"]}
-            if kind == "domino"
-            else {}
-        )
-        plan = tiny_plan(
-            tmp,
-            projector_type=kind,
-            block_size=SHAPE["block_size"],
-            num_anchors=SHAPE["anchors"],
-            training_seq_len=SHAPE["seq"],
-            target_hidden_size=SHAPE["target_hidden_size"],
-            target_vocab_size=SHAPE["target_vocab_size"],
-            target_max_position_embeddings=4096,
-            **head,
-        )
+        plan = tiny_plan(tmp, **_plan_fields(kind))
         spec = plan.resolved_draft()
         target = tiny_target(plan, seed=0)
         torch.manual_seed(1)
@@ -118,12 +184,7 @@ def _worker(steps: int, threads: int) -> None:
         step.drafter.zero_grad(set_to_none=True)
         return elapsed
 
-    for line in sys.stdin:
-        kind = line.strip()
-        if not kind:
-            continue
-        times = [one(kind) for _ in range(steps)]
-        print(json.dumps({"kind": kind, "seconds": statistics.median(times)}), flush=True)
+    _serve(one, steps)
 
 
 # ---------------------------------------------------------------------------------------------
