@@ -51,6 +51,13 @@ if TYPE_CHECKING:
         restore_training_checkpoint,
         save_training_checkpoint,
     )
+    from dflash_recipes.executor.training.train_step import (
+        StepOutput,
+        TrainStep,
+        build_step,
+        optimizer_step,
+        prepare_rows,
+    )
 
     #: The former name of :data:`ConvertedModel` (kept so existing imports keep working).
     DFlashModel = ConvertedModel
@@ -81,6 +88,11 @@ _HOMES = {
     "block_positions": "training.anchors",
     "restore_training_checkpoint": "training.checkpoints",
     "save_training_checkpoint": "training.checkpoints",
+    "StepOutput": "training.train_step",
+    "TrainStep": "training.train_step",
+    "build_step": "training.train_step",
+    "optimizer_step": "training.train_step",
+    "prepare_rows": "training.train_step",
 }
 
 
@@ -95,11 +107,14 @@ __all__ = [
     "DominoHead",
     "DraftMask",
     "IsolationReport",
+    "StepOutput",
     "TargetStates",
+    "TrainStep",
     "WarmStartReport",
     "block_positions",
     "build_dense_block_mask",
     "build_flex_block_mask",
+    "build_step",
     "check_packed_isolation",
     "convert",
     "dflash_module",
@@ -108,6 +123,8 @@ __all__ = [
     "lm_head",
     "load_base_model",
     "load_init_checkpoint",
+    "optimizer_step",
+    "prepare_rows",
     "restore_training_checkpoint",
     "save_training_checkpoint",
     "taps_from_hidden_states",

@@ -86,10 +86,12 @@ class StepOutput:
 
     @property
     def loss(self) -> Tensor:
-        """The step's loss: the micro-batches' weighted mean (as the gradient weighs them)."""
+        """The step's loss: the micro-batches' weighted mean (as the gradient weighs them),
+        summed in float32 and divided in float64, as `run`'s train rows compute it."""
         weights = torch.stack([out.weight_sum.detach().float() for out, _ in self.micro])
         losses = torch.stack([out.loss.detach().float() for out, _ in self.micro])
-        return (losses * weights).sum() / weights.sum().clamp_min(1e-12)
+        total = weights.sum().double()
+        return torch.where(total > 0, (losses * weights).sum().double() / total, 0.0)
 
 
 def build_step(
@@ -162,6 +164,7 @@ def prepare_rows(
     input_ids: Tensor | Sequence[Sequence[int]],
     loss_mask: Tensor | Sequence[Sequence[int]],
     *,
+    attention_mask: Tensor | None = None,
     document_ids: Tensor | None = None,
     pad_token_id: int = 0,
     epoch: int = 0,
@@ -170,12 +173,13 @@ def prepare_rows(
 ) -> PreparedBatch:
     """One micro-batch from token-id rows, prepared as the prefetch thread prepares `run`'s.
 
-    Rows of different lengths are right-padded with `pad_token_id` (attention 0 there). A
-    packed row passes `document_ids` (``[B, T]``: each token's document number in its row, -1
-    for the filler). `epoch` and `next_index` (the index into the epoch's order just after
-    this global batch) place the rows where `run`'s data stream would, and with the seed fix
-    the anchors drawn; `states`: the target's states of an offline batch (None: the target
-    runs in the step).
+    Rows of different lengths are right-padded with `pad_token_id` (attention 0 there);
+    ``[B, T]`` tensors are taken as they are, with their `attention_mask` (default: no
+    padding). A packed row passes `document_ids` (``[B, T]``: each token's document number
+    in its row, -1 for the filler). `epoch` and `next_index` (the index into the epoch's
+    order just after this global batch) place the rows where `run`'s data stream would, and
+    with the seed fix the anchors drawn; `states`: the target's states of an offline batch
+    (None: the target runs in the step).
     """
     lengths: list[int] | None = None
     if isinstance(input_ids, Tensor):
@@ -185,7 +189,9 @@ def prepare_rows(
         length = max(lengths, default=0)
     ids = _rows(input_ids, length, pad_token_id)
     labels = _rows(loss_mask, length, 0)
-    if document_ids is not None:
+    if attention_mask is not None:
+        attention = attention_mask.to(torch.long)
+    elif document_ids is not None:
         attention = (document_ids >= 0).to(torch.long)
     elif lengths is not None:
         attention = _rows([[1] * n for n in lengths], length, 0)
