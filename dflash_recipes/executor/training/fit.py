@@ -317,46 +317,15 @@ def fit(
     vote = StepVote(
         signals, distributed=env.is_distributed, timeout_s=training.distributed_timeout_s
     )
-    position = (run.start.epoch, run.start.next_index)
-    #: Where the data stood after the last finished step, and whether that step is saved.
-    finished, saved = position, True
+    where = _DataPosition(now=(run.start.epoch, run.start.next_index))
     models.training_modes()
     with Prefetch(_prepared_batches(run), background=prefetch) as batches:
-
-        def micro_batches() -> Iterator[PreparedBatch]:
-            """This step's micro-batches; a served target's failure stops the run here,
-            with every finished step saved (a rerun resumes exactly)."""
-            nonlocal position
-            for _ in range(run.train.micro_batches):
-                try:
-                    prepared, failed = next(batches), None
-                except TargetServerError as exc:
-                    failed = exc
-                # a served target: every rank learns at this same micro-step whether any
-                # rank's servers failed (a CPU all-reduce), so all stop together
-                served = run.data.served is not None
-                if vote.any_rank(failed is not None) if served else failed is not None:
-                    if not saved:
-                        done_so_far = progress.done
-                        run.saving.save(done_so_far, finished, nonfinite.check(done_so_far))
-                    if failed is not None:
-                        raise failed
-                    msg = (
-                        "run stopped with the other ranks: another rank could not get its "
-                        "batch's states from the target servers (its error says why); the "
-                        f"finished steps are saved (step {progress.done}): rerun to resume"
-                    )
-                    raise TargetServerUnavailable(msg)
-                position = (prepared.batch.epoch, prepared.batch.next_index)
-                yield prepared
-
         for step in range(run.start.step, opt.total_steps):
-            out = optimizer_step(run.train, micro_batches(), index=step)
-            for result, tokens in out.micro:
-                window.add(result, tokens)
-            window.add_grad_norm(out.grad_norm)
+            taken = _step_batches(run, batches, vote, where, progress)
+            out = optimizer_step(run.train, taken, index=step)
+            window.add_step(out.micro, out.grad_norm)
             done = progress.done = step + 1
-            finished, saved = position, False
+            where.step_finished()
             bar.advance()
             if done % training.logging_steps == 0 or done == opt.total_steps:
                 _log_window(run, window, progress, bar, nonfinite)  # the window's one host sync
@@ -367,8 +336,8 @@ def fit(
                     progress.last_eval_tau = run.evaluation.measure(done)
                 if run.saving.due(done, asked=stopping or bool(stop_signal) or checkpoint_now):
                     # never a checkpoint after the limit of skips in a row (check raises)
-                    run.saving.save(done, position, nonfinite.check(done))
-                    saved = True
+                    run.saving.save(done, where.now, nonfinite.check(done))
+                    where.saved = True
             if stop_signal:
                 vote.close()
                 bar.close()
@@ -378,6 +347,54 @@ def fit(
     vote.close()
     bar.close()
     return progress
+
+
+@attrs.define
+class _DataPosition:
+    """Where the data stands: after the last batch taken (`now`), after the last finished
+    step (`finished`, what a checkpoint of it resumes from), and whether that step is saved."""
+
+    now: tuple[int, int]
+    finished: tuple[int, int] = attrs.field()
+    saved: bool = True
+
+    @finished.default
+    def _start(self) -> tuple[int, int]:
+        return self.now
+
+    def step_finished(self) -> None:
+        self.finished, self.saved = self.now, False
+
+
+def _step_batches(
+    run: Run,
+    batches: Iterator[PreparedBatch],
+    vote: StepVote,
+    where: _DataPosition,
+    progress: Progress,
+) -> Iterator[PreparedBatch]:
+    """One optimiser step's micro-batches, taken as each micro-step starts. A served target
+    whose servers fail stops the run here, on every rank at the same micro-step (a CPU
+    all-reduce), with every finished step saved: a rerun resumes exactly."""
+    for _ in range(run.train.micro_batches):
+        try:
+            prepared, failed = next(batches), None
+        except TargetServerError as exc:
+            failed = exc
+        served = run.data.served is not None
+        if vote.any_rank(failed is not None) if served else failed is not None:
+            if not where.saved:
+                run.saving.save(progress.done, where.finished, run.nonfinite.check(progress.done))
+            if failed is not None:
+                raise failed
+            msg = (
+                "run stopped with the other ranks: another rank could not get its batch's "
+                "states from the target servers (its error says why); the finished steps are "
+                f"saved (step {progress.done}): rerun to resume"
+            )
+            raise TargetServerUnavailable(msg)
+        where.now = (prepared.batch.epoch, prepared.batch.next_index)
+        yield prepared
 
 
 def _prepared_batches(run: Run) -> Iterator[PreparedBatch]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -109,6 +109,13 @@ class MetricWindow:
         self._tokens = _accumulate(self._tokens, tokens)
         for name, hits in out.position_correct.items():
             self._named[name] = _accumulate(self._named.get(name), hits.detach())
+
+    def add_step(self, micro: Sequence[tuple[LossOutput, Tensor]], grad_norm: Tensor) -> None:
+        """One optimiser step: its micro-batches' loss outputs and token counts, and its
+        gradient norm."""
+        for out, tokens in micro:
+            self.add(out, tokens)
+        self.add_grad_norm(grad_norm)
 
     def settle(self) -> None:
         """Bring the accumulated tensors to Python numbers (the one host sync of a window)."""
