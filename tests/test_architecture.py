@@ -175,7 +175,9 @@ def test_every_allowed_import_still_exists() -> None:
 def test_the_layer_rule_refuses_an_upward_or_sideways_import() -> None:
     # the rule's own guard, on arrows this package had or could grow
     graph = {
-        "dflash_recipes.executor.training.setup.device_memory": {"dflash_recipes.plan.resources.fit"},
+        "dflash_recipes.executor.training.setup.device_memory": {
+            "dflash_recipes.plan.resources.fit"
+        },
         "dflash_recipes.executor.demo.runner": {"dflash_recipes.compiler.compilation"},
         "dflash_recipes.recipe.sections": {"dflash_recipes.recipe.choices"},
         "dflash_recipes.checkpoint.hfconfig": {"dflash_recipes.plan.run_plan"},

@@ -94,9 +94,10 @@ def test_a_kept_file_that_fails_its_checks_is_deleted_and_asked_again(
     states = torch.randn(len(ids), len(LAYER_IDS), HIDDEN)
     states[2, 1, 0] = float("nan")
     save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(kept.path(ids)))
-    with caplog.at_level(logging.WARNING), TargetServerClient(
-        settings(keep_dir=kept.folder)
-    ) as client:
+    with (
+        caplog.at_level(logging.WARNING),
+        TargetServerClient(settings(keep_dir=kept.folder)) as client,
+    ):
         conversations = ServedConversations(client, kept)
         (answer,) = conversations([ids])
     assert "failed its checks" in caplog.text and "NaN" in caplog.text

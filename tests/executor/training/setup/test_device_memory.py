@@ -10,8 +10,8 @@ import torch
 from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.errors import ResourceError
-from dflash_recipes.executor.training.setup.device_memory import check_device_memory
 from dflash_recipes.executor.training.fit import run_plan
+from dflash_recipes.executor.training.setup.device_memory import check_device_memory
 from dflash_recipes.files.run_dir import EXPORT_DIR
 from dflash_recipes.plan.resources.estimate import GIB, estimate_resources
 
