@@ -14,34 +14,39 @@ Checks (each prints its tolerances, then PASS, FAIL or SKIP with the reason):
   are in it), and gradients are compared for exactly the parameters that get one in both
   graphs: a parameter with a gradient on one side only, or a trainable one with none on
   either, fails (the backward needs CUDA: no gradients in a dry run);
-- ``bf16``: one training micro-step (``step_inputs`` + ``DraftStep``: fuse, drafter, lm_head,
-  loss, backward) under bf16 autocast on the device, against the same step in float32 on the
-  CPU;
-- ``chunked``: ``DraftStep`` with a small ``max_chunk_logits`` (lm_head + loss per chunk of
+- ``bf16``: one training step (``optimizer_step``: fuse, drafter, lm_head, loss, backward,
+  clipping) under the bf16 autocast a bf16 plan gets on the device, against the same step in
+  float32 on the CPU;
+- ``chunked``: the step built with a small ``max_chunk_logits`` (lm_head + loss per chunk of
   blocks under activation checkpointing) under autocast, against the unchunked step;
 - ``nccl``: a process group (NCCL on CUDA, 2 processes when there are 2 GPUs, else 1; gloo in a
-  dry run): an all_reduce, and a DDP step (``wrap_ddp``) whose gradients equal the
-  single-process step on the whole batch;
+  dry run): an all_reduce, and a DDP step (``build_step`` on the ranks: DDP-wrapped, each rank
+  its rows) whose gradients equal the single-process step on the whole batch;
 - ``fsdp``: FSDP2 (``fully_shard``): the sharded frozen target (``shard_target_fsdp2``, what
   ``training.fsdp`` does), run through the trainer's own ``step_inputs`` (taps captured by
   forward hooks, the forward stopped after the deepest tap: ``target_states``), gives
   the plain target's ``output_hidden_states`` taps, and so does a teacher objective's path
-  (``target_states`` with logits) on the sharded target; one AdamW step of the drafter sharded
-  as the trainer shards it (``shard_drafter_fsdp2``) equals the plain one;
+  (``target_states`` with logits) on the sharded target; one ``optimizer_step`` of the drafter
+  sharded as the trainer shards it (``build_step`` with ``training.fsdp``: the target and
+  ``shard_drafter_fsdp2``), each rank its rows, equals the plain single-process one;
 - ``step``: a timed training step at real proportions (CUDA; tiny dims in a dry run): the
   drafter of Qwen3-8B (hidden 4096, 5 layers, 32 heads / 8 kv heads x 128, intermediate 12288,
   vocab 151936, block 16, 5 taps) on a Qwen3-8B-wide target truncated to 6 layers (built from a
   config, random weights, no download), 4096 tokens, 512 anchors, bf16 target, float32 master
   weights under bf16 autocast, AdamW. Prints tokens/s, peak memory and model FLOPs
   utilisation (formula printed; the peak is ``--peak-tflops``, default H200 bf16 dense).
+  The step is what ``run`` runs: ``build_step`` (the target in memory), the rows through
+  ``prepare_rows`` once (``run`` prepares them on its prefetch thread), each step one
+  ``optimizer_step`` (clipping, the non-finite guard, the plan's AdamW and schedule).
   Then the compile-time resource plan (``dflash_recipes.plan.resources``) of the same shape
   against the step: its exact parts (target and drafter weights, AdamW states) against the
   built modules' bytes, and its memory per rank (less the stated allowance) against
   ``torch.cuda.max_memory_allocated`` of a step, within 15% (exact parts only in a dry run).
   With ``--profile``: the step's phases (target forward + masks, drafter + head forward,
-  backward, optimizer) timed per step (CUDA events and one synchronize per step, in this mode
-  only), then ``torch.profiler``'s ``key_averages`` table: the top CUDA kernels by self CUDA
-  time (CPU ops by self CPU time in a dry run);
+  backward, optimizer) timed per step (CUDA events recorded by hooks: the step module's forward,
+  each gradient's accumulation, the end of ``optimizer_step``; one synchronize per step, in
+  this mode only), then ``torch.profiler``'s ``key_averages`` table: the top CUDA kernels by
+  self CUDA time (CPU ops by self CPU time in a dry run);
 - ``eval``: KV-cached verification (``evaluate_acceptance``, the product's eval loop) of the
   shipped tiny target in bf16 with a random float32 drafter on the device, against both in
   float32 on the CPU: the CPU's output equals greedy decoding, the device's pooled tau is
@@ -77,7 +82,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,9 +101,6 @@ from dflash_recipes.executor.evaluation.cached_decoding import speculative_gener
 from dflash_recipes.executor.evaluation.evaluate import AcceptanceReport, evaluate_acceptance
 from dflash_recipes.executor.evaluation.sampling import Sampling
 from dflash_recipes.executor.model.convert import (
-    convert,
-    dflash_module,
-    lm_head,
     load_base_model,
 )
 from dflash_recipes.executor.model.draft import (
@@ -114,11 +116,17 @@ from dflash_recipes.executor.model.target_states import (
     stop_after_layer,
     target_states,
 )
-from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
-from dflash_recipes.executor.sharded_drafter import shard_drafter_fsdp2
 from dflash_recipes.executor.training.anchors import AnchorBatch, block_positions, sample_anchors
 from dflash_recipes.executor.training.loss import LossOutput
+from dflash_recipes.executor.training.setup.prefetch import PreparedBatch
 from dflash_recipes.executor.training.step import DraftStep, StepInputs, step_inputs
+from dflash_recipes.executor.training.train_step import (
+    StepOutput,
+    TrainStep,
+    build_step,
+    optimizer_step,
+    prepare_rows,
+)
 from dflash_recipes.plan.resources.estimate import estimate_resources, target_dims
 from dflash_recipes.plan.run_plan import RunPlan
 
@@ -218,18 +226,76 @@ def target_config(dims: Dims, plan: RunPlan) -> Qwen3Config:
     )
 
 
-def build_model(dims: Dims, plan: RunPlan, seed: int) -> PreTrainedModel:
-    """A random float32 target on the CPU, converted (drafter attached), with random norms."""
+def base_target(dims: Dims, plan: RunPlan, seed: int) -> PreTrainedModel:
+    """A random float32 target on the CPU (no drafter yet)."""
     torch.manual_seed(seed)
-    base = Qwen3ForCausalLM(target_config(dims, plan))
-    model = convert(base, plan)
-    drafter = dflash_module(model)
-    gen = torch.Generator().manual_seed(seed + 1)
+    return Qwen3ForCausalLM(target_config(dims, plan))
+
+
+def randomize_norms(drafter: nn.Module, seed: int) -> None:
+    """Norm weights away from 1, so that a wrong norm shows."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-    return model
+
+
+def single_env(device: torch.device) -> DistEnv:
+    """One process on `device` (the check's device, not the plan's ``training.device``)."""
+    return DistEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        is_distributed=False,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        device=device,
+    )
+
+
+def train_step_for(
+    plan: RunPlan,
+    target: PreTrainedModel,
+    env: DistEnv,
+    *,
+    drafter_seed: int,
+    max_chunk_logits: int | None = None,
+    like: TrainStep | None = None,
+) -> TrainStep:
+    """What ``run`` builds for one step of `plan` (:func:`build_step`) on the in-memory `target`
+    (not converted yet), its drafter seeded by `drafter_seed` with random norms, or with the
+    weights of `like`'s drafter; DDP-wrapped on several ranks (a sharded drafter: as built)."""
+    torch.manual_seed(drafter_seed)
+    step = build_step(
+        plan,
+        env=env,
+        target=target,
+        max_chunk_logits=max_chunk_logits,
+        skip_memory_check=True,  # the checks' shapes are not what the estimate is for
+        wrap=False,
+    )
+    if not step.models.sharded:  # a sharded drafter holds DTensors: left as initialised
+        if like is None:
+            randomize_norms(step.models.drafter, drafter_seed + 1)
+        else:
+            step.models.drafter.load_state_dict(like.models.drafter.state_dict())
+    step.models.wrap_for_ranks(env)
+    step.models.training_modes()
+    return step
+
+
+def prepared_rows(step: TrainStep, batch: Batch, *, next_index: int) -> PreparedBatch:
+    """`batch`'s rows prepared as ``run``'s prefetch thread prepares them (:func:`prepare_rows`:
+    their anchors from the plan's seed and the rows' place in the epoch, `next_index` the index
+    just after the global batch)."""
+    return prepare_rows(step, batch.ids, batch.loss_mask, next_index=next_index)
+
+
+def loss_of(out: StepOutput) -> LossOutput:
+    """The one micro-batch's loss output of a step."""
+    (result, _tokens), *rest = out.micro
+    assert not rest
+    return result
 
 
 def _moved(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
@@ -288,16 +354,9 @@ def inputs_for(model: PreTrainedModel, plan: RunPlan, batch: Batch) -> StepInput
     return step_inputs(model, plan.resolved_draft(), plan.draft.objective, tokens, drawn)
 
 
-def run_step(step: nn.Module, inputs: StepInputs, autocast: bool) -> LossOutput:
-    """One micro-step's forward and backward, as the trainer runs it."""
-    device = inputs.tapped.device
-    context: AbstractContextManager[object] = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    )
-    with context:
-        out: LossOutput = step(inputs)
-    out.loss.backward()  # type: ignore[no-untyped-call]
-    return out
+def bf16_plan(plan: RunPlan) -> RunPlan:
+    """`plan` with a bf16 target: its step autocasts to bf16 on CUDA (float32 on the CPU)."""
+    return attrs.evolve(plan, base_model=attrs.evolve(plan.base_model, dtype="bfloat16"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,62 +594,66 @@ def check_flex(setup: Setup, report: Report) -> None:
             report.note(f"gradients, {label}: not checked (flex_attention has no CPU backward)")
 
 
-def _step_pair(
-    setup: Setup, *, seed: int
-) -> tuple[PreTrainedModel, PreTrainedModel, RunPlan, Batch]:
-    """(CPU float32 model, the same on the device), the plan and a batch."""
-    plan = make_plan(setup.check_dims, setup.workdir)
-    model = build_model(setup.check_dims, plan, seed)
-    on_device = _moved(copy.deepcopy(model), setup.device)
-    return model, on_device, plan, make_batch(setup.check_dims, seed + 2)
-
-
 def check_bf16(setup: Setup, report: Report) -> None:
-    ref_model, model, plan, batch = _step_pair(setup, seed=21)
+    dims = setup.check_dims
+    plan = make_plan(dims, setup.workdir)
+    base = base_target(dims, plan, seed=21)
+    batch = make_batch(dims, seed=23)
     report.note(
-        f"micro-step under torch.autocast({setup.device.type}, bfloat16) vs float32 on the CPU "
-        "(target float32 on both sides)"
+        f"one optimizer_step of a bf16 plan's step on {setup.device.type} (build_step: bf16 "
+        "autocast on CUDA, none on the CPU) vs the float32 plan's on the CPU (target float32 on "
+        "both sides)"
     )
-    ref_step = DraftStep(dflash_module(ref_model), lm_head(ref_model), plan.draft.objective)
-    ref_out = run_step(ref_step, inputs_for(ref_model, plan, batch), autocast=False)
-    step = DraftStep(dflash_module(model), lm_head(model), plan.draft.objective)
-    out = run_step(step, inputs_for(model, plan, batch.to(setup.device)), autocast=True)
+    cpu = single_env(torch.device("cpu"))
+    ref = train_step_for(plan, copy.deepcopy(base), cpu, drafter_seed=22)
+    env = single_env(setup.device)
+    tested = train_step_for(bf16_plan(plan), base, env, drafter_seed=22, like=ref)
+    ref_out = optimizer_step(ref, [prepared_rows(ref, batch, next_index=dims.batch)], index=0)
+    out = optimizer_step(tested, [prepared_rows(tested, batch, next_index=dims.batch)], index=0)
     report.rel("loss", out.loss, ref_out.loss, tol=2e-2)
-    report.grads("drafter gradients", dflash_module(model), dflash_module(ref_model), tol=1e-1)
+    report.grads(
+        "drafter gradients (clipped as the step clips them)",
+        tested.models.drafter,
+        ref.models.drafter,
+        tol=1e-1,
+    )
 
 
 def check_chunked(setup: Setup, report: Report) -> None:
-    _, model, plan, batch = _step_pair(setup, seed=31)
+    dims = setup.check_dims
+    plan = bf16_plan(make_plan(dims, setup.workdir))
     spec = plan.resolved_draft()
-    inputs = inputs_for(model, plan, batch.to(setup.device))
-    n_blocks = int(batch.anchors.shape[1])
-    budget = 3 * dims_logits_per_block(setup.check_dims, spec.vocab_size)
-    whole_model = copy.deepcopy(model)
-    whole = DraftStep(dflash_module(whole_model), lm_head(whole_model), plan.draft.objective)
-    chunked = DraftStep(
-        dflash_module(model), lm_head(model), plan.draft.objective, max_chunk_logits=budget
-    )
-    per_chunk = chunked.blocks_per_chunk(setup.check_dims.batch, n_blocks)
+    base = base_target(dims, plan, seed=31)
+    batch = make_batch(dims, seed=33)
+    env = single_env(setup.device)
+    budget = 3 * dims_logits_per_block(dims, spec.vocab_size)
+    whole = train_step_for(plan, copy.deepcopy(base), env, drafter_seed=32)
+    chunked = train_step_for(plan, base, env, drafter_seed=32, max_chunk_logits=budget, like=whole)
+    module = chunked.models.step
+    assert isinstance(module, DraftStep)
+    prepared = prepared_rows(chunked, batch, next_index=dims.batch)
+    n_blocks = int(prepared.drawn.anchors.shape[1])
+    per_chunk = module.blocks_per_chunk(dims.batch, n_blocks)
     chunks = -(-n_blocks // per_chunk)
     report.note(
-        f"max_chunk_logits {budget}: {chunks} chunks of {per_chunk} blocks vs one, both under "
-        "bf16 autocast"
+        f"max_chunk_logits {budget}: {chunks} chunks of {per_chunk} blocks vs one, both one "
+        "optimizer_step under the bf16 plan's autocast (none on the CPU)"
     )
     if chunks < 2:
         report.note("BAD  the budget does not split the blocks into chunks")
         report.failed = True
         return
-    ref_out = run_step(whole, inputs, autocast=True)
-    out = run_step(chunked, inputs, autocast=True)
+    ref_out = optimizer_step(whole, [prepared_rows(whole, batch, next_index=dims.batch)], index=0)
+    out = optimizer_step(chunked, [prepared], index=0)
     report.rel("loss", out.loss, ref_out.loss, tol=1e-3)
     report.close(
         "per-position correct counts",
-        out.per_position_correct,
-        ref_out.per_position_correct,
+        loss_of(out).per_position_correct,
+        loss_of(ref_out).per_position_correct,
         atol=1,
         rtol=0,
     )
-    report.grads("drafter gradients", dflash_module(model), dflash_module(whole_model), tol=1e-2)
+    report.grads("drafter gradients", chunked.models.drafter, whole.models.drafter, tol=1e-2)
 
 
 def dims_logits_per_block(dims: Dims, vocab: int) -> int:
@@ -671,28 +734,23 @@ def _ddp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
 
     dims = dataclasses.replace(setup.check_dims, batch=2 * world) if world > 1 else setup.check_dims
     plan = make_plan(dims, setup.workdir)
-    model = _moved(build_model(dims, plan, seed=41), device)
+    base = base_target(dims, plan, seed=41)
     batch = make_batch(dims, seed=43)
-    reference = copy.deepcopy(model)
-    ref_step = DraftStep(dflash_module(reference), lm_head(reference), plan.draft.objective)
-    ref_out = run_step(ref_step, inputs_for(reference, plan, batch.to(device)), autocast=False)
-
+    # One process on the whole batch, and the ranks' step (build_step: DDP-wrapped, the loss
+    # normalised by the global weight sum) on their rows, from the same weights.
+    reference = train_step_for(plan, copy.deepcopy(base), single_env(device), drafter_seed=42)
+    step = train_step_for(plan, base, env, drafter_seed=42, like=reference)
+    optimizer_step(reference, [prepared_rows(reference, batch, next_index=dims.batch)], index=0)
     share = dims.batch // world
-    mine = batch.rows(rank * share, (rank + 1) * share).to(device)
-    step = DraftStep(dflash_module(model), lm_head(model), plan.draft.objective)
-    wrapped = wrap_ddp(step, env)
-    out: LossOutput = wrapped(inputs_for(model, plan, mine))
-    # The trainer's normalisation: DDP's average of these equals the whole batch's gradient.
-    total = out.weight_sum.detach().clone()
-    dist.all_reduce(total)
-    (out.loss * out.weight_sum * world / total).backward()  # type: ignore[no-untyped-call]
+    mine = batch.rows(rank * share, (rank + 1) * share)
+    optimizer_step(step, [prepared_rows(step, mine, next_index=dims.batch)], index=0)
     report.grads(
-        f"DDP gradients ({world} rank(s), {share} row(s) each) vs one process, whole batch",
-        dflash_module(model),
-        dflash_module(reference),
+        f"DDP gradients ({world} rank(s), {share} row(s) each; one optimizer_step of build_step's "
+        "step) vs one process, whole batch",
+        step.models.drafter,
+        reference.models.drafter,
         tol=1e-4,
     )
-    del ref_out
 
 
 def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
@@ -702,15 +760,20 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
         report.note(f"BAD  FSDP2 is not available in torch {torch.__version__}: {exc}")
         report.failed = True
         return
-    device, world = env.device, env.world_size
-    dims = setup.check_dims
+    device, world, rank = env.device, env.world_size, env.rank
+    dims = dataclasses.replace(setup.check_dims, batch=2 * world) if world > 1 else setup.check_dims
     plan = make_plan(dims, setup.workdir)
-    model = build_model(dims, plan, seed=51)
-    batch = make_batch(dims, seed=53).to(device)
+    base = base_target(dims, plan, seed=51)
+    rows = make_batch(dims, seed=53)
+    batch = rows.to(device)
     spec = plan.resolved_draft()
 
-    plain = _moved(copy.deepcopy(model), device)
-    sharded = shard_target_fsdp2(copy.deepcopy(model), env)
+    plain = _moved(copy.deepcopy(base), device)
+    # What training.fsdp builds: the target sharded (shard_target_fsdp2), then the drafter
+    # (shard_drafter_fsdp2) with the optimizer over its shards.
+    fsdp_plan = attrs.evolve(plan, training=attrs.evolve(plan.training, fsdp=True))
+    fsdp_step = train_step_for(fsdp_plan, copy.deepcopy(base), env, drafter_seed=52)
+    sharded = fsdp_step.models.target
     # The reference: the unsharded target's Hugging Face hidden states (output_hidden_states).
     with torch.no_grad():
         states = plain(
@@ -746,25 +809,35 @@ def _fsdp_rank(setup: Setup, env: DistEnv, report: Report) -> None:
         rtol=1e-5,
     )
 
-    # The drafter, sharded as training.fsdp shards it (per decoder layer and at the step root).
-    inputs = inputs_for(plain, plan, batch)
-    drafter = dflash_module(plain)
-    shard_copy = copy.deepcopy(drafter)
-    sharded_step = DraftStep(shard_copy, lm_head(plain), plan.draft.objective)
-    shard_drafter_fsdp2(sharded_step, shard_copy.layers, env, param_dtype=None)
-    results = []
-    for step in (sharded_step, DraftStep(drafter, lm_head(plain), plan.draft.objective)):
-        optimizer = torch.optim.AdamW(step.drafter.parameters(), lr=1e-3)
-        out = run_step(step, inputs, autocast=False)
-        optimizer.step()
-        results.append(out.loss.detach())
+    # One optimizer_step of the sharded step (each rank its rows) against the plain step of one
+    # process on the whole batch, from the same initial drafter (the same seed).
+    reference = train_step_for(plan, base, single_env(device), drafter_seed=52)
+    reference.models.drafter.load_state_dict(
+        {k: _full(v) for k, v in fsdp_step.models.drafter.state_dict().items()}
+    )
+    ref_out = optimizer_step(
+        reference, [prepared_rows(reference, rows, next_index=dims.batch)], index=0
+    )
+    share = dims.batch // world
+    mine = rows.rows(rank * share, (rank + 1) * share)
+    prepared = prepared_rows(fsdp_step, mine, next_index=dims.batch)
+    out = optimizer_step(fsdp_step, [prepared], index=0)
+    # The global batch's loss: the ranks' weighted means, weighted by their weight sums.
+    result = loss_of(out)
+    pooled = torch.stack([result.loss.detach() * result.weight_sum, result.weight_sum.float()])
+    dist.all_reduce(pooled)
     report.close(
-        "drafter loss, shard_drafter_fsdp2 vs plain", results[0], results[1], atol=1e-5, rtol=1e-5
+        f"drafter loss, shard_drafter_fsdp2 vs plain (build_step with training.fsdp, {share} "
+        "row(s) per rank, one optimizer_step; the ranks' loss pooled)",
+        pooled[0] / pooled[1],
+        ref_out.loss,
+        atol=1e-5,
+        rtol=1e-5,
     )
     report.grads(
-        "drafter after one AdamW step, shard_drafter_fsdp2 vs plain",
-        shard_copy,
-        drafter,
+        "drafter after one optimizer_step (AdamW), shard_drafter_fsdp2 vs plain",
+        fsdp_step.models.drafter,
+        reference.models.drafter,
         tol=1e-5,
         full=True,
     )
@@ -856,42 +929,45 @@ def model_flops(dims: Dims, anchors: Tensor, valid: Tensor) -> tuple[float, str]
 def check_step(setup: Setup, report: Report) -> None:
     device = setup.device
     dims = TINY_STEP_DIMS if setup.dry_run else QWEN3_8B_DIMS
-    dtype = torch.bfloat16
-    plan = make_plan(dims, setup.workdir)
-    plan = attrs.evolve(plan, base_model=attrs.evolve(plan.base_model, dtype="bfloat16"))
+    plan = bf16_plan(make_plan(dims, setup.workdir))
+    # the index runs past the tiny recipe's 60 steps with --steps and --profile
+    plan = attrs.evolve(plan, training=attrs.evolve(plan.training, max_steps=100_000))
     torch.manual_seed(61)
     with torch.device(device):
         base = Qwen3ForCausalLM(target_config(dims, plan))
-    nn.Module.to(base, dtype)
-    model = convert(base, plan)
-    drafter = dflash_module(model)
-    drafter.to(device).float()
+    nn.Module.to(base, torch.bfloat16)
+    # What run builds (build_step): the drafter in float32 master weights, the step sized for
+    # the device's memory, the plan's AdamW and schedule, bf16 autocast on CUDA.
+    step = build_step(plan, env=single_env(device), target=base, skip_memory_check=True)
+    step.models.training_modes()
+    model, drafter = step.models.target, step.models.drafter
     report.note(
         f"drafter {dims.layers} layers x {dims.hidden} ({dims.heads} heads / {dims.kv_heads} kv x "
         f"{dims.head_dim}, intermediate {dims.intermediate}, {len(dims.taps)} taps), vocab "
         f"{dims.vocab}, block {dims.block}; target {dims.target_layers} layers x {dims.hidden} "
         f"in bf16; {dims.batch} x {dims.seq} tokens, {dims.anchors} anchors; drafter float32 "
-        "master weights under bf16 autocast, AdamW"
+        "master weights under bf16 autocast (CUDA), AdamW: build_step, prepare_rows, "
+        "optimizer_step"
     )
-    step = DraftStep(drafter, lm_head(model), plan.draft.objective)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    batch = make_batch(dims, seed=63).to(device)
+    batch = make_batch(dims, seed=63)
+    # prepared once: run prepares each batch on its prefetch thread, beside the steps
+    prepared = prepared_rows(step, batch, next_index=dims.batch)
+    drawn = prepared.drawn
+    done = [0]
+    clock: list[Callable[[str], None]] = []
+    _hook_phases(step, clock)
 
     def one_step(mark: Callable[[str], None] = lambda _phase: None) -> float:
-        """One training step; `mark` is called at the end of each of :data:`PHASES`."""
-        optimizer.zero_grad(set_to_none=True)
-        inputs = inputs_for(model, plan, batch)
-        mark(PHASES[0])
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out: LossOutput = step(inputs)
-        mark(PHASES[1])
-        out.loss.backward()  # type: ignore[no-untyped-call]
-        mark(PHASES[2])
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        mark(PHASES[3])
-        return float(out.loss.detach())
+        """One training step of ``run``; `mark` is called at the end of each of
+        :data:`PHASES` (by the hooks, and at the end of the step)."""
+        clock.append(mark)
+        try:
+            out = optimizer_step(step, [prepared], index=done[0])
+            mark(PHASES[3])
+        finally:
+            clock.pop()
+        done[0] += 1
+        return float(out.loss)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -917,8 +993,8 @@ def check_step(setup: Setup, report: Report) -> None:
         report.failed = True
     seconds = sorted(times)[len(times) // 2]
     tokens = dims.batch * dims.seq
-    drafted = int(batch.valid.sum()) * dims.block
-    flops, formula = model_flops(dims, batch.anchors, batch.valid)
+    drafted = int(drawn.valid.sum()) * dims.block
+    flops, formula = model_flops(dims, drawn.anchors, drawn.valid)
     report.note(
         f"median step {seconds * 1000:.1f} ms over {setup.steps} steps: {tokens / seconds:,.0f} "
         f"target tokens/s, {drafted / seconds:,.0f} drafted tokens/s, loss {loss:.4f}"
@@ -940,6 +1016,7 @@ def check_step(setup: Setup, report: Report) -> None:
     device_bytes = (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     )
+    optimizer = step.optimization.optimizer
     compare_memory(plan, dims, model, drafter, optimizer, peak_bytes, report, device_bytes)
     if setup.profile:
         profile_step(one_step, device, setup.steps, report, trace=setup.profile_trace)
@@ -954,6 +1031,23 @@ PHASES = (
 )
 #: Rows of the profiler's table that ``--profile`` prints.
 PROFILE_ROWS = 25
+
+
+def _hook_phases(step: TrainStep, clock: list[Callable[[str], None]]) -> None:
+    """Mark the phase ends of `step`'s optimiser steps on the innermost of `clock` (when there
+    is one), by hooks that leave the step itself as it is: the step module's forward starts
+    (the target forward and masks end) and ends (the drafter and head forward end), and each
+    gradient accumulated (the last one ends the backward)."""
+
+    def mark(phase: str) -> None:
+        if clock:
+            clock[-1](phase)
+
+    models = step.models
+    models.step.register_forward_pre_hook(lambda _module, _args: mark(PHASES[0]))
+    models.step.register_forward_hook(lambda _module, _args, _out: mark(PHASES[1]))
+    for param in models.trainable:
+        param.register_post_accumulate_grad_hook(lambda _param: mark(PHASES[2]))
 
 
 class _PhaseClock:
@@ -973,6 +1067,9 @@ class _PhaseClock:
         return event
 
     def mark(self, phase: str) -> None:
+        """The end of `phase` now; marked again before the next phase: the later end."""
+        if self.marks and self.marks[-1][0] == phase:
+            self.marks.pop()
         self.marks.append((phase, self._now()))
 
     def durations_ms(self) -> list[tuple[str, float]]:
