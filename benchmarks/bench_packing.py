@@ -78,7 +78,6 @@ class Arm:
         )
         randomize(self.step.models.drafter)
         self.step.models.training_modes()
-        self.pad_token_id = dataset.pad_token_id
         if name == "packed":
             packing = pack_epoch(
                 example_lengths(dataset.examples), seq_len=SEQ_LEN, seed=0, epoch=0
@@ -95,23 +94,14 @@ class Arm:
         return self.done / len(self.stream)
 
     def prepare(self, batch: Batch) -> PreparedBatch:
-        """The batch's rows through ``prepare_rows``: a packed batch with its document ids, a
-        padded one as its rows of different lengths (right-padded again, as collated)."""
-        if batch.document_ids is not None:
-            return prepare_rows(
-                self.step,
-                batch.input_ids,
-                batch.loss_mask,
-                document_ids=batch.document_ids,
-                epoch=batch.epoch,
-                next_index=batch.next_index,
-            )
-        lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
+        """The batch's rows through ``prepare_rows`` with the masks the epoch's stream gave
+        them (a packed row's document ids, a padded row's attention)."""
         return prepare_rows(
             self.step,
-            [row[:n].tolist() for row, n in zip(batch.input_ids, lengths, strict=True)],
-            [row[:n].tolist() for row, n in zip(batch.loss_mask, lengths, strict=True)],
-            pad_token_id=self.pad_token_id,
+            batch.input_ids,
+            batch.loss_mask,
+            attention_mask=batch.attention_mask,
+            document_ids=batch.document_ids,
             epoch=batch.epoch,
             next_index=batch.next_index,
         )

@@ -297,9 +297,7 @@ class Shape:
         timer.stop("backward", at=self.backward_ended)
         timer.start("optimizer", at=self.backward_ended)
         timer.stop("optimizer", at=ended)
-        for result, tokens in out.micro:
-            self.window.add(result, tokens)
-        self.window.add_grad_norm(out.grad_norm)
+        self.window.add_step(out.micro, out.grad_norm)  # as fit's loop does
         self.step_count += 1
         return float(out.loss)
 
