@@ -6,10 +6,15 @@ The drafter's logits ``[B, N, K, vocab]`` are the largest tensors of a DFlash st
 of 16 at Qwen3's 151936 rows: 5 GB in float32, plus the copies the loss keeps for backward).
 `DraftStep` computes lm_head, head and loss per chunk of blocks under activation checkpointing
 when they exceed `MAX_CHUNK_LOGITS`. This script builds a small random target with Qwen3's
-vocabulary (hidden 64, so the logits dominate), runs one step (draft forward, loss, backward)
-in a fresh process per variant and reports the growth of the process's peak resident memory
-during that step, and the step's time, both variants measured in the same run. A check first
-confirms both give the same loss.
+vocabulary (hidden 64, so the logits dominate), runs one step in a fresh process per variant and
+reports the growth of the process's peak resident memory during that step, and the step's time,
+both variants measured in the same run. A check first confirms both give the same loss.
+
+The step is what ``run`` runs (issue 53): ``train_step.build_step`` with the variant's
+``max_chunk_logits`` (``run --max-chunk-logits``), the rows through ``prepare_rows`` (before
+the clock starts: ``run`` prepares them on its prefetch thread) and one ``optimizer_step``
+(target forward, draft forward, loss, backward, clipping, AdamW). The ``bmm lm_head`` baseline
+swaps the one phase function it is about (``step._lm_head_logits``) for its old form.
 """
 
 from __future__ import annotations
@@ -50,16 +55,14 @@ def _child(
     import torch
 
     from dflash_recipes.compiler.compilation import compile_file
-    from dflash_recipes.executor.data.train_dataset import Batch
-    from dflash_recipes.executor.model.convert import (
-        convert,
-        dflash_module,
-        lm_head,
-        load_base_model,
-    )
+    from dflash_recipes.executor.dist_env import detect_dist_env
     from dflash_recipes.executor.training import step as step_module
-    from dflash_recipes.executor.training.anchors import sample_anchors
-    from dflash_recipes.executor.training.step import DraftStep, step_inputs
+    from dflash_recipes.executor.training.step import DraftStep
+    from dflash_recipes.executor.training.train_step import (
+        build_step,
+        optimizer_step,
+        prepare_rows,
+    )
 
     if as_is:
         # The lm_head as it ran before it was made one 2-D GEMM: a chunk's strided
@@ -88,29 +91,25 @@ def _child(
     assert result.plan is not None, result.diagnostics
     plan = result.plan
     spec = plan.resolved_draft()
-    model = convert(load_base_model(plan), plan)
-    drafter = dflash_module(model)
+    train = build_step(plan, env=detect_dist_env("cpu", {}), max_chunk_logits=budget)
+    module = train.models.step
+    assert isinstance(module, DraftStep)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, mask_id, (1, seq), generator=gen)
-    ones = torch.ones_like(ids)
-    drawn = sample_anchors(ones, ones, block_size=block, num_anchors=blocks, generator=gen)
-    batch = Batch(ids, ones, ones, epoch=0, next_index=1)
-    inputs = step_inputs(model, spec, plan.draft.objective, batch, drawn)
-    step = DraftStep(drafter, lm_head(model), plan.draft.objective, max_chunk_logits=budget)
+    prepared = prepare_rows(train, ids, torch.ones_like(ids), next_index=1)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    loss = step(inputs)
-    loss.loss.backward()
+    out = optimizer_step(train, [prepared], index=0)
     elapsed = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    n_blocks = drawn.anchors.shape[1]
+    n_blocks = prepared.drawn.anchors.shape[1]
     print(
         json.dumps(
             {
-                "loss": float(loss.loss.detach()),
+                "loss": float(out.loss),
                 "growth_mb": (peak - before) / 1024,
                 "seconds": elapsed,
-                "chunks": -(-n_blocks // step.blocks_per_chunk(1, n_blocks)),
+                "chunks": -(-n_blocks // module.blocks_per_chunk(1, n_blocks)),
                 "logits_mb": n_blocks * block * spec.vocab_size * 4 / 2**20,
             }
         )
