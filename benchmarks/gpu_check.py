@@ -1180,7 +1180,7 @@ def compare_memory(
     for what, est, real in (
         ("target weights", memory.target_weights, target_bytes),
         ("drafter weights", memory.drafter_weights, drafter_bytes),
-        # the timed step's AdamW keeps its step counters on the host
+        # the estimate counts 4 bytes of step counter per tensor: not a moment
         ("AdamW moments", memory.optimizer_states - 4 * len(optimizer.state), moments),
     ):
         ok = est == real
