@@ -238,7 +238,7 @@ class Shape:
         models.step.register_forward_pre_hook(forward_started)
         models.step.register_forward_hook(forward_ended)
         for param in models.trainable:
-            param.register_post_accumulate_grad_hook(accumulated)
+            param.register_post_accumulate_grad_hook(accumulated)  # type: ignore[no-untyped-call]
         self.backward_ended = 0.0
 
     def describe(self) -> str:

@@ -1047,7 +1047,7 @@ def _hook_phases(step: TrainStep, clock: list[Callable[[str], None]]) -> None:
     models.step.register_forward_pre_hook(lambda _module, _args: mark(PHASES[0]))
     models.step.register_forward_hook(lambda _module, _args, _out: mark(PHASES[1]))
     for param in models.trainable:
-        param.register_post_accumulate_grad_hook(lambda _param: mark(PHASES[2]))
+        param.register_post_accumulate_grad_hook(lambda _param: mark(PHASES[2]))  # type: ignore[no-untyped-call]
 
 
 class _PhaseClock:
