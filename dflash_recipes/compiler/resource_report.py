@@ -64,9 +64,12 @@ def render_resources(
         lines.append(f"  {name:<18}{gib(value):>9}")
     host = resources.host_memory
     how = "decoder layers read shard by shard" if host.sharded_load else "target read whole"
+    built = "built whole"
+    if host.drafter_other_ranks is not None:
+        built = f"built whole on rank 0 only, {gib(host.drafter_other_ranks)} on each other rank"
     lines.append(
         f"host memory per process while loading: {gib(host.total)} GiB (target "
-        f"{gib(host.target)}, {how}; drafter {gib(host.drafter)}, built whole)"
+        f"{gib(host.target)}, {how}; drafter {gib(host.drafter)}, {built})"
     )
     lines.append(
         f"step (all ranks): {step.tokens:,} tokens, {step.supervised_positions:,} supervised "

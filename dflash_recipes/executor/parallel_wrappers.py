@@ -67,7 +67,9 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
       through FSDP state dicts.
     - Every target forward all-gathers each layer's weights (communication per step); use it
       only when the target does not fit on one device next to the drafter.
-    - While loading, each process holds a full copy of the target in host memory.
+    - A target loaded whole (a plain load) is held whole by each process until it is sharded;
+      ``build_models`` builds it on meta and reads each rank's rows after this call instead
+      (:mod:`~dflash_recipes.executor.model.meta_load`).
     - One flat mesh over all ranks (no hybrid sharding); needs torch >= 2.6.
     """
     if not env.is_distributed:
@@ -104,7 +106,8 @@ def shard_target_fsdp2(model: _M, env: DistEnv) -> _M:
     # parent such as lm_head) is moved here.
     for sub in model.modules():
         for param in sub.parameters(recurse=False):
-            if not isinstance(param, DTensor) and param.device != env.device:
+            # a meta parameter (a drafter built on meta) is allocated when it is sharded
+            if not isinstance(param, DTensor) and not param.is_meta and param.device != env.device:
                 param.data = param.data.to(env.device)
         for name, buf in sub.named_buffers(recurse=False):
             if buf.device != env.device:

@@ -26,6 +26,8 @@ the drafter outside the training step therefore runs on every rank, in step:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
@@ -70,6 +72,42 @@ def shard_drafter_fsdp2(
         )
     # The root's parameters are gathered for the whole step (its post-forward reshards them).
     fully_shard(step, mesh=mesh, mp_policy=policy, ignored_params=frozen or None)
+
+
+def fill_from_rank0(
+    step: nn.Module, drafter: nn.Module, whole: Mapping[str, Tensor] | None, env: DistEnv
+) -> None:
+    """Give every rank its part of rank 0's drafter, after :func:`shard_drafter_fsdp2`.
+
+    Rank 0 passes its drafter's whole parameters, taken before sharding (`whole`, by name); the
+    other ranks pass None: their drafter was built with its parameters on meta
+    (:func:`~dflash_recipes.executor.model.meta_load.parameters_on_meta`), and here `step` is
+    allocated on ``env.device`` (its buffers kept as built). Then one broadcast per tensor,
+    each rank keeping its part: no rank but rank 0 ever holds the whole drafter, and every
+    rank's parts are rank 0's values (its initialisation and warm start)."""
+    import torch.distributed as dist
+
+    from dflash_recipes.executor.model.shard_reads import local_part
+
+    if whole is None:
+        kept = [
+            (module, key, buffer)
+            for module in step.modules()
+            for key, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        step.to_empty(device=env.device)
+        for module, key, buffer in kept:
+            module._buffers[key] = buffer.to(env.device)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if whole is not None:
+                full = whole[name].to(env.device).contiguous()
+            else:
+                full = torch.empty(param.shape, dtype=param.dtype, device=env.device)
+            dist.broadcast(full, src=0)
+            part = placed_like(param, full)
+            local_part(param).copy_(local_part(part))
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -52,7 +52,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.checkpoint.weight_index import CheckpointWeights, read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
-from dflash_recipes.executor.model.convert import load_base_model, torch_dtype
+from dflash_recipes.executor.model.convert import DRAFT_ATTRIBUTE, load_base_model, torch_dtype
 from dflash_recipes.executor.model.shard_reads import local_part, read_local
 from dflash_recipes.plan.parts import BaseModelPlan
 from dflash_recipes.plan.resources.target_dims import is_decoder_layer_tensor
@@ -190,7 +190,12 @@ def materialize_target(model: nn.Module, plan: RunPlan, device: torch.device) ->
     buffers are kept as they were. A meta parameter left outside any sharded module is read
     whole. Returns the number of tensors read; 0 when nothing was on meta.
     """
-    meta = {name for name, param in model.named_parameters() if param.is_meta}
+    drafter = f"{DRAFT_ATTRIBUTE}."  # a drafter on meta is filled from rank 0 once sharded
+    meta = {
+        name
+        for name, param in model.named_parameters()
+        if param.is_meta and not name.startswith(drafter)
+    }
     if not meta:
         return 0
     _empty_sharded_modules(model, device)

@@ -263,6 +263,7 @@ class ResourcePlan(Record):
                 "drafter": self.host_memory.drafter,
                 "total": self.host_memory.total,
                 "sharded_load": self.host_memory.sharded_load,
+                "drafter_other_ranks": self.host_memory.drafter_other_ranks,
             },
             "step": {
                 "tokens": self.step.tokens,
@@ -552,7 +553,14 @@ def estimate_resources(
         activations=activations,
         allowance=allowance,
     )
-    host = host_memory(target, pd, drafter_numel * mb, decoder_loaded=decoder_loaded, fsdp=fsdp)
+    host = host_memory(
+        target,
+        pd,
+        drafter_numel * mb,
+        decoder_loaded=decoder_loaded,
+        fsdp=fsdp,
+        world_size=world_size,
+    )
 
     # -- step -----------------------------------------------------------------------------
     rows = b * world_size * training.gradient_accumulation_steps

@@ -124,6 +124,24 @@ def test_a_sharded_drafter_trains_as_ddp_does(tmp_path: Path, extra: tuple[str, 
 
 
 @pytest.mark.slow
+def test_only_rank_0_builds_the_whole_drafter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node holds one whole drafter, not one per rank: rank 1 builds it on meta and gets its
+    part from rank 0 (the run above shows the parts are rank 0's values)."""
+    built = tmp_path / "built"
+    built.mkdir()
+    monkeypatch.setenv("DFLASH_TEST_BUILT", str(built))
+    _train(tmp_path / "fsdp", "training.fsdp=true", "training.max_steps=1")
+    assert (built / "rank-0").read_text() == "cpu"
+    assert (built / "rank-1").read_text() == "meta"
+    for rank in (0, 1):
+        (built / f"rank-{rank}").unlink()
+    _train(tmp_path / "ddp", "training.fsdp=false", "training.max_steps=1")
+    assert (built / "rank-1").read_text() == "cpu"  # DDP: every rank holds its whole drafter
+
+
+@pytest.mark.slow
 def test_accumulated_micro_batches_skip_the_reduction_until_the_last(tmp_path: Path) -> None:
     """Gradient accumulation under FSDP2 (no reduction before the last micro-batch) equals
     DDP's no_sync accumulation."""
@@ -318,7 +336,28 @@ def _slow_save_hook() -> None:
     checkpoints.write_sharded_state = slow  # type: ignore[assignment]
 
 
+def _built_drafter_hook() -> None:
+    """DFLASH_TEST_BUILT=DIR: each rank writes the device type of the first drafter's
+    parameters as built (before any sharding) to DIR/rank-N."""
+    where = os.environ.get("DFLASH_TEST_BUILT")
+    if not where:
+        return
+    from dflash_recipes.executor.model import draft
+
+    init = draft.DFlashDraftModel.__init__
+
+    def recording(self: draft.DFlashDraftModel, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        kinds = sorted({p.device.type for p in self.parameters()})
+        first = Path(where, f"rank-{os.environ['RANK']}")
+        if not first.exists():  # the drafter the run trains (the export builds its own later)
+            first.write_text(",".join(kinds))
+
+    draft.DFlashDraftModel.__init__ = recording  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":
     _nan_hook()
     _slow_save_hook()
+    _built_drafter_hook()
     _worker(*sys.argv[1:])

@@ -160,6 +160,9 @@ def test_the_host_holds_no_full_target_per_process_under_fsdp(qwen3_8b: Path) ->
     largest_layer_tensor = 12288 * 4096 * 2
     assert sharded_load.target == embeddings_and_head + largest_layer_tensor
     assert sharded_load.drafter == whole_load.drafter == 4 * 1_048_626_432
+    # a sharded drafter is whole on rank 0 only; every other rank builds it on meta
+    assert whole_load.drafter_other_ranks is None
+    assert sharded_load.drafter_other_ranks == -(-4 * 1_048_626_432 // 8)
     # one process, fsdp or not, reads the whole target
     alone = estimate_resources(seed_8b_plan(qwen3_8b, "training.fsdp=true"), world_size=1)
     assert not alone.host_memory.sharded_load
@@ -176,6 +179,7 @@ def test_a_70b_recipe_from_init_fits_8_x_80_gib_with_fsdp(llama_70b: Path) -> No
     assert code == 0, err
     assert "target and drafter sharded (fsdp)" in err
     assert "decoder layers read shard by shard" in err
+    assert "built whole on rank 0 only, 2.15 on each other rank" in err
     total = next(line for line in err.splitlines() if line.strip().startswith("total"))
     assert float(total.split()[-1]) < 80
 

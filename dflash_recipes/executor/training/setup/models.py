@@ -42,11 +42,15 @@ from dflash_recipes.executor.model.convert import (
     load_base_model,
 )
 from dflash_recipes.executor.model.draft import DFlashDraftModel
-from dflash_recipes.executor.model.meta_load import load_target_on_meta, materialize_target
+from dflash_recipes.executor.model.meta_load import (
+    load_target_on_meta,
+    materialize_target,
+    parameters_on_meta,
+)
 from dflash_recipes.executor.model.target_states import check_packed_isolation
 from dflash_recipes.executor.model.warmstart import WarmStartReport, warm_start
 from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2, wrap_ddp
-from dflash_recipes.executor.sharded_drafter import shard_drafter_fsdp2
+from dflash_recipes.executor.sharded_drafter import fill_from_rank0, shard_drafter_fsdp2
 from dflash_recipes.executor.training.setup.device_memory import check_device_memory
 from dflash_recipes.executor.training.setup.precision import autocast_dtype, master_dtype
 from dflash_recipes.executor.training.step import DraftStep
@@ -132,10 +136,16 @@ def build_models(
         base = load_target_on_meta(plan)
     else:
         base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
-    target = convert(base, plan, init=False)
+    sharded = training.fsdp and env.is_distributed
+    # A sharded drafter is built whole on rank 0 only (initialised and warm-started there); the
+    # other ranks build it on meta and receive their parts once it is sharded: a node holds one
+    # whole drafter, not one per rank.
+    on_meta = sharded and not is_main(env)
+    with parameters_on_meta() if on_meta else nullcontext():
+        target = convert(base, plan, init=False)
     drafter = dflash_module(target)
     # Before anything moves the drafter, so the loaded values are the checkpoint's.
-    report = warm_start(drafter, plan) if warm else None
+    report = warm_start(drafter, plan) if warm and not on_meta else None
     if sharded_target:
         # Shard before moving: each decoder layer reaches the device already sharded.
         shard_target_fsdp2(target, env)
@@ -161,14 +171,16 @@ def build_models(
     step = DraftStep(
         drafter, lm_head(target), plan.draft.objective, max_chunk_logits=max_chunk_logits
     )
-    sharded = training.fsdp and env.is_distributed
     if sharded:  # before the optimizer: sharding replaces every parameter
+        whole = None if on_meta else {n: p.detach() for n, p in drafter.named_parameters()}
         shard_drafter_fsdp2(
             step,
             drafter.layers,
             env,
             param_dtype=autocast_dtype(env.device.type, plan.base_model.dtype),
         )
+        fill_from_rank0(step, drafter, whole, env)
+        del whole
     return Models(
         target=target,
         drafter=drafter,
