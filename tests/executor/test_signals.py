@@ -116,7 +116,7 @@ def _patch_capture(module):
 
 _PATCHES = {
     "dflash_recipes.executor.data.capture": _patch_capture,
-    "dflash_recipes.executor.training.fit": _patch_trainer,
+    "dflash_recipes.executor.training.train_step": _patch_trainer,
     "dflash_recipes.executor.training.checkpoints": _patch_checkpoints,
 }
 

@@ -18,8 +18,8 @@ AdamW's states exist as in every later step, then measures a second micro-step:
 
 With ``sharded=True`` (inside a joined gloo group) the target is loaded as ``run`` loads it
 under ``training.fsdp`` (built on meta, sharded, each rank's rows read) and the drafter is
-sharded as the trainer shards it: ``fully_shard`` on each draft layer and at the root (the step
-module), reducing in float32, computing in the master dtype on the CPU.
+sharded by the trainer's own ``shard_drafter_fsdp2`` (each draft layer and the step module,
+reducing in float32, computing in the master dtype on the CPU).
 """
 
 from __future__ import annotations
@@ -161,12 +161,10 @@ def measured_step(
     batch, seq = training.per_device_train_batch_size, training.training_seq_len
     spec = plan.resolved_draft()
     if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         from dflash_recipes.executor.dist_env import detect_dist_env
         from dflash_recipes.executor.model.meta_load import load_target_on_meta, materialize_target
         from dflash_recipes.executor.parallel_wrappers import shard_target_fsdp2
+        from dflash_recipes.executor.sharded_drafter import shard_drafter_fsdp2
 
         env = detect_dist_env("cpu")
         model = convert(load_target_on_meta(plan), plan)
@@ -179,13 +177,8 @@ def measured_step(
     drafter.train(True)
     drafter.activation_checkpointing = training.activation_checkpointing
     step = DraftStep(drafter, lm_head(model), plan.draft.objective)
-    if sharded:
-        mesh = init_device_mesh("cpu", (env.world_size,))
-        policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-        for layer in drafter.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-        frozen = {p for p in step.parameters() if not p.requires_grad}
-        fully_shard(step, mesh=mesh, mp_policy=policy, ignored_params=frozen or None)
+    if sharded:  # the trainer's own sharding (computing in the master dtype on the CPU)
+        shard_drafter_fsdp2(step, drafter.layers, env, param_dtype=None)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, lr=1e-4, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)

@@ -14,7 +14,7 @@ from testkit.compiling import tiny_scratch_plan
 
 from dflash_recipes.executor.dist_env import detect_dist_env
 from dflash_recipes.executor.model.convert import torch_dtype
-from dflash_recipes.executor.training import fit
+from dflash_recipes.executor.training import fit, train_step
 from dflash_recipes.executor.training.setup.models import build_models
 from dflash_recipes.executor.training.setup.precision import (
     apply_tf32,
@@ -81,7 +81,7 @@ def test_setup_applies_the_plans_tf32_on_the_runs_device(
         seen.append((plan.training.tf32, device.type))
         return apply_tf32(plan, device)
 
-    monkeypatch.setattr(fit, "apply_tf32", recording)
+    monkeypatch.setattr(train_step, "apply_tf32", recording)  # build_step applies it
     fit.run_plan(plan, progress=False)
     assert seen == [(False, "cpu")]
 
