@@ -52,14 +52,9 @@ def torch_dtype(name: str) -> torch.dtype:
         raise PlanError(msg) from None
 
 
-def load_base_model(plan: RunPlan) -> PreTrainedModel:
-    """The frozen target from the plan's local directory, in the plan's dtype, on the CPU.
-
-    Never downloads (``local_files_only``); runs custom modelling code only when the recipe set
-    ``model.trust_remote_code``.
-    """
-    base = plan.base_model
-    path = Path(base.path)
+def require_config(path: Path) -> Path:
+    """`path`, a local model directory with its config.json (CheckpointError naming the
+    download step otherwise)."""
     if not (path / CONFIG_FILE).is_file():
         msg = (
             f"base model directory {path} has no config.json; model.model_name_or_path must be "
@@ -67,6 +62,17 @@ def load_base_model(plan: RunPlan) -> PreTrainedModel:
             f"`hf download <repo> --local-dir {path}`)"
         )
         raise CheckpointError(msg)
+    return path
+
+
+def load_base_model(plan: RunPlan) -> PreTrainedModel:
+    """The frozen target from the plan's local directory, in the plan's dtype, on the CPU.
+
+    Never downloads (``local_files_only``); runs custom modelling code only when the recipe set
+    ``model.trust_remote_code``.
+    """
+    base = plan.base_model
+    path = require_config(Path(base.path))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path),

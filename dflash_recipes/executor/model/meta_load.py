@@ -52,7 +52,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from dflash_recipes.checkpoint.model_files import CONFIG_FILE
 from dflash_recipes.checkpoint.weight_index import CheckpointWeights, read_checkpoint_weights
 from dflash_recipes.errors import CheckpointError
-from dflash_recipes.executor.model.convert import DRAFT_ATTRIBUTE, load_base_model, torch_dtype
+from dflash_recipes.executor.model.convert import (
+    DRAFT_ATTRIBUTE,
+    load_base_model,
+    require_config,
+    torch_dtype,
+)
 from dflash_recipes.executor.model.shard_reads import local_part, read_local
 from dflash_recipes.plan.parts import BaseModelPlan
 from dflash_recipes.plan.resources.target_dims import is_decoder_layer_tensor
@@ -99,14 +104,7 @@ def build_target_on_meta(base: BaseModelPlan) -> PreTrainedModel:
     In the plan's dtype, with the attention implementation a plain load picks; runs custom
     modelling code only when the recipe set ``model.trust_remote_code``.
     """
-    path = Path(base.path)
-    if not (path / CONFIG_FILE).is_file():
-        msg = (
-            f"base model directory {path} has no config.json; model.model_name_or_path must be "
-            "a local Hugging Face model directory (stage it with "
-            f"`hf download <repo> --local-dir {path}`)"
-        )
-        raise CheckpointError(msg)
+    path = require_config(Path(base.path))
     try:
         config = AutoConfig.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=base.trust_remote_code
