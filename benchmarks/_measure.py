@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 GNU_TIME = Path("/usr/bin/time")
@@ -146,6 +147,27 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def fit_seconds_per_step(plan: Any, *, prefetch: bool) -> float:
+    """Seconds per optimiser step of one fresh run of `plan` through `run`'s own ``setup`` and
+    ``fit`` (setup not timed; `prefetch` False: batches prepared on the loop's thread)."""
+    from dflash_recipes.executor.dist_env import detect_dist_env
+    from dflash_recipes.executor.signals import SignalWatch
+    from dflash_recipes.executor.training.fit import fit, setup
+
+    env = detect_dist_env(plan.training.device, {})
+    run = setup(plan, env, None, verify_capture=False)
+    try:
+        started = time.perf_counter()
+        progress = fit(run, SignalWatch(), None, show_progress=False, prefetch=prefetch)
+        seconds = time.perf_counter() - started
+    finally:
+        run.trackers.close("finished")
+        run.data.close()
+    steps = progress.done - run.start.step
+    assert steps > 0 and progress.done == run.optimization.total_steps
+    return seconds / steps
 
 
 def write_wide_target(folder: Path, hidden: int, layers: int, *, intermediate: int = 0) -> Path:

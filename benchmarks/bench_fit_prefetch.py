@@ -20,16 +20,12 @@ import argparse
 import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from _measure import print_table, verdict
+from _measure import fit_seconds_per_step, print_table, verdict
 
 from dflash_recipes.compiler.compilation import compile_file
-from dflash_recipes.executor.dist_env import detect_dist_env
-from dflash_recipes.executor.signals import SignalWatch
-from dflash_recipes.executor.training.fit import fit, setup
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny" / "tiny_scratch.yaml"
@@ -52,17 +48,7 @@ def one_fit(folder: Path, args: argparse.Namespace, *, prefetch: bool) -> float:
         ),
     )
     assert result.plan is not None, [str(d) for d in result.diagnostics]
-    plan = result.plan
-    env = detect_dist_env(plan.training.device, {})
-    run = setup(plan, env, None, verify_capture=False)
-    try:
-        started = time.perf_counter()
-        progress = fit(run, SignalWatch(), None, show_progress=False, prefetch=prefetch)
-        seconds = time.perf_counter() - started
-    finally:
-        run.trackers.close("finished")
-    assert progress.done == args.steps
-    return seconds / args.steps
+    return fit_seconds_per_step(result.plan, prefetch=prefetch)
 
 
 def main() -> None:

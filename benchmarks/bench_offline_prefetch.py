@@ -31,17 +31,13 @@ import argparse
 import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from _measure import print_table, write_wide_target
+from _measure import fit_seconds_per_step, print_table, write_wide_target
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.executor.data.capture import capture_plan
-from dflash_recipes.executor.dist_env import detect_dist_env
-from dflash_recipes.executor.signals import SignalWatch
-from dflash_recipes.executor.training.fit import fit, setup
 from dflash_recipes.plan.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,21 +67,6 @@ def _plan(folder: Path, target: Path, args: argparse.Namespace, *extra: str) -> 
     return result.plan
 
 
-def one_fit(plan: RunPlan, steps: int, *, arm: str) -> float:
-    """Seconds per optimiser step of one fresh run's ``fit`` (setup not timed)."""
-    env = detect_dist_env(plan.training.device, {})
-    run = setup(plan, env, None, verify_capture=False)
-    try:
-        started = time.perf_counter()
-        progress = fit(run, SignalWatch(), None, show_progress=False, prefetch=arm == "prefetch")
-        seconds = time.perf_counter() - started
-    finally:
-        run.trackers.close("finished")
-        run.data.close()
-    assert progress.done == steps
-    return seconds / steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -110,7 +91,7 @@ def main() -> None:
             for arm in order:
                 folder = Path(tmp) / f"{arm.replace(' ', '-')}-{index}"
                 plan = _plan(folder, target, args, f"data.hidden_states_path={capture}")
-                seconds = one_fit(plan, args.steps, arm=arm)
+                seconds = fit_seconds_per_step(plan, prefetch=arm == "prefetch")
                 if index > 0:
                     samples[arm].append(seconds)
     median = {arm: statistics.median(s) for arm, s in samples.items()}

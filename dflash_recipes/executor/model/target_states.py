@@ -23,6 +23,7 @@ compiler refuses packing for targets that declare them (``packing-recurrent-laye
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -231,7 +232,7 @@ def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype)
         if mask is None and getattr(config, "_attn_implementation", None) == "sdpa":
             _register_causal_sdpa()
             return CausalAttention(None, CAUSAL_SDPA)
-        return CausalAttention(mask) if mask is not None else CausalAttention(None)
+        return CausalAttention(mask)
     if any(t not in _MASK_BUILDERS for t in layer_types):
         return CausalAttention(None)
     return CausalAttention(
@@ -242,7 +243,9 @@ def causal_attention(model: nn.Module, input_ids: Tensor, *, dtype: torch.dtype)
     )
 
 
+@functools.cache
 def _register_causal_sdpa() -> None:
+    """Register :data:`CAUSAL_SDPA` with transformers' attention functions (once per process)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

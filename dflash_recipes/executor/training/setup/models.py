@@ -128,15 +128,15 @@ def build_models(
         log=is_main(env),
         skip=skip_memory_check,
     )
-    sharded_target = training.fsdp and env.is_distributed
+    # training.fsdp on several ranks shards both models (and loads the target on meta).
+    sharded = training.fsdp and env.is_distributed
     if loaded_target is not None:
         base = loaded_target
-    elif needs_decoder and sharded_target:
+    elif needs_decoder and sharded:
         # No full copy per process: the decoder layers stay on meta until they are sharded.
         base = load_target_on_meta(plan)
     else:
         base = load_base_model(plan) if needs_decoder else load_target_without_decoder(plan)
-    sharded = training.fsdp and env.is_distributed
     # A sharded drafter is built whole on rank 0 only (initialised and warm-started there); the
     # other ranks build it on meta and receive their parts once it is sharded: a node holds one
     # whole drafter, not one per rank.
@@ -146,7 +146,7 @@ def build_models(
     drafter = dflash_module(target)
     # Before anything moves the drafter, so the loaded values are the checkpoint's.
     report = warm_start(drafter, plan) if warm and not on_meta else None
-    if sharded_target:
+    if sharded:
         # Shard before moving: each decoder layer reaches the device already sharded.
         shard_target_fsdp2(target, env)
         if loaded_target is None:  # each rank reads the rows it keeps
