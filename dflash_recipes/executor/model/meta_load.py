@@ -22,13 +22,17 @@ without tensor data and each rank reads from the safetensors files only what it 
 The values are the files' values cast to the parameter's dtype, as ``from_pretrained`` casts
 them: bit for bit a plain load's (tests/executor/model/test_meta_load.py gathers and compares).
 
-A target whose module names or shapes are not its files' (a family that transformers converts on
-load: the MoE families whose checkpoints store each expert apart while the modules fuse them,
-``mlp.experts.gate_up_proj``, such as Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next and GLM-4-MoE)
-cannot be read slice by slice: :func:`load_target_on_meta` then logs a warning and loads it
-whole, as before, and :func:`materialize_target` finds nothing to do. The dense families (Llama,
-Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2, GLM, Granite, Llama 4's text model) and gpt-oss load
-shard by shard (tests/executor/model/test_meta_load.py runs the family matrix).
+Which file tensors make each parameter is :func:`stored_layout`'s answer, from transformers'
+own conversion table for the model (what ``from_pretrained`` renames and converts): a renamed
+tensor (Mixtral's ``block_sparse_moe`` is the module ``mlp``) is read under its file name, and
+the MoE families whose checkpoints store each expert apart while the modules stack them
+(``mlp.experts.gate_up_proj`` is each expert's ``gate_proj`` and ``up_proj`` concatenated, as in
+Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next and GLM-4-MoE) are read expert by expert: FSDP2
+shards a stacked tensor on its expert dim, so a rank reads the file tensors of the experts it
+keeps and no other. Every family of the matrix loads shard by shard, bit for bit a plain load's
+(tests/executor/model/test_meta_load.py). A target made on load by any other conversion, or
+whose files lack a parameter, is loaded whole, as before, with a warning naming why, and
+:func:`materialize_target` finds nothing to do.
 One process (no ``fsdp``, or one rank) never comes here: its load is unchanged.
 
 The rule for "the rows of a file tensor that this rank's tensor holds" is
@@ -40,12 +44,12 @@ before its warm start reads only its own rows as well.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -58,7 +62,7 @@ from dflash_recipes.executor.model.convert import (
     require_config,
     torch_dtype,
 )
-from dflash_recipes.executor.model.shard_reads import local_part, read_local
+from dflash_recipes.executor.model.shard_reads import StoredAs, fill_local
 from dflash_recipes.plan.parts import BaseModelPlan
 from dflash_recipes.plan.resources.target_dims import is_decoder_layer_tensor
 from dflash_recipes.plan.run_plan import RunPlan
@@ -126,21 +130,122 @@ def build_target_on_meta(base: BaseModelPlan) -> PreTrainedModel:
 # ---------------------------------------------------------------------------------------------
 
 
-def layout_problems(model: nn.Module, weights: CheckpointWeights) -> list[str]:
-    """Why `model`'s meta parameters cannot be read by name from `weights` (empty: they can).
+def stored_layout(
+    model: PreTrainedModel, weights: CheckpointWeights
+) -> tuple[dict[str, StoredAs], list[str]]:
+    """Where each of `model`'s meta parameters is in `weights`, and why some cannot be read.
 
-    Every meta parameter (each shared one once) must be a tensor of the files with its shape.
+    The files' names are mapped to the modules' by transformers' own conversion table for the
+    model (``get_model_conversion_mapping``: the renamings and converters ``from_pretrained``
+    applies), so a name the loader renames (Mixtral's ``block_sparse_moe`` is ``mlp``) is found,
+    and the experts a converter stacks (each expert's ``gate_proj`` and ``up_proj`` into
+    ``mlp.experts.gate_up_proj``, its ``down_proj`` into ``mlp.experts.down_proj``) are read
+    expert by expert. Only converters that stack on dim 0 and concatenate on dim 1 are read so;
+    a parameter made by any other conversion is a problem (the caller loads the target whole).
+    Every meta parameter (each shared one once) must be found, with its shape.
     """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+    wanted = model.state_dict()
+    plain: dict[str, str] = {}
+    stacked: dict[str, dict[str, list[str]]] = {}
+    for key in sorted(weights.tensors, key=_natural):
+        renamed, pattern = rename_source_key(
+            key, renamings, converters, model.base_model_prefix, wanted
+        )
+        if renamed not in wanted and key in wanted:
+            renamed, pattern = key, None
+        if renamed not in wanted:
+            continue  # a tensor the model has no use for (from_pretrained ignores it too)
+        if pattern is None:
+            plain[renamed] = key
+        else:
+            stacked.setdefault(renamed, {}).setdefault(pattern, []).append(key)
+    layout: dict[str, StoredAs] = {}
     problems = []
     for name, param in model.named_parameters():
         if not param.is_meta:
             continue
-        info = weights.tensors.get(name)
-        if info is None:
+        if name in plain:
+            info = weights.tensors[plain[name]]
+            if tuple(info.shape) != tuple(param.shape):
+                problems.append(
+                    f"{name}: {tuple(param.shape)} in the model, {info.shape} in the files"
+                )
+                continue
+            layout[name] = StoredAs(
+                parts=((plain[name],),),
+                per_expert=False,
+                files=((plain[name], weights.tensor_files[plain[name]]),),
+            )
+        elif name in stacked:
+            by_pattern = stacked[name]
+            converter = converter_of[next(iter(by_pattern))]
+            problem = _stacking_problem(name, param, converter, by_pattern, weights)
+            if problem:
+                problems.append(problem)
+                continue
+            groups = [by_pattern[p] for p in converter.source_patterns]
+            layout[name] = StoredAs(
+                parts=tuple(zip(*groups, strict=True)),
+                per_expert=True,
+                files=tuple((k, weights.tensor_files[k]) for group in groups for k in group),
+            )
+        else:
             problems.append(f"{name}: not in the files")
-        elif tuple(info.shape) != tuple(param.shape):
-            problems.append(f"{name}: {tuple(param.shape)} in the model, {info.shape} in the files")
-    return problems
+    return layout, problems
+
+
+def layout_problems(model: PreTrainedModel, weights: CheckpointWeights) -> list[str]:
+    """Why `model`'s meta parameters cannot be read from `weights` (empty: they can)."""
+    return stored_layout(model, weights)[1]
+
+
+def _stacking_problem(
+    name: str,
+    param: torch.Tensor,
+    converter: object,
+    by_pattern: Mapping[str, list[str]],
+    weights: CheckpointWeights,
+) -> str | None:
+    """Why `param` is not the files' tensors stacked expert by expert (None: it is)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    operations = list(getattr(converter, "operations", []))
+    patterns = list(getattr(converter, "source_patterns", []))
+    merges = (
+        len(operations) in (1, 2)
+        and isinstance(operations[0], MergeModulelist)
+        and operations[0].dim == 0
+        and (len(operations) == 1) == (len(patterns) == 1)
+        and all(isinstance(op, Concatenate) and op.dim == 1 for op in operations[1:])
+    )
+    if not merges:
+        return f"{name}: made on load by {operations!r}, which is not read expert by expert"
+    if set(by_pattern) != set(patterns):
+        return f"{name}: the files lack {sorted(set(patterns) - set(by_pattern))}"
+    experts = {len(keys) for keys in by_pattern.values()}
+    if experts != {param.shape[0]}:
+        return f"{name}: {param.shape[0]} experts in the model, {sorted(experts)} in the files"
+    for expert in range(param.shape[0]):
+        shapes = [tuple(weights.tensors[by_pattern[p][expert]].shape) for p in patterns]
+        rows = sum(shape[0] for shape in shapes if shape)
+        if any(shape[1:] != tuple(param.shape[2:]) for shape in shapes) or (rows != param.shape[1]):
+            return (
+                f"{name}: expert {expert} is {shapes} in the files, "
+                f"{tuple(param.shape[1:])} in the model"
+            )
+    return None
+
+
+def _natural(key: str) -> list[tuple[int, int | str]]:
+    """Sort key: dotted names with their numbers in numeric order (expert 10 after expert 9)."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in key.split(".")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,28 +259,29 @@ def load_target_on_meta(plan: RunPlan) -> PreTrainedModel:
     What stays whole on every rank (embeddings, final norm, ``lm_head``, and every other tensor
     outside the decoder layers) is read here, one tensor at a time, into host memory; shard the
     model (``shard_target_fsdp2``) and then call :func:`materialize_target`. A target whose
-    files cannot be read by module name is loaded whole instead, with a warning (nothing is left
-    on meta then).
+    files cannot be read tensor by tensor (:func:`stored_layout` names why) is loaded whole
+    instead, with a warning (nothing is left on meta then).
     """
     path = Path(plan.base_model.path)
     model = build_target_on_meta(plan.base_model)
     weights = read_checkpoint_weights(path)
-    problems = layout_problems(model, weights)
+    layout, problems = stored_layout(model, weights)
     if problems:
         more = f"; and {len(problems) - 4} more" if problems[4:] else ""
         shown = "; ".join(problems[:4]) + more
         logger.warning(
-            "training.fsdp: the target's files are not its modules' tensors by name (%s), so "
-            "each process loads the whole target into host memory before sharding",
+            "training.fsdp: the target's files cannot be read tensor by tensor into its modules "
+            "(%s), so each process loads the whole target into host memory before sharding",
             shown,
         )
         return load_base_model(plan)
+    _LAYOUTS[model] = layout
     whole = {
         name: param
         for name, param in model.named_parameters()
         if param.is_meta and not _in_decoder_layers(name)
     }
-    _fill_whole(model, weights, whole)
+    _fill_whole(model, weights.directory, layout, whole)
     return model
 
 
@@ -196,39 +302,35 @@ def materialize_target(model: nn.Module, plan: RunPlan, device: torch.device) ->
     }
     if not meta:
         return 0
+    layout = _LAYOUTS.get(model)
+    if layout is None:
+        msg = "materialize_target: the model was not built by load_target_on_meta"
+        raise CheckpointError(msg)
+    directory = Path(plan.base_model.path)
     _empty_sharded_modules(model, device)
     leftover = {
         name: param for name, param in model.named_parameters() if param.is_meta and name in meta
     }
-    weights = read_checkpoint_weights(Path(plan.base_model.path))
     if leftover:
-        _fill_whole(model, weights, leftover, device=device)
+        _fill_whole(model, directory, layout, leftover, device=device)
     params = dict(model.named_parameters())
-    read = 0
-    with torch.no_grad():
-        for name in sorted(meta - set(leftover), key=lambda n: weights.tensor_files[n]):
-            param = params[name]
-            path = weights.directory / weights.tensor_files[name]
-            # One mapping per tensor: a rank's touched pages of the file are released before the
-            # next tensor, so its resident set never holds more than one tensor's rows.
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                part = read_local(handle, name, param)
-            target = local_part(param)
-            if tuple(part.shape) != tuple(target.shape):
-                msg = (
-                    f"{name}: read {tuple(part.shape)} for this rank's shard of shape "
-                    f"{tuple(target.shape)}"
-                )
-                raise CheckpointError(msg)
-            target.copy_(part)
-            del part
-            read += 1
-    return read + len(leftover)
+    # One file mapping per file tensor (fill_local): a rank's touched pages of a file are
+    # released before the next tensor, so its resident set never holds more than one tensor's
+    # rows (or one expert's tensors) beyond what it keeps.
+    ordered = sorted(meta - set(leftover), key=lambda n: (layout[n].first_file, n))
+    for name in ordered:
+        fill_local(directory, layout[name], params[name])
+    return len(ordered) + len(leftover)
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
+
+#: Where each meta parameter of a target from :func:`load_target_on_meta` is in its files, kept
+#: for :func:`materialize_target` (after sharding, the model's classes are FSDP's, not the ones
+#: transformers' conversion table is looked up by).
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[str, StoredAs]] = weakref.WeakKeyDictionary()
 
 
 def _in_decoder_layers(name: str) -> bool:
@@ -239,24 +341,22 @@ def _in_decoder_layers(name: str) -> bool:
 
 def _fill_whole(
     model: nn.Module,
-    weights: CheckpointWeights,
+    directory: Path,
+    layout: Mapping[str, StoredAs],
     params: Mapping[str, nn.Parameter],
     *,
     device: torch.device | None = None,
 ) -> None:
-    """Replace each meta parameter in `params` with the files' tensor (cast to its dtype), in
-    every module that holds it (a tied ``lm_head`` shares the embeddings' parameter)."""
+    """Replace each meta parameter in `params` with its values from the files (cast to its
+    dtype), in every module that holds it (a tied ``lm_head`` shares the embeddings')."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for key, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((module, key))
     for name, param in params.items():
-        path = weights.directory / weights.tensor_files[name]
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            value = handle.get_tensor(name).to(dtype=param.dtype)
-        if device is not None:
-            value = value.to(device)
+        value = torch.empty(param.shape, dtype=param.dtype, device=device)
+        fill_local(directory, layout[name], value)
         loaded = nn.Parameter(value, requires_grad=param.requires_grad)
         for module, key in owners.get(id(param), []):
             module._parameters[key] = loaded
@@ -294,4 +394,5 @@ __all__ = [
     "load_target_on_meta",
     "materialize_target",
     "parameters_on_meta",
+    "stored_layout",
 ]
