@@ -20,7 +20,8 @@ single process, and every rank calls it at the same point.
 - :func:`wait_for_rank0`: where every rank meets after work rank 0 does alone (a whole
   checkpoint, the export, a restore): a rank that waits longer than
   ``training.distributed_timeout_s`` stops with a message naming rank 0 and that work, not
-  the backend's bare timeout.
+  the backend's bare timeout. :func:`rank0_text` is that wait when the other ranks also need
+  rank 0's answer (what the shared build of the tokenized-data cache tells them).
 
 What needs no collective: a decision computed only from values every rank holds identically
 (the optimiser step, the plan, the vote's agreed flags): when to log, evaluate and save, and
@@ -244,10 +245,23 @@ def wait_for_rank0(env: DistEnv, what: str, *, timeout_s: float | None) -> None:
         raise RanksOutOfStepError(msg) from exc
 
 
+def rank0_text(text: str | None, env: DistEnv, what: str, *, timeout_s: float | None) -> str | None:
+    """Rank 0's `text` (None when it has none) on every rank, once rank 0 has done `what` alone.
+
+    The wait is :func:`wait_for_rank0`'s (a rank that waits longer than `timeout_s` raises
+    :class:`~dflash_recipes.errors.RanksOutOfStepError` naming rank 0 and `what`); the text
+    then travels as :func:`~dflash_recipes.executor.collectives.broadcast_text` carries it, at
+    once, rank 0 being there. A single process: `text` itself.
+    """
+    wait_for_rank0(env, what, timeout_s=timeout_s)
+    return broadcast_text(text, env)
+
+
 __all__ = [
     "StepVote",
     "rank0_decides",
     "rank0_measurement",
+    "rank0_text",
     "require_same_plan",
     "stop_if_any_rank_failed",
     "wait_for_rank0",

@@ -20,13 +20,19 @@ entry, the ranks build it together:
 A slice that fails (a DataError, a full disk) stops every rank with a DataError: the failing
 rank's own, and on the others one naming that rank. Rank 0 removes the staging folder.
 
+The other ranks wait for rank 0's solitary work (step 1, and the merge of step 4) as
+:func:`~dflash_recipes.executor.coordination.rank0_text` waits: a rank that waits longer than
+`timeout_s` (``training.distributed_timeout_s``) stops with a
+:class:`~dflash_recipes.errors.RanksOutOfStepError` naming rank 0 and that work, not the
+backend's bare timeout.
+
 The ranks fall back to the one-builder protocol of
 :func:`~dflash_recipes.executor.data.token_build.prepared_examples` (each rank takes the lock of
 its own cache folder; the first builds the whole entry, the others wait for it up to
 ``DFLASH_DATA_CACHE_WAIT_S``) when another job holds the lock (rank 0 never waits for a lock
-while the others wait in a collective: a collective's time limit would end the job with a bare
-backend error), when rank 0 finds the entry valid that another rank does not, and when a rank
-does not find rank 0's staging folder in its cache folder (node-local disks).
+while the others wait for it in a collective: their wait's time limit would end the job), when
+rank 0 finds the entry valid that another rank does not, and when a rank does not find rank 0's
+staging folder in its cache folder (node-local disks).
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from transformers import PreTrainedTokenizerBase
 from dflash_recipes.data.conversations import SkippedLine, conversation_of
 from dflash_recipes.data.sources import DataSource, iter_rows
 from dflash_recipes.errors import DataError, DirectoryLockedError
-from dflash_recipes.executor.collectives import broadcast_text, first_rank_where
+from dflash_recipes.executor.collectives import first_rank_where
+from dflash_recipes.executor.coordination import rank0_text
 from dflash_recipes.executor.data.token_build import (
     CHUNK,
     ChunkResult,
@@ -112,10 +119,13 @@ def shared_prepared_examples(
     env: DistEnv,
     data_sha256: str | None,
     wait_s: float | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[CachedExamples, DatasetStats, bool]:
     """The input's examples from the cache, built by all ranks together when needed; see the
-    module's text. Every rank of `env` must call it. Returns (examples, stats, built by this
-    call: on rank 0 only)."""
+    module's text. Every rank of `env` must call it. `timeout_s`
+    (``training.distributed_timeout_s``): how long a rank waits for rank 0's solitary work
+    (None: the backend's default). Returns (examples, stats, built by this call: on rank 0
+    only)."""
     key = cache_key(source, tokenizer, settings, data_sha256=data_sha256)
     directory = cache_dir / entry_name(key)
     problem, meta = entry_problem(directory, key)
@@ -127,7 +137,8 @@ def shared_prepared_examples(
         answer = None
         if env.rank == 0:
             answer = _start_build(held, cache_dir, directory, key, source)
-        answer = broadcast_text(answer, env) or ""
+        what = f"start the build of the tokenized-data cache in {cache_dir}"
+        answer = rank0_text(answer, env, what, timeout_s=timeout_s) or ""
         if answer.startswith(_STOP):
             raise DataError(answer[len(_STOP) :])
         if answer.startswith(_BUILD):
@@ -135,8 +146,9 @@ def shared_prepared_examples(
             staging = cache_dir / answer[len(_BUILD) :]
             if first_rank_where(not staging.is_dir(), env) is None:
                 return _build_together(
-                    staging, directory, source, tokenizer, settings, key, num_proc, env
-                )
+                    staging, directory, source, tokenizer, settings, key, num_proc, env,
+                    timeout_s=timeout_s,
+                )  # fmt: skip
             # Not every rank sees rank 0's folder: each builds in its own cache folder.
     return prepared_examples(
         source, tokenizer, settings, cache_dir=cache_dir, num_proc=num_proc, wait_s=wait_s,
@@ -184,6 +196,8 @@ def _build_together(
     key: dict[str, object],
     num_proc: int,
     env: DistEnv,
+    *,
+    timeout_s: float | None,
 ) -> tuple[CachedExamples, DatasetStats, bool]:
     started = time.perf_counter()
     per_rank = max(1, num_proc // ranks_on_this_node(env))
@@ -220,7 +234,8 @@ def _build_together(
             problem = str(exc)
         except OSError as exc:
             problem = str(unwritable_cache(staging.parent, exc))
-    problem = broadcast_text(problem, env)
+    what = f"merge the ranks' slices into the tokenized-data cache {directory}"
+    problem = rank0_text(problem, env, what, timeout_s=timeout_s)
     if problem is not None:
         raise DataError(problem)
     if stats is not None:

@@ -25,6 +25,7 @@ from dflash_recipes.data.conversations import summarize
 from dflash_recipes.data.sources import DataSource, content_sha256, resolve_source
 from dflash_recipes.errors import DataError
 from dflash_recipes.executor.collectives import broadcast_digest
+from dflash_recipes.executor.coordination import wait_for_rank0
 from dflash_recipes.executor.data.token_build import default_num_proc, prepared_examples
 from dflash_recipes.executor.data.token_cache import TokenizeSettings
 from dflash_recipes.executor.data.token_shared import shared_prepared_examples
@@ -89,7 +90,10 @@ def build_dataset(
     usable remains, quoting the first reasons. Under torchrun (`env` of a joined process
     group) rank 0 alone reads the input to hash it (the cache key) and sends the hash to the
     other ranks, which wait for it; a build is then shared, each rank tokenizing a slice (see
-    :mod:`~dflash_recipes.executor.data.token_shared`).
+    :mod:`~dflash_recipes.executor.data.token_shared`). A rank that waits for rank 0's work
+    alone (the hash, starting and merging the build) longer than
+    ``training.distributed_timeout_s`` stops with a
+    :class:`~dflash_recipes.errors.RanksOutOfStepError` naming rank 0 and that work.
     """
     data = plan.data
     raw_path = data.data_path if split == "train" else data.eval_data_path
@@ -117,9 +121,10 @@ def build_dataset(
         logger.warning("%s", ignored)
     num_proc = data.num_proc or default_num_proc()
     if env is not None and env.is_distributed:
+        timeout_s = plan.training.distributed_timeout_s
         examples, stats, built = shared_prepared_examples(
             source, tokenizer, settings, cache_dir=Path(cache_dir), num_proc=num_proc, env=env,
-            data_sha256=_shared_input_sha256(source, env),
+            data_sha256=_shared_input_sha256(source, env, timeout_s), timeout_s=timeout_s,
         )  # fmt: skip
     else:
         examples, stats, built = prepared_examples(
@@ -132,16 +137,19 @@ def build_dataset(
     return TrainDataset(examples, int(pad), stats, path)
 
 
-def _shared_input_sha256(source: DataSource, env: DistEnv) -> str:
+def _shared_input_sha256(source: DataSource, env: DistEnv, timeout_s: float | None) -> str:
     """The input's content hash, computed by rank 0 alone and sent to the other ranks of a
-    distributed `env`. A rank 0 that cannot read the input stops every rank with a DataError
-    instead of leaving them waiting."""
+    distributed `env`, which wait for it up to `timeout_s` (then a RanksOutOfStepError). A
+    rank 0 that cannot read the input stops every rank with a DataError instead of leaving
+    them waiting."""
     digest = problem = None
     if env.rank == 0:
         try:
             digest = content_sha256(source)
         except DataError as exc:
             problem = exc
+    what = f"hash the data {source.path} (the key of the tokenized-data cache)"
+    wait_for_rank0(env, what, timeout_s=timeout_s)
     shared = broadcast_digest(digest, env)
     if problem is not None:
         raise problem
