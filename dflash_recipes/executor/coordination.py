@@ -237,11 +237,19 @@ def wait_for_rank0(env: DistEnv, what: str, *, timeout_s: float | None) -> None:
         dist.barrier(group=group)
     except RuntimeError as exc:  # the timeout (a DistError), or a rank that left
         waited = "" if timeout_s is None else f" (training.distributed_timeout_s: {timeout_s:g})"
-        msg = (
-            f"rank {env.rank} stopped waiting for rank 0 to {what}{waited}: rank 0 took "
-            "longer or stopped (its own log says which); if the work is just slow (a large "
-            "drafter, a slow filesystem), raise training.distributed_timeout_s"
-        )
+        if env.rank == 0:  # rank 0 did its part: another rank is the one missing
+            msg = (
+                f"rank 0 stopped waiting for the other ranks to meet it after its solitary "
+                f"work ({what}){waited}: another rank stopped or is out of step (its own log "
+                "says which); if rank 0's work is just slow (a large drafter, a slow "
+                "filesystem), raise training.distributed_timeout_s"
+            )
+        else:
+            msg = (
+                f"rank {env.rank} stopped waiting for rank 0 to {what}{waited}: rank 0 took "
+                "longer or stopped (its own log says which); if the work is just slow (a large "
+                "drafter, a slow filesystem), raise training.distributed_timeout_s"
+            )
         raise RanksOutOfStepError(msg) from exc
 
 

@@ -40,6 +40,13 @@ def test_a_rank_that_waits_too_long_for_rank_0_says_for_what() -> None:
         "RanksOutOfStepError: rank 1 stopped waiting for rank 0 to save the checkpoint of step 7"
     ), outcome
     assert "training.distributed_timeout_s: 2" in outcome
+    # rank 0, back from its work to find rank 1 gone, does not blame itself
+    assert ranks[0].returncode == 0, ranks[0].stderr[-2000:]
+    own = json.loads(ranks[0].stdout.strip().splitlines()[-1])["outcome"]
+    assert own.startswith(
+        "RanksOutOfStepError: rank 0 stopped waiting for the other ranks to meet it after its "
+        "solitary work (save the checkpoint of step 7)"
+    ), own
 
 
 def test_ranks_that_meet_in_time_go_on() -> None:
