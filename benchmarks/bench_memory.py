@@ -23,7 +23,11 @@ The medium shapes are measured again with the drafter's step under CPU bfloat16 
 autocast makes, against the estimate with ``autocast=True``; with
 ``training.activation_checkpointing`` (``--checkpointing``); and with the target and the drafter
 sharded over 2 gloo ranks (``--sharded``, rank 0's figures; the "saved" row is left out of
-those two, whose layer inputs and gathered weights autograd's hooks do not see). The measuring
+those two, whose layer inputs and gathered weights autograd's hooks do not see). The sharded
+run also measures held-out evaluation's whole drafter copy (``sharded_drafter.whole_drafter``,
+built after the step as the trainer builds it): its parameters' bytes against the estimate's
+``eval_parts.drafter_copy`` (exact), and the peak allocated while it is built against the copy
+plus the one gathered tensor in flight the estimate allows. The measuring
 core is ``tests/testkit/memory_measure.py``, shared with
 ``tests/executor/training/test_memory_measured.py``.
 
@@ -104,7 +108,8 @@ def measure(
         found = attrs.asdict(measured_step(plan, autocast=autocast))
     keys = ("target_bytes", "drafter_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes")
     real = [found[k] for k in (*keys, "peak_bytes")]
-    memory, parts = estimate.memory, estimate.activation_parts
+    # the training step's figures (a plan that evaluates under fsdp may peak at evaluation)
+    memory, parts = estimate.step_memory or estimate.memory, estimate.activation_parts
     label = name + (" bf16" if autocast else "") + (" ckpt" if checkpointing else "")
     label += " fsdp x2" if sharded else ""
     rows = []
@@ -122,13 +127,22 @@ def measure(
     ):
         if what == "saved for backward" and (checkpointing or sharded):
             continue  # kept by the checkpoint / gathered by FSDP2 outside autograd's hooks
-        ratio = est / value if value else float("nan")
         exact = what in ("target weights", "drafter weights", "gradients", "optimizer states")
-        ok = est == value if exact else abs(ratio - 1) <= TOLERANCE
-        rows.append(
-            [label, what, f"{est / 2**20:.2f}", f"{value / 2**20:.2f}", f"{ratio:.3f}", verdict(ok)]
-        )
+        rows.append(_row(label, what, est, value, exact=exact))
+    held = estimate.eval_parts
+    if sharded and held is not None:  # held-out evaluation's whole drafter copy (issue 51)
+        copy, peak = found["eval_copy_bytes"], found["eval_copy_peak_bytes"]
+        rows.append(_row(label, "eval: whole drafter copy", held.drafter_copy, copy, exact=True))
+        built = held.drafter_copy + held.in_flight
+        rows.append(_row(label, "eval: copy + tensor in flight", built, peak, exact=False))
     return rows
+
+
+def _row(label: str, what: str, est: int, value: int, *, exact: bool) -> list[str]:
+    """One table row: equal when `exact`, else within the tolerance."""
+    ratio = est / value if value else float("nan")
+    ok = est == value if exact else abs(ratio - 1) <= TOLERANCE
+    return [label, what, f"{est / 2**20:.2f}", f"{value / 2**20:.2f}", f"{ratio:.3f}", verdict(ok)]
 
 
 def main() -> int:

@@ -17,7 +17,8 @@ A sharded module forwards only on every rank at once (each forward all-gathers).
 the drafter outside the training step therefore runs on every rank, in step:
 
 - :func:`whole_drafter`: an unsharded copy of the drafter on every rank (held-out evaluation
-  calls the layers' attention directly, outside the forwards FSDP hooks).
+  calls the layers' attention directly, outside the forwards FSDP hooks), gathered one tensor
+  at a time into a copy built on meta: one whole drafter per rank, in the master dtype.
 - :func:`full_state_on_rank0`: the drafter's state dict whole, tensor by tensor, on rank 0's
   CPU; :func:`whole_drafter_on_rank0` makes it an unsharded drafter there (the export).
 - :func:`placed_like`: a whole tensor placed as a sharded parameter is (a single-process
@@ -126,18 +127,34 @@ def whole_drafter(drafter: DFlashDraftModel, device: torch.device) -> DFlashDraf
     For code that calls the drafter's submodules outside their forwards (held-out evaluation
     builds each layer's context keys and values with ``self_attn.context_kv``), where FSDP's
     hooks would not gather them. The copy is separate from the sharded drafter, whose FSDP
-    state stays as training left it; it costs one whole drafter per rank while it lives.
+    state stays as training left it. It is built with its parameters on meta (its buffers
+    computed on `device`) and each gathered tensor becomes its parameter as it arrives, in the
+    sharded parameters' dtype (the master dtype): one whole drafter per rank while it lives,
+    plus one gathered tensor in flight, never a second copy (the resource plan counts it:
+    :mod:`~dflash_recipes.plan.resources.rank_memory`).
     """
     from torch.distributed.tensor import DTensor
 
+    from dflash_recipes.executor.model.meta_load import parameters_on_meta
+
     dtype = next(iter(drafter.parameters())).dtype
-    with torch.device(device):
-        copy = DFlashDraftModel(drafter.spec).to(dtype)
-    state = {
-        name: value.full_tensor() if isinstance(value, DTensor) else value
-        for name, value in drafter.state_dict().items()
-    }
-    copy.load_state_dict(state, strict=True)
+    with torch.device(device), parameters_on_meta():
+        copy = DFlashDraftModel(drafter.spec)
+    copy.to(dtype)  # the buffers, as the drafter's (its parameters are still on meta)
+    for name, value in drafter.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+        # assign: the gathered tensor becomes the parameter (no copy of it is made)
+        found = copy.load_state_dict(
+            {name: full.to(device=device, dtype=dtype)}, strict=False, assign=True
+        )
+        if found.unexpected_keys:
+            msg = f"whole_drafter: the copy has no {name!r}"
+            raise RuntimeError(msg)
+        del full
+    left = [name for name, param in copy.named_parameters() if param.is_meta]
+    if left:
+        msg = f"whole_drafter: the sharded drafter gave no value for {left}"
+        raise RuntimeError(msg)
     copy.train(drafter.training)
     return copy
 

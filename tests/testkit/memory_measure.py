@@ -15,6 +15,9 @@ AdamW's states exist as in every later step, then measures a second micro-step:
 - the exact parts: the bytes of the target's and the drafter's parameters, the drafter's
   gradients and AdamW's states that this process holds (each storage once: a sharded drafter's
   padded shards).
+- sharded only, after that micro-step (as held-out evaluation runs after a step): the whole
+  drafter copy ``sharded_drafter.whole_drafter`` gathers on every rank, its parameters' bytes
+  (each storage once) and the peak allocated while it is built.
 
 With ``sharded=True`` (inside a joined gloo group) the target is loaded as ``run`` loads it
 under ``training.fsdp`` (built on meta, sharded, each rank's rows read) and the drafter is
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -112,6 +116,11 @@ class MeasuredStep:
     saved_bytes: int
     #: The peak of the bytes allocated during the micro-step.
     peak_bytes: int
+    #: Sharded only: the whole drafter copy held-out evaluation gathers on every rank
+    #: (``sharded_drafter.whole_drafter``, after the step as in training): the bytes its
+    #: parameters hold, and the peak allocated while it is built (from the profiler).
+    eval_copy_bytes: int = 0
+    eval_copy_peak_bytes: int = 0
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -225,14 +234,17 @@ def measured_step(
         del loss
     saved_bytes = _inputs_bytes(inputs, saved)
     del inputs
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
+    peak = _peak_of(prof)
+    copy_bytes = copy_peak = 0
+    if sharded:  # held-out evaluation's whole copy, with the gradients and AdamW states alive
+        from dflash_recipes.executor.sharded_drafter import whole_drafter
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            copy = whole_drafter(drafter, torch.device("cpu"))
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in copy.parameters()}
+        copy_bytes = sum(storage.nbytes() for storage in storages.values())
+        copy_peak = _peak_of(prof)
+        del copy
     own = {id(p) for p in drafter.parameters()}
     return MeasuredStep(
         target_bytes=_storage_bytes([p for p in model.parameters() if id(p) not in own]),
@@ -248,7 +260,22 @@ def measured_step(
         ),
         saved_bytes=saved_bytes,
         peak_bytes=peak,
+        eval_copy_bytes=copy_bytes,
+        eval_copy_peak_bytes=copy_peak,
     )
+
+
+def _peak_of(prof: Any) -> int:
+    """The peak of the bytes allocated over a profiled block (its memory events in order)."""
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 __all__ = ["MASK_TOKEN", "MeasuredStep", "Shape", "measured_step", "measurement_plan"]

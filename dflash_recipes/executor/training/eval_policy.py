@@ -16,7 +16,10 @@ module forwards only on every rank at once: every rank runs the same measurement
 same prompts, the same seeded draws, so the same forwards), on an unsharded copy of the drafter
 gathered on every rank (:func:`~dflash_recipes.executor.sharded_drafter.whole_drafter`: the
 measurement calls the layers' attention outside their forwards, where FSDP does not gather);
-rank 0 alone logs it. Otherwise the other
+rank 0 alone logs it. That copy is one whole drafter per rank in the master dtype, beside the
+shards, AdamW's moments and the sharded gradients the step left: the resource plan's peak per
+rank is the larger of the training step and this measurement
+(:mod:`~dflash_recipes.plan.resources.rank_memory`). Otherwise the other
 ranks wait for rank 0's measurement, past ``training.distributed_timeout_s`` with a message
 saying so.
 """

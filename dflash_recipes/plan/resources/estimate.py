@@ -42,6 +42,9 @@ Memory per rank, in bytes:
 - ``allowance``: a stated margin for what no tensor count sees: :data:`CUDA_CONTEXT_BYTES` of
   CUDA context and library workspaces plus :data:`FRAGMENTATION` of the activations for the
   caching allocator's fragmentation (none on CPU).
+- ``eval_drafter_copy``: held-out evaluation of a sharded drafter (``training.fsdp`` over several
+  ranks, evaluation planned) holds a whole copy of it on every rank; ``memory`` is the larger of
+  the step's and that phase's (:mod:`~dflash_recipes.plan.resources.rank_memory`).
 
 ``host_memory`` is what one process holds in host memory while it loads, not a device figure
 (:mod:`~dflash_recipes.plan.resources.host_memory`).
@@ -65,6 +68,15 @@ from dflash_recipes.errors import ResourceError
 from dflash_recipes.plan.attention_chunks import split_chunk_count
 from dflash_recipes.plan.resources.chunk_budget import logits_budget
 from dflash_recipes.plan.resources.host_memory import NOTHING_LOADED, HostMemory, host_memory
+from dflash_recipes.plan.resources.rank_memory import (
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION,
+    EvalParts,
+    MemoryPerRank,
+    allowance,
+    eval_phase,
+    evaluates_whole_drafter,
+)
 from dflash_recipes.plan.resources.target_dims import (
     TargetDims,
     decoder_layer_index,
@@ -78,10 +90,6 @@ from dflash_recipes.recipe.choices import AUTOCAST_DTYPES
 from dflash_recipes.records import Record
 
 GIB = 2**30
-#: CUDA context, cuBLAS/NCCL workspaces and the compiled kernels' buffers, per rank.
-CUDA_CONTEXT_BYTES = 3 * GIB // 2
-#: Share of the activations added for the caching allocator's fragmentation (CUDA only).
-FRAGMENTATION = 0.10
 #: Peak dense bfloat16 throughput assumed for `--mfu` when no other is given (H100/H200 SXM).
 DEFAULT_PEAK_TFLOPS = 989.0
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -98,32 +106,6 @@ Device = Literal["cuda", "cpu"]
 # ---------------------------------------------------------------------------------------------
 # results
 # ---------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(repr=False, eq=False, slots=False)
-class MemoryPerRank(Record):
-    """Bytes one rank holds at the peak of a step, by part."""
-
-    target_weights: int
-    drafter_weights: int
-    #: The gradients alive at the peak (none at the end of a lone micro-step's forward).
-    gradients: int
-    optimizer_states: int
-    #: The activations of the peak phase.
-    activations: int
-    allowance: int
-
-    @property
-    def total(self) -> int:
-        """Every part together."""
-        return (
-            self.target_weights
-            + self.drafter_weights
-            + self.gradients
-            + self.optimizer_states
-            + self.activations
-            + self.allowance
-        )
 
 
 @attrs.frozen(repr=False, eq=False, slots=False)
@@ -226,6 +208,11 @@ class ResourcePlan(Record):
     drafter_sharded: bool = False
     #: Host memory of one process while it loads.
     host_memory: HostMemory = NOTHING_LOADED
+    #: The training step's memory per rank, and held-out evaluation's when a sharded drafter is
+    #: measured whole on every rank (else None): `memory` is the larger (None: `memory`).
+    step_memory: MemoryPerRank | None = None
+    eval_memory: MemoryPerRank | None = None
+    eval_parts: EvalParts | None = None
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form: fixed keys (scripts rely on them), bytes and counts as integers."""
@@ -246,7 +233,12 @@ class ResourcePlan(Record):
                 "optimizer_states": memory.optimizer_states,
                 "activations": memory.activations,
                 "allowance": memory.allowance,
+                "eval_drafter_copy": memory.eval_drafter_copy,
                 "total": memory.total,
+            },
+            "phases": {
+                "training_step": (self.step_memory or memory).total,
+                "held_out_eval": _eval_dict(self.eval_memory, self.eval_parts),
             },
             "activations": {
                 "target_forward_peak": parts.target_forward_peak,
@@ -544,15 +536,24 @@ def estimate_resources(
         (inputs + backward_transient + gathered + layer_grads_transient, end_grads),
     )
     activations, gradients_at_peak = max(phases, key=sum)
-    allowance = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * activations) if cuda else 0
-    memory = MemoryPerRank(
+    step_memory = MemoryPerRank(
         target_weights=target_numel * pd,
         drafter_weights=local_numel * mb,
         gradients=gradients_at_peak,
         optimizer_states=local_numel * 2 * mb + n_tensors * 4,
         activations=activations,
-        allowance=allowance,
+        allowance=allowance(activations, cuda=cuda),
     )
+    # Held-out evaluation of a sharded drafter: a whole copy on every rank (rank_memory).
+    eval_parts = eval_memory = None
+    if evaluates_whole_drafter(plan, drafter_sharded=fsdp):
+        eval_parts = EvalParts(
+            drafter_copy=drafter_numel * mb,
+            in_flight=max(sharded_numel(s, world_size) * world_size for s in layout.values()) * mb,
+            target_gathered=2 * layer_numel * pd,  # the sharded target's two gathered layers
+        )
+        eval_memory = eval_phase(step_memory, eval_parts, gradients=grads, cuda=cuda)
+    memory = max(step_memory, eval_memory or step_memory, key=lambda phase: phase.total)
     host = host_memory(
         target,
         pd,
@@ -644,7 +645,17 @@ def estimate_resources(
         activation_checkpointing=training.activation_checkpointing,
         drafter_sharded=fsdp,
         host_memory=host,
+        step_memory=step_memory,
+        eval_memory=eval_memory,
+        eval_parts=eval_parts,
     )
+
+
+def _eval_dict(memory: MemoryPerRank | None, parts: EvalParts | None) -> dict[str, int] | None:
+    """Held-out evaluation's phase in the JSON (None: not counted)."""
+    if memory is None or parts is None:
+        return None
+    return {**attrs.asdict(parts), "total": memory.total}
 
 
 def gib(value: int) -> str:
