@@ -47,21 +47,18 @@ def render_resources(
         sharding = f", target{drafter} sharded (fsdp)"
     if resources.activation_checkpointing:
         sharding += ", draft layers recomputed (activation_checkpointing)"
+    if memory.eval_drafter_copy:  # the peak is held-out evaluation's (issue 51)
+        step_total = (resources.step_memory or memory).total
+        sharding += f", peak at held-out evaluation (training step {gib(step_total)} GiB)"
+    rows = (*memory.rows(), ("total", memory.total))  # with the eval copy at such a peak
+    width = max(18, *(len(name) + 2 for name, _ in rows))
     lines = [
         f"resources per rank (estimate: {resources.world_size} rank(s), {resources.device}"
         f'{sharding}; docs/dflash.md "Will it fit?"):',
-        f"  {'part':<18}{'GiB':>9}",
+        f"  {'part':<{width}}{'GiB':>9}",
     ]
-    for name, value in (
-        ("target weights", memory.target_weights),
-        ("drafter weights", memory.drafter_weights),
-        ("gradients", memory.gradients),
-        ("optimizer states", memory.optimizer_states),
-        ("activations", memory.activations),
-        ("allowance", memory.allowance),
-        ("total", memory.total),
-    ):
-        lines.append(f"  {name:<18}{gib(value):>9}")
+    for name, value in rows:
+        lines.append(f"  {name:<{width}}{gib(value):>9}")
     host = resources.host_memory
     how = "decoder layers read shard by shard" if host.sharded_load else "target read whole"
     built = "built whole"

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_recipes.errors import CheckpointError
+from dflash_recipes.records import Record
 
 
 def local_rows(tensor: torch.Tensor) -> tuple[slice, ...] | None:
@@ -77,8 +78,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@attrs.frozen
-class StoredAs:
+@attrs.frozen(repr=False, eq=False, slots=False)
+class StoredAs(Record):
     """Where one model tensor's values are in the safetensors files.
 
     `parts` holds, for each index of the model tensor's dim 0 when `per_expert` (one expert of a

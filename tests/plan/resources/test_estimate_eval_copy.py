@@ -288,3 +288,25 @@ def _tiny() -> Shape:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+def test_compiles_table_shows_the_copy_when_evaluation_is_the_peak(llama_70b: Path) -> None:
+    """The table compile prints names the copy and where the peak is, and its rows add up to
+    its total; without an evaluation peak it has no such row."""
+    code, err = _compile(
+        llama_70b, "training.fsdp=true", *EVAL, *SHORT, "--world-size", "8", "--device-memory", "80"
+    )
+    assert code == 0, err
+    assert "peak at held-out evaluation (training step 40.28 GiB)" in err
+    rows = {}
+    for line in err.splitlines():
+        name, _, value = line.strip().rpartition(" ")
+        if name and value.replace(".", "", 1).isdigit():
+            rows[name.strip()] = float(value)
+    assert rows[EVAL_COPY] == pytest.approx(17.19)
+    total = rows.pop("total")
+    assert total == pytest.approx(50.64)
+    assert sum(rows.values()) == pytest.approx(total, abs=0.05)  # each row rounded to 0.01
+    code, err = _compile(llama_70b, "training.fsdp=true", *SHORT, "--world-size", "8")
+    assert code == 0, err
+    assert EVAL_COPY not in err and "peak at held-out evaluation" not in err
