@@ -170,28 +170,47 @@ def fit_seconds_per_step(plan: Any, *, prefetch: bool) -> float:
     return seconds / steps
 
 
-def write_wide_target(folder: Path, hidden: int, layers: int, *, intermediate: int = 0) -> Path:
+def write_wide_target(
+    folder: Path, hidden: int, layers: int, *, intermediate: int = 0, experts: int = 0
+) -> Path:
     """A random Qwen3 target of `hidden` and `layers` (intermediate ``4 * hidden`` unless
     given; heads of 64), float32, saved to `folder` with the demo target's tokenizer: a target
-    wider and deeper than the demo's, for the benchmarks that need its cost to show."""
+    wider and deeper than the demo's, for the benchmarks that need its cost to show. With
+    `experts`, a Qwen3-MoE target instead: every layer's MLP is `experts` experts of
+    `intermediate` (``2 * hidden`` unless given), 2 per token, stored expert by expert."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=intermediate or 4 * hidden,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
-        vocab_size=392,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
+    shape = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": max(1, hidden // 256),
+        "head_dim": 64,
+        "vocab_size": 392,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+    }
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
+    model: PreTrainedModel
+    if experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        moe = Qwen3MoeConfig(
+            **shape,
+            intermediate_size=4 * hidden,
+            moe_intermediate_size=intermediate or 2 * hidden,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        model = Qwen3MoeForCausalLM(moe)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, intermediate_size=intermediate or 4 * hidden))
+    model.save_pretrained(folder)
     demo = REPO / "dflash_recipes" / "demo_data" / "target"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(demo / name, folder / name)
