@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import attrs
 import pytest
 from testkit.cli_runner import cli
+from testkit.llama_70b import write_llama_70b_recipe
 
 from dflash_recipes.compiler.compilation import compile_file
 from dflash_recipes.plan.resources.estimate import GIB, estimate_resources, gib, sharded_numel
@@ -38,27 +39,7 @@ SHORT = ("training.training_seq_len=1024", "dflash.dflash_num_anchors=128")
 @pytest.fixture(scope="module")
 def llama_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A recipe written by `dflash-recipe init` for a Llama-3.3-70B config (no weights)."""
-    from plan.resources.test_estimate_sharded import LLAMA_70B
-
-    out = tmp_path_factory.mktemp("llama_70b_eval")
-    (out / "base").mkdir()
-    (out / "base" / "config.json").write_text(json.dumps(LLAMA_70B), encoding="utf-8")
-    (out / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    result = cli(
-        "init",
-        "--base-model",
-        str(out / "base"),
-        "--mask-token-id",
-        "128002",
-        "--data-path",
-        str(out / "train.jsonl"),
-        "--output-dir",
-        str(out / "run"),
-        "-o",
-        str(out / "recipe.yaml"),
-    )
-    assert result.exit_code == 0, result.output
-    return out / "recipe.yaml"
+    return write_llama_70b_recipe(tmp_path_factory.mktemp("llama_70b_eval"))
 
 
 def _plan(recipe: Path, *overrides: str) -> RunPlan:
@@ -259,6 +240,28 @@ def test_the_copy_is_what_a_rank_allocates(tmp_path: Path) -> None:
         assert measured["eval_copy_peak_bytes"] <= parts.drafter_copy + parts.in_flight
 
 
+def test_compiles_table_shows_the_copy_when_evaluation_is_the_peak(llama_70b: Path) -> None:
+    """The table compile prints names the copy and where the peak is, and its rows add up to
+    its total; without an evaluation peak it has no such row."""
+    code, err = _compile(
+        llama_70b, "training.fsdp=true", *EVAL, *SHORT, "--world-size", "8", "--device-memory", "80"
+    )
+    assert code == 0, err
+    assert "peak at held-out evaluation (training step 40.28 GiB)" in err
+    rows = {}
+    for line in err.splitlines():
+        name, _, value = line.strip().rpartition(" ")
+        if name and value.replace(".", "", 1).isdigit():
+            rows[name.strip()] = float(value)
+    assert rows[EVAL_COPY] == pytest.approx(17.19)
+    total = rows.pop("total")
+    assert total == pytest.approx(50.64)
+    assert sum(rows.values()) == pytest.approx(total, abs=0.05)  # each row rounded to 0.01
+    code, err = _compile(llama_70b, "training.fsdp=true", *SHORT, "--world-size", "8")
+    assert code == 0, err
+    assert EVAL_COPY not in err and "peak at held-out evaluation" not in err
+
+
 def _worker(folder: Path) -> None:
     from testkit.memory_measure import measured_step, measurement_plan
 
@@ -288,25 +291,3 @@ def _tiny() -> Shape:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
-
-
-def test_compiles_table_shows_the_copy_when_evaluation_is_the_peak(llama_70b: Path) -> None:
-    """The table compile prints names the copy and where the peak is, and its rows add up to
-    its total; without an evaluation peak it has no such row."""
-    code, err = _compile(
-        llama_70b, "training.fsdp=true", *EVAL, *SHORT, "--world-size", "8", "--device-memory", "80"
-    )
-    assert code == 0, err
-    assert "peak at held-out evaluation (training step 40.28 GiB)" in err
-    rows = {}
-    for line in err.splitlines():
-        name, _, value = line.strip().rpartition(" ")
-        if name and value.replace(".", "", 1).isdigit():
-            rows[name.strip()] = float(value)
-    assert rows[EVAL_COPY] == pytest.approx(17.19)
-    total = rows.pop("total")
-    assert total == pytest.approx(50.64)
-    assert sum(rows.values()) == pytest.approx(total, abs=0.05)  # each row rounded to 0.01
-    code, err = _compile(llama_70b, "training.fsdp=true", *SHORT, "--world-size", "8")
-    assert code == 0, err
-    assert EVAL_COPY not in err and "peak at held-out evaluation" not in err

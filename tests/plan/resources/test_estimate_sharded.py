@@ -6,48 +6,18 @@ Llama-3.3-70B recipe made by ``init`` fits 8 x 80 GiB with ``training.fsdp: true
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 from testkit.cli_runner import cli
 from testkit.fixture_8b import make_fixture, seed_8b_plan
+from testkit.llama_70b import write_llama_70b_recipe
 
 from dflash_recipes.checkpoint.tensor_layout import expected_layout, layout_spec_for
 from dflash_recipes.compiler.codes import RESOURCES_EXCEED_DEVICE
 from dflash_recipes.plan.resources.estimate import estimate_resources, sharded_numel
 from dflash_recipes.plan.run_plan import RunPlan
-
-#: Llama-3.3-70B-Instruct's config.json (the values that size it).
-LLAMA_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-}
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +30,7 @@ def qwen3_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llama_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A recipe written by `dflash-recipe init` for a Llama-3.3-70B config (no weights)."""
-    out = tmp_path_factory.mktemp("llama_70b")
-    (out / "base").mkdir()
-    (out / "base" / "config.json").write_text(json.dumps(LLAMA_70B), encoding="utf-8")
-    (out / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    result = cli(
-        "init",
-        "--base-model",
-        str(out / "base"),
-        "--mask-token-id",
-        "128002",
-        "--data-path",
-        str(out / "train.jsonl"),
-        "--output-dir",
-        str(out / "run"),
-        "-o",
-        str(out / "recipe.yaml"),
-    )
-    assert result.exit_code == 0, result.output
-    return out / "recipe.yaml"
+    return write_llama_70b_recipe(tmp_path_factory.mktemp("llama_70b"))
 
 
 def _compile(recipe: Path, *args: str) -> tuple[int, str]:
