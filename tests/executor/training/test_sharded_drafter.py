@@ -106,11 +106,23 @@ def _sharded_files(checkpoint: Path) -> list[str]:
     [(), ("data.packing=true",), DOMINO, ("training.activation_checkpointing=true",)],
     ids=["padded", "packed", "domino", "activation-checkpointing"],
 )
-def test_a_sharded_drafter_trains_as_ddp_does(tmp_path: Path, extra: tuple[str, ...]) -> None:
+def test_a_sharded_drafter_trains_as_ddp_does(
+    tmp_path: Path, extra: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     ddp, sharded = tmp_path / "ddp", tmp_path / "fsdp"
+    built = tmp_path / "built"  # where each rank built the drafter it trains
+    built.mkdir()
+    monkeypatch.setenv("DFLASH_TEST_BUILT", str(built))
     _train(ddp, "training.fsdp=false", *extra)
+    assert (built / "rank-1").read_text() == "cpu"  # DDP: every rank holds its whole drafter
+    for rank in (0, 1):
+        (built / f"rank-{rank}").unlink()
     _train(sharded, "training.fsdp=true", *extra)
     _assert_same_run(ddp, sharded)
+    # A node holds one whole drafter, not one per rank: rank 1 built it on meta and got its part
+    # from rank 0 (the equal runs above show the parts are rank 0's values).
+    assert (built / "rank-0").read_text() == "cpu"
+    assert (built / "rank-1").read_text() == "meta"
     # each rank wrote its part; no whole model.safetensors was gathered for a checkpoint
     newest = sharded / "checkpoint-00000004"
     assert not (newest / "model.safetensors").exists()
@@ -121,24 +133,6 @@ def test_a_sharded_drafter_trains_as_ddp_does(tmp_path: Path, extra: tuple[str, 
         "checkpoint-00000003",
         "checkpoint-00000004",
     ]
-
-
-@pytest.mark.slow
-def test_only_rank_0_builds_the_whole_drafter(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A node holds one whole drafter, not one per rank: rank 1 builds it on meta and gets its
-    part from rank 0 (the run above shows the parts are rank 0's values)."""
-    built = tmp_path / "built"
-    built.mkdir()
-    monkeypatch.setenv("DFLASH_TEST_BUILT", str(built))
-    _train(tmp_path / "fsdp", "training.fsdp=true", "training.max_steps=1")
-    assert (built / "rank-0").read_text() == "cpu"
-    assert (built / "rank-1").read_text() == "meta"
-    for rank in (0, 1):
-        (built / f"rank-{rank}").unlink()
-    _train(tmp_path / "ddp", "training.fsdp=false", "training.max_steps=1")
-    assert (built / "rank-1").read_text() == "cpu"  # DDP: every rank holds its whole drafter
 
 
 @pytest.mark.slow
