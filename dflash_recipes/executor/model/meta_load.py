@@ -48,6 +48,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -142,30 +143,40 @@ def stored_layout(
     ``mlp.experts.gate_up_proj``, its ``down_proj`` into ``mlp.experts.down_proj``) are read
     expert by expert. Only converters that stack on dim 0 and concatenate on dim 1 are read so;
     a parameter made by any other conversion is a problem (the caller loads the target whole).
-    Every meta parameter (each shared one once) must be found, with its shape.
+    Every meta parameter (each shared one once) must be found, with its shape. A transformers
+    without that table (its loading internals moved) maps names one to one: what it would
+    convert is then a problem, never a wrong read.
     """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
     wanted = model.state_dict()
     plain: dict[str, str] = {}
     stacked: dict[str, dict[str, list[str]]] = {}
-    for key in sorted(weights.tensors, key=_natural):
-        renamed, pattern = rename_source_key(
-            key, renamings, converters, model.base_model_prefix, wanted
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
         )
-        if renamed not in wanted and key in wanted:
-            renamed, pattern = key, None
-        if renamed not in wanted:
-            continue  # a tensor the model has no use for (from_pretrained ignores it too)
-        if pattern is None:
-            plain[renamed] = key
-        else:
-            stacked.setdefault(renamed, {}).setdefault(pattern, []).append(key)
+    except ImportError:
+        converter_of: dict[str, Any] = {}
+        plain = {key: key for key in weights.tensors if key in wanted}
+    else:
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+        for key in sorted(weights.tensors, key=_natural):
+            renamed, pattern = rename_source_key(
+                key, renamings, converters, model.base_model_prefix, wanted
+            )
+            if renamed not in wanted and key in wanted:
+                renamed, pattern = key, None
+            if renamed not in wanted:
+                continue  # a tensor the model has no use for (from_pretrained ignores it too)
+            if pattern is None:
+                plain[renamed] = key
+            else:
+                stacked.setdefault(renamed, {}).setdefault(pattern, []).append(key)
     layout: dict[str, StoredAs] = {}
     problems = []
     for name, param in model.named_parameters():

@@ -68,6 +68,35 @@ def test_files_that_are_not_the_modules_tensors_are_named(tmp_path: Path) -> Non
     assert "model.layers.0.mlp.up_proj.weight: not in the files" in problems
 
 
+def test_without_transformers_conversion_table_stacked_experts_are_named_not_misread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transformers whose loading internals moved (no ``rename_source_key``): names map one
+    to one, so the stacked experts are problems (the target then loads whole) and a dense
+    target still reads by name."""
+    import attrs
+    import transformers.core_model_loading as loading
+    from testkit.families import FAMILIES, write_target
+    from testkit.tiny import tiny_plan, tiny_target
+
+    from dflash_recipes.checkpoint.weight_index import read_checkpoint_weights
+
+    monkeypatch.delattr(loading, "rename_source_key")
+    family = next(f for f in FAMILIES if f.name == "qwen3_moe")
+    folder = write_target(family, tmp_path / family.name)
+    plan = tiny_plan(tmp_path)
+    plan = attrs.evolve(plan, base_model=attrs.evolve(plan.base_model, path=str(folder)))
+    problems = layout_problems(
+        build_target_on_meta(plan.base_model), read_checkpoint_weights(folder)
+    )
+    assert "model.layers.0.mlp.experts.gate_up_proj: not in the files" in problems
+    assert all("experts" in problem for problem in problems), problems
+    dense = tiny_plan(tmp_path / "dense")
+    tiny_target(dense, save=True)
+    weights = read_checkpoint_weights(Path(dense.base_model.path))
+    assert layout_problems(build_target_on_meta(dense.base_model), weights) == []
+
+
 def test_a_target_not_readable_tensor_by_tensor_loads_whole_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
