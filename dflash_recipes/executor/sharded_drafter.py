@@ -88,18 +88,11 @@ def fill_from_rank0(
     rank's parts are rank 0's values (its initialisation and warm start)."""
     import torch.distributed as dist
 
+    from dflash_recipes.executor.model.meta_load import to_empty_keeping_buffers
     from dflash_recipes.executor.model.shard_reads import local_part
 
     if whole is None:
-        kept = [
-            (module, key, buffer)
-            for module in step.modules()
-            for key, buffer in module._buffers.items()
-            if buffer is not None
-        ]
-        step.to_empty(device=env.device)
-        for module, key, buffer in kept:
-            module._buffers[key] = buffer.to(env.device)
+        to_empty_keeping_buffers(step, env.device)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if whole is not None:

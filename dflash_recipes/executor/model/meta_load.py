@@ -387,16 +387,22 @@ def _empty_sharded_modules(model: nn.Module, device: torch.device) -> None:
             continue
         if any(id(sub) in done for sub in module.modules()):
             continue
-        kept = [
-            (sub, key, buf)
-            for sub in module.modules()
-            for key, buf in sub._buffers.items()
-            if buf is not None
-        ]
-        module.to_empty(device=device)
-        for sub, key, buf in kept:
-            sub._buffers[key] = buf if buf.is_meta else buf.to(device)
+        to_empty_keeping_buffers(module, device)
         done.add(id(module))
+
+
+def to_empty_keeping_buffers(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)`` for its parameters (allocated, values unset), its
+    buffers moved with their values (RoPE's ``inv_freq``, computed when it was built on meta)."""
+    kept = [
+        (sub, key, buf)
+        for sub in module.modules()
+        for key, buf in sub._buffers.items()
+        if buf is not None
+    ]
+    module.to_empty(device=device)
+    for sub, key, buf in kept:
+        sub._buffers[key] = buf if buf.is_meta else buf.to(device)
 
 
 __all__ = [
@@ -406,4 +412,5 @@ __all__ = [
     "materialize_target",
     "parameters_on_meta",
     "stored_layout",
+    "to_empty_keeping_buffers",
 ]
