@@ -220,15 +220,15 @@ def layout_problems(model: PreTrainedModel, weights: CheckpointWeights) -> list[
 def _stacking_problem(
     name: str,
     param: torch.Tensor,
-    converter: object,
+    converter: Any,
     by_pattern: Mapping[str, list[str]],
     weights: CheckpointWeights,
 ) -> str | None:
     """Why `param` is not the files' tensors stacked expert by expert (None: it is)."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    operations = list(getattr(converter, "operations", []))
-    patterns = list(getattr(converter, "source_patterns", []))
+    operations = list(converter.operations)
+    patterns = list(converter.source_patterns)
     merges = (
         len(operations) in (1, 2)
         and isinstance(operations[0], MergeModulelist)
