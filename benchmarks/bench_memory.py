@@ -48,7 +48,7 @@ import attrs
 import torch
 from _measure import print_table, verdict
 from bench_step_overhead import SHAPES
-from testkit.memory_measure import Shape, measured_step, measurement_plan
+from testkit.memory_measure import Shape, measure_sharded_rank, measured_step, measurement_plan
 
 from dflash_recipes.plan.resources.estimate import estimate_resources
 
@@ -62,21 +62,7 @@ def _shape(name: str) -> Shape:
 
 def _sharded_worker(folder: Path, name: str) -> None:
     """One rank of the sharded measurement (this script started by testkit.ranks)."""
-    from dflash_recipes.executor.dist_env import (
-        detect_dist_env,
-        init_distributed,
-        shutdown_distributed,
-    )
-
-    env = detect_dist_env("cpu")
-    init_distributed(env)
-    try:
-        plan = measurement_plan(folder, _shape(name), "training.fsdp=true")
-        measured = measured_step(plan, sharded=True)
-    finally:
-        shutdown_distributed()
-    figures = attrs.asdict(measured)
-    (folder / f"rank{env.rank}.json").write_text(json.dumps(figures), encoding="utf-8")
+    measure_sharded_rank(folder, _shape(name))
 
 
 def measure(

@@ -265,6 +265,29 @@ def measured_step(
     )
 
 
+def measure_sharded_rank(folder: Path, shape: Shape) -> None:
+    """One rank (started by :func:`testkit.ranks.run_ranks`) of the sharded measurement: joins
+    the process group, measures `shape`'s step under training.fsdp and writes its
+    :class:`MeasuredStep` to ``folder/rank<N>.json``."""
+    import json
+
+    from dflash_recipes.executor.dist_env import (
+        detect_dist_env,
+        init_distributed,
+        shutdown_distributed,
+    )
+
+    env = detect_dist_env("cpu")
+    init_distributed(env)
+    try:
+        plan = measurement_plan(folder, shape, "training.fsdp=true")
+        measured = measured_step(plan, sharded=True)
+    finally:
+        shutdown_distributed()
+    figures = json.dumps(attrs.asdict(measured))
+    (folder / f"rank{env.rank}.json").write_text(figures, encoding="utf-8")
+
+
 def _peak_of(prof: Any) -> int:
     """The peak of the bytes allocated over a profiled block (its memory events in order)."""
     events = sorted(
@@ -278,4 +301,11 @@ def _peak_of(prof: Any) -> int:
     return peak
 
 
-__all__ = ["MASK_TOKEN", "MeasuredStep", "Shape", "measured_step", "measurement_plan"]
+__all__ = [
+    "MASK_TOKEN",
+    "MeasuredStep",
+    "Shape",
+    "measure_sharded_rank",
+    "measured_step",
+    "measurement_plan",
+]

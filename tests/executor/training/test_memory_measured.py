@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from testkit.memory_measure import Shape, measured_step, measurement_plan
+from testkit.memory_measure import Shape, measure_sharded_rank, measured_step, measurement_plan
 
 from dflash_recipes.plan.resources.estimate import estimate_resources
 
@@ -75,23 +75,7 @@ def test_a_sharded_drafter_is_sized_as_each_rank_holds_it(tmp_path: Path) -> Non
 
 
 def _worker(folder: Path) -> None:
-    import attrs
-
-    from dflash_recipes.executor.dist_env import (
-        detect_dist_env,
-        init_distributed,
-        shutdown_distributed,
-    )
-
-    env = detect_dist_env("cpu")
-    init_distributed(env)
-    try:
-        plan = measurement_plan(folder, MEDIUM, "training.fsdp=true")
-        measured = measured_step(plan, sharded=True)
-    finally:
-        shutdown_distributed()
-    path = folder / f"rank{env.rank}.json"
-    path.write_text(json.dumps(attrs.asdict(measured)), encoding="utf-8")
+    measure_sharded_rank(folder, MEDIUM)
 
 
 if __name__ == "__main__":

@@ -263,23 +263,9 @@ def test_compiles_table_shows_the_copy_when_evaluation_is_the_peak(llama_70b: Pa
 
 
 def _worker(folder: Path) -> None:
-    from testkit.memory_measure import measured_step, measurement_plan
+    from testkit.memory_measure import measure_sharded_rank
 
-    from dflash_recipes.executor.dist_env import (
-        detect_dist_env,
-        init_distributed,
-        shutdown_distributed,
-    )
-
-    env = detect_dist_env("cpu")
-    init_distributed(env)
-    try:
-        plan = measurement_plan(folder, _tiny(), "training.fsdp=true")
-        measured = measured_step(plan, sharded=True)
-    finally:
-        shutdown_distributed()
-    path = folder / f"rank{env.rank}.json"
-    path.write_text(json.dumps(attrs.asdict(measured)), encoding="utf-8")
+    measure_sharded_rank(folder, _tiny())
 
 
 def _tiny() -> Shape:
